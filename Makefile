@@ -1,0 +1,23 @@
+# Quick start: `make demo` runs agent + collector + dashboard on a generated demo model;
+# `make test` runs the whole test suite. Both set up .venv on first use.
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test system-packages
+
+$(STAMP): requirements.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(BIN)/pip install -r requirements.txt
+	$(BIN)/pip install --no-deps -e .
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/flashmoe-cli init-demo --out data/demo
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/honcho start
+
+system-packages:
+	@bash .ci/system-packages
+
+test: $(STAMP) system-packages
+	$(BIN)/python -m pytest -p no:cacheprovider

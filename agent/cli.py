@@ -1,0 +1,57 @@
+"""flashmoe-cli: one console script, one subcommand per library entry point.
+
+Each command lives in the module named below, which defines `add_arguments(parser)` and
+`run(args) -> int`. Only the chosen command's module is imported, so `collect` never loads torch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS = {
+    "convert": ("agent.convert", "convert a Hugging Face MoE checkpoint into an expert store"),
+    "init-demo": ("agent.demo", "write the random-weight OLMoE-shaped demo model (idempotent)"),
+    "generate": ("agent.generate", "generate tokens with experts streamed from the SSD"),
+    "simulate": ("agent.simulator", "replay routing traces through the cache policies"),
+    "train-policy": ("agent.learned.train", "train the learned FlashMoE policy by imitating Belady"),
+    "serve": ("agent.serve.server", "run the agent: completions, knobs, status and metrics over HTTP"),
+    "warmup": ("agent.warmup", "find the hot experts of a prompt file and preload them into the agent"),
+    "collect": ("collector.loop", "sample the SSD, block devices and memory into the store"),
+    "store": ("store.cli", "inspect the telemetry store: stats, export"),
+}
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashmoe-cli", description="FlashMoE: MoE inference with experts on the SSD and a learned RAM cache.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--warmup", metavar="FILE", help="shorthand for `flashmoe-cli warmup FILE`")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name == command:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--warmup" in argv and not any(a in COMMANDS for a in argv):
+        i = argv.index("--warmup")
+        argv = argv[:i] + ["warmup"] + argv[i + 1:]
+    command = next((a for a in argv if a in COMMANDS), None)
+    args = build_parser(command).parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.command:
+        build_parser(None).print_help()
+        return 2
+    return importlib.import_module(COMMANDS[args.command][0]).run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The replacement-policy contract shared by the runtime cache and the simulator.
+
+A policy never changes residency itself: the cache (agent.residency.Residency) owns which experts
+are resident and calls these hooks. One policy instance serves one cache partition (one layer, or
+the whole model in global scope), so per-entry state stays small and victim search stays local.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import ClassVar
+
+Key = tuple[int, int]  # (layer, expert)
+
+REGISTRY: dict[str, type["Policy"]] = {}
+
+
+class Policy:
+    name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            REGISTRY[cls.name] = cls
+
+    def route(self, layer: int, experts: Collection[int]) -> None:
+        """The router chose `experts` at `layer` for the current token(s); called before their accesses."""
+
+    def hit(self, key: Key) -> None:
+        """`key` was requested and found resident."""
+
+    def insert(self, key: Key) -> None:
+        """`key` was just brought in (on a miss or by prefetch)."""
+
+    def remove(self, key: Key) -> None:
+        """`key` left the cache (evicted or dropped by a shrink)."""
+
+    def victim(self, resident: Collection[Key], pinned: Collection[Key]) -> Key:
+        """Choose the key to evict among `resident` keys that are not `pinned`."""
+        raise NotImplementedError

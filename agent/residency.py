@@ -1,0 +1,131 @@
+"""Which experts are resident: the cache with the I/O taken out.
+
+The runtime ExpertCache (agent.experts.cache) adds slots and SSD reads on top of this class; the
+simulator (agent.simulator) drives it directly from a routing trace. Both therefore run the very
+same policy objects and eviction decisions. Capacity is counted in slots (one expert block each:
+all routed experts of a model have the same shape). In "layer" scope every layer owns an equal
+share of the slots and its own policy instance; in "global" scope all layers share one.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from agent.policies.base import Key, Policy
+
+SCOPES = ("layer", "global")
+
+
+@dataclass
+class LayerStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    prefetches: int = 0
+    prefetch_hits: int = 0  # demand hits on a block that prefetch brought in
+
+
+@dataclass
+class _Partition:
+    capacity: int
+    policy: Policy
+    resident: set[Key] = field(default_factory=set)
+
+
+class Residency:
+    def __init__(self, capacity: int, n_layers: int, policy_factory: Callable[[], Policy],
+                 scope: str = "layer", min_per_layer: int = 1) -> None:
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        self.scope, self.n_layers, self.min_per_layer = scope, n_layers, min_per_layer
+        self._factory = policy_factory
+        self.stats = [LayerStats() for _ in range(n_layers)]
+        self._pinned: set[Key] = set()
+        self._prefetched: set[Key] = set()  # brought in by prefetch, not yet used
+        self._parts = [_Partition(c, policy_factory()) for c in self._split(capacity)]
+
+    # -- capacity -------------------------------------------------------------------------------
+    def _split(self, capacity: int) -> list[int]:
+        floor = self.min_per_layer * (self.n_layers if self.scope == "global" else 1)
+        per = capacity // self.n_layers if self.scope == "layer" else capacity
+        if per < floor:
+            raise ValueError(f"capacity of {capacity} slots is below the working set of one token "
+                             f"({self.min_per_layer} experts per layer, scope {self.scope})")
+        return [per] * (self.n_layers if self.scope == "layer" else 1)
+
+    @property
+    def capacity(self) -> int:
+        return sum(p.capacity for p in self._parts)
+
+    def resize(self, capacity: int) -> list[Key]:
+        """Set a new capacity; returns the keys evicted (by the policy) to fit."""
+        evicted = []
+        for part, cap in zip(self._parts, self._split(capacity)):
+            part.capacity = cap
+            while len(part.resident) > cap:
+                evicted.append(self._evict(part))
+        return evicted
+
+    # -- access -----------------------------------------------------------------------------------
+    def _part(self, key: Key) -> _Partition:
+        return self._parts[key[0] if self.scope == "layer" else 0]
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._part(key).resident
+
+    def __len__(self) -> int:
+        return sum(len(p.resident) for p in self._parts)
+
+    def resident(self) -> list[Key]:
+        return [k for p in self._parts for k in p.resident]
+
+    def route(self, layer: int, experts: Collection[int]) -> None:
+        """Start a layer's step: its chosen experts are pinned until the next route()."""
+        self._pinned = {(layer, e) for e in experts}
+        self._parts[layer if self.scope == "layer" else 0].policy.route(layer, experts)
+
+    def access(self, key: Key) -> tuple[bool, Key | None]:
+        """Demand access. Returns (hit, evicted key or None); on a miss the key becomes resident."""
+        part, stats = self._part(key), self.stats[key[0]]
+        if key in part.resident:
+            stats.hits += 1
+            if key in self._prefetched:
+                self._prefetched.discard(key)
+                stats.prefetch_hits += 1
+            part.policy.hit(key)
+            return True, None
+        stats.misses += 1
+        return False, self._admit(part, key)
+
+    def prefetch(self, key: Key) -> tuple[bool, Key | None]:
+        """Speculative admission. Returns (admitted, evicted key); never evicts a pinned expert."""
+        part = self._part(key)
+        if key in part.resident:
+            return False, None
+        if len(part.resident) >= part.capacity and not (part.resident - self._pinned):
+            return False, None
+        self.stats[key[0]].prefetches += 1
+        self._prefetched.add(key)
+        return True, self._admit(part, key)
+
+    def drop(self, key: Key) -> None:
+        """Forget a resident key without counting an eviction (e.g. its load failed)."""
+        part = self._part(key)
+        if key in part.resident:
+            part.resident.discard(key)
+            self._prefetched.discard(key)
+            part.policy.remove(key)
+
+    def _admit(self, part: _Partition, key: Key) -> Key | None:
+        victim = self._evict(part) if len(part.resident) >= part.capacity else None
+        part.resident.add(key)
+        part.policy.insert(key)
+        return victim
+
+    def _evict(self, part: _Partition) -> Key:
+        victim = part.policy.victim(part.resident, self._pinned)
+        part.resident.discard(victim)
+        self._prefetched.discard(victim)
+        part.policy.remove(victim)
+        self.stats[victim[0]].evictions += 1
+        return victim

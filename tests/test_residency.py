@@ -1,0 +1,50 @@
+"""The shared cache core: capacity per scope, pinning, prefetch accounting."""
+import pytest
+
+from agent.policies import policy_factory
+from agent.residency import Residency
+
+
+def make(capacity=4, layers=2, scope="layer"):
+    return Residency(capacity, layers, policy_factory("lru"), scope)
+
+
+def test_layer_scope_splits_capacity_and_evicts_within_layer():
+    r = make()
+    for e in range(3):
+        r.route(0, [e])
+        r.access((0, e))
+    assert len(r) == 2 and (0, 0) not in r
+    assert r.stats[0].evictions == 1 and r.stats[1].evictions == 0
+
+
+def test_pinned_experts_of_the_current_step_are_never_victims():
+    r = make(capacity=2, layers=1)
+    r.route(0, [0, 1])
+    r.access((0, 0)), r.access((0, 1))
+    r.route(0, [0, 2])
+    r.access((0, 0))
+    hit, victim = r.access((0, 2))
+    assert not hit and victim == (0, 1)
+
+
+def test_capacity_below_working_set_is_refused():
+    with pytest.raises(ValueError, match="working set"):
+        Residency(3, 2, policy_factory("lru"), "layer", min_per_layer=2)
+
+
+def test_resize_evicts_by_policy_and_prefetch_hits_are_counted():
+    r = make(capacity=4, layers=1, scope="global")
+    r.route(0, [9])
+    for e in range(4):
+        r.prefetch((0, e))
+    r.access((0, 3))
+    assert r.stats[0].prefetch_hits == 1
+    assert r.resize(2) == [(0, 0), (0, 1)]
+
+
+def test_unknown_policy_and_scope_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        policy_factory("nope")
+    with pytest.raises(ValueError, match="scope"):
+        Residency(4, 1, policy_factory("lru"), "bogus")
