@@ -8,7 +8,7 @@ share of the slots and its own policy instance; in "global" scope all layers sha
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from agent.policies.base import Key, Policy
@@ -78,6 +78,14 @@ class Residency:
 
     def resident(self) -> list[Key]:
         return [k for p in self._parts for k in p.resident]
+
+    def session(self) -> None:
+        for part in self._parts:
+            part.policy.session()
+
+    def system(self, sample: Mapping[str, float]) -> None:
+        for part in self._parts:
+            part.policy.system(sample)
 
     def route(self, layer: int, experts: Collection[int]) -> None:
         """Start a layer's step: its chosen experts are pinned until the next route()."""

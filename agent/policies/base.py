@@ -6,7 +6,7 @@ the whole model in global scope), so per-entry state stays small and victim sear
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import ClassVar
 
 Key = tuple[int, int]  # (layer, expert)
@@ -21,6 +21,12 @@ class Policy:
         super().__init_subclass__(**kwargs)
         if cls.name:
             REGISTRY[cls.name] = cls
+
+    def session(self) -> None:
+        """A new session (a prompt or request) begins."""
+
+    def system(self, sample: Mapping[str, float]) -> None:
+        """A monitoring sample arrived, e.g. {"read_latency_s": ..., "mem_pressure": ...}."""
 
     def route(self, layer: int, experts: Collection[int]) -> None:
         """The router chose `experts` at `layer` for the current token(s); called before their accesses."""
