@@ -1,0 +1,271 @@
+"""Routing traces: the readers of every layout we accept, into one in-memory form.
+
+Layouts (see ../shared/traces/README.md):
+- decode JSONL: line 1 `{"meta": {"model", "layers", "top_k", "n_experts" (may be null), ...}}`,
+  then one `{"step": s, "routed": {"0": [ids], ...}}` per token. The runtime's recorder
+  (`flashmoe-cli generate --record-trace`) writes this layout too; its records may carry larger
+  per-layer sets (a batched step routes the union of its tokens) and an optional `"session"`
+  field: a change of its value starts a new session. Without it a file is one session.
+- prefill NPZ: `expert_ids` [tokens, layers, k], `prompt_offsets`, `prompt_numbers`, `layers`,
+  `meta`; each prompt read row by row is one session.
+
+A trace is walked token by token, layer by layer, experts in stored order; `walk()` is that order
+and the simulator and `access_sequence()` (Belady's future) both use it.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from agent.policies.base import Key
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read as routing; the message names the file and where."""
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    name: str
+    model: str
+    n_layers: int
+    n_experts: int
+    top_k: int
+    offsets: np.ndarray         # int64 [tokens * n_layers + 1]: row r = token * n_layers + layer
+    experts: np.ndarray         # int32 [total]: row r's experts are experts[offsets[r]:offsets[r+1]]
+    session_starts: np.ndarray  # int64 [sessions]: first token of each session; starts with 0
+    layer_ids: tuple[int, ...]  # the source's own layer numbers (prefill: 1..26), for display
+
+    @property
+    def n_tokens(self) -> int:
+        return (len(self.offsets) - 1) // self.n_layers
+
+    @property
+    def n_accesses(self) -> int:
+        return len(self.experts)
+
+    @property
+    def max_set(self) -> int:
+        """The largest per-layer set: the working set one step pins (top_k unless batched)."""
+        return int(np.diff(self.offsets).max())
+
+    def routed(self, token: int, layer: int) -> np.ndarray:
+        r = token * self.n_layers + layer
+        return self.experts[self.offsets[r]:self.offsets[r + 1]]
+
+    def dense(self) -> np.ndarray:
+        """The routing as [tokens, layers, k]; only when every set has the same size."""
+        sizes = np.diff(self.offsets)
+        if len(sizes) and not np.all(sizes == sizes[0]):
+            raise TraceError(f"trace {self.name} has per-layer sets of different sizes "
+                             f"({sizes.min()}..{sizes.max()}); use rows() instead of dense()")
+        k = int(sizes[0]) if len(sizes) else self.top_k
+        return self.experts.reshape(self.n_tokens, self.n_layers, k)
+
+    def rows(self) -> list[list[int]]:
+        """Every (token, layer) set as Python lists, row r = token * n_layers + layer."""
+        flat, off = self.experts.tolist(), self.offsets.tolist()
+        return [flat[off[r]:off[r + 1]] for r in range(len(off) - 1)]
+
+
+def walk(trace: Trace) -> Iterator[tuple[bool, int, list[int]]]:
+    """(new session, layer, experts) per (token, layer) step, in replay order."""
+    rows, starts = trace.rows(), set(trace.session_starts.tolist())
+    layers = trace.n_layers
+    for token in range(trace.n_tokens):
+        new = token in starts
+        for layer in range(layers):
+            yield new and layer == 0, layer, rows[token * layers + layer]
+
+
+def access_sequence(trace: Trace) -> np.ndarray:
+    """Every demand access as [N, 2] (layer, expert), in the order walk() replays them."""
+    sizes = np.diff(trace.offsets)
+    layer_of_row = np.tile(np.arange(trace.n_layers, dtype=np.int32), trace.n_tokens)
+    return np.stack([np.repeat(layer_of_row, sizes), trace.experts], axis=1)
+
+
+def keys(accesses: np.ndarray) -> list[Key]:
+    """An access array as (layer, expert) tuples."""
+    return list(map(tuple, accesses.tolist()))
+
+
+# -- building ----------------------------------------------------------------------------------
+def _from_sets(name: str, model: str, sets: list[list[list[int]]], n_layers: int, top_k: int,
+               n_experts: int | None, session_starts: list[int], layer_ids: tuple[int, ...],
+               where: str) -> Trace:
+    sizes = [len(s) for token in sets for s in token]
+    flat = np.fromiter((e for token in sets for s in token for e in s), dtype=np.int64, count=sum(sizes))
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    return _finish(name, model, offsets, flat, n_layers, top_k, n_experts, session_starts, layer_ids, where)
+
+
+def _finish(name: str, model: str, offsets: np.ndarray, flat: np.ndarray, n_layers: int, top_k: int,
+            n_experts: int | None, session_starts: list[int] | np.ndarray, layer_ids: tuple[int, ...],
+            where: str) -> Trace:
+    if len(flat) == 0:
+        raise TraceError(f"{where}: no routing records; a trace needs at least one token")
+    if flat.min() < 0:
+        raise TraceError(f"{where}: negative expert id {int(flat.min())}")
+    needed = int(flat.max()) + 1
+    if n_experts is None:
+        n_experts = needed
+    elif needed > n_experts:
+        raise TraceError(f"{where}: expert id {needed - 1} is out of range for n_experts={n_experts}; "
+                         f"pass the model's expert count (--experts) or fix the file")
+    return Trace(name, model, n_layers, n_experts, top_k, offsets, flat.astype(np.int32),
+                 np.asarray(session_starts, dtype=np.int64), layer_ids)
+
+
+# -- decode JSONL ------------------------------------------------------------------------------
+def read_jsonl(path: str | Path, n_experts: int | None = None) -> Trace:
+    """Read a decode-layout JSONL trace; `n_experts` overrides (or supplies a null) meta value."""
+    path = Path(path)
+    lines = _open_text(path).splitlines()
+    meta = _meta(path, lines[0] if lines else "")
+    n_layers, top_k = meta["layers"], meta["top_k"]
+    expected = [str(i) for i in range(n_layers)]
+    sets: list[list[list[int]]] = []
+    starts: list[int] = []
+    session = object()  # sentinel: the first record always opens a session
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        record = _record(path, number, line, expected)
+        if not starts or record.get("session", session) != session:
+            starts.append(len(sets))
+            session = record.get("session", session)
+        sets.append([_expert_set(path, number, layer, record["routed"][layer]) for layer in expected])
+    return _from_sets(path.stem, str(meta.get("model") or "unknown"), sets, n_layers, top_k,
+                      n_experts if n_experts is not None else meta.get("n_experts"), starts,
+                      tuple(range(n_layers)), str(path))
+
+
+def _open_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such trace file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceError(f"{path}: cannot read as UTF-8 text ({e})") from None
+
+
+def _meta(path: Path, line: str) -> dict:
+    where = f"{path}:1"
+    try:
+        meta = json.loads(line)["meta"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise TraceError(f'{where}: the first line must be {{"meta": {{...}}}} (decode JSONL layout)') from None
+    for field in ("layers", "top_k"):
+        if not isinstance(meta.get(field), int) or isinstance(meta.get(field), bool) or meta[field] < 1:
+            raise TraceError(f"{where}: meta.{field} must be a positive integer, got {meta.get(field)!r}")
+    n = meta.get("n_experts")
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise TraceError(f"{where}: meta.n_experts must be a positive integer or null, got {n!r}")
+    return meta
+
+
+def _record(path: Path, number: int, line: str, expected: list[str]) -> dict:
+    where = f"{path}:{number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    routed = record.get("routed") if isinstance(record, dict) else None
+    if not isinstance(routed, dict):
+        raise TraceError(f'{where}: expected {{"step": s, "routed": {{"0": [ids], ...}}}}')
+    if sorted(routed, key=lambda k: (len(k), k)) != expected:
+        raise TraceError(f"{where}: routed layers {sorted(routed)} do not match meta.layers={len(expected)} "
+                         f"(need keys \"0\"..\"{len(expected) - 1}\")")
+    return record
+
+
+def _expert_set(path: Path, number: int, layer: str, ids: object) -> list[int]:
+    if (not isinstance(ids, list) or not ids
+            or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids)):
+        raise TraceError(f"{path}:{number}: layer {layer} must be a non-empty list of expert ids "
+                         f"(non-negative integers), got {ids!r}")
+    if len(set(ids)) != len(ids):
+        raise TraceError(f"{path}:{number}: layer {layer} lists an expert twice: {ids}")
+    return ids
+
+
+# -- prefill NPZ -------------------------------------------------------------------------------
+def read_npz(path: str | Path, prompts: range | None = None, n_experts: int | None = None) -> Trace:
+    """Read a prefill-layout NPZ; `prompts` selects prompt numbers (e.g. range(801, 1001))."""
+    path = Path(path)
+    arrays = _npz_arrays(path)
+    ids, offsets, numbers = arrays["expert_ids"], arrays["prompt_offsets"], arrays["prompt_numbers"]
+    chosen = np.arange(len(numbers)) if prompts is None else np.nonzero(np.isin(numbers, list(prompts)))[0]
+    if len(chosen) == 0:
+        raise TraceError(f"{path}: no prompt numbered {prompts.start}..{prompts.stop - 1} in prompt_numbers "
+                         f"(it holds {numbers.min()}..{numbers.max()})")
+    rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in chosen])
+    lengths = offsets[chosen + 1] - offsets[chosen]
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    sel = ids[rows]  # [tokens, layers, k]
+    tokens, n_layers, k = sel.shape
+    meta = arrays["meta"]
+    name = path.stem if prompts is None else f"{path.stem}[{prompts.start}..{prompts.stop - 1}]"
+    return _finish(name, str(meta.get("model", "unknown")), np.arange(0, tokens * n_layers * k + 1, k),
+                   sel.reshape(-1).astype(np.int64), n_layers, k,
+                   n_experts if n_experts is not None else meta.get("n_experts"), starts,
+                   tuple(int(x) for x in arrays["layers"]), str(path))
+
+
+def _npz_arrays(path: Path) -> dict:
+    try:
+        z = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such trace file") from None
+    except (OSError, ValueError) as e:
+        raise TraceError(f"{path}: not a readable NPZ archive ({e})") from None
+    with z:
+        missing = {"expert_ids", "prompt_offsets", "prompt_numbers", "layers", "meta"} - set(z.files)
+        if missing:
+            raise TraceError(f"{path}: missing array(s) {sorted(missing)} (prefill NPZ layout)")
+        arrays = {name: z[name] for name in z.files}
+    ids, offsets, numbers = arrays["expert_ids"], arrays["prompt_offsets"], arrays["prompt_numbers"]
+    if ids.ndim != 3 or ids.dtype.kind not in "ui" or 0 in ids.shape:
+        raise TraceError(f"{path}: array expert_ids must be a non-empty integer [tokens, layers, k] array, "
+                         f"got {ids.dtype} {ids.shape}")
+    if (offsets.ndim != 1 or len(offsets) != len(numbers) + 1 or offsets[0] != 0
+            or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0)):
+        raise TraceError(f"{path}: array prompt_offsets must rise from 0 to {len(ids)} with one entry more "
+                         f"than prompt_numbers ({len(numbers)})")
+    if arrays["layers"].shape != (ids.shape[1],):
+        raise TraceError(f"{path}: array layers has shape {arrays['layers'].shape}, expected ({ids.shape[1]},)")
+    try:
+        arrays["meta"] = json.loads(str(arrays["meta"]))
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{path}: array meta is not a JSON string ({e.msg})") from None
+    return arrays
+
+
+# -- any layout --------------------------------------------------------------------------------
+def parse_prompts(text: str) -> range:
+    """'801..1000' -> range(801, 1001) (inclusive, as prompts are numbered)."""
+    try:
+        a, b = (int(x) for x in text.split(".."))
+    except ValueError:
+        raise TraceError(f"prompt range {text!r} must look like A..B, e.g. 801..1000") from None
+    if a > b:
+        raise TraceError(f"prompt range {text!r} is empty: A must not exceed B")
+    return range(a, b + 1)
+
+
+def load(path: str | Path, n_experts: int | None = None, prompts: range | None = None) -> Trace:
+    """Read any accepted layout by its suffix (.jsonl or .npz)."""
+    path = Path(path)
+    if path.suffix == ".npz":
+        return read_npz(path, prompts, n_experts)
+    if path.suffix == ".jsonl":
+        if prompts is not None:
+            raise TraceError(f"{path}: a prompt range applies to prefill NPZ traces only")
+        return read_jsonl(path, n_experts)
+    raise TraceError(f"{path}: unknown trace layout; expected a .jsonl (decode) or .npz (prefill) file")
