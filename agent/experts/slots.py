@@ -1,0 +1,105 @@
+"""The cache's slot pool: page-aligned RAM for expert blocks, allocated up front.
+
+Each slot holds one block (Index.slot_bytes, a multiple of the O_DIRECT alignment), so a miss reads
+straight into a slot and the model views the bytes as tensors without a copy. Memory comes in
+arenas, one anonymous mmap each (page aligned by construction, pre-faulted so a read never waits on
+page faults). Growing adds an arena; shrinking releases free slots, returning their pages to the OS
+at once (MADV_DONTNEED) and unmapping an arena once none of its slots is live.
+"""
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class _Arena:
+    mem: mmap.mmap
+    first: int              # id of the arena's first slot
+    live: set[int] = field(default_factory=set)
+
+
+class SlotPool:
+    def __init__(self, n: int, slot_bytes: int) -> None:
+        if slot_bytes <= 0 or slot_bytes % mmap.PAGESIZE:
+            raise ValueError(f"slot size {slot_bytes} must be a positive multiple of the page size {mmap.PAGESIZE}")
+        self.slot_bytes = slot_bytes
+        self._arenas: list[_Arena] = []
+        self._arena_of: dict[int, _Arena] = {}
+        self._views: dict[int, torch.Tensor] = {}
+        self._free: list[int] = []
+        self._next_id = 0
+        self.grow(n)
+
+    def __len__(self) -> int:
+        """Slots allocated (free or in use)."""
+        return len(self._arena_of)
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._arena_of
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * self.slot_bytes
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        """Take a free slot; IndexError when none is left (the cache evicts first)."""
+        return self._free.pop()
+
+    def give_back(self, slot: int) -> None:
+        """Return a slot to the free list (its bytes stay allocated for the next block)."""
+        self._free.append(slot)
+
+    def tensor(self, slot: int) -> torch.Tensor:
+        """The slot as a uint8 tensor of slot_bytes, sharing its memory."""
+        return self._views[slot]
+
+    def buffer(self, slot: int) -> memoryview:
+        """The slot as a writable memoryview, for os.preadv."""
+        return memoryview(self._views[slot].numpy()).cast("B")
+
+    def grow(self, n: int) -> None:
+        """Add n slots in one new arena."""
+        if n <= 0:
+            return
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        arena = _Arena(mmap.mmap(-1, n * self.slot_bytes, flags=flags), self._next_id)
+        whole = torch.from_numpy(np.frombuffer(arena.mem, dtype=np.uint8))
+        for i in range(n):
+            slot = self._next_id + i
+            self._views[slot] = whole[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+            self._arena_of[slot] = arena
+            arena.live.add(slot)
+        self._arenas.append(arena)
+        self._free.extend(range(self._next_id + n - 1, self._next_id - 1, -1))  # lowest ids handed out first
+        self._next_id += n
+
+    def shrink(self, n: int) -> None:
+        """Release n free slots, newest arenas first so whole arenas can be unmapped."""
+        if n > len(self._free):
+            raise ValueError(f"cannot release {n} slots: only {len(self._free)} are free (evict first)")
+        self._free.sort()
+        for slot in self._free[len(self._free) - n:]:
+            self._release(slot)
+        del self._free[len(self._free) - n:]
+
+    def _release(self, slot: int) -> None:
+        arena = self._arena_of.pop(slot)
+        del self._views[slot]
+        arena.live.discard(slot)
+        arena.mem.madvise(mmap.MADV_DONTNEED, (slot - arena.first) * self.slot_bytes, self.slot_bytes)
+        if not arena.live:
+            self._arenas.remove(arena)  # unmapped once the last tensor viewing it is gone
+
+    def close(self) -> None:
+        self._views.clear()
+        self._arena_of.clear()
+        self._arenas.clear()
+        self._free.clear()
