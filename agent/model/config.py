@@ -1,0 +1,190 @@
+"""MoEConfig: one dataclass for every supported decoder, built from a Hugging Face config.json.
+
+The four architectures differ only in a handful of switches (q/k norms, biases, the router's
+renormalisation, Qwen2-MoE's gated shared expert, sliding windows, dense-MLP layers), so one
+config and one model cover them all. Defaults for optional fields are transformers 5.24's, so a
+config.json that omits them means what it means to transformers; shape fields are required.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED = ("olmoe", "qwen3_moe", "qwen2_moe", "mixtral")
+
+
+class ConfigError(ValueError):
+    """config.json cannot be run by this model; the message names the field or architecture."""
+
+
+# Shape fields every config.json must state (no sensible default exists).
+_REQUIRED = {
+    "olmoe": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+              "num_experts_per_tok"),
+    "qwen3_moe": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "moe_intermediate_size", "num_experts_per_tok"),
+    "qwen2_moe": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok"),
+    "mixtral": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "num_experts_per_tok"),
+}
+
+# transformers 5.24 defaults of the optional fields we read (configuration_<arch>.py).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "olmoe": dict(num_key_value_heads=None, rms_norm_eps=1e-5, rope_theta=10000.0, norm_topk_prob=False,
+                  tie_word_embeddings=False, attention_bias=False, clip_qkv=None, max_position_embeddings=4096),
+    "qwen3_moe": dict(num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=False,
+                      tie_word_embeddings=False, attention_bias=False, use_sliding_window=False,
+                      sliding_window=4096, decoder_sparse_step=1, mlp_only_layers=[], intermediate_size=6144,
+                      max_position_embeddings=32768),
+    "qwen2_moe": dict(num_key_value_heads=16, rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=False,
+                      tie_word_embeddings=False, qkv_bias=True, use_sliding_window=False, sliding_window=4096,
+                      max_window_layers=28, decoder_sparse_step=1, mlp_only_layers=[], intermediate_size=5632,
+                      max_position_embeddings=32768),
+    "mixtral": dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
+                    sliding_window=None, max_position_embeddings=131072),
+}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    arch: str                       # Hugging Face model_type
+    vocab_size: int
+    dim: int                        # hidden_size
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    expert_dim: int                 # intermediate size of one routed expert
+    norm_topk_prob: bool            # renormalise the top-k softmax weights to sum to 1
+    rms_eps: float
+    rope_theta: float
+    qk_norm: str | None = None      # "full": RMSNorm over the whole q/k projection (OLMoE); "head": per head (Qwen3)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    clip_qkv: float | None = None   # OLMoE clamps q, k, v to [-clip, clip]
+    shared_expert_dim: int = 0      # Qwen2-MoE: one always-on expert scaled by sigmoid(shared_expert_gate(x))
+    dense_dim: int = 0              # intermediate size of dense-MLP layers (Qwen mlp_only_layers / sparse step)
+    moe_layers: tuple[bool, ...] = ()        # per layer: routed experts (True) or a dense MLP (False)
+    sliding_window: tuple[int | None, ...] = ()  # per layer: attend to the last N positions, or None for all
+    tie_embeddings: bool = False
+    max_seq_len: int = 4096
+    eos_token_id: int | None = None
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        """Decoder layers with routed experts; the i-th of them is expert-store layer i."""
+        return [i for i, moe in enumerate(self.moe_layers) if moe]
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "MoEConfig":
+        arch = hf.get("model_type")
+        if arch not in SUPPORTED:
+            raise ConfigError(f"model_type {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")
+        missing = [k for k in _REQUIRED[arch] if hf.get(k) is None]
+        if hf.get("num_experts") is None and hf.get("num_local_experts") is None:
+            missing.append("num_experts (or num_local_experts)")
+        if missing:
+            raise ConfigError(f"{arch} config.json is missing {', '.join(missing)}; "
+                              "pass the checkpoint's own config.json")
+        c = {**_DEFAULTS[arch], **hf}
+        if c.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {c['hidden_act']!r} is not supported; only silu (SwiGLU experts)")
+        n_layers, n_heads = c["num_hidden_layers"], c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // n_heads
+        return cls(
+            arch=arch, vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=n_layers, n_heads=n_heads,
+            n_kv_heads=c["num_key_value_heads"] or n_heads, head_dim=head_dim,
+            n_experts=c.get("num_experts") or c["num_local_experts"], top_k=c["num_experts_per_tok"],
+            expert_dim=c["moe_intermediate_size" if arch.startswith("qwen") else "intermediate_size"],
+            norm_topk_prob=True if arch == "mixtral" else bool(c["norm_topk_prob"]),
+            rms_eps=float(c["rms_norm_eps"]), rope_theta=_rope_theta(c),
+            qk_norm={"olmoe": "full", "qwen3_moe": "head"}.get(arch),
+            qkv_bias=bool(c.get("qkv_bias") or c.get("attention_bias")), o_bias=bool(c.get("attention_bias")),
+            clip_qkv=c.get("clip_qkv"),
+            shared_expert_dim=c["shared_expert_intermediate_size"] if arch == "qwen2_moe" else 0,
+            dense_dim=c["intermediate_size"] if arch.startswith("qwen") else 0,
+            moe_layers=_moe_layers(arch, c), sliding_window=_sliding_windows(arch, c),
+            tie_embeddings=bool(c["tie_word_embeddings"]), max_seq_len=int(c["max_position_embeddings"]),
+            eos_token_id=_first(c.get("eos_token_id")),
+        )
+
+    @classmethod
+    def from_file(cls, path: Path) -> "MoEConfig":
+        try:
+            hf = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path} not found; point --model at a directory written by flashmoe-cli convert") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+        return cls.from_hf(hf)
+
+    @classmethod
+    def from_name(cls, name: str) -> "MoEConfig":
+        if name not in PRESETS:
+            raise ConfigError(f"no preset {name!r}; presets: {', '.join(PRESETS)}")
+        return cls.from_hf(PRESETS[name])
+
+
+def _rope_theta(c: dict[str, Any]) -> float:
+    """transformers 5 writes rope_parameters; older config.json files have rope_theta / rope_scaling."""
+    params = c.get("rope_parameters") or {}
+    rope_type = params.get("rope_type") or params.get("type") or (c.get("rope_scaling") or {}).get("type", "default")
+    if rope_type != "default":
+        raise ConfigError(f"rope_type {rope_type!r} is not supported; only the default RoPE")
+    return float(params.get("rope_theta", c["rope_theta"]))
+
+
+def _moe_layers(arch: str, c: dict[str, Any]) -> tuple[bool, ...]:
+    n = c["num_hidden_layers"]
+    if not arch.startswith("qwen"):
+        return (True,) * n
+    step, dense = c["decoder_sparse_step"], set(c["mlp_only_layers"] or [])
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+
+
+def _sliding_windows(arch: str, c: dict[str, Any]) -> tuple[int | None, ...]:
+    n, window = c["num_hidden_layers"], c.get("sliding_window")
+    if arch == "mixtral":
+        return (window,) * n
+    if arch == "qwen3_moe":
+        return (window if c["use_sliding_window"] else None,) * n
+    if arch == "qwen2_moe":
+        types = c.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 and i < c["max_window_layers"] and c["use_sliding_window"]
+            else "full_attention" for i in range(n)]
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (None,) * n
+
+
+def _first(token_id: int | list[int] | None) -> int | None:
+    """eos_token_id may be one id or a list of them; generation stops on the first."""
+    if isinstance(token_id, list):
+        return token_id[0] if token_id else None
+    return token_id
+
+
+# Named presets (the shapes of the published checkpoints' config.json), as in gpt-fast.
+PRESETS: dict[str, dict[str, Any]] = {
+    "OLMoE-1B-7B": dict(model_type="olmoe", vocab_size=50304, hidden_size=2048, num_hidden_layers=16,
+                        num_attention_heads=16, num_key_value_heads=16, intermediate_size=1024, num_experts=64,
+                        num_experts_per_tok=8, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                        eos_token_id=50279),
+    "Qwen3-30B-A3B": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960, eos_token_id=151645),
+    "Qwen1.5-MoE-A2.7B": dict(model_type="qwen2_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=24,
+                              num_attention_heads=16, num_key_value_heads=16, intermediate_size=5632,
+                              moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
+                              num_experts_per_tok=4, rope_theta=1e6, rms_norm_eps=1e-6,
+                              max_position_embeddings=8192, eos_token_id=151643),
+    "Mixtral-8x7B": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                         num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6, rms_norm_eps=1e-5,
+                         max_position_embeddings=32768, eos_token_id=2),
+}
