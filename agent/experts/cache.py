@@ -1,0 +1,346 @@
+"""The runtime expert cache: Residency decides what stays, slots hold it, a reader fills them.
+
+`ExpertCache` implements the ExpertProvider contract (route / get / prefetch). A miss takes the
+evicted expert's slot (or a free one) and reads the block into it on a thread pool; a block that
+two callers want at once is read once, because both wait on the same in-flight future, and get()
+of a block that prefetch already started waits for that read instead of issuing another. One lock
+guards all bookkeeping (Residency, slot table, in-flight table, counters); reads and CRC checks run
+outside it, so the service may resize or switch policy from its HTTP threads while decode runs.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from copy import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from agent.experts.layout import CONFIG, EXPERTS, INDEX, Index, StoreError
+from agent.experts.provider import ExpertWeights, block_views
+from agent.experts.reader import MmapReader, open_reader
+from agent.experts.slots import SlotPool
+from agent.policies import Key, policy_factory
+from agent.residency import LayerStats, Residency
+
+log = logging.getLogger(__name__)
+
+MAX_MEMORY_SHARE = 0.7        # of physical memory or of the cgroup limit, whichever is smaller
+LATENCY_SAMPLES = 4096        # recent read latencies kept for stats()
+SYSTEM_SAMPLE_INTERVAL_S = 1.0  # how often measured read latency is passed to the policy
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+# -- capacity ----------------------------------------------------------------------------------------
+def parse_cap(text: str | int, total_expert_bytes: int) -> int:
+    """A cache cap in bytes from "300000000", "300MB", "1.5GiB" or "25%" (of all expert bytes)."""
+    s = str(text).strip().lower().replace(" ", "")
+    if s.endswith("%"):
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            pct = -1.0
+        if not 0 < pct <= 100:
+            raise ValueError(f"cache cap {text!r}: a percentage must be in (0, 100]")
+        return int(total_expert_bytes * pct / 100)
+    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)([a-z]*)", s)
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(f"cache cap {text!r} is not understood; give bytes (300000000), a size (300MB, 1.5GiB) "
+                         f"or a share of expert bytes (25%)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _cgroup_limits() -> list[int]:
+    """Memory limits of this process's cgroup (v2 memory.max, v1 memory.limit_in_bytes) that are set."""
+    rel = {}
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            rel[controllers] = path.lstrip("/")
+    except OSError:
+        pass
+    root = Path("/sys/fs/cgroup")
+    candidates = [root / rel.get("", "") / "memory.max", root / "memory.max",
+                  root / "memory" / rel.get("memory", "") / "memory.limit_in_bytes", root / "memory" / "memory.limit_in_bytes"]
+    limits = []
+    for path in candidates:
+        try:
+            value = path.read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit() and int(value) < 2**60:  # "max" or v1's huge sentinel mean no limit
+            limits.append(int(value))
+    return limits
+
+
+def memory_limit_bytes() -> int:
+    """The smaller of physical memory and the cgroup memory limit."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min([physical, *_cgroup_limits()])
+
+
+def cap_bounds(index: Index, min_per_layer: int) -> tuple[int, int]:
+    """Allowed cache cap in bytes: one token's working set of slots, up to 70% of available memory.
+
+    Residency needs min_per_layer slots per layer in either scope (see Residency._split)."""
+    return index.n_layers * min_per_layer * index.slot_bytes, int(memory_limit_bytes() * MAX_MEMORY_SHARE)
+
+
+# -- statistics ----------------------------------------------------------------------------------------
+@dataclass
+class CacheStats:
+    hits: int
+    misses: int
+    evictions: int
+    prefetches: int              # prefetch reads issued
+    prefetch_hits: int           # demand hits on blocks that prefetch brought in
+    bytes_read: int              # from the SSD (mmap: bytes not already in the page cache when faulted)
+    reads: int                   # block reads completed
+    resident: int                # blocks in the cache
+    capacity: int                # in slots
+    cap_bytes: int
+    slot_bytes: int
+    backend: str
+    policy: str
+    scope: str
+    layers: list[LayerStats] = field(default_factory=list)
+    read_latency_s: list[float] = field(default_factory=list)  # the most recent LATENCY_SAMPLES reads
+
+    @property
+    def accesses(self) -> int:
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def prefetch_accuracy(self) -> float:
+        return self.prefetch_hits / self.prefetches if self.prefetches else 0.0
+
+
+@dataclass
+class _Load:
+    key: Key
+    slot: int | None
+    after: Future | None          # the previous read into this slot, still running
+    future: Future = field(default_factory=Future)
+
+
+# -- the cache -------------------------------------------------------------------------------------------
+class ExpertCache:
+    def __init__(self, store_dir: Path | str, cap_bytes: int, policy: str = "lru", scope: str = "layer",
+                 backend: str = "direct", verify: bool = True, min_per_layer: int | None = None,
+                 policy_options: dict | None = None, io_threads: int = 4) -> None:
+        self.store_dir = Path(store_dir)
+        self.index = Index.load(self.store_dir / INDEX)
+        self.min_per_layer = min_per_layer or _top_k(self.store_dir)
+        self.policy_name = policy
+        self._check_cap(cap_bytes)
+        self.cap_bytes = cap_bytes
+        self._reader = open_reader(backend, self.store_dir / EXPERTS, self.index, verify)
+        self.backend = backend
+        self._residency = Residency(self._slots_for(cap_bytes), self.index.n_layers,
+                                    policy_factory(policy, **(policy_options or {})), scope, self.min_per_layer)
+        self._pool = SlotPool(self._pool_size(), self.index.slot_bytes) if self._reader.uses_slots else None
+        self._lock = threading.Lock()
+        self._slot_of: dict[Key, int] = {}
+        self._ready: dict[Key, ExpertWeights] = {}
+        self._inflight: dict[Key, _Load] = {}
+        self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
+        self._bytes_read = self._reads = 0
+        self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self._last_sample = time.monotonic()
+        log.info("expert cache: %d slots of %d bytes (%s scope, %s policy, %s backend)",
+                 self._residency.capacity, self.index.slot_bytes, scope, policy, backend)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Payload bytes of all expert blocks, the base of a percentage cap."""
+        return self.index.nbytes * len(self.index.blocks)
+
+    def _slots_for(self, cap_bytes: int) -> int:
+        return cap_bytes // self.index.slot_bytes
+
+    def _pool_size(self) -> int:
+        return min(self._residency.capacity, len(self.index.blocks))
+
+    def _check_cap(self, cap_bytes: int) -> None:
+        lo, hi = cap_bounds(self.index, self.min_per_layer)
+        if not lo <= cap_bytes <= hi:
+            raise ValueError(f"cache cap {cap_bytes} bytes is outside the allowed range [{lo}, {hi}] bytes: at least "
+                             f"{self.min_per_layer} experts per layer x {self.index.n_layers} layers x "
+                             f"{self.index.slot_bytes} bytes, at most {MAX_MEMORY_SHARE:.0%} of physical memory "
+                             f"or of the cgroup memory limit")
+
+    # -- ExpertProvider ------------------------------------------------------------------------------------
+    def session(self) -> None:
+        with self._lock:
+            self._residency.session()
+
+    def route(self, layer: int, experts: Sequence[int]) -> None:
+        with self._lock:
+            self._residency.route(layer, experts)
+            self._maybe_sample_system()
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        key = (layer, expert)
+        with self._lock:
+            hit, victim = self._residency.access(key)
+            if hit and key in self._ready:
+                return self._ready[key]
+            load = self._inflight[key] if hit else self._start(key, victim)
+        return load.future.result()
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        with self._lock:
+            for e in experts:
+                self._prefetch_one((layer, e))
+
+    def preload(self, keys: Iterable[Key]) -> int:
+        """Warm-up: bring `keys` in as prefetches (never evicting the pinned set) and wait for them."""
+        with self._lock:
+            loads = [load for key in keys if (load := self._prefetch_one(tuple(key))) is not None]
+        for load in loads:
+            load.future.exception()  # wait; a failed read was already dropped and logged
+        return sum(load.future.exception() is None for load in loads)
+
+    def _prefetch_one(self, key: Key) -> _Load | None:
+        if key in self._residency:
+            return None
+        admitted, victim = self._residency.prefetch(key)
+        return self._start(key, victim) if admitted else None
+
+    # -- loading (called under the lock) ---------------------------------------------------------------------
+    def _start(self, key: Key, victim: Key | None) -> _Load:
+        if victim is not None:
+            self._forget(victim)
+        slot, after = None, None
+        if self._pool is not None:
+            slot = self._pool.acquire()
+            after = self._busy.pop(slot, None)
+        load = _Load(key, slot, after)
+        self._inflight[key] = load
+        self._slot_of[key] = slot
+        self._io.submit(self._run, load)
+        return load
+
+    def _forget(self, key: Key) -> None:
+        """`key` left Residency: free its slot (after its read, if one is still running)."""
+        self._ready.pop(key, None)
+        slot = self._slot_of.pop(key, None)
+        load = self._inflight.pop(key, None)
+        if slot is not None:
+            if load is not None:
+                self._busy[slot] = load.future
+            self._pool.give_back(slot)
+
+    def _run(self, load: _Load) -> None:
+        if load.after is not None:
+            load.after.exception()  # the slot's previous read must finish before we overwrite it
+        block = self.index.block(*load.key)
+        try:
+            before = self._reader.resident_bytes(block) if isinstance(self._reader, MmapReader) else 0
+            start = time.perf_counter()
+            data = self._reader.load(block, None if load.slot is None else self._pool.buffer(load.slot))
+            elapsed = time.perf_counter() - start
+            weights = block_views(torch.from_numpy(data), self.index)
+        except BaseException as exc:
+            log.error("reading expert layer %d expert %d failed: %s", *load.key, exc)
+            with self._lock:
+                if self._inflight.get(load.key) is load:
+                    self._residency.drop(load.key)
+                    self._forget(load.key)
+            load.future.set_exception(exc)
+            return
+        with self._lock:
+            self._reads += 1
+            self._bytes_read += self.index.nbytes - min(before, self.index.nbytes)
+            self._latency.append(elapsed)
+            if self._inflight.get(load.key) is load:
+                del self._inflight[load.key]
+                self._ready[load.key] = weights
+        load.future.set_result(weights)
+
+    def _maybe_sample_system(self) -> None:
+        now = time.monotonic()
+        if now - self._last_sample >= SYSTEM_SAMPLE_INTERVAL_S and self._latency:
+            self._last_sample = now
+            recent = list(self._latency)[-64:]
+            self._residency.system({"read_latency_s": float(np.mean(recent))})
+
+    # -- live changes -----------------------------------------------------------------------------------------
+    def resize(self, cap_bytes: int) -> list[Key]:
+        """A new cap: shrinking evicts by the policy and frees slots, growing allocates. Returns evicted keys."""
+        self._check_cap(cap_bytes)
+        with self._lock:
+            evicted = self._residency.resize(self._slots_for(cap_bytes))
+            for key in evicted:
+                self._forget(key)
+            self.cap_bytes = cap_bytes
+            if self._pool is not None:
+                change = self._pool_size() - len(self._pool)
+                self._pool.grow(change) if change > 0 else self._pool.shrink(-change)
+                for slot in [s for s in self._busy if s not in self._pool]:
+                    del self._busy[slot]
+        log.info("expert cache resized to %d bytes (%d slots), %d evicted", cap_bytes, self._residency.capacity, len(evicted))
+        return evicted
+
+    def set_policy(self, name: str, **options) -> None:
+        """Switch policy live. The resident set stays; the new policy learns it afresh (no recency carried over)."""
+        factory = policy_factory(name, **options)
+        with self._lock:
+            old = self._residency
+            new = Residency(old.capacity, old.n_layers, factory, old.scope, old.min_per_layer)
+            for key in old.resident():
+                new.access(key)  # admits without evicting: the capacity is the same
+            new.stats = old.stats
+            self._residency, self.policy_name = new, name
+        log.info("expert cache policy set to %s %s", name, options or "")
+
+    # -- reporting and shutdown ---------------------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        with self._lock:
+            layers = [copy(s) for s in self._residency.stats]
+            return CacheStats(
+                hits=sum(s.hits for s in layers), misses=sum(s.misses for s in layers),
+                evictions=sum(s.evictions for s in layers), prefetches=sum(s.prefetches for s in layers),
+                prefetch_hits=sum(s.prefetch_hits for s in layers), bytes_read=self._bytes_read, reads=self._reads,
+                resident=len(self._residency), capacity=self._residency.capacity, cap_bytes=self.cap_bytes,
+                slot_bytes=self.index.slot_bytes, backend=self.backend, policy=self.policy_name,
+                scope=self._residency.scope, layers=layers, read_latency_s=list(self._latency))
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True, cancel_futures=False)
+        with self._lock:
+            self._ready.clear()
+            self._inflight.clear()
+            self._reader.close()
+            if self._pool is not None:
+                self._pool.close()
+
+    def __enter__(self) -> "ExpertCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _top_k(store_dir: Path) -> int:
+    """Experts per token from the checkpoint config (every supported architecture names it the same)."""
+    try:
+        return int(json.loads((store_dir / CONFIG).read_text())["num_experts_per_tok"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise StoreError(f"{store_dir / CONFIG}: cannot read num_experts_per_tok ({exc}); "
+                         f"pass min_per_layer or re-run flashmoe-cli convert") from None

@@ -1,0 +1,240 @@
+"""ExpertCache: the runtime cache over a real store on disk, every backend, reads on a thread pool."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.experts import cache as cache_module
+from agent.experts.cache import ExpertCache, cap_bounds, memory_limit_bytes, parse_cap
+from agent.experts.layout import INDEX, Index, StoreError
+from agent.experts.provider import InMemoryExperts
+from agent.experts.reader import BACKENDS
+from agent.policies import Policy
+from test_readers import flip_byte, write_store
+
+LAYERS, EXPERTS, TOP_K = 3, 8, 2
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    return write_store(tmp_path / "store", LAYERS, EXPERTS, top_k=TOP_K)
+
+
+def slots(store: Path, n: int) -> int:
+    return n * Index.load(store / INDEX).slot_bytes
+
+
+class GatedReads:
+    """Wraps the cache's real reader: counts loads and holds each one until the gate opens."""
+
+    def __init__(self, cache: ExpertCache) -> None:
+        self.real, self.calls, self.gate, self.started = cache._reader.load, [], threading.Event(), threading.Event()
+        cache._reader.load = self.load
+
+    def load(self, block, slot):
+        self.calls.append((block.layer, block.expert))
+        self.started.set()
+        self.gate.wait(10)
+        return self.real(block, slot)
+
+
+def step(cache: ExpertCache, layer: int, experts: list[int]):
+    cache.route(layer, experts)
+    return [cache.get(layer, e) for e in experts]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_every_backend_serves_the_in_memory_weights_through_evictions(store, backend, scope):
+    reference = InMemoryExperts(store)
+    with ExpertCache(store, slots(store, LAYERS * 3), backend=backend, scope=scope) as cache:
+        for rnd in range(2):
+            for layer in range(LAYERS):
+                for e in range(0, EXPERTS, 2):
+                    chosen = [e, (e + 1 + rnd) % EXPERTS]
+                    for got, expert in zip(step(cache, layer, chosen), chosen):
+                        assert all(torch.equal(a, b) for a, b in zip(got, reference.get(layer, expert)))
+        s = cache.stats()
+    assert s.evictions > 0 and s.resident <= s.capacity == LAYERS * 3
+    assert s.reads == s.misses and s.hits + s.misses == 2 * LAYERS * EXPERTS
+
+
+def test_direct_backend_reads_with_o_direct_and_counts_bytes(store):
+    with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
+        fd = cache._reader.fd
+        flags = int(Path(f"/proc/self/fdinfo/{fd}").read_text().split("flags:")[1].split()[0], 8)
+        step(cache, 0, [1, 2])
+        s = cache.stats()
+    assert flags & cache_module.os.O_DIRECT
+    assert s.misses == 2 and s.bytes_read == 2 * cache.index.nbytes and len(s.read_latency_s) == 2
+
+
+def test_concurrent_demand_for_one_block_reads_it_once(store):
+    with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
+        gated = GatedReads(cache)
+        cache.route(1, [4])
+        results = []
+        callers = [threading.Thread(target=lambda: results.append(cache.get(1, 4))) for _ in range(3)]
+        for t in callers:
+            t.start()
+        gated.started.wait(10)
+        gated.gate.set()
+        for t in callers:
+            t.join(10)
+        s = cache.stats()
+    assert gated.calls == [(1, 4)] and s.reads == 1
+    assert len(results) == 3 and all(r.gate.data_ptr() == results[0].gate.data_ptr() for r in results)
+
+
+def test_get_waits_for_an_inflight_prefetch_instead_of_reading_again(store):
+    reference = InMemoryExperts(store)
+    with ExpertCache(store, slots(store, LAYERS * 3)) as cache:
+        gated = GatedReads(cache)
+        cache.prefetch(2, [6])
+        gated.started.wait(10)
+        cache.route(2, [6])
+        waiter = threading.Thread(target=lambda: box.append(cache.get(2, 6)))
+        box = []
+        waiter.start()
+        gated.gate.set()
+        waiter.join(10)
+        s = cache.stats()
+    assert gated.calls == [(2, 6)] and s.reads == 1
+    assert s.prefetches == 1 and s.prefetch_hits == 1 and s.misses == 0 and s.prefetch_accuracy == 1.0
+    assert torch.equal(box[0].down, reference.get(2, 6).down)
+
+
+def test_prefetch_never_evicts_the_pinned_experts(store):
+    with ExpertCache(store, slots(store, LAYERS * TOP_K)) as cache:
+        step(cache, 0, [0, 1])
+        cache.prefetch(0, [5])
+        s = cache.stats()
+        assert s.prefetches == 0 and s.layers[0].hits == 0
+        step(cache, 0, [0, 1])
+        assert cache.stats().layers[0].hits == 2
+
+
+def test_crc_error_names_layer_and_expert_and_leaves_nothing_resident(store):
+    flip_byte(store, 1, 3)
+    with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
+        cache.route(1, [3])
+        for _ in range(2):  # a failed load is forgotten, so asking again re-reads and fails again
+            with pytest.raises(StoreError, match=r"layer 1 expert 3 .*experts\.bin"):
+                cache.get(1, 3)
+        assert cache.stats().resident == 0
+        step(cache, 1, [2])  # other blocks still load
+        assert cache.stats().resident == 1
+
+
+def test_verify_off_loads_a_corrupt_block_without_complaint(store):
+    flip_byte(store, 0, 0)
+    with ExpertCache(store, slots(store, LAYERS * 2), verify=False) as cache:
+        step(cache, 0, [0])
+
+
+def test_cap_below_a_tokens_working_set_is_refused_with_the_range(store):
+    lo, hi = cap_bounds(Index.load(store / INDEX), TOP_K)
+    assert lo == slots(store, LAYERS * TOP_K) and hi == int(0.7 * memory_limit_bytes())
+    with pytest.raises(ValueError, match=rf"outside the allowed range \[{lo}, {hi}\] bytes"):
+        ExpertCache(store, lo - 1)
+    with pytest.raises(ValueError, match=rf"\[{lo}, {hi}\]"):
+        ExpertCache(store, hi + 1)
+
+
+def test_cgroup_limit_lowers_the_ceiling(store, monkeypatch):
+    monkeypatch.setattr(cache_module, "_cgroup_limits", lambda: [10 * 2**20])
+    assert memory_limit_bytes() == 10 * 2**20
+    with pytest.raises(ValueError, match=rf"{int(7 * 2**20)}\] bytes"):
+        ExpertCache(store, 8 * 2**20)
+
+
+def test_resize_shrinks_by_policy_frees_slots_and_grows_again(store):
+    reference = InMemoryExperts(store)
+    with ExpertCache(store, slots(store, LAYERS * 4)) as cache:
+        for layer in range(LAYERS):
+            step(cache, layer, [0, 1])
+            step(cache, layer, [2, 3])
+        assert len(cache._pool) == LAYERS * 4 and cache.stats().resident == LAYERS * 4
+        evicted = cache.resize(slots(store, LAYERS * 2))
+        assert sorted(evicted) == [(layer, e) for layer in range(LAYERS) for e in (0, 1)]
+        assert len(cache._pool) == LAYERS * 2 and cache.stats().capacity == LAYERS * 2
+        cache.resize(slots(store, LAYERS * 5))
+        assert len(cache._pool) == LAYERS * 5
+        for layer in range(LAYERS):
+            for e in range(EXPERTS):
+                got = step(cache, layer, [e])[0]
+                assert torch.equal(got.up, reference.get(layer, e).up)
+        with pytest.raises(ValueError, match="allowed range"):
+            cache.resize(slots(store, LAYERS))
+        assert cache.stats().capacity == LAYERS * 5
+
+
+def test_set_policy_keeps_the_resident_set_and_the_counters(store):
+    with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
+        step(cache, 0, [0, 1])
+        before = cache.stats()
+        with pytest.raises(ValueError, match="unknown policy"):
+            cache.set_policy("nope")
+        cache.set_policy("lru")
+        step(cache, 0, [0, 1])
+        after = cache.stats()
+    assert after.misses == before.misses == 2 and after.hits == 2 and after.reads == 2
+
+
+def test_preload_warms_the_cache(store):
+    with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
+        assert cache.preload([(0, 4), (1, 5), (0, 4)]) == 2
+        step(cache, 0, [4])
+        s = cache.stats()
+    assert s.hits == 1 and s.misses == 0 and s.reads == 2
+
+
+class Recorder(Policy):
+    """An LRU-ish policy that records the monitoring samples it is given."""
+    name = "test-recorder"
+
+    def __init__(self) -> None:
+        self.samples, self.order = [], []
+
+    def system(self, sample):
+        self.samples.append(dict(sample))
+
+    def insert(self, key):
+        self.order.append(key)
+
+    def remove(self, key):
+        self.order.remove(key)
+
+    def victim(self, resident, pinned):
+        return next(k for k in self.order if k not in pinned)
+
+
+def test_measured_read_latency_reaches_the_policy(store, monkeypatch):
+    monkeypatch.setattr(cache_module, "SYSTEM_SAMPLE_INTERVAL_S", 0.0)
+    with ExpertCache(store, slots(store, LAYERS * 2), policy="test-recorder", scope="global") as cache:
+        step(cache, 0, [0])
+        cache.route(1, [1])
+        samples = cache._residency._parts[0].policy.samples
+    assert samples and samples[-1]["read_latency_s"] > 0
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("300000000", 300_000_000), ("300MB", 300_000_000), ("1.5GiB", 3 * 2**29), ("25%", 250), ("64 KiB", 65536),
+    ("2g", 2 * 2**30), (4096, 4096)])
+def test_parse_cap_accepts_bytes_sizes_and_percentages(text, expected):
+    assert parse_cap(text, 1000) == expected
+
+
+@pytest.mark.parametrize("text", ["", "12 parsecs", "0%", "150%", "-5MB", "MB"])
+def test_parse_cap_rejects_what_it_cannot_read(text):
+    with pytest.raises(ValueError, match="cache cap"):
+        parse_cap(text, 1000)
+
+
+def test_missing_top_k_in_config_is_a_clear_error(store):
+    (store / "config.json").write_text("{}")
+    with pytest.raises(StoreError, match="num_experts_per_tok"):
+        ExpertCache(store, slots(store, LAYERS * 2))
