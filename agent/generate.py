@@ -1,0 +1,195 @@
+"""flashmoe-cli generate: run the model with routed experts streamed from the SSD through the expert cache.
+
+Examples:
+    flashmoe-cli generate --model data/demo --prompt "Hello" --max-new-tokens 32 --greedy
+    flashmoe-cli generate --model data/demo --prompt-ids 1,2,3 --max-new-tokens 16 --greedy \\
+        --cache-cap 25% --policy lru --backend direct --no-prefetch --record-trace run.jsonl --json
+
+The prompt is processed token by token by default (`--prefill sequential`), so every model step
+routes one token and the recorded trace has one record per token exactly like the decode traces in
+../shared/traces; `--prefill batched` runs the prompt in one step (one union per layer, recorded as
+one record) and needs a cache that holds that union. `--record-trace` writes what the cache was
+routed, step by step, so replaying it with `flashmoe-cli simulate` under the same cap, policy and
+scope with `--no-prefetch` gives the same hits and misses.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.experts.provider import ExpertProvider, ExpertWeights
+
+log = logging.getLogger(__name__)
+
+PREFILL_MODES = ("sequential", "batched")
+
+
+class RoutingRecorder:
+    """An ExpertProvider in front of another: passes every call through and keeps each step's routed sets."""
+
+    def __init__(self, inner: ExpertProvider) -> None:
+        self.inner = inner
+        self.records: list[dict[str, list[int]]] = []
+        self._current: dict[str, list[int]] = {}
+
+    def route(self, layer: int, experts: list[int]) -> None:
+        self._current[str(layer)] = sorted(experts)
+        self.inner.route(layer, experts)
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self.inner.get(layer, expert)
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        self.inner.prefetch(layer, experts)
+
+    def end_step(self) -> None:
+        self.records.append(self._current)
+        self._current = {}
+
+
+@dataclass
+class GenerateResult:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    stats: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_ids": self.prompt_ids, "token_ids": self.token_ids, "text": self.text, "stats": self.stats}
+
+
+def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] | None = None,
+                 max_new_tokens: int = 32, greedy: bool = False, cache_cap: str = "100%", policy: str = "lru",
+                 scope: str = "layer", backend: str = "direct", prefetch: bool = True, prefill: str = "sequential",
+                 record_trace: Path | None = None, seed: int = 0) -> GenerateResult:
+    """Generate from an expert store; the library function behind the command (same parameter names)."""
+    from agent.experts.cache import ExpertCache, parse_cap
+    from agent.model.generation import generate
+    from agent.model.model import Transformer
+    from agent.tokenizer import load_tokenizer
+
+    model = Path(model)
+    if prefill not in PREFILL_MODES:
+        raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+    tokenizer = load_tokenizer(model)
+    ids = list(prompt_ids) if prompt_ids is not None else list(tokenizer.encode(prompt or ""))
+    with ExpertCache(model, _cap(model, cache_cap, parse_cap), policy=policy, scope=scope, backend=backend) as cache:
+        recorder = RoutingRecorder(cache)
+        net = Transformer.from_store(model, recorder, prefetch=prefetch)
+        if prefill == "batched":
+            _check_batched_fits(net.config, cache.stats(), len(ids))
+        cache.session()
+        gen = generate(net, ids, max_new_tokens, greedy=greedy, seed=seed, stop_ids=_stop_ids(net.config),
+                       prefill_chunk=None if prefill == "batched" else 1, on_step=recorder.end_step)
+        cs = cache.stats()
+    stats = {
+        "hit_rate": cs.hit_rate, "hits": cs.hits, "misses": cs.misses, "bytes_read": cs.bytes_read,
+        "mb_read_per_token": cs.bytes_read / 1e6 / len(gen.token_ids),
+        "tokens_per_s": gen.tokens_per_s, "decode_tokens_per_s": gen.decode_tokens_per_s,
+        "prefill_s": gen.prefill_s, "decode_s": gen.decode_s,
+        "prefetch_accuracy": net.lookahead.accuracy, "prefetch_predicted": net.lookahead.predicted,
+        "prefetch_correct": net.lookahead.correct, "prefetches": cs.prefetches, "prefetch_hits": cs.prefetch_hits,
+        "cap_bytes": cs.cap_bytes, "capacity_slots": cs.capacity, "policy": cs.policy, "scope": cs.scope,
+        "backend": cs.backend, "prefetch": prefetch, "prefill": prefill, "steps": len(recorder.records),
+    }
+    if record_trace is not None:
+        meta = {"model": model.name, "arch": net.config.arch, "prompt": prompt, "steps": len(recorder.records),
+                "layers": len(net.config.moe_layer_ids), "top_k": net.config.top_k, "n_experts": net.config.n_experts,
+                "prompt_tokens": len(ids), "decode": "greedy" if greedy else "sampled", "prefill": prefill,
+                "prefetch": prefetch, "source": "flashmoe-cli generate"}
+        write_trace(Path(record_trace), meta, recorder.records)
+    return GenerateResult(ids, gen.token_ids, tokenizer.decode(gen.token_ids), stats)
+
+
+def _cap(model: Path, text: str, parse_cap) -> int:
+    from agent.experts.layout import INDEX, Index
+    index = Index.load(model / INDEX)
+    return parse_cap(text, index.nbytes * len(index.blocks))
+
+
+def _stop_ids(config) -> tuple[int, ...]:
+    return () if config.eos_token_id is None else (config.eos_token_id,)
+
+
+def _check_batched_fits(config, cache_stats, prompt_len: int) -> None:
+    """A batched prefill pins the union of the prompt's experts per layer; the cache must hold it."""
+    union = min(config.n_experts, prompt_len * config.top_k)
+    room = cache_stats.capacity // len(config.moe_layer_ids) if cache_stats.scope == "layer" else cache_stats.capacity
+    if room < union:
+        raise ValueError(f"--prefill batched may route up to {union} experts per layer for this {prompt_len}-token "
+                         f"prompt, but the cache holds {room} per layer; use --prefill sequential or a larger --cache-cap")
+
+
+def write_trace(path: Path, meta: dict[str, Any], records: list[dict[str, list[int]]]) -> None:
+    """The decode JSONL layout of ../shared/traces/README.md, written to a temporary file and renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"meta": meta}) + "\n")
+            for step, routed in enumerate(records):
+                f.write(json.dumps({"step": step, "routed": routed}) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+# -- command line ----------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = __doc__.split("\n\n", 1)[1]
+    parser.add_argument("--model", required=True, type=Path, help="expert store directory (flashmoe-cli convert / init-demo)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text, encoded with the model's tokenizer")
+    prompt.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma separated: 1,2,3")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    parser.add_argument("--greedy", action="store_true", help="argmax decoding (default: sample at temperature 1)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--cache-cap", default="100%", help="expert cache size: bytes (300000000, 300MB) or a share "
+                        "of all expert bytes (25%%); default 100%%")
+    parser.add_argument("--policy", default="lru", help="replacement policy (default lru)")
+    parser.add_argument("--scope", choices=("layer", "global"), default="layer", help="cache partitioning (default layer)")
+    parser.add_argument("--backend", choices=("direct", "buffered", "mmap"), default="direct",
+                        help="expert reads: O_DIRECT (default), buffered pread, or mmap of the whole file")
+    parser.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                        help="no lookahead prefetch: a pure demand-access run")
+    parser.add_argument("--prefill", choices=PREFILL_MODES, default="sequential",
+                        help="prompt token by token (default) or in one batched step")
+    parser.add_argument("--record-trace", type=Path, metavar="FILE", help="write the routing as decode-layout JSONL")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r}: give integers separated by commas, e.g. 1,2,3") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty; give at least one token id, e.g. 1,2,3")
+    return ids
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent.experts.layout import StoreError
+    from agent.model.config import ConfigError
+    try:
+        result = run_generate(args.model, args.prompt, args.prompt_ids, args.max_new_tokens, args.greedy,
+                              args.cache_cap, args.policy, args.scope, args.backend, args.prefetch, args.prefill,
+                              args.record_trace, args.seed)
+    except (ValueError, StoreError, ConfigError, OSError) as exc:
+        log.error("%s", exc.args[0] if exc.args else exc)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        s = result.stats
+        print(result.text)
+        log.info("%d tokens, %.2f tok/s (decode %.2f tok/s), hit rate %.3f, %.1f MB read per token",
+                 len(result.token_ids), s["tokens_per_s"], s["decode_tokens_per_s"], s["hit_rate"], s["mb_read_per_token"])
+    return 0
