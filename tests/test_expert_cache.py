@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -75,8 +76,7 @@ def test_direct_backend_reads_with_o_direct_and_counts_bytes(store):
 def test_concurrent_demand_for_one_block_reads_it_once(store):
     with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
         gated = GatedReads(cache)
-        cache.route(1, [4])
-        results = []
+        results = []  # no route(): each get() is its own demand access
         callers = [threading.Thread(target=lambda: results.append(cache.get(1, 4))) for _ in range(3)]
         for t in callers:
             t.start()
@@ -87,6 +87,21 @@ def test_concurrent_demand_for_one_block_reads_it_once(store):
         s = cache.stats()
     assert gated.calls == [(1, 4)] and s.reads == 1
     assert len(results) == 3 and all(r.gate.data_ptr() == results[0].gate.data_ptr() for r in results)
+
+
+def test_route_starts_all_of_a_layers_misses_at_once_and_counts_each_once(store):
+    with ExpertCache(store, slots(store, LAYERS * 4), io_threads=4) as cache:
+        gated = GatedReads(cache)
+        cache.route(0, [5, 1, 7, 5])
+        deadline = time.monotonic() + 10
+        while len(gated.calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert sorted(gated.calls) == [(0, 1), (0, 5), (0, 7)]  # all in flight before anyone asked
+        gated.gate.set()
+        for e in (5, 1, 7, 5):
+            cache.get(0, e)
+        s = cache.stats()
+    assert s.misses == 3 and s.hits == 0 and s.reads == 3
 
 
 def test_get_waits_for_an_inflight_prefetch_instead_of_reading_again(store):

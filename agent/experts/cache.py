@@ -1,9 +1,11 @@
 """The runtime expert cache: Residency decides what stays, slots hold it, a reader fills them.
 
-`ExpertCache` implements the ExpertProvider contract (route / get / prefetch). A miss takes the
-evicted expert's slot (or a free one) and reads the block into it on a thread pool; a block that
-two callers want at once is read once, because both wait on the same in-flight future, and get()
-of a block that prefetch already started waits for that read instead of issuing another. One lock
+`ExpertCache` implements the ExpertProvider contract (route / get / prefetch). route() makes the
+step's accesses: every routed expert is looked up once, and each miss takes the evicted expert's
+slot (or a free one) and starts its read on a thread pool at once, so a layer's misses are read
+concurrently while get() hands out the blocks in turn. A block that two callers want at once is
+read once, because both wait on the same in-flight future, and a block that prefetch already
+started is waited for instead of read again. One lock
 guards all bookkeeping (Residency, slot table, in-flight table, counters); reads and CRC checks run
 outside it, so the service may resize or switch policy from its HTTP threads while decode runs.
 """
@@ -157,6 +159,7 @@ class ExpertCache:
         self._slot_of: dict[Key, int] = {}
         self._ready: dict[Key, ExpertWeights] = {}
         self._inflight: dict[Key, _Load] = {}
+        self._step: dict[int, dict[int, _Load | None]] = {}  # per layer: routed expert -> its read, if any
         self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
         self._bytes_read = self._reads = 0
@@ -190,18 +193,31 @@ class ExpertCache:
             self._residency.session()
 
     def route(self, layer: int, experts: Sequence[int]) -> None:
+        """Pin and access the step's experts (each counted once), starting the reads of the misses."""
         with self._lock:
             self._residency.route(layer, experts)
+            self._step[layer] = {e: self._access((layer, e)) for e in dict.fromkeys(experts)}
             self._maybe_sample_system()
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         key = (layer, expert)
         with self._lock:
-            hit, victim = self._residency.access(key)
-            if hit and key in self._ready:
+            step = self._step.get(layer, {})
+            if expert in step and key in self._ready:
                 return self._ready[key]
-            load = self._inflight[key] if hit else self._start(key, victim)
+            load = step.get(expert)
+            if load is None or not (self._inflight.get(key) is load or _failed(load.future)):
+                load = self._access(key)  # not routed, or gone since route() (a shrink): access it now
+                if load is None:
+                    return self._ready[key]
         return load.future.result()
+
+    def _access(self, key: Key) -> _Load | None:
+        """One demand access; returns the read the caller must wait for, or None when the block is ready."""
+        hit, victim = self._residency.access(key)
+        if not hit:
+            return self._start(key, victim)
+        return self._inflight.get(key)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         with self._lock:
@@ -258,11 +274,11 @@ class ExpertCache:
             weights = block_views(torch.from_numpy(data), self.index)
         except BaseException as exc:
             log.error("reading expert layer %d expert %d failed: %s", *load.key, exc)
+            load.future.set_exception(exc)  # first, so a get() racing the cleanup raises rather than re-reads
             with self._lock:
                 if self._inflight.get(load.key) is load:
                     self._residency.drop(load.key)
                     self._forget(load.key)
-            load.future.set_exception(exc)
             return
         with self._lock:
             self._reads += 1
@@ -335,6 +351,10 @@ class ExpertCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _failed(future: Future) -> bool:
+    return future.done() and future.exception() is not None
 
 
 def _top_k(store_dir: Path) -> int:
