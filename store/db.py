@@ -1,0 +1,390 @@
+"""The store writer: one SQLite file in WAL mode shared by the agent, the collector and readers.
+
+Writes are buffered in memory and committed by `flush()` in one short `BEGIN IMMEDIATE`
+transaction, so a writer never holds the write lock for long and readers (WAL) never block.
+A background thread flushes every `autoflush_s` (default 1 s), so points reach readers within
+about a second even from a writer that never calls `flush()`.
+
+Series points: each series has one open chunk in the database that is rewritten in place on every
+flush until it holds `chunk_points` points, then sealed; a new open chunk follows. Readers
+therefore see every flushed point, and no chunk ever needs re-reading to be extended. `compact()`
+later merges small chunks (left by restarts) and applies retention.
+
+Failures: if a flush fails (database locked beyond the busy timeout, disk full, read-only file),
+the error is logged once with what to do, every buffered point and row is kept in memory (bounded:
+the oldest are dropped beyond `max_held_points` per series / `max_held_rows` per table, and
+counted) and written by the next flush that succeeds; an event then records the outage.
+
+Rare, operator-visible records (knob changes, events, simulations, sweeps) are written through
+immediately; frequent ones (series points, requests, cache stats, activations) are buffered.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from store import codec
+from store.errors import StoreError
+from store.schema import DDL, KINDS, SCHEMA_VERSION, SeriesSpec, spec_for
+
+log = logging.getLogger(__name__)
+
+STALE_OPEN_S = 600.0   # an open chunk not extended for this long is sealed, never rewritten again
+
+
+@dataclass
+class _SeriesBuffer:
+    spec: SeriesSpec
+    open_id: int | None = None              # row id of this writer's open chunk
+    open_points: list[tuple[int, int]] = field(default_factory=list)   # already in that chunk
+    new_points: list[tuple[int, int]] = field(default_factory=list)    # not yet written
+    last_write: float = 0.0                 # monotonic time the open chunk was last written
+
+
+@dataclass
+class _Outage:
+    since: float
+    reason: str
+    dropped_points: int = 0
+    dropped_rows: int = 0
+
+
+_ROW_SQL = {
+    "requests": "INSERT INTO requests (t, request_id, ttft_s, tpot_s, latency_s, prompt_tokens, "
+                "completion_tokens, hits, misses, bytes_read) VALUES (?,?,?,?,?,?,?,?,?,?)",
+    "cache_stats": "INSERT INTO cache_stats (t, layer, hits, misses, evictions, prefetch_hits, "
+                   "bytes_read, read_latency_s) VALUES (?,?,?,?,?,?,?,?)",
+    "activations": "INSERT INTO activations (t, layer, expert, count) VALUES (?,?,?,?)",
+    "knob_changes": "INSERT INTO knob_changes (t, knob, old, new, source) VALUES (?,?,?,?,?)",
+    "events": "INSERT INTO events (t, kind, message) VALUES (?,?,?)",
+    "simulations": "INSERT INTO simulations (t, trace, policy, capacity, scope, hit_rate) "
+                   "VALUES (?,?,?,?,?,?)",
+    "sweeps": "INSERT INTO sweeps (t, cache_cap_bytes, tokens_per_s, hit_rate) VALUES (?,?,?,?)",
+}
+_WRITE_THROUGH = ("knob_changes", "events", "simulations", "sweeps")
+
+
+def advice_for(error: sqlite3.Error, path: Path) -> str:
+    """What an operator should do about a write error (shared by the writer and the CLI)."""
+    text = str(error).lower()
+    if "locked" in text or "busy" in text:
+        return (f"another connection holds the write lock on {path} beyond the busy timeout; "
+                f"find it with `fuser {path}` and end its long transaction")
+    if "full" in text:
+        return f"the disk holding {path} is full; free space there or shorten the retention"
+    if "readonly" in text or "read-only" in text:
+        return f"{path} or its directory is not writable by this user; fix the permissions"
+    return f"check that {path} is a FlashMoE store on a healthy disk"
+
+
+def open_database(path: Path, busy_timeout_s: float) -> sqlite_utils.Database:
+    """Open (or create) the store file in WAL mode with the schema in place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None,
+                           check_same_thread=False)
+    db = sqlite_utils.Database(conn)
+    try:
+        db.enable_wal()
+        conn.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: a crash loses no committed data
+        conn.executescript(DDL)
+        row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None:
+            conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif int(row[0]) != SCHEMA_VERSION:
+            raise StoreError(f"{path} has store schema version {row[0]}, this FlashMoE uses "
+                             f"{SCHEMA_VERSION}; move the old file aside to start a new store")
+    except sqlite3.DatabaseError as e:
+        conn.close()
+        raise StoreError(f"cannot open {path} as a FlashMoE store: {e}; "
+                         f"{advice_for(e, path)}") from e
+    return db
+
+
+def to_fixed(value: float, spec: SeriesSpec) -> int:
+    """The codec's fixed-point integer for a value; rejects NaN and infinities by name."""
+    if not math.isfinite(value):
+        raise ValueError(f"series {spec.name!r}: value {value!r} is not finite; skip the sample instead")
+    if spec.precision == 1.0 and isinstance(value, int):
+        return value          # counters: exact, even beyond 2**53
+    return round(value / spec.precision)
+
+
+class Store:
+    """Writer for the telemetry store. Thread-safe; one per process is enough."""
+
+    def __init__(self, path: str | os.PathLike[str], *, chunk_points: int = 120,
+                 autoflush_s: float = 1.0, busy_timeout_s: float = 2.0,
+                 max_held_points: int = 86_400, max_held_rows: int = 100_000) -> None:
+        self.path = Path(path)
+        self.chunk_points = chunk_points
+        self.max_held_points = max_held_points
+        self.max_held_rows = max_held_rows
+        self.db = open_database(self.path, busy_timeout_s)
+        self._series: dict[str, _SeriesBuffer] = {}
+        self._rows: dict[str, list[tuple[Any, ...]]] = {table: [] for table in _ROW_SQL}
+        self._lock = threading.Lock()          # guards the buffers
+        self._write_lock = threading.Lock()    # serialises transactions on the one connection
+        self._series_ids: dict[SeriesSpec, int] = {}
+        self._outage: _Outage | None = None
+        self._closed = threading.Event()
+        self._flusher: threading.Thread | None = None
+        if autoflush_s > 0:
+            self._flusher = threading.Thread(target=self._autoflush, args=(autoflush_s,),
+                                             name="store-autoflush", daemon=True)
+            self._flusher.start()
+
+    # --- series -------------------------------------------------------------------------
+    def declare(self, name: str, unit: str, kind: str = "gauge", precision: float = 0.01,
+                description: str = "") -> SeriesSpec:
+        """Declare a series (idempotent; the latest declaration wins for new chunks)."""
+        spec = SeriesSpec(name, unit, kind, float(precision), description)
+        with self._lock:
+            buf = self._series.get(name)
+            if buf is None:
+                self._series[name] = _SeriesBuffer(spec)
+            elif buf.spec != spec:
+                self._seal(buf)      # the open chunk keeps its precision; new points start a new one
+                buf.spec = spec
+        return spec
+
+    def append(self, name: str, t: float, value: float) -> None:
+        """Buffer one point of a series; undeclared catalogue names are declared on first use."""
+        with self._lock:
+            buf = self._series.get(name)
+            if buf is None:
+                spec = spec_for(name)
+                if spec is None:
+                    raise ValueError(f"series {name!r} is not declared: call Store.declare(name, unit, "
+                                     f"kind, precision) first, or add it to store/schema.py CATALOGUE")
+                buf = self._series[name] = _SeriesBuffer(spec)
+            if not math.isfinite(t):
+                raise ValueError(f"series {name!r}: time {t!r} is not a finite Unix time in seconds")
+            buf.new_points.append((round(t * 1000), to_fixed(value, buf.spec)))
+
+    # --- rows ---------------------------------------------------------------------------
+    def record_request(self, t: float, request_id: str, ttft_s: float | None, tpot_s: float | None,
+                       latency_s: float, prompt_tokens: int, completion_tokens: int, hits: int,
+                       misses: int, bytes_read: int) -> None:
+        """One finished completion request (buffered)."""
+        self._add_row("requests", (t, request_id, ttft_s, tpot_s, latency_s, prompt_tokens,
+                                   completion_tokens, hits, misses, bytes_read))
+
+    def record_cache_stats(self, t: float, layer: int, hits: int, misses: int, evictions: int,
+                           prefetch_hits: int, bytes_read: int, read_latency_s: float | None) -> None:
+        """Cache counters of one layer over the interval ending at t (deltas, not totals; buffered).
+        Use layer -1 for a global-scope cache."""
+        self._add_row("cache_stats", (t, layer, hits, misses, evictions, prefetch_hits, bytes_read,
+                                      read_latency_s))
+
+    def record_activations(self, t: float, counts: dict[tuple[int, int], int]) -> None:
+        """How often each (layer, expert) was routed to over the interval ending at t (buffered)."""
+        with self._lock:
+            self._rows["activations"].extend((t, layer, expert, n) for (layer, expert), n in counts.items())
+
+    def record_knob_change(self, t: float, knob: str, old: Any, new: Any, source: str) -> None:
+        """A knob changed (values stored as JSON; written through)."""
+        self._add_row("knob_changes", (t, knob, json.dumps(old), json.dumps(new), source))
+
+    def record_event(self, t: float, kind: str, message: str) -> None:
+        """Something an operator should see on the timeline (written through)."""
+        self._add_row("events", (t, kind, message))
+
+    def record_simulation(self, t: float, trace: str, policy: str, capacity: int, scope: str,
+                          hit_rate: float) -> None:
+        """One simulator result (written through)."""
+        self._add_row("simulations", (t, trace, policy, capacity, scope, hit_rate))
+
+    def record_sweep(self, t: float, cache_cap_bytes: int, tokens_per_s: float, hit_rate: float) -> None:
+        """One point of a cache-cap sweep (written through)."""
+        self._add_row("sweeps", (t, cache_cap_bytes, tokens_per_s, hit_rate))
+
+    def _add_row(self, table: str, row: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._rows[table].append(row)
+        if table in _WRITE_THROUGH:
+            self.flush()
+
+    # --- flushing -----------------------------------------------------------------------
+    def flush(self) -> bool:
+        """Write everything buffered in one transaction. False (and logged) if the write failed;
+        the data is then still held and goes out with the next successful flush."""
+        with self._write_lock:
+            with self._lock:
+                snapshot = self._snapshot()
+            if not snapshot.has_work():
+                return True
+            try:
+                opened = self._write(snapshot)
+            except sqlite3.Error as e:
+                if self._conn.in_transaction:
+                    self._conn.rollback()
+                self._series_ids.clear()      # ids inserted by the rolled-back transaction are void
+                with self._lock:
+                    self._on_failure(e)
+                return False
+            with self._lock:
+                self._apply(snapshot, opened)
+                outage, self._outage = self._outage, None
+        if outage is not None:
+            self._on_recovery(outage)
+        return True
+
+    @property
+    def _conn(self) -> sqlite3.Connection:
+        return self.db.conn
+
+    def _snapshot(self) -> "_Snapshot":
+        now = time.monotonic()
+        series = {}
+        for name, buf in self._series.items():
+            if buf.open_id is not None and now - buf.last_write > STALE_OPEN_S:
+                self._seal(buf)
+            if buf.new_points:
+                series[name] = (buf.spec, buf.open_id, list(buf.open_points), list(buf.new_points))
+        rows = {table: list(rows) for table, rows in self._rows.items() if rows}
+        return _Snapshot(series, rows)
+
+    def _write(self, snap: "_Snapshot") -> dict[str, tuple[int | None, list[tuple[int, int]]]]:
+        """Run the transaction; returns per series the new open chunk (id, points)."""
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        opened: dict[str, tuple[int | None, list[tuple[int, int]]]] = {}
+        for table, rows in snap.rows.items():
+            conn.executemany(_ROW_SQL[table], rows)
+        for name, (spec, open_id, open_points, new_points) in snap.series.items():
+            series_id = self._series_id(spec)
+            points = open_points + new_points
+            chunk_id = open_id
+            for start in range(0, len(points), self.chunk_points):
+                part = points[start:start + self.chunk_points]
+                chunk_id = self._write_chunk(series_id, spec, chunk_id, part)
+                if len(part) == self.chunk_points:
+                    chunk_id, part = None, []
+            opened[name] = (chunk_id, part if chunk_id is not None else [])
+        conn.execute("COMMIT")
+        return opened
+
+    def _series_id(self, spec: SeriesSpec) -> int:
+        if spec in self._series_ids:
+            return self._series_ids[spec]
+        conn = self._conn
+        conn.execute(
+            "INSERT INTO series (name, unit, kind, precision, description) VALUES (?,?,?,?,?) "
+            "ON CONFLICT(name) DO UPDATE SET unit=excluded.unit, kind=excluded.kind, "
+            "precision=excluded.precision, description=excluded.description",
+            (spec.name, spec.unit, spec.kind, spec.precision, spec.description))
+        series_id = conn.execute("SELECT id FROM series WHERE name=?", (spec.name,)).fetchone()[0]
+        self._series_ids[spec] = series_id
+        return series_id
+
+    def _write_chunk(self, series_id: int, spec: SeriesSpec, chunk_id: int | None,
+                     points: list[tuple[int, int]]) -> int:
+        t_ms = [p[0] for p in points]
+        data = codec.encode(t_ms, [p[1] for p in points])
+        values = (min(t_ms) / 1000, max(t_ms) / 1000, len(points), spec.precision, data)
+        if chunk_id is not None:
+            cur = self._conn.execute(
+                "UPDATE chunks SET t_start=?, t_end=?, n_points=?, precision=?, data=? WHERE id=?",
+                values + (chunk_id,))
+            if cur.rowcount == 1:
+                return chunk_id
+            # The open chunk is gone (deleted by retention): start a new one. Compaction merges
+            # only chunks older than any open chunk (see store.compact), so no point is doubled.
+        cur = self._conn.execute(
+            "INSERT INTO chunks (series_id, t_start, t_end, n_points, precision, data) "
+            "VALUES (?,?,?,?,?,?)", (series_id,) + values)
+        return int(cur.lastrowid)
+
+    def _apply(self, snap: "_Snapshot", opened: dict[str, tuple[int | None, list[tuple[int, int]]]]) -> None:
+        for table, rows in snap.rows.items():
+            del self._rows[table][:len(rows)]
+        now = time.monotonic()
+        for name, (_, _, _, new_points) in snap.series.items():
+            buf = self._series[name]
+            del buf.new_points[:len(new_points)]
+            buf.open_id, buf.open_points = opened[name]
+            buf.last_write = now
+
+    @staticmethod
+    def _seal(buf: _SeriesBuffer) -> None:
+        buf.open_id, buf.open_points = None, []
+
+    def _on_failure(self, error: sqlite3.Error) -> None:
+        dropped_points = sum(self._trim(buf.new_points, self.max_held_points) for buf in self._series.values())
+        dropped_rows = sum(self._trim(rows, self.max_held_rows) for rows in self._rows.values())
+        if self._outage is None:
+            self._outage = _Outage(time.time(), str(error))
+            held = sum(len(b.new_points) for b in self._series.values())
+            log.error("cannot write to the store %s: %s. %s. Holding %d points and %d rows in memory "
+                      "(up to %d points per series, %d rows per table) and retrying on every flush.",
+                      self.path, error, advice_for(error, self.path), held,
+                      sum(len(r) for r in self._rows.values()), self.max_held_points, self.max_held_rows)
+        self._outage.dropped_points += dropped_points
+        self._outage.dropped_rows += dropped_rows
+        if dropped_points or dropped_rows:
+            log.warning("store %s still failing: dropped the %d oldest held points and %d oldest rows",
+                        self.path, dropped_points, dropped_rows)
+
+    @staticmethod
+    def _trim(items: list[Any], limit: int) -> int:
+        excess = max(0, len(items) - limit)
+        del items[:excess]
+        return excess
+
+    def _on_recovery(self, outage: _Outage) -> None:
+        seconds = time.time() - outage.since
+        message = (f"store writes failed for {seconds:.0f} s ({outage.reason}); held data written, "
+                   f"{outage.dropped_points} points and {outage.dropped_rows} rows dropped")
+        log.warning("store %s is writable again: %s", self.path, message)
+        self.record_event(time.time(), "store.recovered", message)
+
+    def _autoflush(self, interval_s: float) -> None:
+        while not self._closed.wait(interval_s):
+            try:
+                self.flush()
+            except Exception:  # a bug must not silently stop flushing for the process's lifetime
+                log.exception("store autoflush failed")
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def close(self) -> bool:
+        """Flush what is buffered and close. False if data could not be written (it is lost)."""
+        if self._closed.is_set():
+            return True
+        self._closed.set()
+        if self._flusher is not None:
+            self._flusher.join()
+        ok = self.flush()
+        if not ok:
+            log.error("closing the store %s with unwritten data: %s", self.path,
+                      self._outage.reason if self._outage else "unknown error")
+        with self._write_lock:
+            self.db.conn.close()
+        return ok
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class _Snapshot:
+    series: dict[str, tuple[SeriesSpec, int | None, list[tuple[int, int]], list[tuple[int, int]]]]
+    rows: dict[str, list[tuple[Any, ...]]]
+
+    def has_work(self) -> bool:
+        return bool(self.series or self.rows)
+
+
+__all__ = ["Store", "StoreError", "KINDS", "open_database", "advice_for", "to_fixed"]

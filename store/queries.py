@@ -1,0 +1,286 @@
+"""Read-only queries over the telemetry store, for the dashboard, the agent and the CLI.
+
+Every function takes `db` first: a path to the store file, or an open connection (e.g. from
+`connect_ro`, to reuse one across calls). A path is opened read-only (`mode=ro` URI), so a reader
+can never write or lock out the writers.
+
+A store file that does not exist yet (the collector and agent have not started) is not an error:
+every query then returns its empty result (`[]`, `{}` or `None`). A file that exists but is not a
+FlashMoE store raises `StoreError` naming the file.
+
+Times are Unix seconds; `since` / `until` of None mean "from the first" / "to the last" record.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from store import codec
+from store.errors import StoreError
+
+Db = str | Path | sqlite3.Connection
+Bucket = tuple[float, float, float, float]     # (bucket start t, min, avg, max)
+
+
+def connect_ro(path: str | Path) -> sqlite3.Connection | None:
+    """A read-only connection to the store at path, or None if the file does not exist yet."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        conn = sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True, timeout=2.0,
+                               check_same_thread=False)
+        conn.execute("SELECT 1 FROM meta LIMIT 1")
+    except sqlite3.DatabaseError as e:
+        raise StoreError(f"{path} is not a readable FlashMoE store ({e}); point --db at the file "
+                         f"the collector and agent write (e.g. data/flashmoe.db)") from e
+    return conn
+
+
+@contextmanager
+def _reader(db: Db) -> Iterator[sqlite3.Connection | None]:
+    if isinstance(db, sqlite3.Connection):
+        yield db
+        return
+    conn = connect_ro(db)
+    try:
+        yield conn
+    finally:
+        if conn is not None:
+            conn.close()
+
+
+def _rows(db: Db, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+    with _reader(db) as conn:
+        if conn is None:
+            return []
+        cur = conn.execute(sql, params)
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
+def _window(since: float | None, until: float | None) -> tuple[float, float]:
+    return (-np.inf if since is None else since), (np.inf if until is None else until)
+
+
+# --- series -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SeriesInfo:
+    """One series as declared, with what the store holds of it."""
+    name: str
+    unit: str
+    kind: str
+    precision: float
+    description: str
+    chunks: int
+    points: int
+    encoded_bytes: int
+    t_first: float | None
+    t_last: float | None
+
+    @property
+    def bytes_per_point(self) -> float:
+        return self.encoded_bytes / self.points if self.points else 0.0
+
+
+def series_info(db: Db) -> list[SeriesInfo]:
+    """Every declared series with its chunk count, points, encoded bytes and time span."""
+    rows = _rows(db, """
+        SELECT s.name, s.unit, s.kind, s.precision, s.description, COUNT(c.id) AS chunks,
+               COALESCE(SUM(c.n_points), 0) AS points, COALESCE(SUM(LENGTH(c.data)), 0) AS encoded_bytes,
+               MIN(c.t_start) AS t_first, MAX(c.t_end) AS t_last
+        FROM series s LEFT JOIN chunks c ON c.series_id = s.id GROUP BY s.id ORDER BY s.name""")
+    return [SeriesInfo(**row) for row in rows]
+
+
+def series_names(db: Db) -> list[str]:
+    """Names of the series that hold at least one point, sorted."""
+    return [info.name for info in series_info(db) if info.points]
+
+
+def points(db: Db, name: str, since: float | None = None,
+           until: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """All decoded points of a series in [since, until], sorted by time: (t seconds, values)."""
+    lo, hi = _window(since, until)
+    with _reader(db) as conn:
+        if conn is None:
+            return np.empty(0), np.empty(0)
+        chunks = conn.execute(
+            "SELECT c.precision, c.data FROM chunks c JOIN series s ON s.id = c.series_id "
+            "WHERE s.name = ? AND c.t_end >= ? AND c.t_start <= ? ORDER BY c.t_start",
+            (name, lo, hi)).fetchall()
+    if not chunks:
+        return np.empty(0), np.empty(0)
+    decoded = [(codec.decode(data), precision) for precision, data in chunks]
+    t = np.concatenate([d.t_ms for d, _ in decoded]) / 1000.0
+    v = np.concatenate([_values(d.q, p) for d, p in decoded])
+    keep = (t >= lo) & (t <= hi)
+    t, v = t[keep], v[keep]
+    order = np.argsort(t, kind="stable")
+    return t[order], v[order]
+
+
+def _values(q: np.ndarray, precision: float) -> np.ndarray:
+    values = q * precision
+    if precision < 1:      # undo binary noise such as 0.1 * 3 = 0.30000000000000004
+        values = np.round(values, int(np.ceil(-np.log10(precision))) + 1)
+    return values
+
+
+def series(db: Db, name: str, since: float | None = None, until: float | None = None,
+           buckets: int = 500) -> list[Bucket]:
+    """A series downsampled to at most `buckets` equal time buckets over [since, until]:
+    (bucket start, min, avg, max) for each bucket that holds points, oldest first."""
+    if buckets < 1:
+        raise ValueError(f"buckets must be >= 1, not {buckets}")
+    t, v = points(db, name, since, until)
+    if not len(t):
+        return []
+    start = t[0] if since is None else since
+    end = t[-1] if until is None else until
+    width = max((end - start) / buckets, 1e-3)
+    index = np.minimum(((t - start) // width).astype(np.int64), buckets - 1)
+    # t is sorted, so each bucket's points are one contiguous run
+    firsts = np.flatnonzero(np.r_[True, index[1:] != index[:-1]])
+    counts = np.diff(np.r_[firsts, len(t)])
+    mins = np.minimum.reduceat(v, firsts)
+    maxs = np.maximum.reduceat(v, firsts)
+    avgs = np.add.reduceat(v, firsts) / counts
+    starts = start + index[firsts] * width
+    return list(zip(starts.tolist(), mins.tolist(), avgs.tolist(), maxs.tolist()))
+
+
+def latest(db: Db, name: str) -> tuple[float, float] | None:
+    """The most recent (t, value) of a series, or None if it has no points."""
+    with _reader(db) as conn:
+        if conn is None:
+            return None
+        row = conn.execute(
+            "SELECT c.precision, c.data FROM chunks c JOIN series s ON s.id = c.series_id "
+            "WHERE s.name = ? ORDER BY c.t_end DESC LIMIT 1", (name,)).fetchone()
+    if row is None:
+        return None
+    decoded = codec.decode(row[1])
+    i = int(np.argmax(decoded.t_ms))
+    return float(decoded.t_ms[i]) / 1000.0, float(_values(decoded.q[i:i + 1], row[0])[0])
+
+
+# --- rows ---------------------------------------------------------------------------------
+def requests(db: Db, since: float | None = None, until: float | None = None) -> list[dict[str, Any]]:
+    """Finished requests in [since, until], oldest first, one dict per row (columns as recorded)."""
+    lo, hi = _window(since, until)
+    return _rows(db, "SELECT * FROM requests WHERE t >= ? AND t <= ? ORDER BY t", (lo, hi))
+
+
+def latency_quantiles(db: Db, since: float | None = None, until: float | None = None,
+                      buckets: int = 60, qs: Sequence[float] = (0.5, 0.95, 0.99)) -> list[dict[str, Any]]:
+    """Per time bucket: {"t", "n", "ttft_s", "tpot_s", "latency_s"}, each of the last three a
+    dict {q: value} over the requests in that bucket (None where no request had that value)."""
+    rows = requests(db, since, until)
+    if not rows:
+        return []
+    start = rows[0]["t"] if since is None else since
+    end = rows[-1]["t"] if until is None else until
+    width = max((end - start) / buckets, 1e-3)
+    grouped: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        grouped.setdefault(min(int((row["t"] - start) // width), buckets - 1), []).append(row)
+    out = []
+    for index in sorted(grouped):
+        group = grouped[index]
+        entry: dict[str, Any] = {"t": start + index * width, "n": len(group)}
+        for column in ("ttft_s", "tpot_s", "latency_s"):
+            values = [r[column] for r in group if r[column] is not None]
+            entry[column] = {q: (float(np.quantile(values, q)) if values else None) for q in qs}
+        out.append(entry)
+    return out
+
+
+def _hit_rate(hits: int, misses: int) -> float | None:
+    return hits / (hits + misses) if hits + misses else None
+
+
+def cache_stats(db: Db, since: float | None = None, until: float | None = None,
+                buckets: int = 60) -> dict[str, list[dict[str, Any]]]:
+    """Cache counters summed over all layers per time bucket ("over_time": t, hits, misses,
+    hit_rate, evictions, prefetch_hits, bytes_read) and per layer over the window ("per_layer":
+    layer, hits, misses, hit_rate, evictions, prefetch_hits, bytes_read, read_latency_s mean)."""
+    lo, hi = _window(since, until)
+    rows = _rows(db, "SELECT * FROM cache_stats WHERE t >= ? AND t <= ? ORDER BY t", (lo, hi))
+    if not rows:
+        return {"over_time": [], "per_layer": []}
+    start = rows[0]["t"] if since is None else since
+    end = rows[-1]["t"] if until is None else until
+    width = max((end - start) / buckets, 1e-3)
+    counters = ("hits", "misses", "evictions", "prefetch_hits", "bytes_read")
+    over_time: dict[int, dict[str, Any]] = {}
+    per_layer: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        index = min(int((row["t"] - start) // width), buckets - 1)
+        slot = over_time.setdefault(index, {"t": start + index * width, **dict.fromkeys(counters, 0)})
+        layer = per_layer.setdefault(row["layer"], {"layer": row["layer"], **dict.fromkeys(counters, 0),
+                                                    "_latencies": []})
+        for c in counters:
+            slot[c] += row[c]
+            layer[c] += row[c]
+        if row["read_latency_s"] is not None:
+            layer["_latencies"].append(row["read_latency_s"])
+    for slot in over_time.values():
+        slot["hit_rate"] = _hit_rate(slot["hits"], slot["misses"])
+    for layer in per_layer.values():
+        latencies = layer.pop("_latencies")
+        layer["hit_rate"] = _hit_rate(layer["hits"], layer["misses"])
+        layer["read_latency_s"] = float(np.mean(latencies)) if latencies else None
+    return {"over_time": [over_time[i] for i in sorted(over_time)],
+            "per_layer": [per_layer[k] for k in sorted(per_layer)]}
+
+
+def activations(db: Db, since: float | None = None, until: float | None = None) -> dict[tuple[int, int], int]:
+    """Routing counts per (layer, expert) summed over [since, until] (for the heatmap)."""
+    lo, hi = _window(since, until)
+    rows = _rows(db, "SELECT layer, expert, SUM(count) AS n FROM activations WHERE t >= ? AND t <= ? "
+                     "GROUP BY layer, expert", (lo, hi))
+    return {(r["layer"], r["expert"]): r["n"] for r in rows}
+
+
+def _knob_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {**row, "old": json.loads(row["old"]) if row["old"] is not None else None,
+            "new": json.loads(row["new"])}
+
+
+def knob_history(db: Db, limit: int = 100) -> list[dict[str, Any]]:
+    """The latest knob changes, newest first: {"id", "t", "knob", "old", "new", "source"}."""
+    rows = _rows(db, "SELECT * FROM knob_changes ORDER BY t DESC, id DESC LIMIT ?", (limit,))
+    return [_knob_row(r) for r in rows]
+
+
+def latest_knobs(db: Db) -> dict[str, Any]:
+    """Each knob's most recent value (what the agent restores on restart)."""
+    rows = _rows(db, "SELECT k.* FROM knob_changes k JOIN (SELECT knob, MAX(id) AS id FROM knob_changes "
+                     "GROUP BY knob) last ON last.id = k.id ORDER BY k.knob")
+    return {r["knob"]: _knob_row(r)["new"] for r in rows}
+
+
+def events(db: Db, since: float | None = None, kind: str | None = None) -> list[dict[str, Any]]:
+    """Events since `since`, oldest first: {"id", "t", "kind", "message"}; optionally one kind."""
+    lo, _ = _window(since, None)
+    if kind is None:
+        return _rows(db, "SELECT * FROM events WHERE t >= ? ORDER BY t, id", (lo,))
+    return _rows(db, "SELECT * FROM events WHERE t >= ? AND kind = ? ORDER BY t, id", (lo, kind))
+
+
+def simulations(db: Db) -> list[dict[str, Any]]:
+    """Simulator results, oldest first: {"t", "trace", "policy", "capacity", "scope", "hit_rate"}."""
+    return _rows(db, "SELECT * FROM simulations ORDER BY t")
+
+
+def sweeps(db: Db) -> list[dict[str, Any]]:
+    """Cache-cap sweep points, oldest first: {"t", "cache_cap_bytes", "tokens_per_s", "hit_rate"}."""
+    return _rows(db, "SELECT * FROM sweeps ORDER BY t, cache_cap_bytes")
