@@ -1,7 +1,6 @@
 """The three block readers and the slot pool, against a small store in the real layout."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -9,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from agent.experts.layout import ALIGN, CONFIG, EXPERTS, INDEX, Block, Index, StoreError, align_up, crc32
+from agent.convert import StoreShape, StoreWriter
+from agent.experts.layout import ALIGN, EXPERTS, INDEX, Index, StoreError, crc32
 from agent.experts.provider import InMemoryExperts, block_views
 from agent.experts.reader import BACKENDS, DirectReader, dio_alignment, open_reader
 from agent.experts.slots import SlotPool
@@ -19,22 +19,17 @@ O_DIRECT_FLAG = os.O_DIRECT
 
 def write_store(path: Path, n_layers: int = 3, n_experts: int = 8, hidden: int = 64, intermediate: int = 40,
                 top_k: int = 2, seed: int = 0) -> Path:
-    """A store in the layout convert writes: random float32 blocks at aligned offsets, CRC'd, index last."""
-    path.mkdir(parents=True, exist_ok=True)
+    """A store written by convert's StoreWriter: random float32 blocks (no dense weights: readers don't need them)."""
     rng = np.random.default_rng(seed)
-    nbytes = 3 * hidden * intermediate * 4
-    blocks = []
-    with open(path / EXPERTS, "wb") as f:
-        for layer in range(n_layers):
-            for expert in range(n_experts):
-                payload = rng.standard_normal(nbytes // 4, dtype=np.float32).tobytes()
-                offset = align_up(f.tell())
-                f.seek(offset)
-                f.write(payload)
-                blocks.append(Block(layer, expert, offset, crc32(payload)))
-    (path / CONFIG).write_text(json.dumps({"model_type": "olmoe", "num_experts_per_tok": top_k,
-                                           "num_experts": n_experts, "num_hidden_layers": n_layers}))
-    Index(n_layers, n_experts, hidden, intermediate, "float32", 4, ALIGN, blocks).save(path / INDEX)
+
+    def fill(payload: memoryview) -> None:
+        payload.cast("f")[:] = rng.standard_normal(len(payload) // 4, dtype=np.float32)
+
+    with StoreWriter(path, StoreShape(n_layers, n_experts, hidden, intermediate, "float32", 4)) as writer:
+        writer.write_config({"model_type": "olmoe", "num_experts_per_tok": top_k,
+                             "num_experts": n_experts, "num_hidden_layers": n_layers})
+        for _ in range(writer.n_blocks):
+            writer.add_block(fill)
     return path
 
 
