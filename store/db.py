@@ -35,11 +35,13 @@ import sqlite_utils
 
 from store import codec
 from store.errors import StoreError
-from store.schema import DDL, KINDS, SCHEMA_VERSION, SeriesSpec, spec_for
+from store.schema import DDL, DEFAULT_RETENTION_S, KINDS, SCHEMA_VERSION, SeriesSpec, spec_for
 
 log = logging.getLogger(__name__)
 
-STALE_OPEN_S = 600.0   # an open chunk not extended for this long is sealed, never rewritten again
+STALE_OPEN_S = 600.0        # an open chunk not extended for this long is sealed, never rewritten
+COMPACT_MIN_AGE_S = 3600.0  # compaction merges only chunks whose data is older than this (> STALE_OPEN_S)
+COMPACT_POINTS = 1440       # merged chunk size: 24 min at 1 Hz
 
 
 @dataclass
@@ -267,7 +269,7 @@ class Store:
             chunk_id = open_id
             for start in range(0, len(points), self.chunk_points):
                 part = points[start:start + self.chunk_points]
-                chunk_id = self._write_chunk(series_id, spec, chunk_id, part)
+                chunk_id = self._write_chunk(series_id, spec.precision, chunk_id, part)
                 if len(part) == self.chunk_points:
                     chunk_id, part = None, []
             opened[name] = (chunk_id, part if chunk_id is not None else [])
@@ -287,11 +289,11 @@ class Store:
         self._series_ids[spec] = series_id
         return series_id
 
-    def _write_chunk(self, series_id: int, spec: SeriesSpec, chunk_id: int | None,
+    def _write_chunk(self, series_id: int, precision: float, chunk_id: int | None,
                      points: list[tuple[int, int]]) -> int:
         t_ms = [p[0] for p in points]
         data = codec.encode(t_ms, [p[1] for p in points])
-        values = (min(t_ms) / 1000, max(t_ms) / 1000, len(points), spec.precision, data)
+        values = (min(t_ms) / 1000, max(t_ms) / 1000, len(points), precision, data)
         if chunk_id is not None:
             cur = self._conn.execute(
                 "UPDATE chunks SET t_start=?, t_end=?, n_points=?, precision=?, data=? WHERE id=?",
@@ -355,6 +357,64 @@ class Store:
             except Exception:  # a bug must not silently stop flushing for the process's lifetime
                 log.exception("store autoflush failed")
 
+    # --- retention and compaction --------------------------------------------------------
+    def compact(self, retention_s: float = DEFAULT_RETENTION_S, now: float | None = None,
+                target_points: int = COMPACT_POINTS, min_age_s: float = COMPACT_MIN_AGE_S) -> "Compaction":
+        """Delete chunks and rows older than `retention_s` (simulations, sweeps and each knob's
+        latest value are kept), then merge runs of small chunks whose data is older than
+        `min_age_s` into chunks of up to `target_points`. One short transaction per series."""
+        now = time.time() if now is None else now
+        self.flush()
+        with self._lock:                 # our own open chunks may be merged: never rewrite them
+            for buf in self._series.values():
+                self._seal(buf)
+        report = Compaction()
+        with self._write_lock:
+            try:
+                self._retain(now - retention_s, report)
+                series_ids = [r[0] for r in self._conn.execute("SELECT id FROM series")]
+                for series_id in series_ids:
+                    self._merge_series(series_id, now - min_age_s, target_points, report)
+            except sqlite3.Error as e:
+                if self._conn.in_transaction:
+                    self._conn.rollback()
+                raise StoreError(f"compacting {self.path} failed: {e}; {advice_for(e, self.path)}") from e
+        log.info("compacted %s: %s", self.path, report)
+        return report
+
+    def _retain(self, cutoff: float, report: "Compaction") -> None:
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        report.chunks_deleted = conn.execute("DELETE FROM chunks WHERE t_end < ?", (cutoff,)).rowcount
+        for table in ("requests", "cache_stats", "activations", "events"):
+            report.rows_deleted += conn.execute(f"DELETE FROM {table} WHERE t < ?", (cutoff,)).rowcount
+        report.rows_deleted += conn.execute(
+            "DELETE FROM knob_changes WHERE t < ? AND id NOT IN "
+            "(SELECT MAX(id) FROM knob_changes GROUP BY knob)", (cutoff,)).rowcount
+        conn.execute("COMMIT")
+
+    def _merge_series(self, series_id: int, before: float, target_points: int,
+                      report: "Compaction") -> None:
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        rows = conn.execute(
+            "SELECT id, precision, data, n_points FROM chunks WHERE series_id = ? AND t_end < ? "
+            "AND n_points < ? ORDER BY t_start, id", (series_id, before, target_points)).fetchall()
+        for run in _runs_to_merge(rows, target_points):
+            t_ms, q = [], []
+            for _, _, data, _ in run:
+                decoded = codec.decode(data)
+                t_ms.extend(decoded.t_ms.tolist())
+                q.extend(decoded.q.tolist())
+            order = sorted(range(len(t_ms)), key=t_ms.__getitem__)
+            conn.executemany("DELETE FROM chunks WHERE id = ?", [(r[0],) for r in run])
+            for start in range(0, len(order), target_points):
+                part = order[start:start + target_points]
+                self._write_chunk(series_id, run[0][1], None, [(t_ms[i], q[i]) for i in part])
+                report.chunks_written += 1
+            report.chunks_merged += len(run)
+        conn.execute("COMMIT")
+
     # --- lifecycle ----------------------------------------------------------------------
     def close(self) -> bool:
         """Flush what is buffered and close. False if data could not be written (it is lost)."""
@@ -379,6 +439,29 @@ class Store:
 
 
 @dataclass
+class Compaction:
+    """What one `Store.compact()` did."""
+    chunks_deleted: int = 0
+    rows_deleted: int = 0
+    chunks_merged: int = 0
+    chunks_written: int = 0
+
+
+def _runs_to_merge(rows: list[tuple[int, float, bytes, int]], target_points: int) -> list[list[tuple[int, float, bytes, int]]]:
+    """Group time-ordered small chunks into runs of the same precision worth merging (>= 2 chunks,
+    closed once they reach target_points)."""
+    runs: list[list[tuple[int, float, bytes, int]]] = []
+    current: list[tuple[int, float, bytes, int]] = []
+    for row in rows:
+        if current and (row[1] != current[0][1] or sum(r[3] for r in current) >= target_points):
+            runs.append(current)
+            current = []
+        current.append(row)
+    runs.append(current)
+    return [run for run in runs if len(run) >= 2]
+
+
+@dataclass
 class _Snapshot:
     series: dict[str, tuple[SeriesSpec, int | None, list[tuple[int, int]], list[tuple[int, int]]]]
     rows: dict[str, list[tuple[Any, ...]]]
@@ -387,4 +470,4 @@ class _Snapshot:
         return bool(self.series or self.rows)
 
 
-__all__ = ["Store", "StoreError", "KINDS", "open_database", "advice_for", "to_fixed"]
+__all__ = ["Store", "StoreError", "Compaction", "KINDS", "open_database", "advice_for", "to_fixed"]

@@ -164,6 +164,3 @@ CREATE TABLE IF NOT EXISTS sweeps (
     t REAL NOT NULL, cache_cap_bytes INTEGER NOT NULL, tokens_per_s REAL NOT NULL,
     hit_rate REAL NOT NULL);
 """
-
-# Row tables and their time column, for retention.
-ROW_TABLES = ("requests", "cache_stats", "activations", "knob_changes", "events", "simulations", "sweeps")
