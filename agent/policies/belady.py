@@ -7,12 +7,12 @@ Prefetch insertions are not modelled (every hit/insert must be the next demand a
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Collection, Sequence
 
 import numpy as np
 
 from agent.policies.base import Key, Policy
+from agent.policies.lfu import KeyedHeap
 
 
 class BeladyOracle:
@@ -52,35 +52,16 @@ class Belady(Policy):
 
     def __init__(self, oracle: BeladyOracle) -> None:
         self._oracle = oracle
-        self._next: dict[Key, int] = {}          # resident key -> position of its next use
-        self._heap: list[tuple[int, Key]] = []   # (-next use, key); entries not in _next are stale
+        self._heap = KeyedHeap()  # resident keys by -(position of next use): furthest first
 
     def hit(self, key: Key) -> None:
-        self._touch(key)
+        self._heap.set(key, -self._oracle.advance(key))
 
     def insert(self, key: Key) -> None:
-        self._touch(key)
+        self._heap.set(key, -self._oracle.advance(key))
 
     def remove(self, key: Key) -> None:
-        self._next.pop(key, None)
+        self._heap.discard(key)
 
     def victim(self, resident: Collection[Key], pinned: Collection[Key]) -> Key:
-        skipped = []
-        while True:
-            entry = heapq.heappop(self._heap)
-            if self._next.get(entry[1]) != -entry[0]:
-                continue  # stale: the key was used again or left the cache
-            skipped.append(entry)
-            if entry[1] not in pinned:
-                break
-        for e in skipped:  # the victim's entry too: it stays valid until remove()
-            heapq.heappush(self._heap, e)
-        return entry[1]
-
-    def _touch(self, key: Key) -> None:
-        nxt = self._oracle.advance(key)
-        self._next[key] = nxt
-        heapq.heappush(self._heap, (-nxt, key))
-        if len(self._heap) > 4 * len(self._next) + 64:  # drop stale entries so the heap stays O(resident)
-            self._heap = [(-n, k) for k, n in self._next.items()]
-            heapq.heapify(self._heap)
+        return self._heap.smallest(pinned)

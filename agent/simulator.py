@@ -1,0 +1,204 @@
+"""Replay routing traces through the runtime's cache core (agent.residency.Residency) and a policy.
+
+This is the runtime cache with the I/O taken out: per token and layer, route() pins the chosen
+experts, then each is accessed in order; a session start calls session(). Capacity is a
+fraction of all experts, floored, and never below one step's working set (top-k, or the largest
+batched set of a recorded trace) per layer. Cold misses count: the cache starts empty.
+
+Monitoring samples for policies that use them (the learned policy reads "read_latency_s" and
+"mem_pressure") come from a SystemReplay: a deterministic synthetic series by default, or a
+series recorded by the collector and saved as JSON (`--system-series FILE`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from agent.policies import policy_factory, policy_names
+from agent.policies.belady import BeladyOracle
+from agent.residency import SCOPES, Residency
+from agent.traces import Trace, TraceError, access_sequence, load, parse_prompts, walk
+
+SSD_READ_S = 80e-6  # one random NVMe read (DESIGN.md), the synthetic series' floor
+
+
+@dataclass(frozen=True)
+class SystemReplay:
+    """Monitoring samples fed to the policies: sample i at token i * every (the series cycles)."""
+    samples: tuple[dict[str, float], ...]
+    every: int = 32
+
+    @classmethod
+    def synthetic(cls, every: int = 32, period: int = 64) -> SystemReplay:
+        """A deterministic series: read latency and memory pressure drifting on slow waves."""
+        wave = [math.sin(2 * math.pi * i / period) for i in range(period)]
+        return cls(tuple({"read_latency_s": SSD_READ_S * (6 + 3 * w), "mem_pressure": 0.5 + 0.3 * w}
+                         for w in wave), every)
+
+    @classmethod
+    def load(cls, path: str | Path) -> SystemReplay:
+        """Read {"every": N, "samples": [{"read_latency_s": ..., "mem_pressure": ...}, ...]}."""
+        try:
+            doc = json.loads(Path(path).read_text())
+            samples = tuple({k: float(v) for k, v in s.items()} for s in doc["samples"])
+            every = int(doc.get("every", 32))
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such system series file") from None
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f'{path}: expected {{"every": N, "samples": [{{"read_latency_s": x, '
+                             f'"mem_pressure": y}}, ...]}} ({e})') from None
+        if not samples or every < 1:
+            raise ValueError(f"{path}: a system series needs at least one sample and every >= 1")
+        return cls(samples, every)
+
+    def at(self, token: int) -> dict[str, float] | None:
+        if token % self.every:
+            return None
+        return self.samples[(token // self.every) % len(self.samples)]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    trace: str
+    policy: str
+    capacity: float
+    scope: str
+    hits: int
+    accesses: int
+    slots: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+def capacity_slots(trace: Trace, fraction: float, scope: str) -> int:
+    """Slots for `fraction` of all experts: per layer in layer scope, at least one step's working set."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"capacity must be a fraction of all experts in (0, 1], got {fraction}")
+    floor = trace.max_set
+    if scope == "layer":
+        return max(floor, math.floor(round(fraction * trace.n_experts, 9))) * trace.n_layers
+    total = trace.n_layers * trace.n_experts
+    return max(floor * trace.n_layers, math.floor(round(fraction * total, 9)))
+
+
+def simulate(trace: Trace, policy: str, capacity: float, scope: str = "layer",
+             system: SystemReplay | None = None, **options) -> SimResult:
+    """Replay `trace` through a cache of `capacity` (a fraction of all experts) run by `policy`."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    slots = capacity_slots(trace, capacity, scope)
+    if policy == "belady" and "oracle" not in options:
+        options["oracle"] = BeladyOracle(access_sequence(trace))
+    residency = Residency(slots, trace.n_layers, policy_factory(policy, **options), scope, trace.max_set)
+    _replay(trace, residency, system or SystemReplay.synthetic())
+    hits = sum(s.hits for s in residency.stats)
+    return SimResult(trace.name, policy, capacity, scope, hits, hits + sum(s.misses for s in residency.stats), slots)
+
+
+def _replay(trace: Trace, residency: Residency, system: SystemReplay) -> None:
+    route, access = residency.route, residency.access
+    token = -1
+    for new_session, layer, experts in walk(trace):
+        if layer == 0:
+            token += 1
+            if new_session:
+                residency.session()
+            sample = system.at(token)
+            if sample is not None:
+                residency.system(sample)
+        route(layer, experts)
+        for e in experts:
+            access((layer, e))
+
+
+def gap_closed(policy: float, lru: float, belady: float) -> float | None:
+    """The share of the LRU->Belady hit-rate gap a policy closes (None when there is no gap)."""
+    return (policy - lru) / (belady - lru) if belady - lru > 1e-12 else None
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+EXAMPLE = """example:
+  flashmoe-cli simulate --trace ../shared/traces/decode/olmoe_math.jsonl \\
+      ../shared/traces/prefill/deepseek_v2_lite_puffin_0001-1000.npz --prompts 801..1000 \\
+      --policy lru,lfu,arc,least-stale,belady --capacity 0.25 --scope layer
+
+lru and belady always run: they are the two ends of the gap the table reports."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXAMPLE
+    parser.add_argument("--trace", nargs="+", required=True, metavar="PATH",
+                        help="routing traces: decode/recorded .jsonl or prefill .npz")
+    parser.add_argument("--policy", default=",".join(p for p in policy_names()),
+                        help="comma-separated policy names (default: all registered: %(default)s)")
+    parser.add_argument("--capacity", type=float, default=0.25, metavar="FRACTION",
+                        help="cache size as a fraction of all experts, in (0, 1] (default 0.25)")
+    parser.add_argument("--scope", choices=SCOPES, default="layer", help="per-layer or global cache")
+    parser.add_argument("--policy-model", metavar="FILE", help="weights for the learned flashmoe policy")
+    parser.add_argument("--experts", type=int, metavar="N", help="experts per layer when a trace's meta has null")
+    parser.add_argument("--prompts", metavar="A..B", help="prefill NPZ only: prompt numbers to replay")
+    parser.add_argument("--window", type=int, metavar="W", help="lfu-window: window in accesses of a partition")
+    parser.add_argument("--system-series", metavar="FILE", help="monitoring series JSON to replay "
+                        "(default: a deterministic synthetic one)")
+    parser.add_argument("--json", action="store_true", help="print {\"results\": [...]} instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        policies = _policies(args.policy)
+        prompts = parse_prompts(args.prompts) if args.prompts else None
+        traces = [load(p, args.experts, prompts if p.endswith(".npz") else None) for p in args.trace]
+        system = SystemReplay.load(args.system_series) if args.system_series else None
+        results = [simulate(t, p, args.capacity, args.scope, system, **_options(p, args))
+                   for t in traces for p in policies]
+    except (TraceError, ValueError) as e:
+        print(f"flashmoe-cli simulate: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"results": [r.as_dict() for r in results]}, indent=1) if args.json
+          else format_table(results))
+    return 0
+
+
+def _policies(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in policy_names()]
+    if unknown or not names:
+        raise ValueError(f"unknown policy {', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(policy_names())}")
+    return ["lru"] + [n for n in names if n not in ("lru", "belady")] + ["belady"]
+
+
+def _options(policy: str, args: argparse.Namespace) -> dict:
+    if policy == "flashmoe" and args.policy_model:
+        return {"model_path": args.policy_model}
+    if policy == "lfu-window" and args.window:
+        return {"window": args.window}
+    return {}
+
+
+def format_table(results: Sequence[SimResult]) -> str:
+    """Hit rate per trace and policy, the mean, and each policy's share of the LRU->Belady gap."""
+    policies = list(dict.fromkeys(r.policy for r in results))
+    traces = list(dict.fromkeys(r.trace for r in results))
+    rate = {(r.trace, r.policy): r.hit_rate for r in results}
+    first = results[0]
+    width = max(len(t) for t in traces + ["gap closed"]) + 2
+    lines = [f"hit rate, capacity {first.capacity:g} of experts, {first.scope} scope, cold misses counted",
+             "trace".ljust(width) + "".join(p.rjust(13) for p in policies)]
+    for t in traces:
+        lines.append(t.ljust(width) + "".join(f"{rate[t, p]:13.4f}" for p in policies))
+    mean = {p: sum(rate[t, p] for t in traces) / len(traces) for p in policies}
+    lines.append("mean".ljust(width) + "".join(f"{mean[p]:13.4f}" for p in policies))
+    gaps = [gap_closed(mean[p], mean["lru"], mean["belady"]) for p in policies]  # of the means: robust
+    lines.append("gap closed".ljust(width) + "".join(("-" if g is None else f"{g:.1%}").rjust(13) for g in gaps))
+    return "\n".join(lines)
