@@ -1,0 +1,95 @@
+"""The memory guard: shrink the expert cache step by step while memory pressure is sustained.
+
+Two signals, either one counts: pressure stall information (/proc/pressure/memory "full avg10", the
+share of the last 10 s in which every task was stalled on memory) and the agent's own major-fault
+rate (/proc/self/stat majflt: pages it had to read back from disk). One interval over a threshold
+is noise; `intervals` consecutive ones are thrash. `decide` is pure so it can be tested exactly.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PSI_MEMORY = Path("/proc/pressure/memory")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    psi_full_avg10: float = 10.0        # percent of time fully stalled on memory
+    major_faults_per_s: float = 200.0   # of the agent process
+    intervals: int = 5                  # consecutive samples over a threshold before a step
+    step: float = 0.10                  # shrink by this share of the current cap per step
+
+
+@dataclass(frozen=True)
+class Pressure:
+    psi_full_avg10: float | None        # None where the kernel has no PSI
+    major_faults_per_s: float | None    # None on the first sample (no rate yet)
+
+
+@dataclass(frozen=True)
+class Shrink:
+    new_cap: int
+    reason: str
+
+
+def over_thresholds(p: Pressure, cfg: GuardConfig) -> list[str]:
+    """Each signal over its threshold, described as 'signal value > threshold'."""
+    out = []
+    if p.psi_full_avg10 is not None and p.psi_full_avg10 > cfg.psi_full_avg10:
+        out.append(f"PSI memory full avg10 {p.psi_full_avg10:.1f}% > {cfg.psi_full_avg10:g}%")
+    if p.major_faults_per_s is not None and p.major_faults_per_s > cfg.major_faults_per_s:
+        out.append(f"major faults {p.major_faults_per_s:.0f}/s > {cfg.major_faults_per_s:g}/s")
+    return out
+
+
+def decide(streak: int, p: Pressure, cap: int, floor: int, cfg: GuardConfig) -> tuple[int, Shrink | None]:
+    """(new streak, a shrink or None) after one sample. A step resets the streak, so the next one
+    again needs `intervals` pressured samples; the cap never goes below `floor` (the working set)."""
+    signals = over_thresholds(p, cfg)
+    if not signals:
+        return 0, None
+    streak += 1
+    if streak < cfg.intervals:
+        return streak, None
+    new_cap = max(floor, int(cap * (1 - cfg.step)))
+    if new_cap >= cap:
+        return streak, None  # already at the working set: nothing left to give back
+    reason = (f"memory pressure for {streak} consecutive intervals: {'; '.join(signals)}; "
+              f"cache cap {cap} -> {new_cap} bytes (-{cfg.step:.0%}, floor {floor})")
+    return 0, Shrink(new_cap, reason)
+
+
+class PressureSampler:
+    """Reads the two signals; the fault rate is per second of wall time between reads."""
+
+    def __init__(self, stat_path: Path = Path("/proc/self/stat"), psi_path: Path = PSI_MEMORY) -> None:
+        self._stat, self._psi = stat_path, psi_path
+        self._last: tuple[float, int] | None = None
+
+    def sample(self) -> Pressure:
+        now, faults = time.monotonic(), read_major_faults(self._stat)
+        rate = None
+        if self._last is not None and now > self._last[0]:
+            rate = (faults - self._last[1]) / (now - self._last[0])
+        self._last = (now, faults)
+        return Pressure(read_psi_full_avg10(self._psi), rate)
+
+
+def read_psi_full_avg10(path: Path = PSI_MEMORY) -> float | None:
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("full "):
+                fields = dict(f.split("=") for f in line.split()[1:])
+                return float(fields["avg10"])
+    except (OSError, KeyError, ValueError):
+        return None
+    return None
+
+
+def read_major_faults(path: Path = Path("/proc/self/stat")) -> int:
+    # The command name (field 2) may contain spaces, so split after its closing parenthesis;
+    # majflt is field 12 overall, the 10th after the name.
+    rest = path.read_text().rsplit(")", 1)[1].split()
+    return int(rest[9])

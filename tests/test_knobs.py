@@ -1,0 +1,71 @@
+"""Knob validation: all-or-nothing, errors name the knob and its allowed range."""
+from __future__ import annotations
+
+import pytest
+
+from agent.serve.knobs import KnobError, Knobs, Limits
+
+LIMITS = Limits(cap_min=1000, cap_max=50_000, policies=("lfu", "lru", "flashmoe"), max_prefetch_depth=1)
+
+
+@pytest.fixture
+def knobs() -> Knobs:
+    return Knobs(LIMITS)
+
+
+def test_defaults_and_bounds_are_described(knobs):
+    d = knobs.describe()
+    assert set(d) == {"cache_cap_bytes", "policy", "keep_percentile", "recompute_threshold", "ssd_util_threshold",
+                      "prefetch", "prefetch_depth", "max_batch_size", "auto_shrink"}
+    assert d["ssd_util_threshold"] == {"value": 0.9, "default": 0.9, "type": "float", "min": 0.0, "max": 1.0,
+                                       "help": d["ssd_util_threshold"]["help"]}
+    assert d["keep_percentile"]["value"] == 80.0
+    assert d["cache_cap_bytes"]["min"] == 1000 and d["cache_cap_bytes"]["max"] == 50_000
+    assert d["policy"]["choices"] == ["lfu", "lru", "flashmoe"]
+    assert d["prefetch"] == {"value": True, "default": True, "type": "bool"}
+
+
+def test_valid_changes_are_converted(knobs):
+    got = knobs.validate({"cache_cap_bytes": 2000.0, "keep_percentile": 90, "policy": "lfu", "auto_shrink": True})
+    assert got == {"cache_cap_bytes": 2000, "keep_percentile": 90.0, "policy": "lfu", "auto_shrink": True}
+    assert isinstance(got["cache_cap_bytes"], int) and isinstance(got["keep_percentile"], float)
+    assert knobs["policy"] == "lru"  # validate never mutates
+
+
+@pytest.mark.parametrize("changes, knob, words", [
+    ({"cache_cap_bytes": 999}, "cache_cap_bytes", ["between 1000 and 50000", "got 999"]),
+    ({"cache_cap_bytes": 60_000}, "cache_cap_bytes", ["70%"]),
+    ({"ssd_util_threshold": 1.5}, "ssd_util_threshold", ["between 0 and 1"]),
+    ({"max_batch_size": 0}, "max_batch_size", ["between 1 and 256"]),
+    ({"max_batch_size": 2.5}, "max_batch_size", ["whole number"]),
+    ({"prefetch": "yes"}, "prefetch", ["true or false"]),
+    ({"prefetch_depth": 2}, "prefetch_depth", ["between 0 and 1"]),
+    ({"policy": "fifo"}, "policy", ["lfu, lru, flashmoe", "'fifo'"]),
+    ({"keep_percentile": True}, "keep_percentile", ["number"]),
+    ({"cache_size": 5}, "cache_size", ["unknown knob", "cache_cap_bytes"]),
+])
+def test_bad_value_names_the_knob_and_the_range(knobs, changes, knob, words):
+    with pytest.raises(KnobError) as err:
+        knobs.validate(changes)
+    assert err.value.knob == knob
+    assert knob in str(err.value) and all(w in str(err.value) for w in words)
+
+
+def test_one_bad_knob_refuses_the_whole_change(knobs):
+    before = dict(knobs.values)
+    with pytest.raises(KnobError, match="max_batch_size"):
+        knobs.validate({"policy": "lfu", "max_batch_size": -1})
+    assert knobs.values == before
+
+
+def test_empty_or_non_object_is_refused(knobs):
+    for bad in ({}, [], "policy=lru"):
+        with pytest.raises(KnobError, match="JSON object"):
+            knobs.validate(bad)
+
+
+def test_diff_and_commit(knobs):
+    validated = knobs.validate({"policy": "lru", "max_batch_size": 8})
+    assert knobs.diff(validated) == {"max_batch_size": (16, 8)}  # an unchanged value is no change
+    knobs.commit(validated)
+    assert knobs["max_batch_size"] == 8
