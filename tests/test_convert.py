@@ -1,0 +1,311 @@
+"""flashmoe-cli convert: real HF checkpoints (tiny, random weights) in, expert stores out."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from agent.convert import CheckpointError, convert
+from agent.experts.layout import ALIGN, CONFIG, DENSE, EXPERTS, INDEX, Index, StoreError
+from agent.experts.provider import InMemoryExperts
+from hf_models import ARCHS, expert_weights, saved_dense_names, tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "agent.cli"]
+# (layout, max_shard_size): both layouts, single file and sharded.
+LAYOUT_CASES = [("per_expert", None), ("per_expert", "20KB"), ("fused", None), ("fused", "20KB")]
+
+
+def _assert_store_matches(store: Path, ckpt) -> Index:
+    index = Index.load(store / INDEX)
+    experts = InMemoryExperts(store)  # verifies every block's CRC
+    for layer in range(index.n_layers):
+        for e in range(index.n_experts):
+            for got, want in zip(experts.get(layer, e), expert_weights(ckpt.model, layer, e)):
+                assert torch.equal(got, want), (layer, e)
+    dense, want = load_file(store / DENSE), saved_dense_names(ckpt.model)
+    assert dense.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(dense[name], tensor), name
+    assert (store / CONFIG).read_bytes() == (ckpt.path / CONFIG).read_bytes()
+    return index
+
+
+def _assert_nothing_written(dst: Path) -> None:
+    assert not dst.exists()
+    assert not list(dst.parent.glob(f".{dst.name}.*")), "a partial directory was left behind"
+
+
+@pytest.mark.parametrize("layout,shard", LAYOUT_CASES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_converted_store_holds_the_checkpoints_weights(tmp_path, arch, layout, shard):
+    ckpt = tiny_checkpoint(arch, tmp_path / "hf", layout=layout, max_shard_size=shard)
+    if shard:
+        assert (ckpt.path / "model.safetensors.index.json").exists()
+    index = convert(ckpt.path, tmp_path / "store")
+    assert _assert_store_matches(tmp_path / "store", ckpt) == index
+    cfg = ckpt.model.config
+    n_experts = cfg.num_local_experts if arch == "mixtral" else cfg.num_experts
+    inter = cfg.intermediate_size if arch in ("olmoe", "mixtral") else cfg.moe_intermediate_size
+    assert (index.n_layers, index.n_experts, index.hidden, index.intermediate) == (
+        cfg.num_hidden_layers, n_experts, cfg.hidden_size, inter)
+    assert (index.dtype, index.itemsize, index.alignment) == ("float32", 4, ALIGN)
+
+
+def test_blocks_are_aligned_contiguous_and_in_index_order(tmp_path):
+    ckpt = tiny_checkpoint("qwen2_moe", tmp_path / "hf")
+    index = convert(ckpt.path, tmp_path / "store")
+    assert index.slot_bytes % ALIGN == 0 and index.slot_bytes >= index.nbytes
+    for i, block in enumerate(index.blocks):
+        assert (block.layer, block.expert) == divmod(i, index.n_experts)
+        assert block.offset == i * index.slot_bytes
+    assert (tmp_path / "store" / EXPERTS).stat().st_size == len(index.blocks) * index.slot_bytes
+    raw = (tmp_path / "store" / EXPERTS).read_bytes()
+    for block in index.blocks:  # padding between payloads is zero
+        assert not any(raw[block.offset + index.nbytes:block.offset + index.slot_bytes])
+
+
+def test_bfloat16_experts_keep_their_dtype(tmp_path):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf", dtype=torch.bfloat16)
+    convert(ckpt.path, tmp_path / "store")
+    index = _assert_store_matches(tmp_path / "store", ckpt)
+    assert (index.dtype, index.itemsize) == ("bfloat16", 2)
+
+
+def test_fused_layout_is_one_transformers_loads(tmp_path):
+    """Guards the test helper: the fused checkpoints are real ones, not our own invention."""
+    ckpt = tiny_checkpoint("mixtral", tmp_path / "hf", layout="fused", max_shard_size="20KB")
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32).eval()
+    ids = torch.tensor([[3, 141, 59, 26, 5]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ckpt.model(ids).logits)
+
+
+def test_tokenizer_json_is_copied(tmp_path):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    (ckpt.path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "WordLevel"}}')
+    convert(ckpt.path, tmp_path / "store")
+    assert (tmp_path / "store" / "tokenizer.json").read_bytes() == (ckpt.path / "tokenizer.json").read_bytes()
+
+
+# ---------------------------------------------------------------- bad input: clear errors, nothing written
+
+def _edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / CONFIG).read_text())
+    (path / CONFIG).write_text(json.dumps({**config, **changes}))
+
+
+def _drop_tensor(path: Path, name: str) -> None:
+    tensors = load_file(path / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _convert_fails(src: Path, dst: Path, *fragments: str) -> str:
+    with pytest.raises(CheckpointError) as err:
+        convert(src, dst)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+    _assert_nothing_written(dst)
+    return str(err.value)
+
+
+def test_missing_shard_is_named(tmp_path):
+    ckpt = tiny_checkpoint("qwen3_moe", tmp_path / "hf", max_shard_size="20KB")
+    shard = sorted(ckpt.path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    _convert_fails(ckpt.path, tmp_path / "store", "missing shard", shard.name)
+
+
+def test_truncated_shard_is_named(tmp_path):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    file = ckpt.path / "model.safetensors"
+    os.truncate(file, file.stat().st_size - 100)
+    _convert_fails(ckpt.path, tmp_path / "store", "truncated", "model.safetensors")
+
+
+def test_unsupported_architecture(tmp_path):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    _edit_config(ckpt.path, model_type="llama")
+    _convert_fails(ckpt.path, tmp_path / "store", "unsupported architecture", "'llama'", "mixtral")
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+@pytest.mark.parametrize("n_experts", [4, 16])
+def test_config_with_wrong_expert_count(tmp_path, layout, n_experts):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf", layout=layout)  # 8 experts
+    _edit_config(ckpt.path, num_experts=n_experts)
+    _convert_fails(ckpt.path, tmp_path / "store", f"{n_experts}", "disagrees")
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_config_with_wrong_hidden_size(tmp_path, layout):
+    ckpt = tiny_checkpoint("mixtral", tmp_path / "hf", layout=layout)
+    _edit_config(ckpt.path, hidden_size=64)
+    _convert_fails(ckpt.path, tmp_path / "store", "hidden_size=64", "disagrees")
+
+
+def test_config_with_fewer_layers_than_the_tensors(tmp_path):
+    ckpt = tiny_checkpoint("qwen2_moe", tmp_path / "hf")
+    _edit_config(ckpt.path, num_hidden_layers=1)
+    _convert_fails(ckpt.path, tmp_path / "store", "num_hidden_layers=1", "layer 1")
+
+
+def test_missing_expert_tensor_is_named(tmp_path):
+    ckpt = tiny_checkpoint("qwen3_moe", tmp_path / "hf")
+    name = "model.layers.1.mlp.experts.5.up_proj.weight"
+    _drop_tensor(ckpt.path, name)
+    _convert_fails(ckpt.path, tmp_path / "store", "missing expert tensor", name)
+
+
+def test_missing_fused_tensor_is_named(tmp_path):
+    ckpt = tiny_checkpoint("qwen2_moe", tmp_path / "hf", layout="fused")
+    _drop_tensor(ckpt.path, "model.layers.0.mlp.experts.down_proj")
+    _convert_fails(ckpt.path, tmp_path / "store", "model.layers.0.mlp.experts.down_proj")
+
+
+def test_missing_config(tmp_path):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    (ckpt.path / CONFIG).unlink()
+    _convert_fails(ckpt.path, tmp_path / "store", "config.json is missing")
+
+
+def test_non_empty_destination_needs_overwrite(tmp_path):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    dst = tmp_path / "store"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="--overwrite"):
+        convert(ckpt.path, dst)
+    assert (dst / "notes.txt").read_text() == "mine"
+    convert(ckpt.path, dst, overwrite=True)
+    assert not (dst / "notes.txt").exists()
+    _assert_store_matches(dst, ckpt)
+
+
+def test_failure_while_writing_leaves_nothing(tmp_path):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+
+    def fail_midway(done: int, total: int) -> None:
+        if done == total // 2:
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        convert(ckpt.path, tmp_path / "store", progress=fail_midway)
+    _assert_nothing_written(tmp_path / "store")
+
+
+# ---------------------------------------------------------------- corruption is caught by CRC on load
+
+def test_bit_flip_names_layer_and_expert(tmp_path):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    index = convert(ckpt.path, tmp_path / "store")
+    block = index.block(1, 3)
+    with open(tmp_path / "store" / EXPERTS, "r+b") as f:
+        f.seek(block.offset + index.nbytes // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+    with pytest.raises(StoreError, match="layer 1 expert 3 "):
+        InMemoryExperts(tmp_path / "store")
+
+
+def test_truncated_expert_file_names_layer_and_expert(tmp_path):
+    ckpt = tiny_checkpoint("mixtral", tmp_path / "hf")
+    index = convert(ckpt.path, tmp_path / "store")
+    last = index.blocks[-1]
+    os.truncate(tmp_path / "store" / EXPERTS, last.offset + 100)
+    with pytest.raises(StoreError, match=f"layer {last.layer} expert {last.expert} "):
+        InMemoryExperts(tmp_path / "store")
+
+
+# ---------------------------------------------------------------- streaming and interruption (real processes)
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory):
+    """~100 MB of experts: 4 layers x 64 experts of 384 KiB."""
+    return tiny_checkpoint("olmoe", tmp_path_factory.mktemp("big") / "hf", hidden_size=128, intermediate_size=256,
+                           num_experts=64, num_experts_per_tok=8, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=4)
+
+
+_PEAK_SCRIPT = """
+import resource, sys
+from agent.convert import convert
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+convert(sys.argv[1], sys.argv[2])
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def _peak_growth(src: Path, dst: Path) -> int:
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(src), str(dst)], cwd=REPO,
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.strip())
+
+
+def test_peak_memory_does_not_grow_with_model_size(tmp_path, big_checkpoint):
+    small = tiny_checkpoint("olmoe", tmp_path / "hf", hidden_size=128, intermediate_size=256, num_experts=8,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)
+    small_growth = _peak_growth(small.path, tmp_path / "small")
+    big_growth = _peak_growth(big_checkpoint.path, tmp_path / "big")
+    big_bytes = (tmp_path / "big" / EXPERTS).stat().st_size
+    small_bytes = (tmp_path / "small" / EXPERTS).stat().st_size
+    assert big_bytes > 25 * small_bytes
+    # 100 MB more experts may cost at most 4 MB more peak RSS, and the whole peak stays under 5% of the store.
+    assert big_growth - small_growth < 4 << 20, (small_growth, big_growth)
+    assert big_growth < big_bytes / 20, (big_growth, big_bytes)
+
+
+_KILL_SCRIPT = """
+import os, signal, sys
+from agent.convert import convert
+def kill_midway(done, total):
+    if done == total // 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+convert(sys.argv[1], sys.argv[2], progress=kill_midway)
+"""
+
+
+def test_killed_convert_leaves_no_store_that_loads(tmp_path, big_checkpoint):
+    dst = tmp_path / "store"
+    proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(big_checkpoint.path), str(dst)], cwd=REPO)
+    assert proc.returncode == -9
+    partial = list(tmp_path.glob(".store.partial-*"))
+    assert len(partial) == 1 and (partial[0] / EXPERTS).stat().st_size > 0, "the kill did not land midway"
+    for candidate in (dst, partial[0]):
+        with pytest.raises(StoreError, match="incomplete"):
+            Index.load(candidate / INDEX)
+    with pytest.raises(StoreError):
+        InMemoryExperts(dst)
+    convert(big_checkpoint.path, dst)  # a rerun clears the leftover and succeeds
+    assert not list(tmp_path.glob(".store.partial-*"))
+    assert len(Index.load(dst / INDEX).blocks) == 4 * 64
+
+
+# ---------------------------------------------------------------- the command line
+
+def test_cli_converts_and_reports_bad_input(tmp_path):
+    ckpt = tiny_checkpoint("qwen2_moe", tmp_path / "hf", layout="fused")
+    ok = subprocess.run(CLI + ["convert", str(ckpt.path), str(tmp_path / "store")], cwd=REPO,
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    _assert_store_matches(tmp_path / "store", ckpt)
+    _edit_config(ckpt.path, model_type="gpt2")
+    bad = subprocess.run(CLI + ["convert", str(ckpt.path), str(tmp_path / "other")], cwd=REPO,
+                         capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "unsupported architecture model_type='gpt2'" in bad.stderr
+    _assert_nothing_written(tmp_path / "other")
+
+
+def test_cli_help_has_an_example():
+    out = subprocess.run(CLI + ["convert", "--help"], cwd=REPO, capture_output=True, text=True, check=True)
+    assert "example:" in out.stdout and "flashmoe-cli convert " in out.stdout
