@@ -100,12 +100,13 @@ def simulate(trace: Trace, policy: str, capacity: float, scope: str = "layer",
     if policy == "belady" and "oracle" not in options:
         options["oracle"] = BeladyOracle(access_sequence(trace))
     residency = Residency(slots, trace.n_layers, policy_factory(policy, **options), scope, trace.max_set)
-    _replay(trace, residency, system or SystemReplay.synthetic())
+    replay(trace, residency, system or SystemReplay.synthetic())
     hits = sum(s.hits for s in residency.stats)
     return SimResult(trace.name, policy, capacity, scope, hits, hits + sum(s.misses for s in residency.stats), slots)
 
 
-def _replay(trace: Trace, residency: Residency, system: SystemReplay) -> None:
+def replay(trace: Trace, residency: Residency, system: SystemReplay) -> None:
+    """Drive `residency` through every step of `trace`, as the runtime would."""
     route, access = residency.route, residency.access
     token = -1
     for new_session, layer, experts in walk(trace):

@@ -95,6 +95,19 @@ def keys(accesses: np.ndarray) -> list[Key]:
 
 
 # -- building ----------------------------------------------------------------------------------
+def from_sets(sets: list[list[list[int]]], name: str = "synthetic", n_experts: int | None = None,
+              top_k: int | None = None, session_starts: list[int] | None = None, model: str = "synthetic") -> Trace:
+    """A trace from per-token, per-layer expert lists (sets may differ in size)."""
+    if not sets or not sets[0]:
+        raise TraceError(f"{name}: no routing; give at least one token with one layer")
+    n_layers = len(sets[0])
+    if any(len(token) != n_layers for token in sets):
+        raise TraceError(f"{name}: every token must route all {n_layers} layers")
+    k = top_k if top_k is not None else min(len(s) for token in sets for s in token)
+    return _from_sets(name, model, sets, n_layers, k, n_experts, session_starts or [0],
+                      tuple(range(n_layers)), name)
+
+
 def _from_sets(name: str, model: str, sets: list[list[list[int]]], n_layers: int, top_k: int,
                n_experts: int | None, session_starts: list[int], layer_ids: tuple[int, ...],
                where: str) -> Trace:
