@@ -1,0 +1,200 @@
+"""Loader vs device: expert-miss read throughput through ExpertCache beside a raw O_DIRECT read of the same file.
+
+    .venv/bin/python bench/loader.py [--model DIR] [--repeat 3]
+
+Every cache access is a miss: the cap is the smallest allowed (top-k slots per layer) and one
+sweep routes every (layer, expert) block exactly once, top-k experts per step, in file order
+("sequential") and in a seeded shuffled order per layer ("shuffled"). The raw reference reads the
+whole experts.bin sequentially with O_DIRECT in large aligned chunks, in the same run. Rounds
+interleave all configurations; the table gives each one's median MB/s and its ratio to the raw
+read. O_DIRECT needs no cache dropping; the buffered and mmap backends start cold because the
+file's pages are dropped with posix_fadvise(DONTNEED) before each of their sweeps.
+
+--model defaults to data/demo when `flashmoe-cli init-demo` wrote it there; otherwise a ~1 GiB
+random store is written once to data/bench-loader with convert's StoreWriter.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from agent.convert import StoreShape, StoreWriter
+from agent.experts.cache import ExpertCache, cap_bounds
+from agent.experts.layout import CONFIG, EXPERTS, INDEX, Index
+from agent.experts.reader import dio_alignment
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "loader.json"
+DEMO = ROOT / "data" / "demo"
+GENERATED = ROOT / "data" / "bench-loader"
+# ~1.1 GiB: 8 layers x 32 experts of 4.5 MiB (bfloat16, hidden 1024, intermediate 768), top-8.
+GENERATED_SHAPE = StoreShape(n_layers=8, n_experts=32, hidden=1024, intermediate=768, dtype="bfloat16", itemsize=2)
+GENERATED_TOP_K = 8
+
+
+@dataclass
+class Row:
+    config: str
+    mb_s: float           # median over rounds, MB = 10^6 bytes
+    ratio: float          # to the raw O_DIRECT sequential read
+    rounds_mb_s: list[float]
+
+
+# -- the store -------------------------------------------------------------------------------------------
+def bench_store(model: Path | None) -> Path:
+    if model is not None:
+        return model
+    if (DEMO / INDEX).exists():
+        return DEMO
+    if not (GENERATED / INDEX).exists():
+        write_random_store(GENERATED)
+    return GENERATED
+
+
+def write_random_store(path: Path) -> None:
+    rng = np.random.default_rng(0)
+
+    def fill(payload: memoryview) -> None:
+        payload[:] = rng.bytes(len(payload))
+
+    print(f"writing a random expert store to {path} (once)")
+    with StoreWriter(path, GENERATED_SHAPE) as writer:
+        writer.write_config({"model_type": "olmoe", "num_experts_per_tok": GENERATED_TOP_K,
+                             "num_experts": GENERATED_SHAPE.n_experts,
+                             "num_hidden_layers": GENERATED_SHAPE.n_layers})
+        for _ in range(writer.n_blocks):
+            writer.add_block(fill)
+
+
+def drop_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# -- the measurements --------------------------------------------------------------------------------------
+def raw_direct_read(path: Path, chunk_bytes: int) -> float:
+    """Seconds to read the whole file sequentially with O_DIRECT into one page-aligned buffer."""
+    buf = mmap.mmap(-1, chunk_bytes)
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        offset, start = 0, time.perf_counter()
+        while n := os.preadv(fd, [view], offset):
+            offset += n
+        elapsed = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        view.release()
+        buf.close()
+    assert offset == path.stat().st_size, "raw read ended early"
+    return elapsed
+
+
+def schedule(index: Index, top_k: int, shuffled: bool) -> Iterator[tuple[int, list[int]]]:
+    """Each step: (layer, top-k experts); over a sweep every block appears exactly once."""
+    rng = np.random.default_rng(1)
+    for layer in range(index.n_layers):
+        order = rng.permutation(index.n_experts).tolist() if shuffled else list(range(index.n_experts))
+        for i in range(0, len(order), top_k):
+            yield layer, order[i:i + top_k]
+
+
+def cache_sweep(store: Path, backend: str, verify: bool, shuffled: bool, io_threads: int) -> float:
+    """Seconds for one all-miss sweep through ExpertCache; checks that every block was read once."""
+    index = Index.load(store / INDEX)
+    top_k = json.loads((store / CONFIG).read_text())["num_experts_per_tok"]
+    if backend != "direct":
+        drop_from_page_cache(store / EXPERTS)
+    with ExpertCache(store, cap_bounds(index, top_k)[0], backend=backend, verify=verify,
+                     io_threads=io_threads) as cache:
+        start = time.perf_counter()
+        for layer, experts in schedule(index, top_k, shuffled):
+            cache.route(layer, experts)
+            for e in experts:
+                cache.get(layer, e)
+        elapsed = time.perf_counter() - start
+        stats = cache.stats()
+    assert stats.misses == stats.reads == len(index.blocks) and stats.hits == 0, stats
+    return elapsed
+
+
+def configurations(store: Path, chunk_bytes: int, io_threads: int) -> dict[str, tuple[Callable[[], float], int]]:
+    """name -> (measurement returning seconds, bytes it moves)."""
+    index = Index.load(store / INDEX)
+    payload = index.nbytes * len(index.blocks)
+    configs = {"raw O_DIRECT sequential": (lambda: raw_direct_read(store / EXPERTS, chunk_bytes),
+                                           (store / EXPERTS).stat().st_size)}
+    for backend, verify, shuffled in [("direct", True, False), ("direct", False, False), ("direct", True, True),
+                                      ("buffered", True, False), ("mmap", True, False), ("mmap", True, True)]:
+        name = f"cache {backend}, crc {'on' if verify else 'off'}, {'shuffled' if shuffled else 'sequential'}"
+        configs[name] = (lambda b=backend, v=verify, s=shuffled: cache_sweep(store, b, v, s, io_threads), payload)
+    return configs
+
+
+# -- reporting ----------------------------------------------------------------------------------------------
+def machine_facts(store: Path) -> dict:
+    def sh(cmd: str) -> str:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
+
+    mem, off = dio_alignment(store / EXPERTS)
+    return {"cpu": sh("lscpu | sed -n 's/^Model name: *//p'"), "cores": os.cpu_count(),
+            "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "kernel": platform.release(),
+            "filesystem": sh(f"df -T {store} | awk 'NR==2 {{print $1, $2}}'"),
+            "dio_alignment": {"memory": mem, "offset": off}}
+
+
+def run(store: Path, repeat: int, chunk_bytes: int, io_threads: int) -> list[Row]:
+    configs = configurations(store, chunk_bytes, io_threads)
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(repeat):
+        for name, (measure, nbytes) in configs.items():
+            samples[name].append(nbytes / measure() / 1e6)
+    raw = statistics.median(samples["raw O_DIRECT sequential"])
+    return [Row(name, statistics.median(v), statistics.median(v) / raw, [round(x, 1) for x in v])
+            for name, v in samples.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="an expert store (default: data/demo, else a generated ~1 GiB store)")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median is reported")
+    parser.add_argument("--chunk-mb", type=int, default=16, help="raw read chunk size in MiB")
+    parser.add_argument("--io-threads", type=int, default=4)
+    args = parser.parse_args()
+    store = bench_store(args.model)
+    index = Index.load(store / INDEX)
+    rows = run(store, args.repeat, args.chunk_mb * 2**20, args.io_threads)
+    facts = machine_facts(store)
+    print(f"\nstore {store}: {len(index.blocks)} blocks of {index.nbytes / 2**20:.2f} MiB, "
+          f"{(store / EXPERTS).stat().st_size / 2**30:.2f} GiB; raw chunk {args.chunk_mb} MiB; "
+          f"{args.io_threads} io threads; median of {args.repeat}")
+    print(f"machine: {facts['cpu']}, {facts['cores']} cores, {facts['ram_bytes'] / 2**30:.1f} GiB RAM, "
+          f"{facts['filesystem']}, kernel {facts['kernel']}, DIO alignment {facts['dio_alignment']}\n")
+    width = max(len(r.config) for r in rows)
+    print(f"{'configuration':<{width}}  {'MB/s':>8}  {'x raw':>6}  rounds (MB/s)")
+    for r in rows:
+        print(f"{r.config:<{width}}  {r.mb_s:>8.0f}  {r.ratio:>6.2f}  {r.rounds_mb_s}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"store": str(store), "blocks": len(index.blocks), "block_bytes": index.nbytes,
+                                   "file_bytes": (store / EXPERTS).stat().st_size, "repeat": args.repeat,
+                                   "chunk_bytes": args.chunk_mb * 2**20, "io_threads": args.io_threads,
+                                   "machine": facts, "rows": [asdict(r) for r in rows]}, indent=2))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
