@@ -1,0 +1,189 @@
+"""The agent's HTTP routes (FastAPI): OpenAI-style completions, knobs, status, preload, /metrics.
+
+Routes only translate HTTP to Runtime calls. Control calls (PUT /v1/knobs, POST /v1/cache/preload)
+need the bearer token when the agent has one; the `X-FlashMoE-Source` header says who changed a
+knob ("api" by default, "dashboard" from the dashboard) and goes into the store with the change.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Body, Depends, FastAPI, Header, HTTPException
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from agent.serve.knobs import KnobError
+from agent.serve.runtime import Runtime
+from agent.serve.scheduler import Event
+from agent.serve.scheduler import Request as Job
+
+CLIENT_SOURCES = ("api", "dashboard")
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (e.g. user)
+    model: str | None = None
+    prompt: str | list[int] = Field(description="text, or token ids")
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+
+
+class PreloadRequest(BaseModel):
+    experts: list[tuple[int, int]] = Field(description="[[layer, expert], ...] to bring into the cache")
+
+
+def create_app(runtime: Runtime, tokenizer, token: str | None = None) -> FastAPI:
+    app = FastAPI(title="FlashMoE agent", version="0.1.0",
+                  description="MoE inference with experts on the SSD behind a learned RAM cache.")
+    model_name = runtime.opts.model_dir.name
+    config = runtime.engine.config
+    stop_ids = frozenset([] if config.eos_token_id is None else [config.eos_token_id])
+
+    def control(authorization: str | None = Header(None)) -> None:
+        if token is None:
+            return
+        given = (authorization or "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(401, "this control call needs the agent's token: send 'Authorization: Bearer <token>' "
+                                     "(the --token or FLASHMOE_TOKEN the agent was started with)")
+
+    def source(x_flashmoe_source: str = Header("api")) -> str:
+        if x_flashmoe_source not in CLIENT_SOURCES:
+            raise HTTPException(400, f"X-FlashMoE-Source must be one of {', '.join(CLIENT_SOURCES)}; "
+                                     f"got {x_flashmoe_source!r}")
+        return x_flashmoe_source
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(runtime.started),
+                                            "owned_by": "flashmoe"}]}
+
+    @app.get("/v1/status")
+    def status() -> dict[str, Any]:
+        return runtime.status()
+
+    @app.get("/v1/knobs")
+    def get_knobs() -> dict[str, Any]:
+        return runtime.knobs.describe()
+
+    @app.put("/v1/knobs", dependencies=[Depends(control)])
+    def put_knobs(changes: dict[str, Any] = Body(...), who: str = Depends(source)) -> dict[str, Any]:
+        try:
+            return runtime.set_knobs(changes, who)
+        except KnobError as exc:
+            raise HTTPException(400, str(exc)) from None
+
+    @app.post("/v1/cache/preload", dependencies=[Depends(control)])
+    def preload(body: PreloadRequest) -> dict[str, Any]:
+        try:
+            loaded = runtime.preload([tuple(k) for k in body.experts])
+        except KnobError as exc:
+            raise HTTPException(400, str(exc)) from None
+        return {"requested": len(body.experts), "loaded": loaded, "status": runtime.status()["cache"]}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        prompt_ids = _prompt_ids(body, tokenizer, config)
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        job = Job(id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=prompt_ids, max_tokens=body.max_tokens,
+                  temperature=body.temperature, stop_ids=stop_ids,
+                  sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        try:
+            runtime.submit(job)
+        except RuntimeError as exc:
+            raise HTTPException(503, str(exc)) from None
+        head = {"id": job.id, "object": "text_completion", "created": int(time.time()), "model": model_name}
+        if body.stream:
+            return StreamingResponse(_stream(job, queue, head, tokenizer), media_type="text/event-stream")
+        return await _collect(job, queue, head, tokenizer)
+
+    return app
+
+
+def _prompt_ids(body: CompletionRequest, tokenizer, config) -> list[int]:
+    ids = list(tokenizer.encode(body.prompt)) if isinstance(body.prompt, str) else list(body.prompt)
+    if not ids:
+        raise HTTPException(400, "prompt is empty: give text or at least one token id")
+    bad = [t for t in ids if not 0 <= t < config.vocab_size]
+    if bad:
+        raise HTTPException(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+    if len(ids) + body.max_tokens > config.max_seq_len:
+        raise HTTPException(400, f"prompt ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds the model's "
+                                 f"context of {config.max_seq_len} tokens; shorten one of them")
+    return ids
+
+
+def _usage(ev: Event) -> dict[str, int]:
+    s = ev.stats
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+            "total_tokens": s.prompt_tokens + s.completion_tokens}
+
+
+def _flashmoe(ev: Event) -> dict[str, float]:
+    """Per-request timings and cache traffic (an extension field; OpenAI clients ignore it)."""
+    s = ev.stats
+    return {"ttft_s": s.ttft_s, "tpot_s": s.tpot_s, "latency_s": s.latency_s, "expert_hits": s.hits,
+            "expert_misses": s.misses, "bytes_read": s.bytes_read}
+
+
+async def _collect(job: Job, queue: asyncio.Queue[Event], head: dict, tokenizer) -> JSONResponse:
+    tokens: list[int] = []
+    try:
+        while True:
+            ev = await queue.get()
+            if ev.kind == "token":
+                tokens.append(ev.token)
+            elif ev.kind == "error":
+                raise HTTPException(500, f"generation failed: {ev.error}")
+            else:
+                choice = {"text": tokenizer.decode(tokens), "index": 0, "logprobs": None,
+                          "finish_reason": ev.finish_reason}
+                return JSONResponse({**head, "choices": [choice], "usage": _usage(ev), "flashmoe": _flashmoe(ev)})
+    finally:
+        job.cancelled = True  # a no-op once done; frees the slot if the client went away
+
+
+async def _stream(job: Job, queue: asyncio.Queue[Event], head: dict, tokenizer) -> AsyncIterator[str]:
+    """SSE: one chunk per token carrying the new text, a last chunk with finish_reason and usage, then [DONE]."""
+    tokens: list[int] = []
+    sent = ""
+    try:
+        while True:
+            ev = await queue.get()
+            if ev.kind == "token":
+                tokens.append(ev.token)
+                text = tokenizer.decode(tokens)
+                if text.endswith("\ufffd"):
+                    continue  # a multi-byte character is still incomplete: wait for its next byte
+                delta, sent = text[len(sent):], text
+                yield _sse({**head, "choices": [{"text": delta, "index": 0, "logprobs": None, "finish_reason": None}]})
+            elif ev.kind == "error":
+                yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
+                break
+            else:
+                rest = tokenizer.decode(tokens)[len(sent):]
+                yield _sse({**head, "choices": [{"text": rest, "index": 0, "logprobs": None,
+                                                 "finish_reason": ev.finish_reason}],
+                            "usage": _usage(ev), "flashmoe": _flashmoe(ev)})
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled = True
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"

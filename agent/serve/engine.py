@@ -1,0 +1,106 @@
+"""The scheduler's engine: the model, its expert cache and sampling, one batched step at a time."""
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from agent.experts.cache import ExpertCache
+from agent.experts.provider import ExpertProvider, ExpertWeights
+from agent.model.generation import sample
+from agent.model.model import Transformer
+from agent.serve.scheduler import Request, StepIO
+
+
+class RouteCounter:
+    """An ExpertProvider in front of another that counts which experts the routers chose.
+
+    Counts are per step that routed an expert (the union over the step's tokens), which is what
+    the cache sees. Used for the store's activation heatmap and by warm-up to find hot experts."""
+
+    def __init__(self, inner: ExpertProvider) -> None:
+        self.inner = inner
+        self._counts: collections.Counter[tuple[int, int]] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def route(self, layer: int, experts: Sequence[int]) -> None:
+        with self._lock:
+            self._counts.update((layer, e) for e in experts)
+        self.inner.route(layer, experts)
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self.inner.get(layer, expert)
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        self.inner.prefetch(layer, experts)
+
+    def take(self) -> dict[tuple[int, int], int]:
+        """The counts since the last take, and start counting afresh."""
+        with self._lock:
+            counts, self._counts = self._counts, collections.Counter()
+        return dict(counts)
+
+
+class RouteWindows:
+    """An ExpertProvider in front of the cache that routes it at most one partition's capacity at a time.
+
+    A batch's union of chosen experts at one layer can exceed that layer's share of the cache
+    (16 sequences x top-8 of 64 experts against 16 slots at a 25% cap), while the cache pins all
+    it is routed together. The model asks for experts in the order it routed them, so routing
+    consecutive windows of that order keeps each expert pinned while it is in use."""
+
+    def __init__(self, cache: ExpertCache, scope: str) -> None:
+        self.cache, self.scope = cache, scope
+        self._order: dict[int, list[int]] = {}
+        self._window: dict[int, set[int]] = {}
+
+    def _size(self) -> int:
+        slots = self.cache.cap_bytes // self.cache.index.slot_bytes
+        return slots // self.cache.index.n_layers if self.scope == "layer" else slots
+
+    def _route_from(self, layer: int, start: int) -> None:
+        chunk = self._order[layer][start:start + self._size()]
+        self._window[layer] = set(chunk)
+        self.cache.route(layer, chunk)
+
+    def route(self, layer: int, experts: Sequence[int]) -> None:
+        self._order[layer] = list(experts)
+        self._route_from(layer, 0)
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        if expert not in self._window.get(layer, ()) and expert in self._order.get(layer, ()):
+            self._route_from(layer, self._order[layer].index(expert))
+        return self.cache.get(layer, expert)
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        self.cache.prefetch(layer, experts)
+
+
+class ModelEngine:
+    def __init__(self, model_dir, cache: ExpertCache, prefetch: bool = True, seed: int = 0) -> None:
+        self.cache = cache
+        self.routes = RouteCounter(RouteWindows(cache, cache.stats().scope))
+        self.model = Transformer.from_store(model_dir, self.routes, prefetch)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def begin(self, request: Request):
+        self.cache.session()
+        return self.model.new_sequence(len(request.prompt_ids) + request.max_tokens)
+
+    def step(self, batch: list[Request]) -> tuple[list[int], StepIO]:
+        before = self.cache.stats()
+        logits = self.model.step([(r.state, torch.tensor(r.pending_tokens)) for r in batch])
+        after = self.cache.stats()
+        tokens = [sample(l, greedy=r.temperature <= 0, temperature=r.temperature, generator=self.generator)
+                  for l, r in zip(logits, batch)]
+        return tokens, StepIO(after.hits - before.hits, after.misses - before.misses,
+                              after.bytes_read - before.bytes_read)
+
+    def end(self, request: Request) -> None:
+        request.state = None  # the Sequence owns the KV cache: dropping it frees the memory

@@ -1,0 +1,177 @@
+"""The agent's instruments: measured once, exported twice.
+
+Every second `Metrics.tick` turns the cumulative counters of the cache and the scheduler into one
+`Tick` of per-interval deltas; the same Tick increments the Prometheus instruments (`/metrics`)
+and is what the recorder writes to the store, so the two outputs cannot disagree. Finished
+requests go through `Metrics.request` the same way. Registry passed in: tests use a fresh one.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from agent.experts.cache import CacheStats
+from agent.residency import LayerStats
+from agent.serve.scheduler import RequestStats
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8)
+READ_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
+RECENT_TICKS = 30  # window of "recent" hit rate: the last 30 one-second ticks
+
+
+@dataclass(frozen=True)
+class LayerDelta:
+    layer: int
+    hits: int
+    misses: int
+    evictions: int
+    prefetch_hits: int
+    bytes_read: int           # this layer's share of the interval's bytes, by its block reads
+    read_latency_s: float | None  # mean of the interval's reads (all layers: the cache keeps one series)
+
+
+@dataclass(frozen=True)
+class Tick:
+    t: float
+    interval_s: float
+    layers: list[LayerDelta]
+    bytes_read: int
+    read_latencies: list[float]
+    batch_size: int
+    queue_depth: int
+    tokens: int
+    cache_bytes: int
+    cap_bytes: int
+    activations: dict[tuple[int, int], int]
+
+    @property
+    def hits(self) -> int:
+        return sum(d.hits for d in self.layers)
+
+    @property
+    def misses(self) -> int:
+        return sum(d.misses for d in self.layers)
+
+    @property
+    def hit_rate(self) -> float | None:
+        total = self.hits + self.misses
+        return self.hits / total if total else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.interval_s if self.interval_s > 0 else 0.0
+
+    @property
+    def read_busy(self) -> float:
+        """Share of the interval the cache spent waiting on reads (capped at 1): the SSD busy estimate."""
+        return min(1.0, sum(self.read_latencies) / self.interval_s) if self.interval_s > 0 else 0.0
+
+
+@dataclass
+class _Previous:
+    t: float
+    layers: list[LayerStats]
+    bytes_read: int = 0
+    reads: int = 0
+    tokens: int = 0
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry, n_layers: int) -> None:
+        self.registry = registry
+        layer = ["layer"]
+        self.hits = Counter("flashmoe_expert_cache_hits", "expert cache hits", layer, registry=registry)
+        self.misses = Counter("flashmoe_expert_cache_misses", "expert cache misses", layer, registry=registry)
+        self.evictions = Counter("flashmoe_expert_cache_evictions", "experts evicted", layer, registry=registry)
+        self.prefetch_hits = Counter("flashmoe_expert_cache_prefetch_hits",
+                                     "demand hits on experts that prefetch brought in", layer, registry=registry)
+        self.bytes_read = Counter("flashmoe_expert_read_bytes", "expert bytes read from the SSD", registry=registry)
+        self.read_latency = Histogram("flashmoe_expert_read_latency_seconds", "latency of one expert block read",
+                                      buckets=READ_BUCKETS, registry=registry)
+        self.ttft = Histogram("flashmoe_request_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS,
+                              registry=registry)
+        self.tpot = Histogram("flashmoe_request_tpot_seconds", "mean time per output token after the first",
+                              buckets=TOKEN_BUCKETS, registry=registry)
+        self.latency = Histogram("flashmoe_request_latency_seconds", "request latency, arrival to last token",
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+        self.requests = Counter("flashmoe_requests", "finished requests", registry=registry)
+        self.tokens = Counter("flashmoe_generated_tokens", "generated tokens", registry=registry)
+        self.batch_size = Gauge("flashmoe_batch_size", "requests in the running batch", registry=registry)
+        self.batch_limit = Gauge("flashmoe_batch_limit", "current dynamic batch limit", registry=registry)
+        self.queue_depth = Gauge("flashmoe_queue_depth", "requests waiting to join the batch", registry=registry)
+        self.cache_bytes = Gauge("flashmoe_cache_bytes", "bytes of experts resident in the cache", registry=registry)
+        self.cap_bytes = Gauge("flashmoe_cache_cap_bytes", "expert cache cap", registry=registry)
+        self.hit_ratio = Gauge("flashmoe_expert_cache_hit_ratio",
+                               f"expert cache hit ratio over the last {RECENT_TICKS} s", registry=registry)
+        for i in range(n_layers):  # export every layer from the start, so rate() has a zero to start from
+            for counter in (self.hits, self.misses, self.evictions, self.prefetch_hits):
+                counter.labels(layer=str(i))
+        self._prev: _Previous | None = None
+        self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=RECENT_TICKS)
+        self._pending: list[RequestStats] = []
+        self._lock = threading.Lock()
+
+    # -- requests -------------------------------------------------------------------------------
+    def request(self, r: RequestStats) -> None:
+        """A request finished (called on the scheduler thread); the recorder drains the rows."""
+        self.ttft.observe(r.ttft_s)
+        self.latency.observe(r.latency_s)
+        if r.completion_tokens > 1:
+            self.tpot.observe(r.tpot_s)
+        self.requests.inc()
+        with self._lock:
+            self._pending.append(r)
+
+    def drain_requests(self) -> list[RequestStats]:
+        with self._lock:
+            rows, self._pending = self._pending, []
+        return rows
+
+    # -- the one-second tick --------------------------------------------------------------------------
+    def tick(self, t: float, cache: CacheStats, batch_size: int, queue_depth: int, batch_limit: int,
+             tokens_total: int, activations: dict[tuple[int, int], int]) -> Tick:
+        prev = self._prev or _Previous(t, [LayerStats() for _ in cache.layers])
+        new_reads = cache.reads - prev.reads
+        latencies = cache.read_latency_s[-new_reads:] if new_reads > 0 else []
+        mean_latency = sum(latencies) / len(latencies) if latencies else None
+        bytes_read = cache.bytes_read - prev.bytes_read
+        loads = [(c.misses - p.misses) + (c.prefetches - p.prefetches) for c, p in zip(cache.layers, prev.layers)]
+        total_loads = sum(loads) or 1
+        layers = [LayerDelta(i, c.hits - p.hits, c.misses - p.misses, c.evictions - p.evictions,
+                             c.prefetch_hits - p.prefetch_hits, bytes_read * n // total_loads, mean_latency)
+                  for i, (c, p, n) in enumerate(zip(cache.layers, prev.layers, loads))]
+        tick = Tick(t, t - prev.t, layers, bytes_read, latencies, batch_size, queue_depth,
+                    tokens_total - prev.tokens, cache.resident * cache.slot_bytes, cache.cap_bytes, activations)
+        self._export(tick, batch_limit)
+        self._prev = _Previous(t, cache.layers, cache.bytes_read, cache.reads, tokens_total)
+        return tick
+
+    def _export(self, tick: Tick, batch_limit: int) -> None:
+        for d in tick.layers:
+            label = str(d.layer)
+            self.hits.labels(layer=label).inc(d.hits)
+            self.misses.labels(layer=label).inc(d.misses)
+            self.evictions.labels(layer=label).inc(d.evictions)
+            self.prefetch_hits.labels(layer=label).inc(d.prefetch_hits)
+        self.bytes_read.inc(tick.bytes_read)
+        for s in tick.read_latencies:
+            self.read_latency.observe(s)
+        self.tokens.inc(tick.tokens)
+        self.batch_size.set(tick.batch_size)
+        self.batch_limit.set(batch_limit)
+        self.queue_depth.set(tick.queue_depth)
+        self.cache_bytes.set(tick.cache_bytes)
+        self.cap_bytes.set(tick.cap_bytes)
+        self._recent.append((tick.hits, tick.misses))
+        rate = self.recent_hit_rate()
+        if rate is not None:
+            self.hit_ratio.set(rate)
+
+    def recent_hit_rate(self) -> float | None:
+        hits = sum(h for h, _ in self._recent)
+        total = hits + sum(m for _, m in self._recent)
+        return hits / total if total else None

@@ -1,0 +1,238 @@
+"""The agent's one runtime object: model, cache, scheduler, knobs, metrics, store, guard.
+
+The HTTP routes (agent.serve.app) only call the methods here. A one-second ticker thread turns the
+counters into a Tick (metrics, store), adapts the batch limit to SSD utilisation and runs the
+memory guard. Knob changes are applied on the scheduler thread between two steps, so a shrink
+never frees a slot the running step still reads.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from agent.experts.cache import ExpertCache, cap_bounds, parse_cap
+from agent.experts.layout import CONFIG, INDEX, Index
+from agent.model.config import MoEConfig
+from agent.policies.base import REGISTRY
+from agent.policies import policy_names
+from agent.serve import batching, guard
+from agent.serve.engine import ModelEngine
+from agent.serve.knobs import KnobError, Knobs, Limits
+from agent.serve.metrics import Metrics, Tick
+from agent.serve.recorder import Recorder
+from agent.serve.scheduler import Request, Scheduler
+from agent.serve.ssd import SsdUtil
+
+log = logging.getLogger(__name__)
+
+TICK_S = 1.0
+DEFAULT_CAP = "25%"          # of expert bytes, when neither --cache-cap nor a stored value says otherwise
+POLICY_KNOBS = ("keep_percentile", "recompute_threshold")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model_dir: Path
+    db: Path | None = None
+    cache_cap: str | None = None     # bytes, a size or a percentage of expert bytes
+    policy: str | None = None
+    backend: str = "direct"
+    prefetch: bool | None = None
+    max_batch_size: int | None = None
+
+
+class Runtime:
+    def __init__(self, opts: ServeOptions, registry: CollectorRegistry, store=None) -> None:
+        self.opts, self.started = opts, time.time()
+        self.recorder = Recorder(store) if store is not None else None
+        self.cache = ExpertCache(opts.model_dir, _first_cap(opts), policy="lru", backend=opts.backend)
+        try:
+            self.engine = ModelEngine(opts.model_dir, self.cache)
+        except BaseException:
+            self.cache.close()
+            raise
+        lo, hi = cap_bounds(self.cache.index, self.cache.min_per_layer)
+        self.knobs = Knobs(Limits(lo, hi, tuple(policy_names()), max_prefetch_depth=1))
+        self.knobs.commit({"cache_cap_bytes": self.cache.cap_bytes, "policy": self.cache.policy_name})
+        self.metrics = Metrics(registry, self.cache.index.n_layers)
+        self.scheduler = Scheduler(self.engine, self.knobs["max_batch_size"], self.metrics.request)
+        self.ssd = SsdUtil(opts.model_dir, store)
+        self.pressure = guard.PressureSampler()
+        self.guard_config, self._guard_streak = guard.GuardConfig(), 0
+        self._knob_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick_loop, name="ticker", daemon=True)
+        self._last_tick: Tick | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bring knobs to their stored and command-line values, then start serving."""
+        self.scheduler.start()
+        self._initial_knobs()
+        self._ticker.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.scheduler.stop()
+        if self._ticker.is_alive():
+            self._ticker.join(5)
+        self.tick()  # the last partial second and the last requests
+        self.cache.close()
+
+    def _initial_knobs(self) -> None:
+        """Stored values (source "restore") first, then what the command line says (source "cli")."""
+        stored = self._stored_knobs()
+        if stored:
+            self.set_knobs(stored, "restore", partial=True)
+        cli = {"cache_cap_bytes": parse_cap(self.opts.cache_cap, self.cache.expert_bytes) if self.opts.cache_cap else None,
+               "policy": self.opts.policy, "prefetch": self.opts.prefetch, "max_batch_size": self.opts.max_batch_size}
+        cli = {k: v for k, v in cli.items() if v is not None}
+        if cli:
+            self.set_knobs(cli, "cli")
+
+    def _stored_knobs(self) -> dict[str, Any]:
+        """The store's last value of each knob this agent has (values come back typed, from JSON)."""
+        if self.recorder is None:
+            return {}
+        from store.queries import latest_knobs
+        return {k: v for k, v in latest_knobs(self.recorder.store.path).items() if k in self.knobs.specs}
+
+    # -- knobs ------------------------------------------------------------------------------------
+    def set_knobs(self, changes: dict[str, Any], source: str, partial: bool = False) -> dict[str, Any]:
+        """Validate all, apply between two steps, record each change. With `partial` (restore), a value
+        that no longer fits the bounds (e.g. less memory now) is skipped with a warning instead of refused."""
+        with self._knob_lock:
+            if partial:
+                changes = self._fitting(changes)
+            validated = self.knobs.validate(changes) if changes else {}
+            diff = self.knobs.diff(validated)
+            if diff:
+                self.scheduler.call(lambda: self._apply({k: new for k, (_, new) in diff.items()}))
+                t = time.time()
+                for knob, (old, new) in diff.items():
+                    log.info("knob %s: %r -> %r (%s)", knob, old, new, source)
+                    if self.recorder is not None:
+                        self.recorder.knob_change(t, knob, old, new, source)
+            return self.knobs.describe()
+
+    def _fitting(self, changes: dict[str, Any]) -> dict[str, Any]:
+        ok = {}
+        for name, value in changes.items():
+            try:
+                ok.update(self.knobs.validate({name: value}))
+            except KnobError as exc:
+                log.warning("not restoring %s: %s", name, exc)
+        return ok
+
+    def _apply(self, new: dict[str, Any]) -> None:
+        """Runs on the scheduler thread. Commits knob by knob, so a failure leaves the knobs true to the runtime."""
+        if "cache_cap_bytes" in new:
+            self.cache.resize(new["cache_cap_bytes"])
+            self.knobs.commit({"cache_cap_bytes": new["cache_cap_bytes"]})
+        policy_change = {k: v for k, v in new.items() if k == "policy" or k in POLICY_KNOBS}
+        merged = {**self.knobs.values, **policy_change}
+        options = policy_options(merged["policy"], merged)
+        if "policy" in policy_change or options.keys() & policy_change.keys():
+            self.cache.set_policy(merged["policy"], **options)
+        self.knobs.commit(policy_change)
+        if "max_batch_size" in new:
+            self.scheduler.set_max_batch(new["max_batch_size"])
+        rest = {k: v for k, v in new.items() if k not in policy_change and k != "cache_cap_bytes"}
+        self.knobs.commit(rest)
+        self.engine.model.prefetch = self.knobs["prefetch"] and self.knobs["prefetch_depth"] >= 1
+
+    # -- control calls ------------------------------------------------------------------------------
+    def preload(self, keys: list[tuple[int, int]]) -> int:
+        n_layers, n_experts = self.cache.index.n_layers, self.cache.index.n_experts
+        for layer, expert in keys:
+            if not (0 <= layer < n_layers and 0 <= expert < n_experts):
+                raise KnobError("experts", f"expert [{layer}, {expert}] does not exist: layers are 0..{n_layers - 1}, "
+                                           f"experts 0..{n_experts - 1}")
+        return self.scheduler.call(lambda: self.cache.preload(keys))
+
+    def submit(self, request: Request) -> None:
+        self.scheduler.submit(request)
+
+    def status(self) -> dict[str, Any]:
+        s = self.cache.stats()
+        return {
+            "model": str(self.opts.model_dir), "uptime_s": time.time() - self.started,
+            "policy": s.policy, "backend": s.backend, "scope": s.scope,
+            "cache": {"resident_experts": s.resident, "capacity_experts": s.capacity,
+                      "cache_bytes": s.resident * s.slot_bytes, "cap_bytes": s.cap_bytes,
+                      "occupancy": s.resident / s.capacity if s.capacity else 0.0,
+                      "expert_bytes": self.cache.expert_bytes,
+                      "hits": s.hits, "misses": s.misses, "hit_rate": s.hit_rate,
+                      "prefetch_accuracy": s.prefetch_accuracy},
+            "recent_hit_rate": self.metrics.recent_hit_rate(),
+            "batch_size": self.scheduler.batch_size, "batch_limit": self.scheduler.limit,
+            "queue_depth": len(self.scheduler.waiting), "tokens_generated": self.scheduler.tokens_total,
+            "ssd_util": self.ssd.last, "ssd_util_source": self.ssd.source,
+        }
+
+    # -- the one-second tick -----------------------------------------------------------------------------
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(TICK_S):
+            try:
+                self.tick()
+            except Exception:
+                log.exception("statistics tick failed; retrying next second")
+
+    def tick(self) -> Tick:
+        sched = self.scheduler
+        tick = self.metrics.tick(time.time(), self.cache.stats(), sched.batch_size, len(sched.waiting), sched.limit,
+                                 sched.tokens_total, self.engine.routes.take())
+        if self.recorder is not None:
+            self.recorder.write(tick, self.metrics.drain_requests())
+        else:
+            self.metrics.drain_requests()
+        if not self._stop.is_set():
+            self._adapt_batch(tick)
+            self._guard(tick)
+        return tick
+
+    def _adapt_batch(self, tick: Tick) -> None:
+        util = self.ssd.read(tick.read_busy)
+        limit = batching.next_limit(self.scheduler.limit, self.scheduler.max_batch, util, self.knobs["ssd_util_threshold"])
+        if limit != self.scheduler.limit:
+            log.info("batch limit %d -> %d (SSD utilisation %.2f from %s, threshold %.2f)", self.scheduler.limit,
+                     limit, util or 0.0, self.ssd.source, self.knobs["ssd_util_threshold"])
+            self.scheduler.limit = limit
+
+    def _guard(self, tick: Tick) -> None:
+        pressure = self.pressure.sample()
+        if not self.knobs["auto_shrink"]:
+            self._guard_streak = 0
+            return
+        floor = self.knobs.specs["cache_cap_bytes"].lo
+        self._guard_streak, shrink = guard.decide(self._guard_streak, pressure, self.cache.cap_bytes, floor,
+                                                  self.guard_config)
+        if shrink is not None:
+            log.warning("memory guard: %s", shrink.reason)
+            if self.recorder is not None:
+                self.recorder.event(time.time(), "memory_guard", shrink.reason)
+            self.set_knobs({"cache_cap_bytes": shrink.new_cap}, "guard")
+
+
+def policy_options(name: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The policy knobs that policy `name`'s constructor takes (LRU takes none, flashmoe both)."""
+    params = inspect.signature(REGISTRY[name]).parameters
+    return {k: values[k] for k in POLICY_KNOBS if k in params}
+
+
+def _first_cap(opts: ServeOptions) -> int:
+    """The cap to open the cache with: --cache-cap as given (the cache refuses one out of bounds), or
+    the default clamped into the bounds. A stored value, if any, is applied by start()."""
+    index = Index.load(Path(opts.model_dir) / INDEX)
+    cap = parse_cap(opts.cache_cap or DEFAULT_CAP, index.nbytes * len(index.blocks))
+    if opts.cache_cap:
+        return cap
+    lo, hi = cap_bounds(index, MoEConfig.from_file(Path(opts.model_dir) / CONFIG).top_k)
+    return min(max(cap, lo), hi)

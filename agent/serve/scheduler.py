@@ -1,0 +1,207 @@
+"""Continuous batching: one thread owns the model and the cache and runs decode steps for everyone.
+
+Between steps it runs queued control calls (knob changes, preloads, stat snapshots: nothing else
+touches the cache, so no lock is needed), admits waiting requests into the running batch up to the
+current limit, and retires finished ones. A newly admitted request's whole prompt (prefill) shares
+the step with the others' single decode tokens.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepIO:
+    """Expert-cache traffic of one step, shared among its requests by their share of its tokens."""
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    request_id: str
+    submitted: float          # time.time() when the request arrived
+    ttft_s: float
+    tpot_s: float             # mean time per output token after the first
+    latency_s: float
+    prompt_tokens: int
+    completion_tokens: int
+    hits: float
+    misses: float
+    bytes_read: float
+
+
+@dataclass
+class Event:
+    kind: str                 # "token", "done" or "error"
+    token: int = -1
+    finish_reason: str = ""
+    stats: RequestStats | None = None
+    error: str = ""
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    sink: Callable[[Event], None]   # called on the scheduler thread; must not block
+    stop_ids: frozenset[int] = frozenset()
+    submitted: float = field(default_factory=time.time)
+    state: Any = None               # the engine's per-request state (a model Sequence)
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float = 0.0
+    cancelled: bool = False
+    io: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # hits, misses, bytes_read
+
+    @property
+    def pending_tokens(self) -> list[int]:
+        """The tokens this request feeds into its next step: the prompt, then its last token."""
+        return self.generated[-1:] if self.generated else self.prompt_ids
+
+
+class Engine(Protocol):
+    def begin(self, request: Request) -> Any: ...
+    def step(self, batch: list[Request]) -> tuple[list[int], StepIO]: ...
+    def end(self, request: Request) -> None: ...
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_batch: int, on_finish: Callable[[RequestStats], None]) -> None:
+        self.engine, self.on_finish = engine, on_finish
+        self.max_batch = self.limit = max_batch
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.tokens_total = 0       # generated tokens since start (for tokens/s)
+        self._calls: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+
+    # -- other threads ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def submit(self, request: Request) -> None:
+        with self._wake:
+            if self._stop:
+                raise RuntimeError("the agent is shutting down; retry against a running agent")
+            self.waiting.append(request)
+            self._wake.notify()
+
+    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """Run fn on the scheduler thread between two steps and return its result (or raise its error)."""
+        future: Future = Future()
+        with self._wake:
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future.result(timeout)
+
+    def set_max_batch(self, n: int) -> None:
+        self.max_batch, self.limit = n, min(self.limit, n)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.running)
+
+    # -- the scheduler thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stop or self._calls or self.waiting or self.running):
+                    self._wake.wait()
+                if self._stop and not self.running and not self.waiting:
+                    break
+            self._run_calls()
+            self._admit()
+            if self.running:
+                self._step()
+        self._run_calls()
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, future = self._calls.popleft()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the caller, who reports it
+                future.set_exception(exc)
+
+    def _admit(self) -> None:
+        self.running = [r for r in self.running if not r.cancelled or self._retire(r, "cancelled")]
+        while self.waiting and len(self.running) < self.limit:
+            request = self.waiting.popleft()
+            if request.cancelled:
+                continue
+            try:
+                request.state = self.engine.begin(request)
+            except Exception as exc:
+                log.exception("request %s could not start", request.id)
+                request.sink(Event("error", error=str(exc)))
+                continue
+            self.running.append(request)
+
+    def _step(self) -> None:
+        batch = list(self.running)
+        try:
+            tokens, io = self.engine.step(batch)
+        except Exception as exc:  # e.g. a corrupt expert block: fail this step's requests, keep serving
+            log.exception("decode step failed for %d requests", len(batch))
+            for r in batch:
+                self.engine.end(r)
+                r.sink(Event("error", error=str(exc)))
+            self.running = []
+            return
+        now = time.time()
+        share = [len(r.pending_tokens) for r in batch]
+        total = sum(share)
+        for r, token, n in zip(batch, tokens, share):
+            for i, amount in enumerate((io.hits, io.misses, io.bytes_read)):
+                r.io[i] += amount * n / total
+            r.generated.append(token)
+            r.first_token_at = r.first_token_at or now
+            self.tokens_total += 1
+            r.sink(Event("token", token=token))
+        self.running = [r for r in batch if not self._finished(r) or self._retire(r, self._reason(r))]
+
+    def _finished(self, r: Request) -> bool:
+        return r.cancelled or len(r.generated) >= r.max_tokens or r.generated[-1] in r.stop_ids
+
+    def _reason(self, r: Request) -> str:
+        if r.cancelled:
+            return "cancelled"
+        return "stop" if r.generated[-1] in r.stop_ids else "length"
+
+    def _retire(self, r: Request, reason: str) -> bool:
+        """Free the request's state and report it; returns False so list filters drop it."""
+        self.engine.end(r)
+        stats = request_stats(r, time.time())
+        r.sink(Event("done", finish_reason=reason, stats=stats))
+        self.on_finish(stats)
+        return False
+
+
+def request_stats(r: Request, done: float) -> RequestStats:
+    n = len(r.generated)
+    first = r.first_token_at or done
+    return RequestStats(
+        request_id=r.id, submitted=r.submitted, ttft_s=first - r.submitted,
+        tpot_s=(done - first) / (n - 1) if n > 1 else 0.0, latency_s=done - r.submitted,
+        prompt_tokens=len(r.prompt_ids), completion_tokens=n,
+        hits=r.io[0], misses=r.io[1], bytes_read=r.io[2])

@@ -1,0 +1,166 @@
+"""flashmoe-cli serve: run the agent (completions, knobs, status, metrics over HTTP).
+
+Examples:
+    flashmoe-cli serve --model data/demo --db data/flashmoe.db --pid-file data/agent.pid
+    flashmoe-cli serve --model data/demo --cache-cap 25% --policy flashmoe --backend direct --port 8600
+    FLASHMOE_TOKEN=secret flashmoe-cli serve --model data/demo --host 0.0.0.0
+
+Loopback only by default. Binding any other address needs a token (--token or FLASHMOE_TOKEN):
+control calls (PUT /v1/knobs, POST /v1/cache/preload) must then send `Authorization: Bearer TOKEN`.
+The port is bound before the model loads, so a busy port fails at once. SIGTERM or Ctrl-C stops
+gracefully: open requests finish, the last statistics are written and the pid file is removed.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import ipaddress
+import logging
+import os
+import socket
+from pathlib import Path
+
+from agent.experts.layout import StoreError as ExpertStoreError
+from agent.experts.reader import BACKENDS
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "FLASHMOE_TOKEN"
+
+
+class ServeError(Exception):
+    """The agent cannot start; the message says what to change."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = __doc__.split("\n\n", 1)[1]
+    p.add_argument("--model", required=True, type=Path, help="expert store directory (flashmoe-cli convert / init-demo)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; others need a token)")
+    p.add_argument("--port", type=int, default=8600, help="TCP port (default 8600; 0 picks a free one)")
+    p.add_argument("--db", type=Path, help="telemetry store to write statistics and knob changes to, and restore knobs from")
+    p.add_argument("--pid-file", type=Path, help="write the agent's pid here (the collector finds the agent by it)")
+    p.add_argument("--token", help=f"bearer token control calls must carry (or set {TOKEN_ENV})")
+    p.add_argument("--cache-cap", help="expert cache cap: bytes, a size (2GiB) or a share of expert bytes (25%%)")
+    p.add_argument("--policy", help="replacement policy (lru, flashmoe, ...)")
+    p.add_argument("--backend", choices=BACKENDS, default="direct", help="expert reads: O_DIRECT, buffered or mmap")
+    p.add_argument("--max-batch-size", type=int, help="most requests sharing one decode step (default 16)")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_const", const=False,
+                   help="turn lookahead prefetch off")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def check_token(host: str, token: str | None) -> None:
+    if not is_loopback(host) and not token:
+        raise ServeError(f"refusing to bind {host}: it is not a loopback address, so control calls need a token; "
+                         f"pass --token TOKEN or set {TOKEN_ENV}, or bind 127.0.0.1")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        hint = "pass another --port" if exc.errno == errno.EADDRINUSE else "check --host"
+        raise ServeError(f"cannot bind {host}:{port}: {exc.strerror}; {hint}") from None
+    sock.listen(128)
+    return sock
+
+
+def claim_pid_file(path: Path) -> None:
+    """Write our pid; refuse if the file names another live process (a second agent)."""
+    try:
+        other = int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        other = None
+    if other and other != os.getpid() and _alive(other):
+        raise ServeError(f"{path} names a running process ({other}): another agent is up; stop it or pass another "
+                         f"--pid-file")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{os.getpid()}\n")
+    tmp.replace(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def release_pid_file(path: Path) -> None:
+    try:
+        if int(path.read_text().strip()) == os.getpid():
+            path.unlink()
+    except (FileNotFoundError, ValueError):
+        pass
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        serve(args)
+    except ServeError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from agent.serve.app import create_app
+    from agent.serve.runtime import Runtime, ServeOptions
+    from agent.tokenizer import load_tokenizer
+
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    check_token(args.host, token)
+    if not args.model.is_dir():
+        raise ServeError(f"--model {args.model} is not a directory; create one with flashmoe-cli init-demo or convert")
+    sock = bind(args.host, args.port)
+    store = runtime = None
+    try:
+        if args.pid_file:
+            claim_pid_file(args.pid_file)
+        if args.db:
+            from store.db import Store
+            from store.errors import StoreError as DbError
+            try:
+                store = Store(args.db)
+            except DbError as exc:
+                raise ServeError(str(exc)) from None
+        opts = ServeOptions(args.model, args.db, args.cache_cap, args.policy, args.backend, args.prefetch,
+                            args.max_batch_size)
+        try:
+            runtime = Runtime(opts, CollectorRegistry(), store)
+            runtime.start()
+        except (ValueError, OSError, ExpertStoreError) as exc:
+            raise ServeError(f"cannot start the agent: {exc}") from None
+        app = create_app(runtime, load_tokenizer(args.model), token)
+        host, port = sock.getsockname()[:2]
+        log.info("agent serving %s on http://%s:%d (token %s)", args.model, host, port, "required" if token else "off")
+        config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=10)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        if runtime is not None:
+            runtime.stop()
+        if store is not None:
+            store.close()
+        if args.pid_file:
+            release_pid_file(args.pid_file)
+        sock.close()
+        log.info("agent stopped")

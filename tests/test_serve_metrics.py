@@ -1,0 +1,68 @@
+"""Metrics: one Tick of deltas feeds both /metrics and the store rows."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from agent.experts.cache import CacheStats
+from agent.residency import LayerStats
+from agent.serve.metrics import Metrics
+from agent.serve.recorder import Recorder
+from agent.serve.scheduler import RequestStats
+
+
+def cache_stats(layers: list[LayerStats], bytes_read: int, reads: int, latencies: list[float], resident: int) -> CacheStats:
+    return CacheStats(hits=sum(l.hits for l in layers), misses=sum(l.misses for l in layers), evictions=0,
+                      prefetches=sum(l.prefetches for l in layers), prefetch_hits=0, bytes_read=bytes_read,
+                      reads=reads, resident=resident, capacity=8, cap_bytes=8 * 4096, slot_bytes=4096,
+                      backend="direct", policy="lru", scope="layer", layers=layers, read_latency_s=latencies)
+
+
+def sample(registry: CollectorRegistry, name: str, **labels) -> float:
+    return registry.get_sample_value(name, labels)
+
+
+def test_tick_exports_interval_deltas_once_to_prometheus():
+    reg = CollectorRegistry()
+    m = Metrics(reg, n_layers=2)
+    assert sample(reg, "flashmoe_expert_cache_hits_total", layer="1") == 0.0  # every layer exported from the start
+    first = m.tick(100.0, cache_stats([LayerStats(hits=3, misses=1), LayerStats(hits=1, misses=1)], 8192, 2,
+                                      [0.001, 0.003], 2), 2, 1, 16, 10, {(0, 1): 3})
+    second = m.tick(102.0, cache_stats([LayerStats(hits=7, misses=1), LayerStats(hits=1, misses=3, prefetches=2)],
+                                       8192 + 4 * 4096, 6, [0.001, 0.003, 0.002, 0.002, 0.002, 0.002], 6),
+                    3, 0, 12, 30, {})
+    assert (second.hits, second.misses, second.interval_s, second.tokens) == (4, 2, 2.0, 20)
+    assert second.tokens_per_s == 10.0
+    assert second.layers[1].bytes_read == 4 * 4096 and second.layers[0].bytes_read == 0  # by each layer's reads
+    assert second.read_latencies == [0.002] * 4  # only the reads new since the last tick
+    assert sample(reg, "flashmoe_expert_cache_hits_total", layer="0") == 7
+    assert sample(reg, "flashmoe_expert_cache_misses_total", layer="1") == 3
+    assert sample(reg, "flashmoe_expert_read_bytes_total") == 8192 + 4 * 4096
+    assert sample(reg, "flashmoe_expert_read_latency_seconds_count") == 6
+    assert sample(reg, "flashmoe_batch_size") == 3 and sample(reg, "flashmoe_batch_limit") == 12
+    assert sample(reg, "flashmoe_cache_bytes") == 6 * 4096
+    assert sample(reg, "flashmoe_generated_tokens_total") == 30
+    assert abs(sample(reg, "flashmoe_expert_cache_hit_ratio") - 8 / 12) < 1e-12  # both ticks are recent
+    assert first.hit_rate == 4 / 6
+
+
+def test_requests_feed_histograms_and_the_store_rows_alike(tmp_path):
+    from store.db import Store
+    from store import queries
+
+    reg = CollectorRegistry()
+    m = Metrics(reg, n_layers=1)
+    m.request(RequestStats("r1", 50.0, ttft_s=0.2, tpot_s=0.05, latency_s=1.2, prompt_tokens=4,
+                           completion_tokens=21, hits=10.4, misses=2.6, bytes_read=8192.0))
+    assert sample(reg, "flashmoe_request_ttft_seconds_count") == 1
+    assert sample(reg, "flashmoe_request_latency_seconds_sum") == 1.2
+    assert sample(reg, "flashmoe_request_tpot_seconds_bucket", le="0.05") == 1
+    tick = m.tick(60.0, cache_stats([LayerStats(hits=5, misses=5)], 4096, 1, [0.004], 1), 1, 0, 16, 21, {(0, 2): 5})
+    with Store(tmp_path / "s.db", autoflush_s=0) as store:
+        Recorder(store).write(tick, m.drain_requests())
+    rows = queries.requests(tmp_path / "s.db")
+    assert [(r["request_id"], r["completion_tokens"], r["hits"], r["misses"], r["t"]) for r in rows] == \
+        [("r1", 21, 10, 3, 51.2)]
+    assert queries.activations(tmp_path / "s.db") == {(0, 2): 5}
+    assert queries.latest(tmp_path / "s.db", "agent.hit_rate") == (60.0, 0.5)
+    assert m.drain_requests() == []
+    assert "flashmoe_request_latency_seconds_bucket" in generate_latest(reg).decode()
