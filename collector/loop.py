@@ -1,0 +1,294 @@
+"""`flashmoe-cli collect`: sample the SSD, block devices, memory and pressure into the store.
+
+Each tick (default 1 s) every sampler is read; a sampler whose source is missing (no NVMe, no
+PSI, agent not running, no permission) is reported once per change, as a log line and a store
+event, and the others go on. Ticks are stamped with their scheduled wall-clock time (a drift-free
+grid), so the codec's time deltas-of-deltas are zero. SIGTERM or SIGINT: flush and exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import pyudev
+
+from collector import block, memory, nvme, pressure
+from collector.devices import BlockDevice, HotplugWatcher, NvmeController, block_devices, disk_holding, nvme_controllers
+from collector.sources import SourceStatus, SourceUnavailable
+from store.db import Store
+from store.errors import StoreError
+from store.schema import DEFAULT_RETENTION_S
+
+log = logging.getLogger(__name__)
+COMPACT_EVERY_S = 3600.0
+
+
+class Sampler(Protocol):
+    source: str
+
+    def sample(self, t: float) -> dict[str, float]:
+        """Series values at monotonic time t; raises SourceUnavailable (or OSError) if it cannot."""
+
+
+@dataclass
+class BlockSampler:
+    device: str
+    source: str = ""
+    _previous: block.BlockStat | None = None
+
+    def __post_init__(self) -> None:
+        self.source = f"block statistics of {self.device} (/sys/block/{self.device}/stat)"
+
+    def sample(self, t: float) -> dict[str, float]:
+        current = block.read_stat(self.device, t)
+        previous, self._previous = self._previous, current
+        return block.block_series(self.device, block.block_rates(previous, current)) if previous else {}
+
+
+@dataclass
+class SystemMemorySampler:
+    source: str = "system memory (/proc/meminfo, /proc/vmstat)"
+    _previous: tuple[float, dict[str, int]] | None = None
+
+    def sample(self, t: float) -> dict[str, float]:
+        series = memory.meminfo_series(memory.parse_kib_table(Path("/proc/meminfo").read_text()))
+        vmstat = memory.parse_vmstat(Path("/proc/vmstat").read_text())
+        if self._previous is not None:
+            series |= memory.rates(self._previous[1], vmstat, t - self._previous[0], memory.VMSTAT_RATES)
+        self._previous = (t, vmstat)
+        return series
+
+
+@dataclass
+class AgentSampler:
+    pid_file: Path | None
+    source: str = "the agent process"
+    _pid: int | None = None
+    _previous: memory.Faults | None = None
+
+    def sample(self, t: float) -> dict[str, float]:
+        if self.pid_file is None:
+            raise SourceUnavailable("no --pid-file given, so the agent's memory is not sampled")
+        pid = memory.read_pid_file(self.pid_file)
+        if pid is None:
+            raise SourceUnavailable(f"the agent is not running (no live pid in {self.pid_file})")
+        if pid != self._pid:
+            self._pid, self._previous = pid, None
+        try:
+            status = memory.parse_kib_table(Path(f"/proc/{pid}/status").read_text())
+            faults = memory.parse_proc_stat(Path(f"/proc/{pid}/stat").read_text(), t)
+        except FileNotFoundError:
+            raise SourceUnavailable(f"the agent (pid {pid}) exited") from None
+        series = memory.status_series(status)
+        if self._previous is not None:
+            series |= memory.fault_series(self._previous, faults)
+        self._previous = faults
+        return series
+
+
+@dataclass
+class PressureSampler:
+    resource: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self.source = f"{self.resource} pressure (/proc/pressure/{self.resource})"
+
+    def sample(self, t: float) -> dict[str, float]:
+        try:
+            return pressure.psi_series(self.resource, pressure.read_psi(self.resource))
+        except FileNotFoundError:
+            raise SourceUnavailable("the kernel has no pressure stall information (needs Linux >= 4.20 "
+                                    "with CONFIG_PSI=y, and psi=1 on the command line if it is off)") from None
+
+
+@dataclass
+class NvmeSampler:
+    controller: NvmeController
+    status: SourceStatus
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self.source = f"NVMe temperature of {self.controller.name}"
+
+    def sample(self, t: float) -> dict[str, float]:
+        smart_source = f"NVMe SMART / Health log of {self.controller.name} ({self.controller.devnode})"
+        try:
+            series = nvme.smart_series(self.controller.name, nvme.read_smart_log(self.controller.devnode))
+            self.status.available(smart_source)
+            return series
+        except SourceUnavailable as e:
+            self.status.unavailable(smart_source, f"{e}; falling back to the hwmon temperature")
+        return {f"nvme.{self.controller.name}.temperature_c": nvme.hwmon_temperature_c(self.controller.sysfs)}
+
+
+@dataclass
+class SelfSampler:
+    source: str = "the collector's own CPU time"
+    _previous: tuple[float, float] | None = None
+
+    def sample(self, t: float) -> dict[str, float]:
+        times = os.times()
+        cpu = times.user + times.system
+        previous, self._previous = self._previous, (t, cpu)
+        return {"collector.cpu_fraction": (cpu - previous[1]) / (t - previous[0])} if previous else {}
+
+
+@dataclass
+class Collector:
+    """The samplers, the devices they cover, and the store they write to."""
+    store: Store
+    pid_file: Path | None = None
+    store_path: Path | None = None
+    context: pyudev.Context = field(default_factory=pyudev.Context)
+    samplers: list[Sampler] = field(default_factory=list)
+    hotplug: HotplugWatcher | None = None
+
+    def __post_init__(self) -> None:
+        self.status = SourceStatus(self._event)
+        self.fixed = [SystemMemorySampler(), AgentSampler(self.pid_file),
+                      *(PressureSampler(r) for r in pressure.RESOURCES), SelfSampler()]
+        self.discover()
+        try:
+            self.hotplug = HotplugWatcher(self.context)
+        except OSError as e:
+            self.status.unavailable("device hot-plug (udev netlink monitor)", str(e))
+
+    def _event(self, kind: str, message: str) -> None:
+        self.store.record_event(time.time(), kind, message)
+
+    def discover(self) -> None:
+        """(Re)build the device samplers from what pyudev sees now, and say what was found."""
+        disks = block_devices(self.context)
+        controllers = nvme_controllers(self.context)
+        held = self._expert_store_disk()
+        if held is not None and held.name not in {d.name for d in disks}:
+            disks.append(held)      # e.g. the store on a dm or loop device
+        self.samplers = [*self.fixed, *(BlockSampler(d.name) for d in disks),
+                         *(NvmeSampler(c, self.status) for c in controllers)]
+        description = ", ".join(d.describe() for d in disks) or "none"
+        log.info("block devices: %s; NVMe controllers: %s", description,
+                 ", ".join(f"{c.name} ({c.model}, serial {c.serial})" for c in controllers) or "none")
+        self._event("collector.devices", f"block devices: {description}; NVMe controllers: "
+                    f"{', '.join(c.name for c in controllers) or 'none'}")
+        if not controllers:
+            self.status.unavailable("NVMe SMART / Health log and temperature",
+                                    f"this machine has no NVMe controller (disks: {description}); "
+                                    f"block statistics are still sampled")
+
+    def _expert_store_disk(self) -> BlockDevice | None:
+        if self.store_path is None:
+            return None
+        try:
+            disk = disk_holding(self.store_path, self.context)
+        except (OSError, ValueError) as e:
+            self.status.unavailable(f"the disk holding the expert store {self.store_path}", str(e))
+            return None
+        self._event("collector.expert_store", f"expert store {self.store_path} is on {disk.describe()}")
+        return disk
+
+    def tick(self, t_wall: float, t_mono: float) -> int:
+        """Sample everything once and hand the points to the store; returns the point count."""
+        n = 0
+        for sampler in self.samplers:
+            try:
+                values = sampler.sample(t_mono)
+            except (SourceUnavailable, OSError, ValueError) as e:
+                self.status.unavailable(sampler.source, str(e))
+                continue
+            self.status.available(sampler.source)
+            for name, value in values.items():
+                self.store.append(name, t_wall, value)
+            n += len(values)
+        self.store.flush()
+        self._poll_hotplug()
+        return n
+
+    def _poll_hotplug(self) -> None:
+        if self.hotplug is None:
+            return
+        changes = self.hotplug.poll()
+        for change in changes:
+            log.info("hot-plug: %s %s %s", change.action, change.subsystem, change.name)
+            self._event("device.hotplug", f"{change.action} {change.subsystem} device {change.name}")
+        if changes:
+            self.discover()
+
+
+def ticks(interval: float, stop: threading.Event, duration: float | None):
+    """Yield (scheduled wall time, monotonic time) on a drift-free grid of whole intervals,
+    skipping ticks the loop was too late for, until stop is set or duration has passed."""
+    wall0, mono0 = time.time(), time.monotonic()
+    k = math.ceil(wall0 / interval)
+    end = None if duration is None else mono0 + duration
+    while not stop.is_set():
+        t_wall = round(k * interval, 3)
+        deadline = mono0 + (t_wall - wall0)
+        if end is not None and deadline > end:
+            return
+        if stop.wait(max(0.0, deadline - time.monotonic())):
+            return
+        yield t_wall, time.monotonic()
+        k = max(k + 1, math.ceil((wall0 + time.monotonic() - mono0) / interval))
+
+
+def collect(collector: Collector, interval: float, stop: threading.Event, duration: float | None,
+            retention_s: float = DEFAULT_RETENTION_S) -> None:
+    """The sampling loop, with compaction at start and every hour."""
+    next_compaction = time.monotonic()
+    for t_wall, t_mono in ticks(interval, stop, duration):
+        collector.tick(t_wall, t_mono)
+        if t_mono >= next_compaction:
+            next_compaction = t_mono + COMPACT_EVERY_S
+            try:
+                collector.store.compact(retention_s)
+            except StoreError as e:
+                log.error("%s", e)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("example:\n  flashmoe-cli collect --db data/flashmoe.db --pid-file data/agent.pid "
+                     "--store-path data/demo --duration 60")
+    parser.add_argument("--db", required=True, type=Path, help="the store file (created if missing)")
+    parser.add_argument("--interval", type=_positive, default=1.0, help="seconds between samples (default 1)")
+    parser.add_argument("--duration", type=_positive, default=None, help="stop after this many seconds "
+                        "(default: run until SIGTERM)")
+    parser.add_argument("--pid-file", type=Path, default=None, help="the agent's pid file, for its memory")
+    parser.add_argument("--store-path", type=Path, default=None,
+                        help="the expert store: its disk is always sampled and named in an event")
+    parser.add_argument("--retention-days", type=_positive, default=DEFAULT_RETENTION_S / 86400,
+                        help="delete data older than this (default 7)")
+
+
+def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        store = Store(args.db)
+    except StoreError as e:
+        log.error("%s", e)
+        return 1
+    try:
+        collector = Collector(store, args.pid_file, args.store_path)
+        log.info("collecting every %.3g s into %s", args.interval, args.db)
+        collect(collector, args.interval, stop, args.duration, args.retention_days * 86400)
+    finally:
+        ok = store.close()
+    log.info("collector stopped; store %s", "flushed" if ok else "NOT fully written (see errors above)")
+    return 0 if ok else 1
