@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from agent.serve import batching
-from agent.serve.guard import GuardConfig, Pressure, PressureSampler, decide, read_major_faults, read_psi_full_avg10
+from agent.serve.guard import GuardConfig, Pressure, PressureSampler, decide
 
 CFG = GuardConfig(psi_full_avg10=10.0, major_faults_per_s=200.0, intervals=3, step=0.10)
 CALM = Pressure(psi_full_avg10=1.0, major_faults_per_s=5.0)
@@ -54,15 +54,14 @@ def test_guard_reacts_to_major_faults_and_stops_at_the_working_set():
     assert caps == [360, 324, 300]  # 10% steps, clamped at the floor, then nothing more to give
 
 
-def test_pressure_readers_parse_proc_formats(tmp_path: Path):
+def test_pressure_sampler_reads_psi_and_the_fault_rate(tmp_path: Path):
     psi = tmp_path / "memory"
     psi.write_text("some avg10=3.10 avg60=1.00 avg300=0.20 total=100\nfull avg10=12.50 avg60=2.00 avg300=0.00 total=50\n")
-    assert read_psi_full_avg10(psi) == 12.5
-    assert read_psi_full_avg10(tmp_path / "absent") is None
     stat = tmp_path / "stat"
-    fields = ["S", "1", "2", "3", "4", "5", "6", "7", "8", "1234", "10"]  # majflt is the 10th after the name
+    fields = ["S"] + [str(i) for i in range(4, 12)] + ["1234", "13"]  # majflt is field 12
     stat.write_text("42 (a name) with) " + " ".join(fields) + "\n")
-    assert read_major_faults(stat) == 1234
     sampler = PressureSampler(stat, psi)
     assert sampler.sample() == Pressure(12.5, None)  # no rate before a second sample
     assert sampler.sample().major_faults_per_s == 0.0
+    psi.unlink()
+    assert sampler.sample().psi_full_avg10 is None  # a kernel without PSI: faults alone decide

@@ -11,6 +11,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from collector.memory import Faults, parse_proc_stat
+from collector.pressure import parse_psi
+
 PSI_MEMORY = Path("/proc/pressure/memory")
 
 
@@ -62,34 +65,22 @@ def decide(streak: int, p: Pressure, cap: int, floor: int, cfg: GuardConfig) -> 
 
 
 class PressureSampler:
-    """Reads the two signals; the fault rate is per second of wall time between reads."""
+    """Reads the two signals (with the collector's parsers); the fault rate is per second between reads."""
 
     def __init__(self, stat_path: Path = Path("/proc/self/stat"), psi_path: Path = PSI_MEMORY) -> None:
         self._stat, self._psi = stat_path, psi_path
-        self._last: tuple[float, int] | None = None
+        self._last: Faults | None = None
 
     def sample(self) -> Pressure:
-        now, faults = time.monotonic(), read_major_faults(self._stat)
+        faults = parse_proc_stat(self._stat.read_text(), time.monotonic())
         rate = None
-        if self._last is not None and now > self._last[0]:
-            rate = (faults - self._last[1]) / (now - self._last[0])
-        self._last = (now, faults)
-        return Pressure(read_psi_full_avg10(self._psi), rate)
+        if self._last is not None and faults.t > self._last.t:
+            rate = (faults.majflt - self._last.majflt) / (faults.t - self._last.t)
+        self._last = faults
+        return Pressure(self._psi_full_avg10(), rate)
 
-
-def read_psi_full_avg10(path: Path = PSI_MEMORY) -> float | None:
-    try:
-        for line in path.read_text().splitlines():
-            if line.startswith("full "):
-                fields = dict(f.split("=") for f in line.split()[1:])
-                return float(fields["avg10"])
-    except (OSError, KeyError, ValueError):
-        return None
-    return None
-
-
-def read_major_faults(path: Path = Path("/proc/self/stat")) -> int:
-    # The command name (field 2) may contain spaces, so split after its closing parenthesis;
-    # majflt is field 12 overall, the 10th after the name.
-    rest = path.read_text().rsplit(")", 1)[1].split()
-    return int(rest[9])
+    def _psi_full_avg10(self) -> float | None:
+        try:
+            return parse_psi(self._psi.read_text())["full"]["avg10"]
+        except (OSError, KeyError, ValueError):
+            return None  # no PSI in this kernel: the fault rate alone decides

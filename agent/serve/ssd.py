@@ -7,7 +7,6 @@ expert reads over the interval, capped at 1), which counts only this agent's rea
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -15,13 +14,14 @@ FRESH_S = 3.0
 
 
 def block_device(path: Path) -> str | None:
-    """The whole-disk name (e.g. "vda", "nvme0n1") holding `path`, or None for a virtual filesystem."""
-    dev = os.stat(path).st_dev
-    sys_dev = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    if not sys_dev.exists():
+    """The whole-disk name (e.g. "vda", "nvme0n1") holding `path`, or None if it is on no block device."""
+    import pyudev
+
+    from collector.devices import disk_holding
+    try:
+        return disk_holding(path, pyudev.Context()).name
+    except (ValueError, OSError):
         return None
-    real = sys_dev.resolve()
-    return real.parent.name if (real / "partition").exists() else real.name
 
 
 class SsdUtil:
