@@ -66,6 +66,16 @@ def put_knobs(base_url: str, changes: dict[str, Any]) -> KnobAnswer:
     return KnobAnswer(False, response.status_code, {}, error_detail(response))
 
 
+def push(base_url: str, changes: dict[str, Any]) -> str:
+    """Push `changes` and describe the agent's answer in one line, an unreachable agent included."""
+    try:
+        answer = put_knobs(base_url, changes)
+    except AgentError as err:
+        return f"not sent: {err}"
+    changed = ", ".join(f"{k} = {answer.knobs[k]['value']}" for k in changes if k in answer.knobs)
+    return f"accepted: {changed}" if answer.accepted else answer.message()
+
+
 def error_detail(response: httpx.Response) -> str:
     """FastAPI puts the reason in "detail": a string, or a list of {loc, msg} for schema errors."""
     try:

@@ -43,6 +43,12 @@ def lines_chart(t: Sequence[float], lines: Mapping[str, Sequence[float | None]],
     return _layout(fig, title, unit)
 
 
+def time_bars(t: Sequence[float], values: Sequence[float], title: str, y_title: str) -> go.Figure:
+    """Counts per time bucket, e.g. requests or evictions per interval."""
+    fig = go.Figure(go.Bar(x=to_datetimes(t), y=list(values), name=y_title))
+    return _layout(fig, title, y_title)
+
+
 def bar_chart(labels: Sequence[str], values: Sequence[float], title: str, y_title: str,
               x_title: str) -> go.Figure:
     fig = go.Figure(go.Bar(x=list(labels), y=list(values), text=[f"{v:.2f}" for v in values]))

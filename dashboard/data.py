@@ -1,0 +1,126 @@
+"""Cached loaders: every input is an argument, so a cache entry is exactly one query's answer.
+
+The live fragments re-run every few seconds; a `ttl` of the same length means each chart reads
+the store at most once per refresh however many browser sessions are open. `until` is rounded up
+to the refresh step by `window`, so sessions opened within one step share entries.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import streamlit as st
+
+from dashboard import agent_client, settings, sweep
+from store import queries
+from store.errors import StoreError
+
+TTL = settings.REFRESH_S
+
+
+def window(seconds: float, now: float | None = None) -> tuple[float, float]:
+    """(since, until) covering the last `seconds`, `until` rounded up to the refresh step."""
+    now = time.time() if now is None else now
+    until = math.ceil(now / settings.REFRESH_S) * settings.REFRESH_S
+    return until - seconds, until
+
+
+def store_problem(db: str) -> str | None:
+    """Why the store cannot be shown (missing, unreadable), or None when it can."""
+    if not Path(db).exists():
+        return (f"No store at `{db}` yet. Start the agent and the collector (`make demo`, or "
+                f"`flashmoe-cli collect --db {db}`), or point FLASHMOE_DB at an existing store.")
+    try:
+        queries.connect_ro(db).close()
+    except StoreError as err:
+        return str(err)
+    return None
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def series(db: str, name: str, since: float, until: float, buckets: int) -> list[queries.Bucket]:
+    return queries.series(db, name, since, until, buckets)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def series_names(db: str) -> list[str]:
+    return queries.series_names(db)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def latest(db: str, name: str) -> tuple[float, float] | None:
+    return queries.latest(db, name)
+
+
+def latest_value(db: str, name: str) -> float | None:
+    point = latest(db, name)
+    return point[1] if point else None
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def requests(db: str, since: float, until: float) -> list[dict[str, Any]]:
+    return queries.requests(db, since, until)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def latency_quantiles(db: str, since: float, until: float, buckets: int) -> list[dict[str, Any]]:
+    return queries.latency_quantiles(db, since, until, buckets)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def cache_stats(db: str, since: float, until: float, buckets: int) -> dict[str, list[dict[str, Any]]]:
+    return queries.cache_stats(db, since, until, buckets)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def activations(db: str, since: float, until: float) -> dict[tuple[int, int], int]:
+    return queries.activations(db, since, until)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def knob_history(db: str, limit: int) -> list[dict[str, Any]]:
+    return queries.knob_history(db, limit)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def latest_knobs(db: str) -> dict[str, Any]:
+    return queries.latest_knobs(db)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def events(db: str, since: float, kind: str | None) -> list[dict[str, Any]]:
+    return queries.events(db, since, kind)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def simulations(db: str) -> list[dict[str, Any]]:
+    return queries.simulations(db)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def sweeps(db: str) -> list[dict[str, Any]]:
+    return queries.sweeps(db)
+
+
+def agent_status(url: str) -> dict[str, Any] | str:
+    """The agent's /v1/status, or the reason it could not be read (never cached: it is live)."""
+    try:
+        return agent_client.get_status(url)
+    except agent_client.AgentError as err:
+        return str(err)
+
+
+def agent_knobs(url: str) -> dict[str, Any] | str:
+    """The agent's knobs with bounds, or the reason they could not be read."""
+    try:
+        return agent_client.get_knobs(url)
+    except agent_client.AgentError as err:
+        return str(err)
+
+
+@st.cache_resource
+def sweep_runner() -> sweep.SweepRunner:
+    """One runner per dashboard process: a sweep moves the shared agent's cap, so never two at once."""
+    return sweep.SweepRunner()

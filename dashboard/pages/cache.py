@@ -1,0 +1,97 @@
+"""Cache: hit rates over time and per layer, expert activations, evictions, prefetch, policies, sweep."""
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import components, data, figures, settings, sweep, transforms
+
+st.title("Expert cache")
+db, url = settings.db_path(), settings.agent_url()
+
+
+@st.fragment(run_every=settings.REFRESH_S)
+def live() -> None:
+    if not components.store_ready(db):
+        return
+    since, until = components.window()
+    stats = data.cache_stats(db, since, until, 60)
+    status = data.agent_status(url)
+    c1, c2, c3 = st.columns(3)
+    totals = transforms.cache_totals(stats["per_layer"])
+    c1.metric("Hit rate (window)", f"{totals['hit_rate']:.1%}" if totals["hit_rate"] is not None else "–")
+    c2.metric("Evictions (window)", f"{totals['evictions']:,}")
+    c3.metric("Prefetch accuracy (agent)", f"{status['cache']['prefetch_accuracy']:.1%}"
+              if isinstance(status, dict) else "– (agent offline)",
+              help="prefetched experts later used, over experts prefetched, since the agent started")
+
+    left, right = st.columns(2)
+    with left:
+        components.series_chart(db, {"agent.hit_rate": "hit rate"}, since, until, "Hit rate over time", "%", 100)
+    with right:
+        if stats["per_layer"]:
+            layers = stats["per_layer"]
+            st.plotly_chart(figures.bar_chart([str(r["layer"]) for r in layers],
+                                              [r["hit_rate"] or 0.0 for r in layers],
+                                              "Hit rate per layer", "hit rate", "layer"), key="per-layer")
+        else:
+            st.caption("**Hit rate per layer**: no cache statistics in this window.")
+    left, right = st.columns(2)
+    with left:
+        matrix = transforms.heatmap_matrix(data.activations(db, since, until))
+        if matrix:
+            st.plotly_chart(figures.activation_heatmap(matrix, "Expert activations (layer × expert)"),
+                            key="heatmap")
+        else:
+            st.caption("**Expert activations**: none recorded in this window.")
+    with right:
+        over = stats["over_time"]
+        if over:
+            st.plotly_chart(figures.time_bars([r["t"] for r in over], [r["evictions"] for r in over],
+                                              "Evictions per interval", "evictions"), key="evictions")
+        else:
+            st.caption("**Evictions**: no cache statistics in this window.")
+
+
+@st.fragment
+def policies() -> None:
+    st.subheader("Policy comparison (simulator)")
+    rows = data.simulations(db) if data.store_problem(db) is None else []
+    if rows:
+        st.plotly_chart(figures.policy_comparison(rows, "Hit rate by policy on recorded traces"), key="policies")
+    else:
+        st.caption("No simulator runs stored. Run `flashmoe-cli simulate --trace ... --db ...` to compare "
+                   "policies on recorded traces.")
+
+
+@st.fragment(run_every=2)
+def cap_sweep() -> None:
+    st.subheader("Tokens/s against cache cap")
+    runner = data.sweep_runner()
+    knobs = data.agent_knobs(url)
+    status = data.agent_status(url)
+    online = isinstance(knobs, dict) and isinstance(status, dict)
+    n_requests = st.number_input("Requests per cap", 1, 20, 3, disabled=runner.running)
+    if online:
+        cap = knobs["cache_cap_bytes"]
+        caps = sweep.default_caps(status["cache"]["expert_bytes"], cap["min"], cap["max"])
+        st.caption("Caps: " + ", ".join(f"{c / 2**20:,.0f} MiB" for c in caps))
+        if st.button("Start sweep", disabled=runner.running, key="start-sweep"):
+            runner.start(url, db, caps, int(n_requests), max_tokens=16)
+    else:
+        st.caption("The sweep needs the agent; it is offline. Stored sweeps are shown below.")
+    progress = runner.progress
+    if runner.running:
+        st.info(f"Sweep running: {len(progress.points)} of {progress.total} caps, {progress.status}",
+                icon=":material/hourglass_top:")
+    elif progress.error:
+        st.error(f"Sweep failed: {progress.error}")
+    elif progress.points:
+        st.success(f"Sweep {progress.status}")
+    points = transforms.latest_per_cap(data.sweeps(db)) if data.store_problem(db) is None else []
+    if points:
+        st.plotly_chart(figures.sweep_curve(points, "Tokens/s by cache cap (latest per cap)"), key="sweep")
+
+
+live()
+policies()
+cap_sweep()

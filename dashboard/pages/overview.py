@@ -1,0 +1,67 @@
+"""Overview: throughput, hit rate, latency tails, requests, and which processes are up."""
+from __future__ import annotations
+
+import time
+
+import streamlit as st
+
+from dashboard import components, data, figures, settings, transforms
+
+COLLECTOR_STALE_S = 15    # the collector samples every second; three missed flushes and more means down
+COLLECTOR_HEARTBEAT = "mem.available_bytes"
+
+st.title("Overview")
+
+
+@st.fragment(run_every=settings.REFRESH_S)
+def live() -> None:
+    db, url = settings.db_path(), settings.agent_url()
+    status = data.agent_status(url)
+    ready = data.store_problem(db) is None
+    heartbeat = data.latest(db, COLLECTOR_HEARTBEAT) if ready else None
+    now = time.time()
+
+    agent_col, collector_col = st.columns(2)
+    if isinstance(status, dict):
+        agent_col.success(f"Agent up at {url}: policy {status['policy']}, up {status['uptime_s'] / 60:.0f} min",
+                          icon=":material/check_circle:")
+    else:
+        agent_col.error(f"Agent down: {status}", icon=":material/cancel:")
+    seen = heartbeat[0] if heartbeat else None
+    if seen is not None and now - seen < COLLECTOR_STALE_S:
+        collector_col.success(f"Collector up: last sample {transforms.age_text(seen, now)}",
+                              icon=":material/check_circle:")
+    else:
+        collector_col.error(f"Collector down: last sample {transforms.age_text(seen, now)}",
+                            icon=":material/cancel:")
+
+    if not components.store_ready(db):
+        return
+    since, until = components.window()
+    rows = data.requests(db, since, until)
+    tokens = data.latest(db, "agent.tokens_per_s")
+    hit = data.latest(db, "agent.hit_rate")
+    quantiles = data.latency_quantiles(db, since, until, 60)
+    c1, c2, c3, c4 = st.columns(4)
+    c1.metric("Tokens/s", f"{tokens[1]:.1f}" if tokens else "–")
+    c2.metric("Hit rate", f"{hit[1]:.1%}" if hit else "–")
+    c3.metric("Requests", f"{len(rows):,}")
+    c4.metric("P99 latency", f"{transforms.overall_quantile(rows, 0.99):.2f} s" if rows else "–")
+
+    left, right = st.columns(2)
+    with left:
+        components.series_chart(db, {"agent.tokens_per_s": "tokens/s"}, since, until, "Tokens per second", "tokens/s")
+    with right:
+        components.series_chart(db, {"agent.hit_rate": "hit rate"}, since, until, "Expert cache hit rate", "%", 100)
+    if quantiles:
+        t, lines = transforms.latency_lines(quantiles)
+        left, right = st.columns(2)
+        left.plotly_chart(figures.lines_chart(t, lines, "Request latency", "s"), key="latency")
+        right.plotly_chart(figures.time_bars(t, [q["n"] for q in quantiles], "Requests per interval", "requests"),
+                          key="requests")
+        st.dataframe(rows[-20:][::-1], hide_index=True, width="stretch")
+    else:
+        st.caption("No requests in this window: send one to the agent's /v1/completions.")
+
+
+live()

@@ -1,0 +1,78 @@
+"""Tuning: every knob with its value and bounds, applied through the agent's control API."""
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import agent_client, components, data, settings, transforms
+
+MIB = 2**20
+
+st.title("Tuning")
+db, url = settings.db_path(), settings.agent_url()
+
+
+def knob_widget(name: str, spec: dict[str, Any], disabled: bool) -> Any:
+    """One input per knob, typed by the agent's description; bounds are shown, the agent enforces them."""
+    value, kind = spec["value"], spec["type"]
+    if kind == "bool":
+        return st.toggle(name, value=bool(value), disabled=disabled)
+    if kind == "str":
+        choices = spec["choices"]
+        return st.selectbox(name, choices, index=choices.index(value) if value in choices else 0, disabled=disabled)
+    if kind == "int":
+        step = MIB if name.endswith("_bytes") else 1
+        return st.number_input(name, value=int(value), step=step, disabled=disabled,
+                               help=f"allowed {transforms.bounds_text(spec)}")
+    return st.number_input(name, value=float(value), step=0.05, format="%.3f", disabled=disabled,
+                           help=f"allowed {transforms.bounds_text(spec)}")
+
+
+def knob_form(knobs: dict[str, dict[str, Any]], online: bool) -> None:
+    with st.form("knobs"):
+        cols, edited = st.columns(3), {}
+        for i, (name, spec) in enumerate(knobs.items()):
+            with cols[i % 3]:
+                edited[name] = knob_widget(name, spec, not online)
+        if st.form_submit_button("Apply", type="primary", disabled=not online):
+            changes = transforms.changed({k: s["value"] for k, s in knobs.items()}, edited)
+            st.session_state["tuning-answer"] = (agent_client.push(url, changes) if changes
+                                                 else "nothing to apply: every knob already has that value")
+            st.rerun()
+
+
+knobs = data.agent_knobs(url)
+online = isinstance(knobs, dict)
+if online:
+    st.success(f"Agent online at {url}", icon=":material/check_circle:")
+else:
+    components.agent_offline_notice(knobs)
+    knobs = transforms.stored_knobs(data.latest_knobs(db)) if data.store_problem(db) is None else {}
+
+if "tuning-answer" in st.session_state:
+    answer = st.session_state["tuning-answer"]
+    (st.success if answer.startswith("accepted") else st.error)(f"Agent answer: {answer}")
+
+if knobs:
+    st.subheader("Knobs" if online else "Knobs (last stored values, read-only)")
+    st.dataframe(pd.DataFrame(transforms.knob_table(knobs)), hide_index=True, width="stretch")
+    knob_form(knobs, online)
+else:
+    st.info("No knob values known: the agent is offline and the store holds no knob changes.")
+
+
+@st.fragment(run_every=settings.REFRESH_S)
+def history() -> None:
+    st.subheader("History of changes")
+    if not components.store_ready(db):
+        return
+    rows = data.knob_history(db, 200)
+    if rows:
+        st.dataframe(pd.DataFrame(transforms.knob_history_rows(rows)), hide_index=True, width="stretch")
+    else:
+        st.caption("No knob changes recorded yet.")
+
+
+history()

@@ -1,0 +1,126 @@
+"""Pure shaping of query results into what the figures and metrics take (no Streamlit, no I/O)."""
+from __future__ import annotations
+
+import math
+import re
+from datetime import datetime, timezone
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from store.queries import Bucket
+
+QUANTILES = {"P50": 0.5, "P95": 0.95, "P99": 0.99}
+
+
+def scaled(rows: Sequence[Bucket], factor: float) -> list[Bucket]:
+    """Buckets with min/avg/max multiplied by `factor` (bytes -> MiB, fraction -> %)."""
+    return [(t, lo * factor, avg * factor, hi * factor) for t, lo, avg, hi in rows]
+
+
+def latency_lines(rows: Sequence[Mapping[str, Any]], column: str = "latency_s"
+                  ) -> tuple[list[float], dict[str, list[float | None]]]:
+    """latency_quantiles rows -> (bucket times, {"P50": [...], "P95": [...], "P99": [...]})."""
+    t = [r["t"] for r in rows]
+    return t, {label: [r[column].get(q) for r in rows] for label, q in QUANTILES.items()}
+
+
+def overall_quantile(rows: Sequence[Mapping[str, Any]], q: float, column: str = "latency_s") -> float:
+    """The q-quantile of `column` over all request rows (nearest-rank, no interpolation)."""
+    values = sorted(r[column] for r in rows if r[column] is not None)
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))] if values else float("nan")
+
+
+def cache_totals(per_layer: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Hits, misses, evictions and the hit rate summed over the per-layer rows of cache_stats."""
+    hits = sum(r["hits"] for r in per_layer)
+    misses = sum(r["misses"] for r in per_layer)
+    return {"hits": hits, "misses": misses, "evictions": sum(r["evictions"] for r in per_layer),
+            "hit_rate": hits / (hits + misses) if hits + misses else None}
+
+
+def heatmap_matrix(counts: Mapping[tuple[int, int], int]) -> list[list[int]]:
+    """{(layer, expert): n} -> rows of layers, columns of experts, zeros where never routed."""
+    if not counts:
+        return []
+    n_layers = max(layer for layer, _ in counts) + 1
+    n_experts = max(expert for _, expert in counts) + 1
+    matrix = [[0] * n_experts for _ in range(n_layers)]
+    for (layer, expert), n in counts.items():
+        matrix[layer][expert] = n
+    return matrix
+
+
+def latest_per_cap(rows: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
+    """Sweep rows (oldest first) -> the most recent tokens/s measured at each cap, by cap."""
+    latest = {int(r["cache_cap_bytes"]): float(r["tokens_per_s"]) for r in rows}
+    return sorted(latest.items())
+
+
+def devices(names: Iterable[str], prefix: str) -> list[str]:
+    """Device names in series like `block.<dev>.util` (prefix "block") or `nvme.<ctrl>.*`."""
+    pattern = re.compile(rf"{re.escape(prefix)}\.([^.]+)\.")
+    return sorted({m.group(1) for n in names if (m := pattern.match(n))})
+
+
+def age_text(t: float | None, now: float) -> str:
+    if t is None:
+        return "never"
+    age = max(now - t, 0.0)
+    return f"{age:.0f} s ago" if age < 120 else f"{age / 60:.0f} min ago" if age < 7200 else f"{age / 3600:.1f} h ago"
+
+
+def knob_table(described: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """GET /v1/knobs -> one row per knob: value, allowed range, default, help."""
+    return [{"knob": name, "value": str(spec["value"]), "allowed": bounds_text(spec),
+             "default": str(spec.get("default", "")), "help": spec.get("help", "")}
+            for name, spec in described.items()]
+
+
+def bounds_text(spec: Mapping[str, Any]) -> str:
+    if spec.get("type") == "bool":
+        return "true or false"
+    if "choices" in spec:
+        return ", ".join(spec["choices"])
+    if "min" not in spec:
+        return "unknown while the agent is offline"
+    return f"{spec['min']} … {spec['max']}"
+
+
+def stored_knobs(latest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """latest_knobs from the store, shaped like GET /v1/knobs (bounds unknown while the agent is away)."""
+    return {name: {"value": value, "type": "str" if isinstance(value, str) else
+                   "bool" if isinstance(value, bool) else "int" if isinstance(value, int) else "float",
+                   **({"choices": [value]} if isinstance(value, str) else {})}
+            for name, value in latest.items()}
+
+
+def changed(current: Mapping[str, Any], edited: Mapping[str, Any]) -> dict[str, Any]:
+    """The edited knobs whose value differs from the agent's current one."""
+    return {k: v for k, v in edited.items() if current.get(k) != v}
+
+
+def clock(t: float) -> str:
+    """A Unix time as UTC wall-clock text, the way every page shows times."""
+    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def knob_history_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """knob_history rows -> display rows with a readable time."""
+    return [{"time": clock(r["t"]), "knob": r["knob"], "old": str(r["old"]), "new": str(r["new"]),
+             "source": r["source"]} for r in rows]
+
+
+def unavailable_sources(events: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """Sources the collector currently cannot read -> why, replaying its events oldest first.
+
+    The collector says "cannot read <source>: <reason>" once when a source goes away and
+    "<source> is readable again" when it comes back (collector.sources).
+    """
+    down: dict[str, str] = {}
+    for e in events:
+        if e["kind"] == "collector.source_unavailable":
+            source, _, reason = e["message"].removeprefix("cannot read ").partition(": ")
+            down[source] = reason
+        elif e["kind"] == "collector.source_available":
+            down.pop(e["message"].removesuffix(" is readable again"), None)
+    return down
