@@ -1,0 +1,134 @@
+"""`flashmoe-cli store`: inspect the telemetry store. Thin wrappers over store.queries / store.db.
+
+  flashmoe-cli store stats --db data/flashmoe.db [--json]
+  flashmoe-cli store export --db data/flashmoe.db --series block.vda.util [--since T] [--until T] [--csv]
+  flashmoe-cli store compact --db data/flashmoe.db [--retention-days 7]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import sys
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+from store import queries
+from store.db import Store
+from store.errors import StoreError
+from store.schema import DEFAULT_RETENTION_S
+
+log = logging.getLogger(__name__)
+ROW_TABLES = ("requests", "cache_stats", "activations", "knob_changes", "events", "simulations", "sweeps")
+
+
+def _time(text: str) -> float:
+    """Unix seconds, or an ISO 8601 date-time (UTC unless it names a zone)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither Unix seconds nor an ISO 8601 time "
+                                         f"such as 2026-01-31T12:00:00") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = __doc__.split("\n\n", 1)[1]
+    sub = parser.add_subparsers(dest="store_command", metavar="SUBCOMMAND", required=True)
+    stats = sub.add_parser("stats", help="per series: points, encoded bytes, bytes per point",
+                           description="per series: points, chunks, encoded bytes, bytes per point; "
+                           "row counts of the other tables.\nexample: flashmoe-cli store stats --db data/flashmoe.db")
+    stats.add_argument("--db", required=True, type=Path)
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    export = sub.add_parser("export", help="decoded points of one series (JSON lines or CSV)",
+                            description="decoded points of one series as JSON lines {t, value}, or CSV.\n"
+                            "example: flashmoe-cli store export --db data/flashmoe.db --series mem.free_bytes --csv")
+    export.add_argument("--db", required=True, type=Path)
+    export.add_argument("--series", required=True, help="series name, e.g. block.vda.util")
+    export.add_argument("--since", type=_time, default=None, help="Unix seconds or ISO 8601 time")
+    export.add_argument("--until", type=_time, default=None, help="Unix seconds or ISO 8601 time")
+    export.add_argument("--csv", action="store_true", help="CSV with a header t,value")
+    compact = sub.add_parser("compact", help="apply retention and merge small chunks",
+                             description="delete data older than the retention and merge small chunks.\n"
+                             "example: flashmoe-cli store compact --db data/flashmoe.db --retention-days 7")
+    compact.add_argument("--db", required=True, type=Path)
+    compact.add_argument("--retention-days", type=float, default=DEFAULT_RETENTION_S / 86400)
+
+
+def stats(db: Path) -> dict:
+    """The numbers `store stats` prints: per series and per table."""
+    conn = queries.connect_ro(db)
+    if conn is None:
+        raise StoreError(f"there is no store at {db}; start `flashmoe-cli collect --db {db}` "
+                         f"or the agent to create it")
+    try:
+        series = [asdict(info) | {"bytes_per_point": round(info.bytes_per_point, 3)}
+                  for info in queries.series_info(conn)]
+        rows = {t: conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ROW_TABLES}
+    finally:
+        conn.close()
+    points = sum(s["points"] for s in series)
+    encoded = sum(s["encoded_bytes"] for s in series)
+    return {"db": str(db), "file_bytes": db.stat().st_size, "series": series, "rows": rows,
+            "points": points, "encoded_bytes": encoded,
+            "bytes_per_point": round(encoded / points, 3) if points else 0.0}
+
+
+def _print_stats(report: dict) -> None:
+    out = sys.stdout
+    out.write(f"{'series':44} {'unit':>8} {'kind':>7} {'points':>9} {'chunks':>7} {'bytes':>9} {'B/pt':>6}\n")
+    for s in report["series"]:
+        out.write(f"{s['name']:44} {s['unit']:>8} {s['kind']:>7} {s['points']:>9} {s['chunks']:>7} "
+                  f"{s['encoded_bytes']:>9} {s['bytes_per_point']:>6.2f}\n")
+    out.write(f"{'all series':44} {'':>8} {'':>7} {report['points']:>9} {'':>7} "
+              f"{report['encoded_bytes']:>9} {report['bytes_per_point']:>6.2f}\n")
+    out.write("rows: " + ", ".join(f"{t} {n}" for t, n in report["rows"].items()) + "\n")
+    out.write(f"file: {report['db']} {report['file_bytes']} bytes\n")
+
+
+def export(db: Path, name: str, since: float | None, until: float | None, as_csv: bool) -> int:
+    """Write the decoded points to stdout; returns how many."""
+    if queries.connect_ro(db) is None:
+        raise StoreError(f"there is no store at {db}; check --db")
+    names = queries.series_names(db)
+    if name not in names:
+        raise StoreError(f"series {name!r} has no points in {db}; series with points: "
+                         f"{', '.join(names) or 'none'}")
+    t, values = queries.points(db, name, since, until)
+    if as_csv:
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(["t", "value"])
+        writer.writerows(zip(t.tolist(), values.tolist()))
+    else:
+        sys.stdout.writelines(json.dumps({"t": a, "value": b}) + "\n" for a, b in zip(t.tolist(), values.tolist()))
+    return len(t)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.store_command == "stats":
+            report = stats(args.db)
+            if args.json:
+                sys.stdout.write(json.dumps(report, indent=2) + "\n")
+            else:
+                _print_stats(report)
+        elif args.store_command == "export":
+            export(args.db, args.series, args.since, args.until, args.csv)
+        else:
+            if not args.db.exists():
+                raise StoreError(f"there is no store at {args.db}; check --db")
+            with Store(args.db, autoflush_s=0) as store:
+                report = store.compact(args.retention_days * 86400)
+            sys.stdout.write(json.dumps(asdict(report)) + "\n")
+    except StoreError as e:
+        log.error("%s", e)
+        return 1
+    return 0
