@@ -143,6 +143,7 @@ def read_jsonl(path: str | Path, n_experts: int | None = None) -> Trace:
     meta = _meta(path, lines[0] if lines else "")
     n_layers, top_k = meta["layers"], meta["top_k"]
     expected = [str(i) for i in range(n_layers)]
+    limit = n_experts if n_experts is not None else meta.get("n_experts")
     sets: list[list[list[int]]] = []
     starts: list[int] = []
     session = object()  # sentinel: the first record always opens a session
@@ -153,9 +154,8 @@ def read_jsonl(path: str | Path, n_experts: int | None = None) -> Trace:
         if not starts or record.get("session", session) != session:
             starts.append(len(sets))
             session = record.get("session", session)
-        sets.append([_expert_set(path, number, layer, record["routed"][layer]) for layer in expected])
-    return _from_sets(path.stem, str(meta.get("model") or "unknown"), sets, n_layers, top_k,
-                      n_experts if n_experts is not None else meta.get("n_experts"), starts,
+        sets.append([_expert_set(path, number, layer, record["routed"][layer], limit) for layer in expected])
+    return _from_sets(path.stem, str(meta.get("model") or "unknown"), sets, n_layers, top_k, limit, starts,
                       tuple(range(n_layers)), str(path))
 
 
@@ -198,13 +198,16 @@ def _record(path: Path, number: int, line: str, expected: list[str]) -> dict:
     return record
 
 
-def _expert_set(path: Path, number: int, layer: str, ids: object) -> list[int]:
+def _expert_set(path: Path, number: int, layer: str, ids: object, limit: int | None) -> list[int]:
     if (not isinstance(ids, list) or not ids
             or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids)):
         raise TraceError(f"{path}:{number}: layer {layer} must be a non-empty list of expert ids "
                          f"(non-negative integers), got {ids!r}")
     if len(set(ids)) != len(ids):
         raise TraceError(f"{path}:{number}: layer {layer} lists an expert twice: {ids}")
+    if limit is not None and max(ids) >= limit:
+        raise TraceError(f"{path}:{number}: layer {layer} expert id {max(ids)} is out of range for "
+                         f"n_experts={limit}; pass the model's expert count (--experts) or fix the file")
     return ids
 
 
