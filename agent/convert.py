@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from agent.experts.layout import ALIGN, CONFIG, DENSE, EXPERTS, INDEX, Block, Index, crc32
+from agent.model.config import ConfigError, MoEConfig
 
 log = logging.getLogger(__name__)
 
@@ -255,20 +256,14 @@ def _fsync_path(path: Path) -> None:
 
 @dataclass(frozen=True)
 class Arch:
-    experts_keys: tuple[str, ...]        # config keys of the routed expert count; the first present wins
-    intermediate_key: str                # config key of one routed expert's intermediate size
+    """How one architecture names its routed experts (shapes come from agent.model.config.MoEConfig)."""
     moe_modules: tuple[str, ...]         # names the MoE block has inside a decoder layer; [0] is the saved one
     projections: tuple[str, str, str]    # per-expert gate, up, down module names
 
 
 _QWEN = ("gate_proj", "up_proj", "down_proj")
-ARCHS = {
-    "olmoe": Arch(("num_experts",), "intermediate_size", ("mlp",), _QWEN),
-    "qwen3_moe": Arch(("num_experts", "num_local_experts"), "moe_intermediate_size", ("mlp",), _QWEN),
-    "qwen2_moe": Arch(("num_experts",), "moe_intermediate_size", ("mlp",), _QWEN),
-    "mixtral": Arch(("num_local_experts", "num_experts"), "intermediate_size", ("block_sparse_moe", "mlp"),
-                    ("w1", "w3", "w2")),
-}
+ARCHS = {"olmoe": Arch(("mlp",), _QWEN), "qwen3_moe": Arch(("mlp",), _QWEN), "qwen2_moe": Arch(("mlp",), _QWEN),
+         "mixtral": Arch(("block_sparse_moe", "mlp"), ("w1", "w3", "w2"))}
 
 
 @dataclass
@@ -291,19 +286,20 @@ def plan(src: Path) -> Plan:
     """Read config.json and the safetensors headers of `src` and check that they agree."""
     src = Path(src)
     config = _read_config(src)
-    model_type = config.get("model_type")
-    if model_type not in ARCHS:
-        raise CheckpointError(f"{src / CONFIG}: unsupported architecture model_type={model_type!r}; "
-                              f"flashmoe converts {', '.join(ARCHS)}")
-    arch = ARCHS[model_type]
-    shape = _config_shape(config, arch, src / CONFIG)
-    layers, dense = _split(_read_tensors(src), arch, shape.n_layers, src)
+    arch = ARCHS[config.arch]
+    moe_ids = config.moe_layer_ids  # store layer i holds decoder layer moe_ids[i]'s experts
+    shape = StoreShape(len(moe_ids), config.n_experts, config.dim, config.expert_dim, dtype="", itemsize=0)
+    layers, dense = _split(_read_tensors(src), arch, config, src)
     dtypes = set()
     blocks: list[tuple[Span, Span, Span]] = []
-    for layer in range(shape.n_layers):
-        spans, layer_dtypes = _layer_spans(layer, layers.get(layer), arch, shape)
+    for layer in moe_ids:
+        spans, layer_dtypes = _layer_spans(layer, layers.pop(layer, None), arch, shape)
         blocks += spans
         dtypes |= layer_dtypes
+    if layers:
+        raise CheckpointError(f"{src}: layer(s) {sorted(layers)} have expert tensors but config.json makes them "
+                              f"dense MLP layers (mlp_only_layers / decoder_sparse_step); the config disagrees "
+                              f"with the checkpoint")
     if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
         raise CheckpointError(f"{src}: expert tensors have dtype(s) {sorted(dtypes)}; flashmoe needs one of "
                               f"{', '.join(DTYPES)} for all experts (quantized checkpoints are not supported)")
@@ -313,34 +309,14 @@ def plan(src: Path) -> Plan:
     return Plan(shape, blocks, [(_saved_name(n, arch), t) for n, t in dense], files)
 
 
-def _read_config(src: Path) -> dict:
+def _read_config(src: Path) -> MoEConfig:
     path = src / CONFIG
     if not src.is_dir():
         raise CheckpointError(f"{src} is not a directory; pass the checkpoint directory that holds config.json")
     try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing; a Hugging Face checkpoint directory has one") from None
-    except ValueError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return config
-
-
-def _config_shape(config: dict, arch: Arch, path: Path) -> StoreShape:
-    def need(*keys: str) -> int:
-        for key in keys:
-            if isinstance(config.get(key), int) and config[key] > 0:
-                return config[key]
-        raise CheckpointError(f"{path} lacks a positive integer {' or '.join(map(repr, keys))}, "
-                              f"which a {config['model_type']} config must have")
-
-    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
-        raise CheckpointError(f"{path}: some layers are dense MLPs (mlp_only_layers / decoder_sparse_step); "
-                              f"flashmoe needs every decoder layer to be an MoE layer")
-    return StoreShape(need("num_hidden_layers"), need(*arch.experts_keys), need("hidden_size"),
-                      need(arch.intermediate_key), dtype="", itemsize=0)
+        return MoEConfig.from_file(path)
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
 
 
 def _read_tensors(src: Path) -> dict[str, TensorInfo]:
@@ -378,7 +354,7 @@ def _checkpoint_files(src: Path) -> tuple[list[Path], dict[str, str]]:
     return files, {}
 
 
-def _split(tensors: dict[str, TensorInfo], arch: Arch, n_layers: int,
+def _split(tensors: dict[str, TensorInfo], arch: Arch, config: MoEConfig,
            src: Path) -> tuple[dict[int, LayerTensors], list[tuple[str, TensorInfo]]]:
     """Sort tensors into each layer's routed experts and everything else (dense)."""
     modules = "|".join(map(re.escape, arch.moe_modules))
@@ -390,9 +366,9 @@ def _split(tensors: dict[str, TensorInfo], arch: Arch, n_layers: int,
     dense = []
     for name, info in tensors.items():
         m = layer_of.match(name)
-        if m and int(m[1]) >= n_layers:
+        if m and int(m[1]) >= config.n_layers:
             raise CheckpointError(f"{src}: tensor {name} is in layer {m[1]}, but config.json says "
-                                  f"num_hidden_layers={n_layers}; the config disagrees with the checkpoint")
+                                  f"num_hidden_layers={config.n_layers}; the config disagrees with the checkpoint")
         if ".experts." not in name:
             dense.append((name, info))
         elif m_per := per_expert.fullmatch(name):
@@ -409,6 +385,7 @@ def _split(tensors: dict[str, TensorInfo], arch: Arch, n_layers: int,
 
 def _layer_spans(layer: int, lt: LayerTensors | None, arch: Arch,
                  shape: StoreShape) -> tuple[list[tuple[Span, Span, Span]], set[str]]:
+    """The gate, up and down byte ranges of every expert of decoder layer `layer`."""
     module = lt.module if lt else arch.moe_modules[0]
     prefix = f"model.layers.{layer}.{module}.experts"
     if lt is None or (lt.per_expert and lt.fused) or not (lt.per_expert or lt.fused):
@@ -425,7 +402,7 @@ def _per_expert_spans(layer: int, lt: LayerTensors, prefix: str, arch: Arch,
     h, i, n = shape.hidden, shape.intermediate, shape.n_experts
     seen = sorted({e for e, _ in lt.per_expert})
     if seen[-1] >= n or (len(seen) < n and seen == list(range(len(seen)))):
-        raise CheckpointError(f"config.json says {arch.experts_keys[0]}={n}, but layer {layer} has tensors for "
+        raise CheckpointError(f"config.json says {n} experts, but layer {layer} has tensors for "
                               f"experts {seen[0]}..{seen[-1]}; the config disagrees with the checkpoint")
     spans = []
     for e in range(n):
@@ -435,7 +412,7 @@ def _per_expert_spans(layer: int, lt: LayerTensors, prefix: str, arch: Arch,
             info = lt.per_expert.get((e, role))
             if info is None:
                 raise CheckpointError(f"missing expert tensor {name}; the checkpoint is incomplete")
-            _check_shape(info, want, shape, arch)
+            _check_shape(info, want, shape)
             parts.append(info.span)
         spans.append(tuple(parts))
     return spans, {t.dtype for t in lt.per_expert.values()}
@@ -461,11 +438,10 @@ def _fused_spans(layer: int, lt: LayerTensors, prefix: str,
     return spans, {gate_up.dtype, down.dtype}
 
 
-def _check_shape(info: TensorInfo, want: tuple[int, ...], shape: StoreShape, arch: Arch | None = None) -> None:
+def _check_shape(info: TensorInfo, want: tuple[int, ...], shape: StoreShape) -> None:
     if info.shape != want:
-        inter = arch.intermediate_key if arch else "expert intermediate size"
-        raise CheckpointError(f"tensor {info.name} has shape {list(info.shape)}, but config.json "
-                              f"(hidden_size={shape.hidden}, {inter}={shape.intermediate}) implies {list(want)}; "
+        raise CheckpointError(f"tensor {info.name} has shape {list(info.shape)}, but config.json (hidden_size="
+                              f"{shape.hidden}, expert intermediate size {shape.intermediate}) implies {list(want)}; "
                               f"the config disagrees with the checkpoint")
 
 

@@ -59,6 +59,25 @@ def test_converted_store_holds_the_checkpoints_weights(tmp_path, arch, layout, s
     assert (index.dtype, index.itemsize, index.alignment) == ("float32", 4, ALIGN)
 
 
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_dense_mlp_layers_are_skipped_in_the_store(tmp_path, layout):
+    """Qwen's mlp_only_layers: store layer i holds the i-th MoE layer; the dense MLP stays in dense.safetensors."""
+    ckpt = tiny_checkpoint("qwen3_moe", tmp_path / "hf", layout=layout, num_hidden_layers=3, mlp_only_layers=[1])
+    index = convert(ckpt.path, tmp_path / "store")
+    assert index.n_layers == 2
+    experts = InMemoryExperts(tmp_path / "store")
+    for store_layer, layer in enumerate([0, 2]):
+        for got, want in zip(experts.get(store_layer, 5), expert_weights(ckpt.model, layer, 5)):
+            assert torch.equal(got, want)
+    assert "model.layers.1.mlp.gate_proj.weight" in load_file(tmp_path / "store" / DENSE)
+
+
+def test_expert_tensors_in_a_layer_the_config_makes_dense(tmp_path):
+    ckpt = tiny_checkpoint("qwen2_moe", tmp_path / "hf")
+    _edit_config(ckpt.path, mlp_only_layers=[0])
+    _convert_fails(ckpt.path, tmp_path / "store", "layer(s) [0]", "mlp_only_layers")
+
+
 def test_blocks_are_aligned_contiguous_and_in_index_order(tmp_path):
     ckpt = tiny_checkpoint("qwen2_moe", tmp_path / "hf")
     index = convert(ckpt.path, tmp_path / "store")
@@ -134,7 +153,7 @@ def test_truncated_shard_is_named(tmp_path):
 def test_unsupported_architecture(tmp_path):
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
     _edit_config(ckpt.path, model_type="llama")
-    _convert_fails(ckpt.path, tmp_path / "store", "unsupported architecture", "'llama'", "mixtral")
+    _convert_fails(ckpt.path, tmp_path / "store", "'llama' is not supported", "mixtral")
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
@@ -174,7 +193,7 @@ def test_missing_fused_tensor_is_named(tmp_path):
 def test_missing_config(tmp_path):
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
     (ckpt.path / CONFIG).unlink()
-    _convert_fails(ckpt.path, tmp_path / "store", "config.json is missing")
+    _convert_fails(ckpt.path, tmp_path / "store", "config.json not found")
 
 
 def test_non_empty_destination_needs_overwrite(tmp_path):
@@ -302,7 +321,7 @@ def test_cli_converts_and_reports_bad_input(tmp_path):
     bad = subprocess.run(CLI + ["convert", str(ckpt.path), str(tmp_path / "other")], cwd=REPO,
                          capture_output=True, text=True)
     assert bad.returncode == 1
-    assert "unsupported architecture model_type='gpt2'" in bad.stderr
+    assert "model_type 'gpt2' is not supported" in bad.stderr
     _assert_nothing_written(tmp_path / "other")
 
 
