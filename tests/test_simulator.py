@@ -1,0 +1,129 @@
+"""The simulator: the runtime's Residency replayed over real routing traces, and its CLI."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.cli import main
+from agent.policies import policy_factory
+from agent.residency import Residency
+from agent.simulator import SystemReplay, capacity_slots, format_table, gap_closed, replay, simulate
+from agent.traces import from_sets, read_jsonl
+
+DATA = Path(__file__).parent / "data" / "traces"
+OLMOE, QWEN = DATA / "olmoe_math.jsonl", DATA / "qwen_dialogue.jsonl"
+BASELINES = ["lru", "lfu", "lfu-window", "arc", "least-stale"]
+
+
+@pytest.fixture(scope="module")
+def olmoe():
+    return read_jsonl(OLMOE)
+
+
+def test_capacity_is_a_floored_fraction_never_below_one_step(olmoe):
+    assert capacity_slots(olmoe, 0.25, "layer") == 16 * 16
+    assert capacity_slots(olmoe, 0.01, "layer") == 8 * 16  # top-8 floor per layer
+    assert capacity_slots(olmoe, 0.25, "global") == 256
+    qwen = read_jsonl(QWEN)
+    assert capacity_slots(qwen, 0.125, "layer") == 7 * 24  # 7.5 experts floors to 7
+    for bad in (0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=r"fraction of all experts in \(0, 1\]"):
+            capacity_slots(olmoe, bad, "layer")
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_belady_bounds_every_policy_on_a_real_trace(olmoe, scope):
+    results = {p: simulate(olmoe, p, 0.25, scope) for p in BASELINES + ["belady"]}
+    assert all(r.accesses == 512 * 16 * 8 for r in results.values())
+    best = results.pop("belady").hit_rate
+    assert all(0.3 < r.hit_rate < best for r in results.values())
+
+
+def test_cold_misses_count(olmoe):
+    r = simulate(olmoe, "lru", 1.0, "layer")
+    distinct = len({(l, e) for t in range(olmoe.n_tokens) for l in range(16) for e in olmoe.routed(t, l).tolist()})
+    assert r.accesses - r.hits == distinct  # a cache that holds everything misses each expert once
+
+
+def test_sessions_and_system_samples_reach_the_policy():
+    seen = []
+
+    class Recorder:
+        def __init__(self):
+            self.inner = policy_factory("lru")()
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def session(self):
+            seen.append("session")
+
+        def system(self, sample):
+            seen.append(sample["read_latency_s"])
+
+    trace = from_sets([[[t % 4]] for t in range(5)], session_starts=[0, 3])
+    replay(trace, Residency(2, 1, Recorder, "layer", 1), SystemReplay(({"read_latency_s": 1.0}, {"read_latency_s": 2.0}), every=2))
+    assert seen == ["session", 1.0, 2.0, "session", 1.0]
+
+
+def test_system_series_file(tmp_path):
+    good = tmp_path / "s.json"
+    good.write_text(json.dumps({"every": 4, "samples": [{"read_latency_s": 1e-4, "mem_pressure": 0.2}]}))
+    s = SystemReplay.load(good)
+    assert s.at(0) == s.at(8) == {"read_latency_s": 1e-4, "mem_pressure": 0.2} and s.at(3) is None
+    bad = tmp_path / "b.json"
+    bad.write_text(json.dumps({"samples": "nope"}))
+    with pytest.raises(ValueError, match="expected"):
+        SystemReplay.load(bad)
+    assert SystemReplay.synthetic().at(0) == SystemReplay.synthetic().at(0)  # deterministic
+
+
+def test_gap_closed():
+    assert gap_closed(0.6, 0.5, 0.7) == pytest.approx(0.5)
+    assert gap_closed(0.5, 0.5, 0.5) is None
+
+
+def test_cli_json_and_table(capsys):
+    assert main(["simulate", "--trace", str(OLMOE), str(QWEN), "--policy", "lfu,arc", "--capacity", "0.25",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert [(r["trace"], r["policy"]) for r in rows] == [
+        (t, p) for t in ("olmoe_math", "qwen_dialogue") for p in ("lru", "lfu", "arc", "belady")]
+    for r in rows:
+        assert {"trace", "policy", "capacity", "scope", "hits", "accesses", "hit_rate"} <= set(r)
+        assert r["hit_rate"] == pytest.approx(r["hits"] / r["accesses"])
+        assert r["capacity"] == 0.25 and r["scope"] == "layer"
+    lru = {r["trace"]: r["hit_rate"] for r in rows if r["policy"] == "lru"}
+    assert lru["olmoe_math"] == pytest.approx(simulate(read_jsonl(OLMOE), "lru", 0.25).hit_rate)
+
+
+def test_table_reports_the_gap_of_the_means(olmoe):
+    results = [simulate(olmoe, p, 0.5, "global") for p in ("lru", "lfu", "belady")]
+    table = format_table(results)
+    lfu_gap = gap_closed(results[1].hit_rate, results[0].hit_rate, results[2].hit_rate)
+    assert table.splitlines()[-1].split() == ["gap", "closed", "0.0%", f"{lfu_gap:.1%}", "100.0%"]
+    assert "global scope" in table.splitlines()[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "lru,nope"], "unknown policy nope"),
+    (["--capacity", "1.5"], r"fraction of all experts in \(0, 1\]"),
+    (["--capacity", "0"], r"fraction of all experts in \(0, 1\]"),
+])
+def test_cli_errors(capsys, argv, message):
+    assert main(["simulate", "--trace", str(OLMOE), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "flashmoe-cli simulate: error:" in err
+    assert re.search(message, err)
+
+
+def test_cli_missing_trace_in_a_real_process(tmp_path):
+    exe = Path(sys.executable).parent / "flashmoe-cli"
+    proc = subprocess.run([str(exe), "simulate", "--trace", str(tmp_path / "gone.jsonl"), "--policy", "lru"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"{tmp_path / 'gone.jsonl'}: no such trace file" in proc.stderr
+    assert proc.stdout == ""
