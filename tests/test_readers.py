@@ -11,7 +11,7 @@ import torch
 from agent.convert import StoreShape, StoreWriter
 from agent.experts.layout import ALIGN, EXPERTS, INDEX, Index, StoreError, crc32
 from agent.experts.provider import InMemoryExperts, block_views
-from agent.experts.reader import BACKENDS, DirectReader, dio_alignment, open_reader
+from agent.experts.reader import BACKENDS, DirectReader, dio_alignment, fast_crc32, open_reader
 from agent.experts.slots import SlotPool
 
 O_DIRECT_FLAG = os.O_DIRECT
@@ -45,6 +45,12 @@ def flip_byte(store: Path, layer: int, expert: int) -> None:
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 5 * 1024 + 1, 3 * 2**20 + 7])
+def test_fast_crc_matches_the_store_checksum(size):
+    data = np.random.default_rng(size).bytes(size)
+    assert fast_crc32(data) == crc32(data)
 
 
 def test_slot_pool_is_page_aligned_and_views_share_memory():

@@ -150,11 +150,15 @@ class ExpertCache:
         self.policy_name = policy
         self._check_cap(cap_bytes)
         self.cap_bytes = cap_bytes
-        self._reader = open_reader(backend, self.store_dir / EXPERTS, self.index, verify)
-        self.backend = backend
         self._residency = Residency(self._slots_for(cap_bytes), self.index.n_layers,
                                     policy_factory(policy, **(policy_options or {})), scope, self.min_per_layer)
-        self._pool = SlotPool(self._pool_size(), self.index.slot_bytes) if self._reader.uses_slots else None
+        self.backend = backend
+        self._reader = open_reader(backend, self.store_dir / EXPERTS, self.index, verify)
+        try:
+            self._pool = SlotPool(self._pool_size(), self.index.slot_bytes) if self._reader.uses_slots else None
+        except BaseException:
+            self._reader.close()
+            raise
         self._lock = threading.Lock()
         self._slot_of: dict[Key, int] = {}
         self._ready: dict[Key, ExpertWeights] = {}
@@ -194,9 +198,14 @@ class ExpertCache:
 
     def route(self, layer: int, experts: Sequence[int]) -> None:
         """Pin and access the step's experts (each counted once), starting the reads of the misses."""
+        unique = list(dict.fromkeys(experts))
         with self._lock:
-            self._residency.route(layer, experts)
-            self._step[layer] = {e: self._access((layer, e)) for e in dict.fromkeys(experts)}
+            room = self._residency.capacity // (self.index.n_layers if self._residency.scope == "layer" else 1)
+            if len(unique) > room:
+                raise ValueError(f"{len(unique)} experts routed at layer {layer} but the cache holds {room} per "
+                                 f"{self._residency.scope}; raise the cache cap or route fewer at a time")
+            self._residency.route(layer, unique)
+            self._step[layer] = {e: self._access((layer, e)) for e in unique}
             self._maybe_sample_system()
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
