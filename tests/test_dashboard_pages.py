@@ -1,0 +1,176 @@
+"""Every dashboard page under AppTest, reading a real store that the test filled through Store.
+
+The agent is offline here (a closed loopback port); tests/test_dashboard_agent.py covers the pages
+against a running agent, and tests/test_browser.py the whole product in Chromium.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from dashboard import synthetic
+from store.db import Store
+
+APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+SPAN_S = 600
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]   # released on close: nothing listens there
+
+
+def fill(path: Path, **options) -> Path:
+    synthetic.write(str(path), synthetic.Spec(start=time.time() - SPAN_S, seconds=SPAN_S, **options))
+    return path
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("FLASHMOE_AGENT_URL", f"http://127.0.0.1:{closed_port()}")
+
+
+def open_page(monkeypatch, db: Path, page: str | None = None) -> AppTest:
+    monkeypatch.setenv("FLASHMOE_DB", str(db))
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    if page:
+        at.switch_page(f"pages/{page}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def metrics(at: AppTest) -> dict[str, str]:
+    return {m.label: m.value for m in at.metric}
+
+
+def figures(at: AppTest) -> dict[str, dict]:
+    """Every plotly chart on the page, by its title."""
+    specs = [json.loads(chart.proto.spec) for chart in at.get("plotly_chart")]
+    return {spec["layout"]["title"]["text"]: spec for spec in specs}
+
+
+def texts(elements) -> str:
+    return "\n".join(str(e.value) for e in elements)
+
+
+@pytest.fixture
+def db(tmp_path) -> Path:
+    return fill(tmp_path / "flashmoe.db")
+
+
+def test_overview_shows_latest_values_latency_tail_and_processes(monkeypatch, offline, db):
+    at = open_page(monkeypatch, db)
+    last = SPAN_S - 1
+    shown = metrics(at)
+    assert shown["Tokens/s"] == f"{synthetic.tokens_per_s(last):.1f}"
+    assert shown["Hit rate"] == f"{synthetic.hit_rate(last):.1%}"
+    assert shown["Requests"] == str(SPAN_S // 10)
+    assert shown["P99 latency"] == "3.00 s"     # 3 of the 60 requests are 3 s tails: P99 is one of them
+    figs = figures(at)
+    assert {"Tokens per second", "Expert cache hit rate", "Request latency", "Requests per interval"} <= set(figs)
+    p50, p95, p99 = figs["Request latency"]["data"]
+    assert max(p50["y"]) < 2.0 < max(p99["y"]) <= 3.0       # the 3 s tails show in P99 only
+    assert "Agent down" in texts(at.error)
+    assert "Collector up" in texts(at.success)
+
+
+def test_cache_page_hit_rates_heatmap_policies_and_sweep(monkeypatch, offline, db):
+    at = open_page(monkeypatch, db, "cache")
+    shown = metrics(at)
+    # per sample: hits 10+11+12+13 = 46, misses 10+9+8+7 = 34, evictions 0+1+2+3 = 6
+    assert shown["Hit rate (window)"] == f"{46 / 80:.1%}"
+    assert shown["Evictions (window)"] == f"{6 * SPAN_S:,}"
+    assert "agent offline" in shown["Prefetch accuracy (agent)"]
+    figs = figures(at)
+    assert figs["Hit rate per layer"]["data"][0]["y"] == [(10 + l) / 20 for l in range(synthetic.N_LAYERS)]
+    z = figs["Expert activations (layer × expert)"]["data"][0]["z"]
+    assert len(z) == synthetic.N_LAYERS and len(z[0]) == synthetic.N_EXPERTS
+    assert sum(map(sum, z)) == synthetic.N_LAYERS * SPAN_S
+    bars = figs["Hit rate by policy on recorded traces"]["data"][0]
+    assert dict(zip(bars["x"], bars["y"]))["flashmoe"] == 0.71
+    curve = figs["Tokens/s by cache cap (latest per cap)"]["data"][0]
+    assert curve["x"] == [1024.0, 2048.0, 4096.0] and curve["y"] == [8.0, 15.0, 21.0]
+    assert "offline" in texts(at.caption)
+    assert not [b for b in at.button if b.key == "start-sweep"]      # no sweep without an agent
+
+
+def test_ssd_page_charts_the_device_and_shows_smart(monkeypatch, offline, db):
+    at = open_page(monkeypatch, db, "ssd")
+    assert at.selectbox(key="ssd-device").options == [synthetic.DEVICE]
+    figs = figures(at)
+    assert {f"vda {name}" for name in ("throughput", "utilisation", "queue depth", "IOPS", "await")} == set(figs)
+    read = next(d for d in figs["vda throughput"]["data"] if d["name"] == "read")
+    assert 150 <= min(read["y"]) and max(read["y"]) <= 250      # 200 ± 50 MB/s
+    assert metrics(at)["Temperature"] == "41 °C"
+    assert metrics(at)["Media errors"] == "0"
+
+
+def test_ssd_page_says_why_smart_is_missing(monkeypatch, offline, tmp_path):
+    at = open_page(monkeypatch, fill(tmp_path / "virtio.db", smart=False), "ssd")
+    assert synthetic.SMART_REASON in texts(at.warning)
+    assert "Temperature" not in metrics(at)
+
+
+def test_memory_page_healthy(monkeypatch, offline, db):
+    at = open_page(monkeypatch, db, "memory")
+    assert {"Agent memory", "Major faults", "Workingset refaults", "Memory pressure stall (PSI avg10)"} <= set(figures(at))
+    assert "Healthy" in texts(at.success)
+    assert not at.button
+
+
+def test_memory_page_diagnoses_thrash_with_evidence_and_recommendation(monkeypatch, offline, tmp_path):
+    at = open_page(monkeypatch, fill(tmp_path / "thrash.db", thrash=True), "memory")
+    assert "Thrashing" in texts(at.error)
+    evidence = texts(at.markdown)
+    for signal in ("memory PSI full", "memory PSI some", "agent major faults", "file refaults"):
+        assert signal in evidence
+    assert "anon refaults" not in evidence
+    # 7.5 GiB in use, 4 GiB of it the cache: the cap that keeps use within 70% of 8 GiB
+    expected_mib = int((0.7 * 8 - 3.5) * 1024)
+    button = at.button(key="apply-recommendation")
+    assert f"{expected_mib:,} MiB" in button.label
+    assert button.disabled            # the agent is offline: the recommendation cannot be applied
+
+
+def test_tuning_page_offline_shows_stored_knobs_read_only_and_history(monkeypatch, offline, db):
+    at = open_page(monkeypatch, db, "tuning")
+    assert "Agent offline" in texts(at.warning)
+    knobs, history = (df.value for df in at.dataframe)
+    assert dict(zip(knobs["knob"], knobs["value"])) == {"cache_cap_bytes": str(synthetic.CACHE_CAP),
+                                                       "policy": "flashmoe"}
+    assert all(w.disabled for w in at.number_input) and at.number_input
+    assert list(history["knob"]) == ["policy", "cache_cap_bytes"]          # newest first
+    assert list(history["source"]) == ["api", "dashboard"]
+
+
+PAGES = ("cache", "ssd", "memory", "tuning")
+
+
+def walk(monkeypatch, db: Path):
+    """The Overview page, then every other page in turn, in one app session."""
+    at = open_page(monkeypatch, db)
+    yield at
+    for page in PAGES:
+        at.switch_page(f"pages/{page}.py").run()
+        assert not at.exception, (page, [e.value for e in at.exception])
+        yield at
+
+
+def test_missing_database_is_stated_plainly_on_every_page(monkeypatch, offline, tmp_path):
+    for at in walk(monkeypatch, tmp_path / "absent.db"):
+        assert "No store at" in texts(at.info)
+
+
+def test_empty_database_renders_every_page_without_charts(monkeypatch, offline, tmp_path):
+    path = tmp_path / "empty.db"
+    Store(path, autoflush_s=0).close()
+    for at in walk(monkeypatch, path):
+        assert not at.get("plotly_chart")
+        assert "No store at" not in texts(at.info)
+        assert texts(at.caption) or texts(at.info)       # says that there is nothing yet
