@@ -194,6 +194,16 @@ def test_resize_shrinks_by_policy_frees_slots_and_grows_again(store):
         assert cache.stats().capacity == LAYERS * 5
 
 
+def test_shrinking_below_the_pinned_step_is_refused_and_changes_nothing(store):
+    with ExpertCache(store, slots(store, LAYERS * 4)) as cache:
+        step(cache, 0, [0, 1, 2, 3])
+        with pytest.raises(ValueError, match="cannot hold the 4 experts the current step"):
+            cache.resize(slots(store, LAYERS * 2))
+        assert cache.stats().capacity == LAYERS * 4 and cache.stats().resident == 4
+        step(cache, 0, [1])
+        assert cache.resize(slots(store, LAYERS * 2)) == [(0, 0), (0, 2)]
+
+
 def test_set_policy_keeps_the_resident_set_and_the_counters(store):
     with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
         step(cache, 0, [0, 1])

@@ -164,6 +164,7 @@ class ExpertCache:
         self._ready: dict[Key, ExpertWeights] = {}
         self._inflight: dict[Key, _Load] = {}
         self._step: dict[int, dict[int, _Load | None]] = {}  # per layer: routed expert -> its read, if any
+        self._pinned = 0  # experts of the last route(), which Residency pins
         self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
         self._bytes_read = self._reads = 0
@@ -183,6 +184,10 @@ class ExpertCache:
     def _pool_size(self) -> int:
         return min(self._residency.capacity, len(self.index.blocks))
 
+    def _room(self, slots: int) -> int:
+        """Slots of one partition (a layer's share, or all of them in global scope)."""
+        return slots // self.index.n_layers if self._residency.scope == "layer" else slots
+
     def _check_cap(self, cap_bytes: int) -> None:
         lo, hi = cap_bounds(self.index, self.min_per_layer)
         if not lo <= cap_bytes <= hi:
@@ -200,11 +205,12 @@ class ExpertCache:
         """Pin and access the step's experts (each counted once), starting the reads of the misses."""
         unique = list(dict.fromkeys(experts))
         with self._lock:
-            room = self._residency.capacity // (self.index.n_layers if self._residency.scope == "layer" else 1)
+            room = self._room(self._residency.capacity)
             if len(unique) > room:
                 raise ValueError(f"{len(unique)} experts routed at layer {layer} but the cache holds {room} per "
                                  f"{self._residency.scope}; raise the cache cap or route fewer at a time")
             self._residency.route(layer, unique)
+            self._pinned = len(unique)
             self._step[layer] = {e: self._access((layer, e)) for e in unique}
             self._maybe_sample_system()
 
@@ -310,6 +316,9 @@ class ExpertCache:
         """A new cap: shrinking evicts by the policy and frees slots, growing allocates. Returns evicted keys."""
         self._check_cap(cap_bytes)
         with self._lock:
+            if self._room(self._slots_for(cap_bytes)) < self._pinned:
+                raise ValueError(f"cache cap {cap_bytes} bytes cannot hold the {self._pinned} experts the current step "
+                                 f"is using; retry after the step or choose a larger cap")
             evicted = self._residency.resize(self._slots_for(cap_bytes))
             for key in evicted:
                 self._forget(key)
