@@ -386,6 +386,14 @@ class Store:
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         report.chunks_deleted = conn.execute("DELETE FROM chunks WHERE t_end < ?", (cutoff,)).rowcount
+        straddling = conn.execute("SELECT id, series_id, precision, data FROM chunks "
+                                  "WHERE t_start < ? AND t_end >= ?", (cutoff, cutoff)).fetchall()
+        for chunk_id, series_id, precision, data in straddling:     # keep only the recent points
+            decoded = codec.decode(data)
+            keep = decoded.t_ms >= cutoff * 1000
+            conn.execute("DELETE FROM chunks WHERE id = ?", (chunk_id,))
+            self._write_chunk(series_id, precision, None,
+                              list(zip(decoded.t_ms[keep].tolist(), decoded.q[keep].tolist())))
         for table in ("requests", "cache_stats", "activations", "events"):
             report.rows_deleted += conn.execute(f"DELETE FROM {table} WHERE t < ?", (cutoff,)).rowcount
         report.rows_deleted += conn.execute(
@@ -448,12 +456,12 @@ class Compaction:
 
 
 def _runs_to_merge(rows: list[tuple[int, float, bytes, int]], target_points: int) -> list[list[tuple[int, float, bytes, int]]]:
-    """Group time-ordered small chunks into runs of the same precision worth merging (>= 2 chunks,
-    closed once they reach target_points)."""
+    """Group time-ordered small chunks into runs of the same precision worth merging (>= 2 chunks;
+    a run is closed at 16 x target_points to bound one transaction's work)."""
     runs: list[list[tuple[int, float, bytes, int]]] = []
     current: list[tuple[int, float, bytes, int]] = []
     for row in rows:
-        if current and (row[1] != current[0][1] or sum(r[3] for r in current) >= target_points):
+        if current and (row[1] != current[0][1] or sum(r[3] for r in current) >= 16 * target_points):
             runs.append(current)
             current = []
         current.append(row)
