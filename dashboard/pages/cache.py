@@ -63,20 +63,22 @@ def policies() -> None:
                    "policies on recorded traces.")
 
 
-@st.fragment(run_every=2)
+@st.fragment(run_every=settings.REFRESH_S)
 def cap_sweep() -> None:
     st.subheader("Tokens/s against cache cap")
     runner = data.sweep_runner()
     knobs = data.agent_knobs(url)
     status = data.agent_status(url)
     online = isinstance(knobs, dict) and isinstance(status, dict)
-    n_requests = st.number_input("Requests per cap", 1, 20, 3, disabled=runner.running)
+    left, right = st.columns(2)
+    n_requests = left.number_input("Requests per cap", 1, 20, 2, disabled=runner.running, key="sweep-requests")
+    max_tokens = right.number_input("Tokens per request", 1, 256, 8, disabled=runner.running, key="sweep-tokens")
     if online:
         cap = knobs["cache_cap_bytes"]
         caps = sweep.default_caps(status["cache"]["expert_bytes"], cap["min"], cap["max"])
         st.caption("Caps: " + ", ".join(f"{c / 2**20:,.0f} MiB" for c in caps))
         if st.button("Start sweep", disabled=runner.running, key="start-sweep"):
-            runner.start(url, db, caps, int(n_requests), max_tokens=16)
+            runner.start(url, db, caps, int(n_requests), int(max_tokens))
     else:
         st.caption("The sweep needs the agent; it is offline. Stored sweeps are shown below.")
     progress = runner.progress

@@ -40,6 +40,7 @@ def knob_form(knobs: dict[str, dict[str, Any]], online: bool) -> None:
             changes = transforms.changed({k: s["value"] for k, s in knobs.items()}, edited)
             st.session_state["tuning-answer"] = (agent_client.push(url, changes) if changes
                                                  else "nothing to apply: every knob already has that value")
+            data.knob_history.clear()   # show the change just made, not the history cached before it
             st.rerun()
 
 

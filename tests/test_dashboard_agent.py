@@ -1,0 +1,176 @@
+"""Dashboard pages against a real agent (`flashmoe-cli serve` on the small demo model, loopback).
+
+The Tuning page applies knobs and shows the agent's answer, the Memory page applies its
+recommendation, the Cache page runs a cap sweep through /v1/completions and restores the cap.
+The helpers here also start the processes for tests/test_browser.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from dashboard import data, synthetic
+from store import queries
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = str(ROOT / "dashboard" / "app.py")
+CLI = str(Path(sys.executable).with_name("flashmoe-cli"))
+START_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, log: Path) -> None:
+    """Wait until `url` answers 200, failing with the process's log if it exits first."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer within {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+
+
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def demo_model(root: Path) -> Path:
+    model = root / "demo"
+    subprocess.run([CLI, "init-demo", "--out", str(model), "--size", "small"], check=True, capture_output=True)
+    return model
+
+
+def start_agent(root: Path, db: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = root / "agent.log"
+    proc = spawn([CLI, "serve", "--model", str(demo_model(root)), "--port", str(port), "--db", str(db),
+                  "--pid-file", str(root / "agent.pid")], log)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/v1/status", proc, log)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    root = tmp_path_factory.mktemp("agent")
+    db = root / "flashmoe.db"
+    proc, url = start_agent(root, db)
+    try:
+        yield url, db
+    finally:
+        stop(proc)
+
+
+def knob(url: str, name: str):
+    return httpx.get(f"{url}/v1/knobs").json()[name]
+
+
+def open_page(monkeypatch, db: Path, url: str, page: str) -> AppTest:
+    monkeypatch.setenv("FLASHMOE_DB", str(db))
+    monkeypatch.setenv("FLASHMOE_AGENT_URL", url)
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    at.switch_page(f"pages/{page}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def texts(elements) -> str:
+    return "\n".join(str(e.value) for e in elements)
+
+
+def number_input(at: AppTest, label: str):
+    return next(w for w in at.number_input if w.label == label)
+
+
+def test_tuning_applies_a_knob_and_shows_the_agents_answer(monkeypatch, agent):
+    url, db = agent
+    cap = knob(url, "cache_cap_bytes")
+    new = cap["value"] + (1 << 20) if cap["value"] + (1 << 20) <= cap["max"] else cap["min"]
+    at = open_page(monkeypatch, db, url, "tuning")
+    assert "Agent online" in texts(at.success)
+    number_input(at, "cache_cap_bytes").set_value(new)
+    at.button[0].click().run()
+    assert f"accepted: cache_cap_bytes = {new}" in texts(at.success)
+    assert knob(url, "cache_cap_bytes")["value"] == new
+    table, history = (df.value for df in at.dataframe)
+    assert dict(zip(table["knob"], table["value"]))["cache_cap_bytes"] == str(new)
+    latest = history.iloc[0]
+    assert (latest["knob"], latest["new"], latest["source"]) == ("cache_cap_bytes", str(new), "dashboard")
+
+
+def test_tuning_shows_the_agents_validation_error_and_changes_nothing(monkeypatch, agent):
+    url, db = agent
+    before = knob(url, "cache_cap_bytes")
+    at = open_page(monkeypatch, db, url, "tuning")
+    number_input(at, "cache_cap_bytes").set_value(before["min"] - 1)
+    at.button[0].click().run()
+    error = texts(at.error)
+    assert "refused (400)" in error and "cache_cap_bytes must be between" in error
+    assert knob(url, "cache_cap_bytes")["value"] == before["value"]
+
+
+def test_memory_recommendation_is_applied_through_the_knobs_api(monkeypatch, agent, tmp_path):
+    url, _ = agent
+    thrash_db = tmp_path / "thrash.db"      # the collector's view of a thrashing box
+    synthetic.write(str(thrash_db), synthetic.Spec(start=time.time() - 300, seconds=300, thrash=True))
+    at = open_page(monkeypatch, thrash_db, url, "memory")
+    assert "Thrashing" in texts(at.error)
+    button = at.button(key="apply-recommendation")
+    assert not button.disabled
+    button.click().run()
+    applied = knob(url, "cache_cap_bytes")["value"]
+    assert f"accepted: cache_cap_bytes = {applied}" in texts(at.info)
+    assert f"{applied >> 20:,} MiB" in button.label
+
+
+def test_cache_sweep_measures_each_cap_stores_the_curve_and_restores_the_cap(monkeypatch, agent):
+    url, db = agent
+    original = knob(url, "cache_cap_bytes")["value"]
+    at = open_page(monkeypatch, db, url, "cache")
+    at.number_input(key="sweep-requests").set_value(1)
+    at.number_input(key="sweep-tokens").set_value(2)
+    at.button(key="start-sweep").click().run()
+    runner = data.sweep_runner()
+    runner.join(300)
+    assert not runner.running and not runner.progress.error, runner.progress.error
+    caps = [p.cache_cap_bytes for p in runner.progress.points]
+    stored = queries.sweeps(db)
+    assert sorted({r["cache_cap_bytes"] for r in stored}) == sorted(caps) and len(caps) >= 2
+    assert all(r["tokens_per_s"] > 0 and 0 <= r["hit_rate"] <= 1 for r in stored)
+    assert knob(url, "cache_cap_bytes")["value"] == original
+    data.sweeps.clear()
+    at.run()
+    curve = next(json.loads(c.proto.spec) for c in at.get("plotly_chart")
+                 if json.loads(c.proto.spec)["layout"]["title"]["text"].startswith("Tokens/s by cache cap"))
+    assert curve["data"][0]["x"] == [c / 2**20 for c in sorted(caps)]
