@@ -1,0 +1,136 @@
+"""flashmoe-cli generate over a real converted store: O_DIRECT / mmap expert cache, stats, recorded traces."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hf_models import tiny_checkpoint
+
+from agent.cli import main as cli
+from agent.experts.layout import INDEX, Index
+from agent.experts.provider import InMemoryExperts
+from agent.model.generation import generate
+from agent.model.model import Transformer
+from agent.policies import policy_factory
+from agent.residency import Residency
+from agent.simulator import SystemReplay, replay
+from agent.traces import read_jsonl
+
+PROMPT = "5,17,42,7,99,3,250,11"
+N_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    """A tiny OLMoE-shaped checkpoint (3 layers, 8 experts, top-2) converted to an expert store."""
+    tmp = tmp_path_factory.mktemp("generate")
+    ckpt = tiny_checkpoint("olmoe", tmp / "hf", num_hidden_layers=3, eos_token_id=None)
+    assert cli(["convert", str(ckpt.path), str(tmp / "store")]) == 0
+    return tmp / "store"
+
+
+@pytest.fixture(scope="module")
+def reference(store) -> list[int]:
+    """Greedy tokens with every expert in RAM."""
+    model = Transformer.from_store(store, InMemoryExperts(store))
+    return generate(model, [int(t) for t in PROMPT.split(",")], N_NEW, greedy=True).token_ids
+
+
+def slot_cap(store: Path, per_layer: int) -> str:
+    index = Index.load(store / INDEX)
+    return str(per_layer * index.n_layers * index.slot_bytes)
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert cli(["generate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("backend, per_layer", [("direct", 2), ("mmap", 2), ("direct", 8)])
+def test_tokens_do_not_depend_on_cache_size_or_backend(store, reference, capsys, backend, per_layer):
+    out = run_json(capsys, "--model", str(store), "--prompt-ids", PROMPT, "--max-new-tokens", str(N_NEW), "--greedy",
+                   "--cache-cap", slot_cap(store, per_layer), "--backend", backend)
+    assert out["token_ids"] == reference and out["prompt_ids"] == [int(t) for t in PROMPT.split(",")]
+    s = out["stats"]
+    assert s["hits"] + s["misses"] > 0 and s["hit_rate"] == pytest.approx(s["hits"] / (s["hits"] + s["misses"]))
+    assert s["tokens_per_s"] > 0 and 0 <= s["prefetch_accuracy"] <= 1 and s["prefetch_predicted"] > 0
+    if backend == "direct":  # every miss and every prefetch is one block read
+        assert s["bytes_read"] == (s["misses"] + s["prefetches"]) * Index.load(store / INDEX).nbytes
+    if per_layer == 8:  # the whole model fits: only cold misses, at most one per expert
+        assert s["misses"] <= 3 * 8
+
+
+def test_recorded_trace_replays_to_the_same_hits(store, capsys, tmp_path):
+    trace_path = tmp_path / "run.jsonl"
+    out = run_json(capsys, "--model", str(store), "--prompt-ids", PROMPT, "--max-new-tokens", str(N_NEW), "--greedy",
+                   "--cache-cap", slot_cap(store, 3), "--no-prefetch", "--record-trace", str(trace_path))
+    s = out["stats"]
+    assert s["prefetches"] == 0 and s["prefetch_accuracy"] is None
+    meta = json.loads(trace_path.read_text().splitlines()[0])["meta"]
+    assert (meta["layers"], meta["top_k"], meta["n_experts"], meta["prefill"]) == (3, 2, 8, "sequential")
+    trace = read_jsonl(trace_path)
+    # Sequential prefill: one record per prompt token, then one per decode step; each set is one token's top-k.
+    assert trace.n_tokens == meta["steps"] == 8 + N_NEW - 1 and trace.max_set == 2
+    assert trace.n_accesses == s["hits"] + s["misses"]
+    residency = Residency(s["capacity_slots"], 3, policy_factory("lru"), "layer", min_per_layer=2)
+    replay(trace, residency, SystemReplay.synthetic())  # LRU ignores the monitoring samples
+    assert (sum(x.hits for x in residency.stats), sum(x.misses for x in residency.stats)) == (s["hits"], s["misses"])
+
+
+def test_batched_prefill_records_the_prompt_union(store, reference, capsys, tmp_path):
+    trace_path = tmp_path / "batched.jsonl"
+    out = run_json(capsys, "--model", str(store), "--prompt-ids", PROMPT, "--max-new-tokens", str(N_NEW), "--greedy",
+                   "--prefill", "batched", "--cache-cap", slot_cap(store, 8), "--no-prefetch",
+                   "--record-trace", str(trace_path))
+    assert out["token_ids"] == reference
+    lines = trace_path.read_text().splitlines()
+    assert json.loads(lines[0])["meta"]["prefill"] == "batched" and len(lines) == 1 + N_NEW
+    first = json.loads(lines[1])["routed"]
+    assert all(2 <= len(first[str(layer)]) <= 8 for layer in range(3))
+    assert sum(len(e) for line in lines[1:] for e in json.loads(line)["routed"].values()) == \
+        out["stats"]["hits"] + out["stats"]["misses"]
+
+
+def test_text_prompt_goes_through_the_tokenizer(store, capsys):
+    out = run_json(capsys, "--model", str(store), "--prompt", "hi", "--max-new-tokens", "2", "--greedy")
+    assert out["prompt_ids"] == [104, 105] and len(out["token_ids"]) == 2 and isinstance(out["text"], str)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--prompt-ids", "5,999"], "outside the vocabulary"),
+    (["--prompt-ids", "5", "--policy", "nope"], "unknown policy 'nope'"),
+    (["--prompt-ids", "5", "--cache-cap", "1"], "outside the allowed range"),
+    (["--prompt-ids", "5", "--cache-cap", "lots"], "is not understood"),
+    (["--prompt-ids", PROMPT, "--prefill", "batched", "--cache-cap", "SMALL"], "use --prefill sequential"),
+    (["--prompt-ids", "5", "--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
+])
+def test_bad_input_is_a_clear_error_and_writes_no_trace(store, tmp_path, caplog, args, words):
+    args = [a.replace("SMALL", slot_cap(store, 2)) for a in args]
+    trace_path = tmp_path / "never.jsonl"
+    assert cli(["generate", "--model", str(store), "--greedy", "--record-trace", str(trace_path), *args]) == 2
+    assert words in caplog.text
+    assert not list(tmp_path.iterdir())
+
+
+def test_missing_model_dir_is_named(tmp_path, caplog):
+    assert cli(["generate", "--model", str(tmp_path / "absent"), "--prompt-ids", "1"]) == 2
+    assert str(tmp_path / "absent") in caplog.text
+
+
+def test_unparseable_prompt_ids_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        cli(["generate", "--model", "x", "--prompt-ids", "1,two"])
+    assert "give integers separated by commas" in capsys.readouterr().err
+
+
+def test_console_script_prints_one_json_object(store, reference):
+    exe = Path(sys.executable).with_name("flashmoe-cli")
+    proc = subprocess.run([str(exe), "generate", "--model", str(store), "--prompt-ids", PROMPT, "--max-new-tokens",
+                           str(N_NEW), "--greedy", "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == reference
+    assert {"hit_rate", "hits", "misses", "bytes_read", "tokens_per_s", "prefetch_accuracy"} <= out["stats"].keys()
