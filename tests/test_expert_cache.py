@@ -1,6 +1,8 @@
 """ExpertCache: the runtime cache over a real store on disk, every backend, reads on a thread pool."""
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 import time
 from pathlib import Path
@@ -71,6 +73,28 @@ def test_direct_backend_reads_with_o_direct_and_counts_bytes(store):
         s = cache.stats()
     assert flags & cache_module.os.O_DIRECT
     assert s.misses == 2 and s.bytes_read == 2 * cache.index.nbytes and len(s.read_latency_s) == 2
+
+
+def drop_cached_pages(cache: ExpertCache) -> None:
+    """Unmap our pages of the file, then drop it from the page cache: the next touch reads the SSD."""
+    cache._reader._map.madvise(mmap.MADV_DONTNEED)
+    fd = os.open(cache.store_dir / "experts.bin", os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def test_mmap_backend_counts_the_bytes_the_page_cache_had_to_fetch(store):
+    with ExpertCache(store, slots(store, LAYERS * 2), backend="mmap") as cache:
+        nbytes = cache.index.nbytes
+        drop_cached_pages(cache)
+        step(cache, 0, [3])
+        assert cache.stats().bytes_read == nbytes  # cold miss
+        step(cache, 0, [3])
+        assert cache.stats().bytes_read == nbytes  # hit, pages still cached
+        drop_cached_pages(cache)
+        step(cache, 0, [3])
+        s = cache.stats()
+    assert s.hits == 2 and s.misses == 1 and s.bytes_read == 2 * nbytes  # a hit for the policy, a read for the SSD
 
 
 def test_concurrent_demand_for_one_block_reads_it_once(store):

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agent.experts.layout import CONFIG, EXPERTS, INDEX, Index, StoreError
+from agent.experts.layout import CONFIG, EXPERTS, INDEX, Block, Index, StoreError
 from agent.experts.provider import ExpertWeights, block_views
 from agent.experts.reader import MmapReader, open_reader
 from agent.experts.slots import SlotPool
@@ -106,7 +106,7 @@ class CacheStats:
     evictions: int
     prefetches: int              # prefetch reads issued
     prefetch_hits: int           # demand hits on blocks that prefetch brought in
-    bytes_read: int              # from the SSD (mmap: bytes not already in the page cache when faulted)
+    bytes_read: int              # from the SSD (mmap: bytes of get() blocks not in the page cache, by mincore)
     reads: int                   # block reads completed
     resident: int                # blocks in the cache
     capacity: int                # in slots
@@ -154,6 +154,7 @@ class ExpertCache:
                                     policy_factory(policy, **(policy_options or {})), scope, self.min_per_layer)
         self.backend = backend
         self._reader = open_reader(backend, self.store_dir / EXPERTS, self.index, verify)
+        self._mmap = self._reader if isinstance(self._reader, MmapReader) else None
         try:
             self._pool = SlotPool(self._pool_size(), self.index.slot_bytes) if self._reader.uses_slots else None
         except BaseException:
@@ -215,6 +216,12 @@ class ExpertCache:
             self._maybe_sample_system()
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
+        weights = self._get(layer, expert)
+        if self._mmap is not None:
+            self._count_page_faults(self.index.block(layer, expert))
+        return weights
+
+    def _get(self, layer: int, expert: int) -> ExpertWeights:
         key = (layer, expert)
         with self._lock:
             step = self._step.get(layer, {})
@@ -226,6 +233,13 @@ class ExpertCache:
                 if load is None:
                     return self._ready[key]
         return load.future.result()
+
+    def _count_page_faults(self, block: Block) -> None:
+        """mmap: a block the policy holds may have left the page cache; the model's touch reads it again."""
+        missing = self.index.nbytes - min(self._mmap.resident_bytes(block), self.index.nbytes)
+        if missing:
+            with self._lock:
+                self._bytes_read += missing
 
     def _access(self, key: Key) -> _Load | None:
         """One demand access; returns the read the caller must wait for, or None when the block is ready."""
@@ -282,7 +296,7 @@ class ExpertCache:
             load.after.exception()  # the slot's previous read must finish before we overwrite it
         block = self.index.block(*load.key)
         try:
-            before = self._reader.resident_bytes(block) if isinstance(self._reader, MmapReader) else 0
+            before = self._mmap.resident_bytes(block) if self._mmap is not None else 0
             start = time.perf_counter()
             data = self._reader.load(block, None if load.slot is None else self._pool.buffer(load.slot))
             elapsed = time.perf_counter() - start
