@@ -59,7 +59,7 @@ class Runtime:
             self.cache.close()
             raise
         lo, hi = cap_bounds(self.cache.index, self.cache.min_per_layer)
-        self.knobs = Knobs(Limits(lo, hi, tuple(policy_names()), max_prefetch_depth=1))
+        self.knobs = Knobs(Limits(lo, hi, live_policies(), max_prefetch_depth=1))
         self.knobs.commit({"cache_cap_bytes": self.cache.cap_bytes, "policy": self.cache.policy_name})
         self.metrics = Metrics(registry, self.cache.index.n_layers)
         self.scheduler = Scheduler(self.engine, self.knobs["max_batch_size"], self.metrics.request)
@@ -87,13 +87,14 @@ class Runtime:
         self.cache.close()
 
     def _initial_knobs(self) -> None:
-        """Stored values (source "restore") first, then what the command line says (source "cli")."""
-        stored = self._stored_knobs()
-        if stored:
-            self.set_knobs(stored, "restore", partial=True)
+        """What the command line says (source "cli"), and the store's last value (source "restore") of
+        every other knob: a flag given at start wins over history."""
         cli = {"cache_cap_bytes": parse_cap(self.opts.cache_cap, self.cache.expert_bytes) if self.opts.cache_cap else None,
                "policy": self.opts.policy, "prefetch": self.opts.prefetch, "max_batch_size": self.opts.max_batch_size}
         cli = {k: v for k, v in cli.items() if v is not None}
+        stored = {k: v for k, v in self._stored_knobs().items() if k not in cli}
+        if stored:
+            self.set_knobs(stored, "restore", partial=True)
         if cli:
             self.set_knobs(cli, "cli")
 
@@ -174,6 +175,7 @@ class Runtime:
             "recent_hit_rate": self.metrics.recent_hit_rate(),
             "batch_size": self.scheduler.batch_size, "batch_limit": self.scheduler.limit,
             "queue_depth": len(self.scheduler.waiting), "tokens_generated": self.scheduler.tokens_total,
+            "model_steps": self.scheduler.steps,
             "ssd_util": self.ssd.last, "ssd_util_source": self.ssd.source,
         }
 
@@ -219,6 +221,13 @@ class Runtime:
             if self.recorder is not None:
                 self.recorder.event(time.time(), "memory_guard", shrink.reason)
             self.set_knobs({"cache_cap_bytes": shrink.new_cap}, "guard")
+
+
+def live_policies() -> tuple[str, ...]:
+    """Policies the agent can run: those built from knobs alone (Belady needs the future trace)."""
+    return tuple(name for name in policy_names()
+                 if all(p.default is not p.empty or p.name in POLICY_KNOBS or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+                        for p in inspect.signature(REGISTRY[name]).parameters.values()))
 
 
 def policy_options(name: str, values: dict[str, Any]) -> dict[str, Any]:

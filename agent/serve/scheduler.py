@@ -84,6 +84,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.tokens_total = 0       # generated tokens since start (for tokens/s)
+        self.steps = 0              # model steps since start: fewer than tokens when requests share steps
         self._calls: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
         self._wake = threading.Condition()
         self._stop = False
@@ -169,6 +170,7 @@ class Scheduler:
             self.running = []
             return
         now = time.time()
+        self.steps += 1
         share = [len(r.pending_tokens) for r in batch]
         total = sum(share)
         for r, token, n in zip(batch, tokens, share):

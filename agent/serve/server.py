@@ -13,10 +13,12 @@ gracefully: open requests finish, the last statistics are written and the pid fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import ipaddress
 import logging
 import os
+import signal
 import socket
 from pathlib import Path
 
@@ -110,6 +112,25 @@ def release_pid_file(path: Path) -> None:
         pass
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises a caught SIGTERM after its shutdown, which would kill us before the runtime
+        stops, the last statistics are written and the pid file is removed; here a signal only stops."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         serve(args)
@@ -154,7 +175,7 @@ def serve(args: argparse.Namespace) -> None:
         host, port = sock.getsockname()[:2]
         log.info("agent serving %s on http://%s:%d (token %s)", args.model, host, port, "required" if token else "off")
         config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=10)
-        uvicorn.Server(config).run(sockets=[sock])
+        _server_class()(config).run(sockets=[sock])
     finally:
         if runtime is not None:
             runtime.stop()

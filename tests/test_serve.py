@@ -1,0 +1,228 @@
+"""The agent as a real process on loopback: completions, batching, knobs, preload, metrics, store, restart."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from store import queries
+
+CLI = [sys.executable, "-m", "agent.cli"]
+START_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def demo_model(tmp_path_factory) -> Path:
+    """The small demo model, written once per test session (init-demo is idempotent)."""
+    if os.environ.get("FLASHMOE_DEV_MODEL"):
+        return Path(os.environ["FLASHMOE_DEV_MODEL"])
+    out = tmp_path_factory.getbasetemp() / "demo-small"
+    subprocess.run([*CLI, "init-demo", "--out", str(out), "--size", "small"], check=True, capture_output=True)
+    return out
+
+
+@dataclass
+class Agent:
+    proc: subprocess.Popen
+    url: str
+    db: Path
+    pid_file: Path
+    log: Path
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=60)
+
+    def complete(self, **body) -> dict:
+        r = httpx.post(self.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def start_agent(model: Path, workdir: Path, *args: str) -> Agent:
+    """`flashmoe-cli serve` as a subprocess on a free loopback port; returns once /v1/status answers."""
+    port = free_port()
+    db, pid_file, log = workdir / "flashmoe.db", workdir / "agent.pid", workdir / f"agent-{port}.log"
+    proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), "--db", str(db),
+                             "--pid-file", str(pid_file), *args],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    agent = Agent(proc, f"http://127.0.0.1:{port}", db, pid_file, log)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"agent exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if agent.get("/v1/status").status_code == 200:
+                return agent
+        except httpx.TransportError:
+            time.sleep(0.2)
+    agent.stop()
+    raise AssertionError(f"agent did not answer within {START_TIMEOUT_S} s:\n{log.read_text()}")
+
+
+def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return demo_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def agent(model, tmp_path_factory):
+    a = start_agent(model, tmp_path_factory.mktemp("agent"), "--cache-cap", "50%", "--max-batch-size", "8")
+    yield a
+    a.stop()
+
+
+def test_models_status_and_openapi(agent, model):
+    assert agent.get("/v1/models").json()["data"][0]["id"] == model.name
+    status = agent.get("/v1/status").json()
+    assert status["model"] == str(model) and status["policy"] == "lru" and status["backend"] == "direct"
+    assert status["cache"]["capacity_experts"] > 0 and 0 <= status["cache"]["occupancy"] <= 1
+    assert status["batch_limit"] == 8 and status["uptime_s"] > 0
+    paths = agent.get("/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/knobs", "/v1/status", "/v1/models", "/v1/cache/preload", "/metrics"} <= set(paths)
+    assert int(agent.pid_file.read_text()) == agent.proc.pid
+
+
+def test_completion_by_text_and_by_token_ids(agent):
+    by_text = agent.complete(prompt="Hello, edge box", max_tokens=6, temperature=0)
+    assert by_text["object"] == "text_completion" and by_text["choices"][0]["finish_reason"] in ("length", "stop")
+    usage = by_text["usage"]
+    assert usage["prompt_tokens"] == len("Hello, edge box".encode()) and 1 <= usage["completion_tokens"] <= 6
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    again = agent.complete(prompt=list("Hello, edge box".encode()), max_tokens=6, temperature=0)
+    assert again["choices"][0]["text"] == by_text["choices"][0]["text"]  # greedy: same ids, same text
+    stats = again["flashmoe"]
+    assert stats["expert_hits"] + stats["expert_misses"] > 0 and stats["latency_s"] >= stats["ttft_s"] > 0
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"prompt": "", "max_tokens": 4}, "prompt is empty"),
+    ({"prompt": [1, 10**7], "max_tokens": 4}, "outside the vocabulary"),
+    ({"prompt": "x", "max_tokens": 10**6}, "exceeds the model's context"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+])
+def test_bad_completion_requests_are_refused_with_the_reason(agent, body, words):
+    r = httpx.post(agent.url + "/v1/completions", json=body, timeout=30)
+    assert 400 <= r.status_code < 500 and words in r.text
+
+
+def test_concurrent_requests_share_model_steps(agent):
+    before = agent.get("/v1/status").json()
+    prompts = [f"request number {i} asks something" for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda p: agent.complete(prompt=p, max_tokens=8, temperature=0.7), prompts))
+    after = agent.get("/v1/status").json()
+    tokens = sum(r["usage"]["completion_tokens"] for r in results)
+    steps = after["model_steps"] - before["model_steps"]
+    assert after["tokens_generated"] - before["tokens_generated"] == tokens
+    assert steps < tokens  # one step at a time would take exactly `tokens` steps
+
+
+def test_knobs_validate_all_or_nothing_apply_live_and_record_the_source(agent):
+    knobs = agent.get("/v1/knobs").json()
+    cap = knobs["cache_cap_bytes"]
+    assert cap["min"] <= cap["value"] <= cap["max"] and knobs["ssd_util_threshold"]["value"] == 0.9
+    bad = httpx.put(agent.url + "/v1/knobs", json={"max_batch_size": 4, "ssd_util_threshold": 1.7}, timeout=30)
+    assert bad.status_code == 400 and "ssd_util_threshold" in bad.text and "between 0 and 1" in bad.text
+    assert agent.get("/v1/knobs").json() == knobs  # the good knob in the bad request changed nothing
+    new_cap = cap["min"] * 2
+    ok = httpx.put(agent.url + "/v1/knobs", json={"cache_cap_bytes": new_cap, "policy": "lfu", "max_batch_size": 4},
+                   headers={"X-FlashMoE-Source": "dashboard"}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["policy"]["value"] == "lfu"
+    status = agent.get("/v1/status").json()
+    assert status["cache"]["cap_bytes"] == new_cap and status["policy"] == "lfu" and status["batch_limit"] <= 4
+    assert status["cache"]["resident_experts"] <= status["cache"]["capacity_experts"]
+    history = {(h["knob"], h["new"], h["source"]) for h in queries.knob_history(agent.db)}
+    assert {("cache_cap_bytes", new_cap, "dashboard"), ("policy", "lfu", "dashboard"),
+            ("max_batch_size", 4, "dashboard")} <= history
+    spoofed = httpx.put(agent.url + "/v1/knobs", json={"prefetch": False}, headers={"X-FlashMoE-Source": "guard"})
+    assert spoofed.status_code == 400 and "X-FlashMoE-Source" in spoofed.text
+
+
+def test_preload_brings_experts_in_and_refuses_unknown_ones(agent):
+    r = httpx.post(agent.url + "/v1/cache/preload", json={"experts": [[0, 0], [0, 1], [1, 0]]}, timeout=60)
+    assert r.status_code == 200 and r.json()["requested"] == 3
+    bad = httpx.post(agent.url + "/v1/cache/preload", json={"experts": [[0, 10**6]]}, timeout=30)
+    assert bad.status_code == 400 and "does not exist" in bad.text
+
+
+def test_metrics_and_store_get_the_same_counts(agent):
+    agent.complete(prompt="count me", max_tokens=4)
+    def exported():
+        text = agent.get("/metrics").text
+        return text if "flashmoe_requests_total 0.0" not in text else None
+    text = wait_for(exported, what="metrics")
+    for name in ("flashmoe_expert_cache_misses_total", "flashmoe_expert_read_bytes_total",
+                 "flashmoe_expert_read_latency_seconds_bucket", "flashmoe_request_ttft_seconds_bucket",
+                 "flashmoe_request_tpot_seconds_bucket", "flashmoe_batch_size", "flashmoe_cache_bytes"):
+        assert name in text
+    finished = wait_for(lambda: len(queries.requests(agent.db)), what="request rows")
+    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert samples["flashmoe_requests_total"] >= 1 and finished >= 1
+    rows = queries.requests(agent.db)
+    assert all(r["latency_s"] >= r["ttft_s"] > 0 and r["completion_tokens"] >= 1 for r in rows)
+    stats = wait_for(lambda: queries.cache_stats(agent.db), what="cache stats rows")
+    assert stats
+    assert queries.latest(agent.db, "agent.cache_cap_bytes") is not None
+
+
+def test_sigterm_stops_cleanly_and_knobs_are_restored_on_restart(model, tmp_path):
+    first = start_agent(model, tmp_path)
+    cap = first.get("/v1/knobs").json()["cache_cap_bytes"]["min"] * 3
+    assert httpx.put(first.url + "/v1/knobs", json={"cache_cap_bytes": cap, "ssd_util_threshold": 0.5}).status_code == 200
+    assert first.stop() == 0 and not first.pid_file.exists()
+    second = start_agent(model, tmp_path, "--token", "s3cret")
+    try:
+        knobs = second.get("/v1/knobs").json()
+        assert knobs["cache_cap_bytes"]["value"] == cap and knobs["ssd_util_threshold"]["value"] == 0.5
+        assert ("cache_cap_bytes", cap, "restore") in {(h["knob"], h["new"], h["source"])
+                                                       for h in queries.knob_history(second.db)}
+        denied = httpx.put(second.url + "/v1/knobs", json={"auto_shrink": True})
+        assert denied.status_code == 401 and "Bearer" in denied.text
+        allowed = httpx.put(second.url + "/v1/knobs", json={"auto_shrink": True},
+                            headers={"Authorization": "Bearer s3cret"})
+        assert allowed.status_code == 200 and allowed.json()["auto_shrink"]["value"] is True
+    finally:
+        assert second.stop() == 0
+
+
+def test_refuses_a_public_address_without_a_token(model, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "FLASHMOE_TOKEN"}
+    r = subprocess.run([*CLI, "serve", "--model", str(model), "--host", "0.0.0.0", "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "--token" in r.stderr and "FLASHMOE_TOKEN" in r.stderr
+
+
+def test_refuses_a_cache_cap_out_of_bounds(model, tmp_path):
+    r = subprocess.run([*CLI, "serve", "--model", str(model), "--port", str(free_port()), "--cache-cap", "1",
+                        "--pid-file", str(tmp_path / "agent.pid")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "outside the allowed range" in r.stderr
+    assert not (tmp_path / "agent.pid").exists()  # nothing left behind
