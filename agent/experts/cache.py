@@ -303,11 +303,11 @@ class ExpertCache:
             weights = block_views(torch.from_numpy(data), self.index)
         except BaseException as exc:
             log.error("reading expert layer %d expert %d failed: %s", *load.key, exc)
-            load.future.set_exception(exc)  # first, so a get() racing the cleanup raises rather than re-reads
-            with self._lock:
+            with self._lock:  # cleanup and failure are seen together: no get() re-reads in between
                 if self._inflight.get(load.key) is load:
                     self._residency.drop(load.key)
                     self._forget(load.key)
+                load.future.set_exception(exc)
             return
         with self._lock:
             self._reads += 1
