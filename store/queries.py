@@ -4,8 +4,8 @@ Every function takes `db` first: a path to the store file, or an open connection
 `connect_ro`, to reuse one across calls). A path is opened read-only (`mode=ro` URI), so a reader
 can never write or lock out the writers.
 
-A store file that does not exist yet (the collector and agent have not started) is not an error:
-every query then returns its empty result (`[]`, `{}` or `None`). A file that exists but is not a
+A store file that does not exist yet (the collector and agent have not started), or is still
+empty (a writer is creating it), is not an error: every query then returns its empty result (`[]`, `{}` or `None`). A file that exists but is not a
 FlashMoE store raises `StoreError` naming the file.
 
 Times are Unix seconds; `since` / `until` of None mean "from the first" / "to the last" record.
@@ -34,13 +34,22 @@ def connect_ro(path: str | Path) -> sqlite3.Connection | None:
     path = Path(path)
     if not path.exists():
         return None
+    conn = sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True, timeout=2.0,
+                           check_same_thread=False)
     try:
-        conn = sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True, timeout=2.0,
-                               check_same_thread=False)
-        conn.execute("SELECT 1 FROM meta LIMIT 1")
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     except sqlite3.DatabaseError as e:
+        conn.close()
         raise StoreError(f"{path} is not a readable FlashMoE store ({e}); point --db at the file "
                          f"the collector and agent write (e.g. data/flashmoe.db)") from e
+    if not tables:            # just created by a writer that has not yet made the schema
+        conn.close()
+        return None
+    if "meta" not in tables or "chunks" not in tables:
+        conn.close()
+        raise StoreError(f"{path} is an SQLite file but not a FlashMoE store (tables: "
+                         f"{', '.join(sorted(tables))}); point --db at the file the collector and "
+                         f"agent write (e.g. data/flashmoe.db)")
     return conn
 
 

@@ -67,7 +67,7 @@ def test_a_file_that_is_not_a_store_raises_store_error(tmp_path):
     other = tmp_path / "other.db"
     with sqlite3.connect(other) as conn:
         conn.execute("CREATE TABLE x (a)")
-    with pytest.raises(StoreError, match="other.db is not a readable FlashMoE store"):
+    with pytest.raises(StoreError, match="other.db is an SQLite file but not a FlashMoE store"):
         queries.series_names(other)
 
 

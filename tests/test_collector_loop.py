@@ -1,0 +1,106 @@
+"""The collector on this machine: real samplers into a real store, sources coming and going,
+and the `flashmoe-cli collect` process stopping cleanly on SIGTERM."""
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from collector.loop import Collector
+from store import queries
+from store.db import Store
+
+CLI = [sys.executable, "-m", "agent.cli"]
+
+
+@pytest.fixture
+def agent(tmp_path):
+    """A stand-in agent process (any live process will do) and its pid file."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pid_file = tmp_path / "agent.pid"
+    pid_file.write_text(f"{proc.pid}\n")
+    yield proc, pid_file
+    proc.kill()
+    proc.wait()
+
+
+def tick(collector, k):
+    return collector.tick(1_700_000_000.0 + k, time.monotonic())
+
+
+def test_ticks_sample_every_source_and_report_a_missing_one_once(tmp_path, agent):
+    proc, pid_file = agent
+    db = tmp_path / "flashmoe.db"
+    with Store(db, autoflush_s=0) as store:
+        collector = Collector(store, pid_file, store_path=tmp_path)
+        for k in range(3):
+            time.sleep(0.05)
+            tick(collector, k)
+        names = set(queries.series_names(db))
+        disk = next(e for e in queries.events(db, kind="collector.expert_store"))
+        assert str(tmp_path) in disk["message"]
+        for name in ("mem.available_bytes", "mem.agent.rss_bytes", "mem.agent.minflt_per_s",
+                     "vm.pgmajfault_per_s", "psi.memory.some_avg10", "psi.io.full_total_us",
+                     "collector.cpu_fraction"):
+            assert name in names
+        assert any(n.startswith("block.") and n.endswith(".util") for n in names)
+        rss = queries.latest(db, "mem.agent.rss_bytes")[1]
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        vm_rss_kb = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+        assert abs(rss - vm_rss_kb * 1024) < 1 << 20
+
+        proc.kill()
+        proc.wait()
+        for k in range(3, 6):
+            tick(collector, k)
+        down = [e for e in queries.events(db) if "agent is not running" in e["message"]]
+        assert len(down) == 1                                    # once per transition
+        assert queries.latest(db, "mem.agent.rss_bytes")[0] == 1_700_000_002.0
+        assert queries.latest(db, "mem.available_bytes")[0] == 1_700_000_005.0   # the rest goes on
+
+        nvme_events = [e for e in queries.events(db, kind="collector.source_unavailable")
+                       if "NVMe" in e["message"]]
+        if not Path("/sys/class/nvme").exists():                 # this machine: virtio disk only
+            assert len(nvme_events) == 1 and "no NVMe controller" in nvme_events[0]["message"]
+
+
+def test_collect_command_stops_cleanly_on_sigterm_with_everything_flushed(tmp_path):
+    db = tmp_path / "flashmoe.db"
+    proc = subprocess.Popen(CLI + ["collect", "--db", str(db), "--interval", "0.2"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            latest = queries.latest(db, "mem.free_bytes") if db.exists() else None
+            if latest is not None and len(queries.points(db, "mem.free_bytes")[0]) >= 5:
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "collector stopped; store flushed" in stderr
+    t, _ = queries.points(db, "mem.free_bytes")
+    assert len(t) >= 5
+    assert np.allclose(np.round(t / 0.2), t / 0.2)              # stamped on the 0.2 s grid
+
+
+def test_collect_refuses_bad_arguments_with_a_message(tmp_path):
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"x" * 4096)
+    result = subprocess.run(CLI + ["collect", "--db", str(junk), "--duration", "1"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "junk.db as a FlashMoE store" in result.stderr
+    result = subprocess.run(CLI + ["collect", "--db", str(tmp_path / "x.db"), "--interval", "0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "must be a positive number of seconds" in result.stderr
+
+
+def test_the_collector_and_store_commands_never_import_torch():
+    code = ("import sys, collector.loop, store.cli; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
