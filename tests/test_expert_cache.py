@@ -44,6 +44,12 @@ class GatedReads:
         return self.real(block, slot)
 
 
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def step(cache: ExpertCache, layer: int, experts: list[int]):
     cache.route(layer, experts)
     return [cache.get(layer, e) for e in experts]
@@ -104,7 +110,7 @@ def test_concurrent_demand_for_one_block_reads_it_once(store):
         callers = [threading.Thread(target=lambda: results.append(cache.get(1, 4))) for _ in range(3)]
         for t in callers:
             t.start()
-        gated.started.wait(10)
+        wait_until(lambda: cache.stats().hits == 2)  # the other two found it in flight and are waiting
         gated.gate.set()
         for t in callers:
             t.join(10)
@@ -117,9 +123,7 @@ def test_route_starts_all_of_a_layers_misses_at_once_and_counts_each_once(store)
     with ExpertCache(store, slots(store, LAYERS * 4), io_threads=4) as cache:
         gated = GatedReads(cache)
         cache.route(0, [5, 1, 7, 5])
-        deadline = time.monotonic() + 10
-        while len(gated.calls) < 3 and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_until(lambda: len(gated.calls) == 3)
         assert sorted(gated.calls) == [(0, 1), (0, 5), (0, 7)]  # all in flight before anyone asked
         gated.gate.set()
         for e in (5, 1, 7, 5):
