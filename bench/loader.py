@@ -49,7 +49,7 @@ class Row:
     config: str
     mb_s: float           # median over rounds, MB = 10^6 bytes
     ratio: float          # median of (this / the raw O_DIRECT read measured just before it)
-    rounds_mb_s: list[float]
+    rounds_mb_s: list[float]  # every sample (the raw read has one per paired sweep)
 
 
 # -- the store -------------------------------------------------------------------------------------------
@@ -193,9 +193,10 @@ def main() -> None:
     print(f"machine: {facts['cpu']}, {facts['cores']} cores, {facts['ram_bytes'] / 2**30:.1f} GiB RAM, "
           f"{facts['filesystem']}, kernel {facts['kernel']}, DIO alignment {facts['dio_alignment']}\n")
     width = max(len(r.config) for r in rows)
-    print(f"{'configuration':<{width}}  {'MB/s':>8}  {'x raw':>6}  samples (MB/s)")
+    print(f"{'configuration':<{width}}  {'MB/s':>8}  {'x raw':>6}  {'min-max MB/s':>13}")
     for r in rows:
-        print(f"{r.config:<{width}}  {r.mb_s:>8.0f}  {r.ratio:>6.2f}  {r.rounds_mb_s}")
+        spread = f"{min(r.rounds_mb_s):.0f}-{max(r.rounds_mb_s):.0f}"
+        print(f"{r.config:<{width}}  {r.mb_s:>8.0f}  {r.ratio:>6.2f}  {spread:>13}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"store": str(store), "blocks": len(index.blocks), "block_bytes": index.nbytes,
                                    "file_bytes": (store / EXPERTS).stat().st_size, "repeat": args.repeat,
