@@ -1,6 +1,7 @@
 """The three block readers and the slot pool, against a small store in the real layout."""
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from agent.convert import StoreShape, StoreWriter
 from agent.experts.layout import ALIGN, EXPERTS, INDEX, Index, StoreError, crc32
 from agent.experts.provider import InMemoryExperts, block_views
+from agent.experts import reader as reader_module
 from agent.experts.reader import BACKENDS, DirectReader, dio_alignment, fast_crc32, open_reader
 from agent.experts.slots import SlotPool
 
@@ -101,6 +103,21 @@ def test_direct_reader_really_opens_with_o_direct(store):
     flags = int(Path(f"/proc/self/fdinfo/{reader.fd}").read_text().split("flags:")[1].split()[0], 8)
     assert flags & O_DIRECT_FLAG
     reader.close()
+
+
+def test_a_filesystem_refusing_o_direct_suggests_the_buffered_backend(store, monkeypatch):
+    def refuse(path, flags, *args):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(reader_module.os, "open", refuse)
+    with pytest.raises(StoreError, match="refuses O_DIRECT; use --backend buffered"):
+        DirectReader(store / EXPERTS, Index.load(store / INDEX))
+
+
+def test_a_coarser_dio_alignment_than_the_store_is_refused(store, monkeypatch):
+    monkeypatch.setattr(reader_module, "dio_alignment", lambda path: (ALIGN, 4 * ALIGN))
+    with pytest.raises(StoreError, match="alignment of 16384 bytes .*aligned to 4096; use --backend buffered"):
+        DirectReader(store / EXPERTS, Index.load(store / INDEX))
 
 
 def test_dio_alignment_divides_the_store_alignment(store):
