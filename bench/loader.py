@@ -11,8 +11,7 @@ these adjacent pairs (the machine is shared; pairing cancels most of the load's 
 the median over rounds. O_DIRECT needs no cache dropping; the buffered and mmap backends start
 cold because the file's pages are dropped with posix_fadvise(DONTNEED) before each of their sweeps.
 
---model defaults to data/demo when `flashmoe-cli init-demo` wrote it there; otherwise a ~1 GiB
-random store is written once to data/bench-loader with convert's StoreWriter.
+--model defaults to the default demo model in data/demo (`flashmoe-cli init-demo`; written if absent).
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.convert import StoreShape, StoreWriter
+from agent.demo import init_demo
 from agent.experts.cache import ExpertCache, cap_bounds
 from agent.experts.layout import CONFIG, EXPERTS, INDEX, Index
 from agent.experts.reader import dio_alignment
@@ -38,10 +37,6 @@ from agent.experts.reader import dio_alignment
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "loader.json"
 DEMO = ROOT / "data" / "demo"
-GENERATED = ROOT / "data" / "bench-loader"
-# ~1.1 GiB: 8 layers x 32 experts of 4.5 MiB (bfloat16, hidden 1024, intermediate 768), top-8.
-GENERATED_SHAPE = StoreShape(n_layers=8, n_experts=32, hidden=1024, intermediate=768, dtype="bfloat16", itemsize=2)
-GENERATED_TOP_K = 8
 
 
 @dataclass
@@ -54,28 +49,8 @@ class Row:
 
 # -- the store -------------------------------------------------------------------------------------------
 def bench_store(model: Path | None) -> Path:
-    if model is not None:
-        return model
-    if (DEMO / INDEX).exists():
-        return DEMO
-    if not (GENERATED / INDEX).exists():
-        write_random_store(GENERATED)
-    return GENERATED
-
-
-def write_random_store(path: Path) -> None:
-    rng = np.random.default_rng(0)
-
-    def fill(payload: memoryview) -> None:
-        payload[:] = rng.bytes(len(payload))
-
-    print(f"writing a random expert store to {path} (once)")
-    with StoreWriter(path, GENERATED_SHAPE) as writer:
-        writer.write_config({"model_type": "olmoe", "num_experts_per_tok": GENERATED_TOP_K,
-                             "num_experts": GENERATED_SHAPE.n_experts,
-                             "num_hidden_layers": GENERATED_SHAPE.n_layers})
-        for _ in range(writer.n_blocks):
-            writer.add_block(fill)
+    """The given store, else the default demo model (written once by init-demo: 512 blocks of 3 MiB, 1.5 GiB)."""
+    return model if model is not None else init_demo(DEMO, "default")
 
 
 def drop_from_page_cache(path: Path) -> None:
@@ -178,7 +153,7 @@ def run(store: Path, repeat: int, chunk_bytes: int, io_threads: int) -> list[Row
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="an expert store (default: data/demo, else a generated ~1 GiB store)")
+    parser.add_argument("--model", type=Path, help="an expert store (default: the demo model in data/demo)")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median is reported")
     parser.add_argument("--chunk-mb", type=int, default=16, help="raw read chunk size in MiB")
     parser.add_argument("--io-threads", type=int, default=4)
