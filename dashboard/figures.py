@@ -34,24 +34,33 @@ def band_chart(series: Mapping[str, Sequence[BandRow]], title: str, unit: str) -
     return _layout(fig, title, unit)
 
 
+def _over_window(fig: go.Figure, window: tuple[float, float]) -> go.Figure:
+    # Bucketed data may fill one bucket only: pin the axis to the window so time reads true.
+    fig.update_xaxes(range=to_datetimes(window))
+    return fig
+
+
 def lines_chart(t: Sequence[float], lines: Mapping[str, Sequence[float | None]], title: str,
-                unit: str) -> go.Figure:
-    """Several lines over one shared time axis, e.g. latency P50/P95/P99."""
+                unit: str, window: tuple[float, float]) -> go.Figure:
+    """Several lines over one shared time axis, e.g. latency P50/P95/P99 per bucket."""
     x = to_datetimes(t)
     fig = go.Figure([go.Scatter(x=x, y=list(ys), mode="lines+markers", name=name)
                      for name, ys in lines.items()])
-    return _layout(fig, title, unit)
+    return _over_window(_layout(fig, title, unit), window)
 
 
-def time_bars(t: Sequence[float], values: Sequence[float], title: str, y_title: str) -> go.Figure:
-    """Counts per time bucket, e.g. requests or evictions per interval."""
-    fig = go.Figure(go.Bar(x=to_datetimes(t), y=list(values), name=y_title))
-    return _layout(fig, title, y_title)
+def time_bars(t: Sequence[float], values: Sequence[float], title: str, y_title: str,
+              window: tuple[float, float], bucket_s: float) -> go.Figure:
+    """Counts per time bucket (bucket start times `t`), e.g. requests or evictions per interval."""
+    fig = go.Figure(go.Bar(x=to_datetimes(t), y=list(values), name=y_title, width=bucket_s * 1000,
+                           offset=0))
+    return _over_window(_layout(fig, title, y_title), window)
 
 
 def bar_chart(labels: Sequence[str], values: Sequence[float], title: str, y_title: str,
               x_title: str) -> go.Figure:
     fig = go.Figure(go.Bar(x=list(labels), y=list(values), text=[f"{v:.2f}" for v in values]))
+    fig.update_xaxes(type="category")
     return _layout(fig, title, y_title, x_title)
 
 
@@ -60,6 +69,7 @@ def activation_heatmap(counts: Sequence[Sequence[float]], title: str) -> go.Figu
     fig = go.Figure(go.Heatmap(z=[list(row) for row in counts], colorscale="Viridis",
                                colorbar=dict(title="activations"),
                                hovertemplate="layer %{y}, expert %{x}: %{z}<extra></extra>"))
+    fig.update_yaxes(dtick=1)
     return _layout(fig, title, "layer", "expert")
 
 

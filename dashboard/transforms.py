@@ -104,6 +104,13 @@ def clock(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def request_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Request rows for display: wall-clock time, latencies in seconds, cache traffic."""
+    return [{"time": clock(r["t"]), "id": r["request_id"], "latency s": r["latency_s"], "TTFT s": r["ttft_s"],
+             "TPOT s": r["tpot_s"], "tokens": r["completion_tokens"], "expert hits": r["hits"],
+             "misses": r["misses"], "MiB read": (r["bytes_read"] or 0) / 2**20} for r in rows]
+
+
 def knob_history_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """knob_history rows -> display rows with a readable time."""
     return [{"time": clock(r["t"]), "knob": r["knob"], "old": str(r["old"]), "new": str(r["new"]),

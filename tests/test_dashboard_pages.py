@@ -141,8 +141,8 @@ def test_memory_page_diagnoses_thrash_with_evidence_and_recommendation(monkeypat
 def test_tuning_page_offline_shows_stored_knobs_read_only_and_history(monkeypatch, offline, db):
     at = open_page(monkeypatch, db, "tuning")
     assert "Agent offline" in texts(at.warning)
-    knobs, history = (df.value for df in at.dataframe)
-    assert dict(zip(knobs["knob"], knobs["value"])) == {"cache_cap_bytes": str(synthetic.CACHE_CAP),
+    knobs, history = at.table[0].value, at.dataframe[0].value
+    assert dict(zip(knobs.index, knobs["value"])) == {"cache_cap_bytes": str(synthetic.CACHE_CAP),
                                                        "policy": "flashmoe"}
     assert all(w.disabled for w in at.number_input) and at.number_input
     assert list(history["knob"]) == ["policy", "cache_cap_bytes"]          # newest first

@@ -5,6 +5,8 @@ import streamlit as st
 
 from dashboard import components, data, figures, settings, sweep, transforms
 
+TIME_BUCKETS = 60
+
 st.title("Expert cache")
 db, url = settings.db_path(), settings.agent_url()
 
@@ -14,7 +16,7 @@ def live() -> None:
     if not components.store_ready(db):
         return
     since, until = components.window()
-    stats = data.cache_stats(db, since, until, 60)
+    stats = data.cache_stats(db, since, until, TIME_BUCKETS)
     status = data.agent_status(url)
     c1, c2, c3 = st.columns(3)
     totals = transforms.cache_totals(stats["per_layer"])
@@ -47,7 +49,8 @@ def live() -> None:
         over = stats["over_time"]
         if over:
             st.plotly_chart(figures.time_bars([r["t"] for r in over], [r["evictions"] for r in over],
-                                              "Evictions per interval", "evictions"), key="evictions")
+                                              "Evictions per interval", "evictions", (since, until),
+                                              (until - since) / TIME_BUCKETS), key="evictions")
         else:
             st.caption("**Evictions**: no cache statistics in this window.")
 

@@ -9,6 +9,7 @@ from dashboard import components, data, figures, settings, transforms
 
 COLLECTOR_STALE_S = 15    # the collector samples every second; three missed flushes and more means down
 COLLECTOR_HEARTBEAT = "mem.available_bytes"
+TIME_BUCKETS = 60         # latency and request-count buckets: quantiles need a few requests each
 
 st.title("Overview")
 
@@ -41,7 +42,7 @@ def live() -> None:
     rows = data.requests(db, since, until)
     tokens = data.latest(db, "agent.tokens_per_s")
     hit = data.latest(db, "agent.hit_rate")
-    quantiles = data.latency_quantiles(db, since, until, 60)
+    quantiles = data.latency_quantiles(db, since, until, TIME_BUCKETS)
     c1, c2, c3, c4 = st.columns(4)
     c1.metric("Tokens/s", f"{tokens[1]:.1f}" if tokens else "–")
     c2.metric("Hit rate", f"{hit[1]:.1%}" if hit else "–")
@@ -56,10 +57,10 @@ def live() -> None:
     if quantiles:
         t, lines = transforms.latency_lines(quantiles)
         left, right = st.columns(2)
-        left.plotly_chart(figures.lines_chart(t, lines, "Request latency", "s"), key="latency")
-        right.plotly_chart(figures.time_bars(t, [q["n"] for q in quantiles], "Requests per interval", "requests"),
-                          key="requests")
-        st.dataframe(rows[-20:][::-1], hide_index=True, width="stretch")
+        left.plotly_chart(figures.lines_chart(t, lines, "Request latency", "s", (since, until)), key="latency")
+        right.plotly_chart(figures.time_bars(t, [q["n"] for q in quantiles], "Requests per interval", "requests",
+                                             (since, until), (until - since) / TIME_BUCKETS), key="requests")
+        st.dataframe(transforms.request_rows(rows[-20:][::-1]), hide_index=True, width="stretch")
     else:
         st.caption("No requests in this window: send one to the agent's /v1/completions.")
 

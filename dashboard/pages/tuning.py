@@ -58,7 +58,7 @@ if "tuning-answer" in st.session_state:
 
 if knobs:
     st.subheader("Knobs" if online else "Knobs (last stored values, read-only)")
-    st.dataframe(pd.DataFrame(transforms.knob_table(knobs)), hide_index=True, width="stretch")
+    st.table(pd.DataFrame(transforms.knob_table(knobs)).set_index("knob"))
     knob_form(knobs, online)
 else:
     st.info("No knob values known: the agent is offline and the store holds no knob changes.")

@@ -1,0 +1,122 @@
+"""The whole product in a real browser: agent, collector and dashboard as processes on loopback,
+Debian's Chromium driven by playwright (never a downloaded browser).
+
+Opens every page and checks its plotly charts render, changes the cache cap on the Tuning page and
+checks that the agent's /v1/knobs and the page both show the new value, and saves a screenshot of
+each page (to FLASHMOE_SCREENSHOT_DIR if set, e.g. docs/, else the test's tmp dir).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from playwright.sync_api import Page, expect, sync_playwright
+
+from test_dashboard_agent import CLI, ROOT, free_port, spawn, start_agent, stop, wait_http
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+PAGES = {"": "Overview", "cache": "Expert cache", "ssd": "SSD", "memory": "Memory", "tuning": "Tuning"}
+RENDER_TIMEOUT_MS = 60_000
+
+pytestmark = pytest.mark.browser
+
+
+class Traffic:
+    """Completions sent one after another in the background, so the pages show real requests."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.sent = url, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            httpx.post(f"{self.url}/v1/completions", json={"prompt": "an expert cache", "max_tokens": 6},
+                       timeout=120).raise_for_status()
+            self.sent += 1
+
+    def __enter__(self) -> "Traffic":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(150)
+
+
+@pytest.fixture(scope="module")
+def product(tmp_path_factory) -> Iterator[dict[str, str]]:
+    root = tmp_path_factory.mktemp("product")
+    db = root / "flashmoe.db"
+    agent, agent_url = start_agent(root, db)
+    collector = spawn([CLI, "collect", "--db", str(db), "--pid-file", str(root / "agent.pid")], root / "collector.log")
+    port = free_port()
+    dash_log = root / "dashboard.log"
+    dashboard = spawn([str(Path(sys.executable).with_name("streamlit")), "run", str(ROOT / "dashboard" / "app.py"),
+                       "--server.headless", "true", "--server.port", str(port), "--server.address", "127.0.0.1",
+                       "--browser.gatherUsageStats", "false"], dash_log,
+                      env={"FLASHMOE_DB": str(db), "FLASHMOE_AGENT_URL": agent_url})
+    try:
+        dash_url = f"http://127.0.0.1:{port}"
+        wait_http(f"{dash_url}/_stcore/health", dashboard, dash_log)
+        yield {"agent": agent_url, "dashboard": dash_url, "root": str(root)}
+    finally:
+        for proc in (dashboard, collector, agent):
+            stop(proc)
+
+
+@pytest.fixture(scope="module")
+def page(product) -> Iterator[Page]:
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        context = browser.new_context(viewport={"width": 1600, "height": 1100})
+        yield context.new_page()
+        browser.close()
+
+
+def screenshot_dir(product: dict[str, str]) -> Path:
+    out = Path(os.environ.get("FLASHMOE_SCREENSHOT_DIR", product["root"]))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def open_page(page: Page, product: dict[str, str], path: str) -> None:
+    page.goto(f"{product['dashboard']}/{path}")
+    expect(page.get_by_role("heading", name=PAGES[path]).first).to_be_visible(timeout=RENDER_TIMEOUT_MS)
+
+
+def test_every_page_renders_its_charts_with_real_traffic(product, page):
+    with Traffic(product["agent"]) as traffic:
+        while traffic.sent < 3:          # requests, cache statistics and collector samples in the store
+            threading.Event().wait(0.5)
+        for path in PAGES:
+            open_page(page, product, path)
+            if path != "tuning":
+                expect(page.locator(".js-plotly-plot .main-svg").first).to_be_visible(timeout=RENDER_TIMEOUT_MS)
+                assert page.locator(".js-plotly-plot").count() >= 2
+            page.wait_for_timeout(1500)  # let the remaining charts finish drawing before the picture
+            name = "dashboard.png" if path == "" else f"dashboard-{path}.png"
+            page.screenshot(path=str(screenshot_dir(product) / name), full_page=True)
+
+
+def test_cache_cap_changed_on_the_tuning_page_reaches_the_agent(product, page):
+    knobs_url = f"{product['agent']}/v1/knobs"
+    cap = httpx.get(knobs_url).json()["cache_cap_bytes"]
+    new = cap["value"] + (1 << 20) if cap["value"] + (1 << 20) <= cap["max"] else cap["min"]
+    open_page(page, product, "tuning")
+    field = page.get_by_role("spinbutton", name="cache_cap_bytes", exact=True)
+    field.fill(str(new))
+    page.get_by_role("button", name="Apply").click()
+    expect(page.get_by_text(f"accepted: cache_cap_bytes = {new}")).to_be_visible(timeout=RENDER_TIMEOUT_MS)
+    assert httpx.get(knobs_url).json()["cache_cap_bytes"]["value"] == new
+    row = page.locator("table tr", has_text="cache_cap_bytes")
+    expect(row).to_contain_text(str(new), timeout=RENDER_TIMEOUT_MS)
+    expect(page.get_by_role("spinbutton", name="cache_cap_bytes", exact=True)).to_have_value(str(new))
+    page.screenshot(path=str(screenshot_dir(product) / "dashboard-tuning-applied.png"), full_page=True)
