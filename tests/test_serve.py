@@ -95,7 +95,7 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def agent(model, tmp_path_factory):
-    a = start_agent(model, tmp_path_factory.mktemp("agent"), "--cache-cap", "50%", "--max-batch-size", "8")
+    a = start_agent(model, tmp_path_factory.mktemp("agent"), "--cache-cap", "25%", "--max-batch-size", "8")
     yield a
     a.stop()
 
@@ -153,7 +153,7 @@ def test_knobs_validate_all_or_nothing_apply_live_and_record_the_source(agent):
     bad = httpx.put(agent.url + "/v1/knobs", json={"max_batch_size": 4, "ssd_util_threshold": 1.7}, timeout=30)
     assert bad.status_code == 400 and "ssd_util_threshold" in bad.text and "between 0 and 1" in bad.text
     assert agent.get("/v1/knobs").json() == knobs  # the good knob in the bad request changed nothing
-    new_cap = cap["min"] * 2
+    new_cap = cap["min"] * 3
     ok = httpx.put(agent.url + "/v1/knobs", json={"cache_cap_bytes": new_cap, "policy": "lfu", "max_batch_size": 4},
                    headers={"X-FlashMoE-Source": "dashboard"}, timeout=30)
     assert ok.status_code == 200 and ok.json()["policy"]["value"] == "lfu"
