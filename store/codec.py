@@ -10,12 +10,13 @@ Each stream is one signed byte per delta, code in [-126, 127]; two byte values a
 ESC (-128) says "this delta did not fit, take the next entry of the exceptions section" and
 RUN (-127) says "a run of zeros, take its length from the runs section". Runs are what bring a
 steady series under one byte per point (a 1 Hz sampler has delta-of-delta 0 almost always, a
-flat gauge delta 0). Exceptions and run lengths sit in their own fixed-width sections after the
-codes, so decoding is a handful of numpy operations, not a Python loop per byte:
+flat gauge delta 0). Exceptions (zigzag varints) and run lengths (varints) sit in their own
+sections after the codes, so decoding is a handful of numpy operations, not a Python loop per
+byte:
 
-    stream   = varint n_codes, byte (exception width | run width << 4),
-               varint n_exceptions, varint n_runs,
-               codes (n_codes x int8), exceptions (n x int16/32/64), run lengths (n x uint8/16)
+    stream   = varint n_codes, varint n_exceptions, varint n_runs,
+               codes (n_codes x int8), exceptions (n_exceptions x zigzag varint),
+               run lengths (n_runs x varint)
 
 Fixed-point values must lie within +-2**62 (so every difference fits int64); counters with
 precision 1 are therefore exact.
@@ -29,8 +30,8 @@ import numpy as np
 ESC = -128
 RUN = -127
 MIN_RUN = 3          # a run of 2 zeros costs the same as two literal zeros
-MAX_RUN = 0xFFFF
-_LIMIT = 1 << 62      # |fixed-point| bound so that every difference fits int64
+_LIMIT = 1 << 62       # |fixed-point| bound: every delta's zigzag fits uint64
+_TIME_LIMIT = 1 << 60  # |ms| bound: every delta-of-delta's zigzag fits uint64
 
 
 class CodecError(ValueError):
@@ -72,30 +73,17 @@ def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _width(values: list[int], choices: tuple[tuple[int, str], ...]) -> tuple[int, str]:
-    lo, hi = (min(values), max(values)) if values else (0, 0)
-    for size, dtype in choices:
-        info = np.iinfo(dtype)
-        if info.min <= lo and hi <= info.max:
-            return size, dtype
-    raise CodecError(f"delta {lo if lo < 0 else hi} does not fit 64 bits")
-
-
-_EXC_WIDTHS = ((2, "<i2"), (4, "<i4"), (8, "<i8"))
-_RUN_WIDTHS = ((1, "<u1"), (2, "<u2"))
-_DTYPE_BY_SIZE = {2: "<i2", 4: "<i4", 8: "<i8", 1: "<u1"}
-
-
 def _encode_stream(deltas: list[int], out: bytearray) -> None:
     codes = bytearray()
-    exceptions: list[int] = []
+    tail = bytearray()              # exceptions, then run lengths
     runs: list[int] = []
+    n_exceptions = 0
     i, n = 0, len(deltas)
     while i < n:
         d = deltas[i]
         if d == 0:
             j = i
-            while j < n and deltas[j] == 0 and j - i < MAX_RUN:
+            while j < n and deltas[j] == 0:
                 j += 1
             if j - i >= MIN_RUN:
                 codes.append(RUN & 0xFF)
@@ -108,48 +96,54 @@ def _encode_stream(deltas: list[int], out: bytearray) -> None:
             codes.append(d & 0xFF)
         else:
             codes.append(ESC & 0xFF)
-            exceptions.append(d)
+            _varint(_zigzag(d), tail)
+            n_exceptions += 1
         i += 1
-    exc_size, exc_dtype = _width(exceptions, _EXC_WIDTHS)
-    run_size, run_dtype = _width(runs, _RUN_WIDTHS)
+    for run in runs:
+        _varint(run, tail)
     _varint(len(codes), out)
-    out.append(exc_size | run_size << 4)
-    _varint(len(exceptions), out)
+    _varint(n_exceptions, out)
     _varint(len(runs), out)
     out += codes
-    out += np.asarray(exceptions, dtype=exc_dtype).tobytes()
-    out += np.asarray(runs, dtype=run_dtype).tobytes()
+    out += tail
+
+
+def _read_varints(buf: bytes, pos: int, count: int) -> tuple[np.ndarray, int]:
+    """`count` consecutive varints from pos, vectorised: (uint64 values, position after them)."""
+    if count == 0:
+        return np.empty(0, np.uint64), pos
+    raw = np.frombuffer(buf, np.uint8, len(buf) - pos, pos)
+    ends = np.flatnonzero(raw < 0x80)[:count]
+    if len(ends) < count:
+        raise CodecError("chunk truncated inside its exceptions or run lengths")
+    raw = raw[:ends[-1] + 1]
+    starts = np.r_[0, ends[:-1] + 1]
+    group = np.repeat(np.arange(count), ends - starts + 1)
+    shift = (np.arange(len(raw)) - starts[group]) * 7
+    if shift.max() > 63:
+        raise CodecError("chunk corrupt: a varint is longer than 64 bits")
+    parts = (raw & 0x7F).astype(np.uint64) << shift.astype(np.uint64)
+    return np.add.reduceat(parts, starts), pos + len(raw)
 
 
 def _decode_stream(buf: bytes, pos: int) -> tuple[np.ndarray, int]:
     n_codes, pos = _read_varint(buf, pos)
-    if pos >= len(buf):
-        raise CodecError("chunk truncated before a stream's widths")
-    widths = buf[pos]
-    pos += 1
-    exc_size, run_size = widths & 0x0F, widths >> 4
-    if exc_size not in (2, 4, 8) or run_size not in (1, 2):
-        raise CodecError(f"bad stream widths byte {widths:#x}")
     n_exc, pos = _read_varint(buf, pos)
     n_runs, pos = _read_varint(buf, pos)
-    end = pos + n_codes + n_exc * exc_size + n_runs * run_size
-    if end > len(buf):
-        raise CodecError(f"chunk truncated: stream needs {end} bytes, chunk has {len(buf)}")
+    if pos + n_codes > len(buf):
+        raise CodecError(f"chunk truncated: {n_codes} codes announced, {len(buf) - pos} bytes left")
     codes = np.frombuffer(buf, np.int8, n_codes, pos)
-    pos += n_codes
-    exceptions = np.frombuffer(buf, _DTYPE_BY_SIZE[exc_size], n_exc, pos)
-    pos += n_exc * exc_size
-    runs = np.frombuffer(buf, "<u1" if run_size == 1 else "<u2", n_runs, pos)
-    pos += n_runs * run_size
+    zigzags, pos = _read_varints(buf, pos + n_codes, n_exc)
+    runs, pos = _read_varints(buf, pos, n_runs)
     values = codes.astype(np.int64)
     esc_at = np.flatnonzero(codes == ESC)
     run_at = np.flatnonzero(codes == RUN)
     if len(esc_at) != n_exc or len(run_at) != n_runs:
         raise CodecError("chunk corrupt: escape or run count does not match its section")
-    values[esc_at] = exceptions
+    values[esc_at] = (zigzags >> np.uint64(1)).astype(np.int64) ^ -(zigzags & np.uint64(1)).astype(np.int64)
     values[run_at] = 0
     repeats = np.ones(n_codes, np.int64)
-    repeats[run_at] = runs
+    repeats[run_at] = runs.astype(np.int64)
     return np.repeat(values, repeats), pos
 
 
@@ -158,7 +152,9 @@ def encode(t_ms: list[int], q: list[int]) -> bytes:
     n = len(t_ms)
     if n == 0 or n != len(q):
         raise CodecError(f"need >= 1 point and equal lengths, got {n} times and {len(q)} values")
-    for v in (min(t_ms), max(t_ms), min(q), max(q)):
+    if not -_TIME_LIMIT < min(t_ms) <= max(t_ms) < _TIME_LIMIT:
+        raise CodecError(f"times must be Unix milliseconds within +-2**60, got {min(t_ms)}..{max(t_ms)}")
+    for v in (min(q), max(q)):
         if not -_LIMIT < v < _LIMIT:
             raise CodecError(f"fixed-point value {v} is beyond +-2**62; declare a coarser precision")
     dod = [0] * (n - 1)

@@ -5,7 +5,9 @@ Every process uses this one catalogue: the collector writes the `block.*`, `mem.
 same names. Names with `{dev}`, `{ctrl}` or `{n}` are templates: `block.{dev}.util` covers
 `block.vda.util`, `block.nvme0n1.util`... Units are base units (bytes, seconds, fractions 0..1,
 percent only where the kernel reports percent). `precision` is the fixed-point step the codec keeps
-(values are lossless to within half of it); counters use 1 and are exact.
+(values are lossless to within half of it); counters use 1 and are exact. Precisions follow what
+the source can resolve: memory is counted in 4 KiB pages (so 4096 is exact), per-second rates are
+counts over a measured interval that jitters by milliseconds (so 0.1/s and 1 KiB/s).
 
 A series not in the catalogue can still be written after `Store.declare(name, unit, kind,
 precision)`.
@@ -43,28 +45,28 @@ def _block(metric: str, unit: str, precision: float, description: str) -> Series
 
 CATALOGUE: tuple[SeriesSpec, ...] = (
     # Block devices, computed from /sys/block/<dev>/stat exactly as iostat -x does.
-    _block("reads_per_s", "1/s", 0.01, "completed reads per second (iostat r/s)"),
-    _block("writes_per_s", "1/s", 0.01, "completed writes per second (iostat w/s)"),
-    _block("read_bytes_per_s", "B/s", 512.0, "bytes read per second (iostat rkB/s x 1024)"),
-    _block("write_bytes_per_s", "B/s", 512.0, "bytes written per second (iostat wkB/s x 1024)"),
+    _block("reads_per_s", "1/s", 0.1, "completed reads per second (iostat r/s)"),
+    _block("writes_per_s", "1/s", 0.1, "completed writes per second (iostat w/s)"),
+    _block("read_bytes_per_s", "B/s", 1024.0, "bytes read per second (iostat rkB/s x 1024)"),
+    _block("write_bytes_per_s", "B/s", 1024.0, "bytes written per second (iostat wkB/s x 1024)"),
     _block("util", "fraction", 0.001, "time the device had I/O in flight, 0..1 (iostat %util / 100)"),
     _block("r_await_s", "s", 1e-5, "mean read latency incl. queueing (iostat r_await / 1000)"),
     _block("w_await_s", "s", 1e-5, "mean write latency incl. queueing (iostat w_await / 1000)"),
     _block("avg_request_bytes", "B", 512.0, "mean request size (iostat areq-sz x 1024)"),
     _block("queue_depth", "requests", 0.01, "mean requests in flight (iostat aqu-sz)"),
     # System memory, /proc/meminfo (kB there, bytes here).
-    SeriesSpec("mem.total_bytes", "B", "gauge", 1024.0, "MemTotal"),
-    SeriesSpec("mem.available_bytes", "B", "gauge", 1024.0, "MemAvailable"),
-    SeriesSpec("mem.free_bytes", "B", "gauge", 1024.0, "MemFree"),
-    SeriesSpec("mem.cached_bytes", "B", "gauge", 1024.0, "Cached (page cache)"),
-    SeriesSpec("mem.dirty_bytes", "B", "gauge", 1024.0, "Dirty"),
-    SeriesSpec("mem.swap_used_bytes", "B", "gauge", 1024.0, "SwapTotal - SwapFree"),
+    SeriesSpec("mem.total_bytes", "B", "gauge", 4096.0, "MemTotal"),
+    SeriesSpec("mem.available_bytes", "B", "gauge", 4096.0, "MemAvailable"),
+    SeriesSpec("mem.free_bytes", "B", "gauge", 4096.0, "MemFree"),
+    SeriesSpec("mem.cached_bytes", "B", "gauge", 4096.0, "Cached (page cache)"),
+    SeriesSpec("mem.dirty_bytes", "B", "gauge", 4096.0, "Dirty"),
+    SeriesSpec("mem.swap_used_bytes", "B", "gauge", 4096.0, "SwapTotal - SwapFree"),
     # The agent process, /proc/<pid>/status and /proc/<pid>/stat.
-    SeriesSpec("mem.agent.rss_bytes", "B", "gauge", 1024.0, "agent VmRSS"),
-    SeriesSpec("mem.agent.hwm_bytes", "B", "gauge", 1024.0, "agent VmHWM (peak RSS)"),
-    SeriesSpec("mem.agent.rss_anon_bytes", "B", "gauge", 1024.0, "agent RssAnon"),
-    SeriesSpec("mem.agent.rss_file_bytes", "B", "gauge", 1024.0, "agent RssFile (mapped files)"),
-    SeriesSpec("mem.agent.swap_bytes", "B", "gauge", 1024.0, "agent VmSwap"),
+    SeriesSpec("mem.agent.rss_bytes", "B", "gauge", 4096.0, "agent VmRSS"),
+    SeriesSpec("mem.agent.hwm_bytes", "B", "gauge", 4096.0, "agent VmHWM (peak RSS)"),
+    SeriesSpec("mem.agent.rss_anon_bytes", "B", "gauge", 4096.0, "agent RssAnon"),
+    SeriesSpec("mem.agent.rss_file_bytes", "B", "gauge", 4096.0, "agent RssFile (mapped files)"),
+    SeriesSpec("mem.agent.swap_bytes", "B", "gauge", 4096.0, "agent VmSwap"),
     SeriesSpec("mem.agent.minflt_per_s", "1/s", "gauge", 0.1, "agent minor page faults per second"),
     SeriesSpec("mem.agent.majflt_per_s", "1/s", "gauge", 0.1, "agent major page faults per second"),
     # System paging, /proc/vmstat.

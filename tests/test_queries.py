@@ -43,10 +43,10 @@ def test_series_downsamples_like_a_plain_reference(store_path, buckets, window):
 def test_series_without_a_window_spans_all_points(store_path):
     with Store(store_path, autoflush_s=0) as store:
         for i in range(10):
-            store.append("mem.dirty_bytes", T0 + i, 1024 * i)
+            store.append("mem.dirty_bytes", T0 + i, 4096 * i)
     [(start, lo, avg, hi)] = queries.series(store_path, "mem.dirty_bytes", buckets=1)
-    assert (start, lo, avg, hi) == (T0, 0.0, 1024 * 4.5, 1024 * 9.0)
-    assert queries.latest(store_path, "mem.dirty_bytes") == (T0 + 9, 9216.0)
+    assert (start, lo, avg, hi) == (T0, 0.0, 4096 * 4.5, 4096 * 9.0)
+    assert queries.latest(store_path, "mem.dirty_bytes") == (T0 + 9, 36864.0)
     with pytest.raises(ValueError, match="buckets must be >= 1"):
         queries.series(store_path, "mem.dirty_bytes", buckets=0)
 
