@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Body, Depends, FastAPI, Header, HTTPException
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
@@ -44,6 +46,8 @@ class PreloadRequest(BaseModel):
 def create_app(runtime: Runtime, tokenizer, token: str | None = None) -> FastAPI:
     app = FastAPI(title="FlashMoE agent", version="0.1.0",
                   description="MoE inference with experts on the SSD behind a learned RAM cache.")
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
     model_name = runtime.opts.model_dir.name
     config = runtime.engine.config
     stop_ids = frozenset([] if config.eos_token_id is None else [config.eos_token_id])
@@ -112,6 +116,23 @@ def create_app(runtime: Runtime, tokenizer, token: str | None = None) -> FastAPI
         return await _collect(job, queue, head, tokenizer)
 
     return app
+
+
+def _error_body(status: int, message: str, detail: Any) -> JSONResponse:
+    """FastAPI's {"detail"} (the dashboard reads it) and OpenAI's {"error": {"message"}} (its clients raise it)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"detail": detail, "error": {"message": message, "type": kind, "param": None, "code": status}},
+                        status_code=status)
+
+
+async def _http_error(request, exc: HTTPException) -> JSONResponse:
+    return _error_body(exc.status_code, str(exc.detail), exc.detail)
+
+
+async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in errors)
+    return _error_body(422, message, jsonable_encoder(errors))
 
 
 def _prompt_ids(body: CompletionRequest, tokenizer, config) -> list[int]:
