@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from hf_models import tiny_checkpoint
+from test_model_parity import one_torch_thread  # noqa: F401  (autouse fixture)
 
 from agent.cli import main as cli
 from agent.experts.layout import INDEX, Index

@@ -23,6 +23,16 @@ from agent.model.model import Transformer
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 120, 33]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a CPU shared with other jobs every
+    parallel kernel can stall for a scheduler slice; one thread keeps these tests fast. Restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def converted(tmp: Path, arch: str, layout: str = "per_expert", **overrides):
     """(transformers model, expert store dir) for a tiny checkpoint of `arch`."""
     ckpt = tiny_checkpoint(arch, tmp / "hf", layout=layout, **overrides)
