@@ -2,7 +2,7 @@
 
 Layout (all integers little-endian):
 
-    header   varint n_points, zigzag-varint t0_ms, zigzag-varint v0
+    header   byte FORMAT (2), varint n_points, zigzag-varint t0_ms, zigzag-varint v0
     stream   times:  n-1 delta-of-deltas of t_ms      (time resolution 1 ms)
     stream   values: n-1 deltas of v (fixed-point ints: round(value / precision))
 
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+FORMAT = 2           # first byte of every chunk; 1 was a fixed-width-exception layout, never shipped
 ESC = -128
 RUN = -127
 MIN_RUN = 3          # a run of 2 zeros costs the same as two literal zeros
@@ -164,7 +165,7 @@ def encode(t_ms: list[int], q: list[int]) -> bytes:
         dod[i - 1] = delta - prev_delta
         prev_delta = delta
     deltas = [q[i] - q[i - 1] for i in range(1, n)]
-    out = bytearray()
+    out = bytearray([FORMAT])
     _varint(n, out)
     _varint(_zigzag(t_ms[0]), out)
     _varint(_zigzag(q[0]), out)
@@ -175,7 +176,9 @@ def encode(t_ms: list[int], q: list[int]) -> bytes:
 
 def decode(data: bytes) -> Decoded:
     """Decode a chunk written by `encode`; raises CodecError if it is truncated or corrupt."""
-    n, pos = _read_varint(data, 0)
+    if not data or data[0] != FORMAT:
+        raise CodecError(f"not a chunk of format {FORMAT} (first byte {data[:1].hex() or 'missing'})")
+    n, pos = _read_varint(data, 1)
     z_t0, pos = _read_varint(data, pos)
     z_v0, pos = _read_varint(data, pos)
     dod, pos = _decode_stream(data, pos)

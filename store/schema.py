@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2   # 2: chunks carry a format byte (store.codec.FORMAT)
 DEFAULT_RETENTION_S = 7 * 24 * 3600
 KINDS = ("gauge", "counter")
 

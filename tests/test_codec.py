@@ -74,6 +74,8 @@ def test_small_steps_cost_one_byte_each_and_large_ones_escape():
     small = encode(t, [0, 5, -95, -90])
     large = encode(t, [0, 5, 100_005, 100_010])
     assert len(large) - len(small) == 3          # a 3-byte zigzag varint beside its escape code
+    with pytest.raises(CodecError, match="not a chunk of format 2"):
+        decode(b"\x01" + large[1:])
     assert decode(large).q.tolist() == [0, 5, 100_005, 100_010]
 
 
