@@ -77,6 +77,19 @@ def test_slot_pool_grows_and_shrinks_only_free_slots():
     assert len(pool) == 1 and held in pool and pool.free == 0
 
 
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_slot_pool_memory_is_resident_up_front_and_returned_on_shrink():
+    before = rss_bytes()
+    pool = SlotPool(16, 2**20)
+    allocated = rss_bytes()
+    pool.shrink(12)
+    assert allocated - before >= 15 * 2**20  # pre-faulted: no page faults on the read path
+    assert allocated - rss_bytes() >= 11 * 2**20 and len(pool) == 4
+
+
 def test_slot_size_must_be_page_multiple():
     with pytest.raises(ValueError, match="multiple of the page size"):
         SlotPool(1, 1000)
