@@ -244,6 +244,14 @@ def test_set_policy_keeps_the_resident_set_and_the_counters(store):
     assert after.misses == before.misses == 2 and after.hits == 2 and after.reads == 2
 
 
+def test_set_policy_keeps_the_current_steps_experts_pinned(store):
+    with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
+        held = step(cache, 0, [0, 1])
+        cache.set_policy("lru")
+        cache.prefetch(0, [5])  # the partition is full of pinned experts: nothing may be evicted
+        assert cache.stats().prefetches == 0 and cache.get(0, 0).gate.data_ptr() == held[0].gate.data_ptr()
+
+
 def test_preload_warms_the_cache(store):
     with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
         assert cache.preload([(0, 4), (1, 5), (0, 4)]) == 2

@@ -5,9 +5,9 @@ step's accesses: every routed expert is looked up once, and each miss takes the 
 slot (or a free one) and starts its read on a thread pool at once, so a layer's misses are read
 concurrently while get() hands out the blocks in turn. A block that two callers want at once is
 read once, because both wait on the same in-flight future, and a block that prefetch already
-started is waited for instead of read again. One lock
-guards all bookkeeping (Residency, slot table, in-flight table, counters); reads and CRC checks run
-outside it, so the service may resize or switch policy from its HTTP threads while decode runs.
+started is waited for instead of read again. One lock guards all bookkeeping (Residency, slot
+table, in-flight table, counters); reads and CRC checks run outside it, so the service may resize
+or switch policy from its HTTP threads while decode runs.
 """
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ class ExpertCache:
         self._ready: dict[Key, ExpertWeights] = {}
         self._inflight: dict[Key, _Load] = {}
         self._step: dict[int, dict[int, _Load | None]] = {}  # per layer: routed expert -> its read, if any
-        self._pinned = 0  # experts of the last route(), which Residency pins
+        self._routed: tuple[int, list[int]] = (0, [])  # the last route(), whose experts Residency pins
         self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
         self._bytes_read = self._reads = 0
@@ -211,7 +211,7 @@ class ExpertCache:
                 raise ValueError(f"{len(unique)} experts routed at layer {layer} but the cache holds {room} per "
                                  f"{self._residency.scope}; raise the cache cap or route fewer at a time")
             self._residency.route(layer, unique)
-            self._pinned = len(unique)
+            self._routed = (layer, unique)
             self._step[layer] = {e: self._access((layer, e)) for e in unique}
             self._maybe_sample_system()
 
@@ -330,8 +330,9 @@ class ExpertCache:
         """A new cap: shrinking evicts by the policy and frees slots, growing allocates. Returns evicted keys."""
         self._check_cap(cap_bytes)
         with self._lock:
-            if self._room(self._slots_for(cap_bytes)) < self._pinned:
-                raise ValueError(f"cache cap {cap_bytes} bytes cannot hold the {self._pinned} experts the current step "
+            pinned = len(self._routed[1])
+            if self._room(self._slots_for(cap_bytes)) < pinned:
+                raise ValueError(f"cache cap {cap_bytes} bytes cannot hold the {pinned} experts the current step "
                                  f"is using; retry after the step or choose a larger cap")
             evicted = self._residency.resize(self._slots_for(cap_bytes))
             for key in evicted:
@@ -353,6 +354,7 @@ class ExpertCache:
             new = Residency(old.capacity, old.n_layers, factory, old.scope, old.min_per_layer)
             for key in old.resident():
                 new.access(key)  # admits without evicting: the capacity is the same
+            new.route(*self._routed)  # the current step's experts stay pinned
             new.stats = old.stats
             self._residency, self.policy_name = new, name
         log.info("expert cache policy set to %s %s", name, options or "")
