@@ -1,0 +1,87 @@
+"""Warm-up: the prompt file, the hot set, and preloading into a running agent."""
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from agent.warmup import WarmupError, hot_set, load_prompts
+from test_serve import CLI, demo_model, start_agent
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "benchmark_input.json"
+
+
+def test_the_shipped_example_is_valid():
+    prompts = load_prompts(EXAMPLE)
+    assert len(prompts.prompts) >= 4 and prompts.max_tokens >= 1
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "not found"),
+    ("{not json", "not valid JSON"),
+    ('{"prompts": []}', "at least one prompt"),
+    ('{"prompts": ["ok", 3]}', "prompts[1]"),
+    ('{"prompts": [[1, "a"]]}', "prompts[0]"),
+    ('{"prompts": ["ok"], "max_tokens": 0}', "max_tokens"),
+])
+def test_bad_prompt_files_say_what_is_wrong(tmp_path, content, words):
+    path = tmp_path / "prompts.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(WarmupError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        load_prompts(path)
+
+
+def test_hot_set_takes_the_most_routed_experts_of_each_layer():
+    counts = Counter({(0, 5): 9, (0, 2): 9, (0, 7): 1, (0, 1): 4, (1, 3): 2, (1, 0): 8})
+    assert hot_set(counts, n_layers=2, per_layer=2) == [(0, 2), (0, 5), (1, 0), (1, 3)]  # ties by expert id
+    assert hot_set(counts, n_layers=3, per_layer=1) == [(0, 2), (1, 0)]  # a layer never routed adds nothing
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return demo_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    """A short file in the example's format, so the test stays quick."""
+    path = tmp_path_factory.mktemp("prompts") / "prompts.json"
+    path.write_text(json.dumps({"prompts": ["Warm the cache, please.", [72, 101, 121]], "max_tokens": 4}))
+    return path
+
+
+def test_report_only_with_a_model_directory(model, prompts):
+    r = subprocess.run([*CLI, "warmup", str(prompts), "--model", str(model), "--per-layer", "8", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["per_layer"] == 8 and len(report["experts"]) == 16
+    assert {layer for layer, _ in report["experts"]} == {0, 1}
+    assert len({tuple(k) for k in report["experts"]}) == 16 and all(0 <= e < 64 for _, e in report["experts"])
+    assert 0 < report["covered"] <= report["routed"] and 0 < report["tokens"] <= 8 and report["prompts"] == 2
+    assert "preloaded" not in report
+
+
+def test_preloads_the_hot_set_into_a_running_agent(model, prompts, tmp_path):
+    agent = start_agent(model, tmp_path, "--cache-cap", "25%")
+    try:
+        capacity = agent.get("/v1/status").json()["cache"]["capacity_experts"]
+        r = subprocess.run([*CLI, "--warmup", str(prompts), "--agent-url", agent.url, "--json"],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        report = json.loads(r.stdout)
+        assert len(report["experts"]) == capacity and report["per_layer"] == capacity // 2
+        assert report["preloaded"] == capacity  # a fresh cache: every hot expert was read in
+        assert agent.get("/v1/status").json()["cache"]["resident_experts"] == capacity
+    finally:
+        agent.stop()
+
+
+def test_an_absent_agent_is_a_clear_error():
+    r = subprocess.run([*CLI, "warmup", str(EXAMPLE), "--agent-url", "http://127.0.0.1:9"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "did not answer" in r.stderr and "--model" in r.stderr
