@@ -1,14 +1,21 @@
 """SSD utilisation for dynamic batching, and which block device holds the model.
 
-Source, in order: the collector's `block.<dev>.util` series (iostat's %util / 100, the share of
-time the device had I/O in flight) for the device holding the expert store, when the store has a
-point from the last few seconds; otherwise the cache's own read-busy share (the time spent in
-expert reads over the interval, capped at 1), which counts only this agent's reads.
+Utilisation is iostat's %util / 100: the share of time the device had I/O in flight. Sources, in
+order: the collector's `block.<dev>.util` series for the device holding the expert store, when
+the store has a point from the last few seconds; else the agent reads the same counters itself
+(/sys/block/<dev>/stat, with the collector's parser and arithmetic); else, when the store is on
+no block device (tmpfs, overlay), the cache's own read-busy share (time in expert reads over the
+interval, capped at 1), which counts only this agent's reads.
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
+
+from collector.block import BlockStat, block_rates, read_stat
+
+log = logging.getLogger(__name__)
 
 FRESH_S = 3.0
 
@@ -30,12 +37,17 @@ class SsdUtil:
         self.store = store
         self.last: float | None = None
         self.source = "none yet"
+        self._stat: BlockStat | None = None
+        log.info("SSD utilisation of %s from %s", model_dir,
+                 f"block device {self.device}" if self.device else "the cache's read-busy time (no block device)")
 
-    def read(self, read_busy: float) -> float:
-        """The current utilisation, 0..1; `read_busy` is the cache's estimate for the last interval."""
+    def read(self, read_busy: float) -> float | None:
+        """The current utilisation, 0..1 (None until two readings exist); `read_busy` is the cache's estimate."""
         value = self._collector()
         if value is not None:
             self.last, self.source = value, f"collector block.{self.device}.util"
+        elif self.device is not None:
+            self.last, self.source = self._own_reading(), f"/sys/block/{self.device}/stat"
         else:
             self.last, self.source = read_busy, "expert cache read-busy time"
         return self.last
@@ -48,3 +60,10 @@ class SsdUtil:
         if point is None or time.time() - point[0] > FRESH_S:
             return None
         return float(point[1])
+
+    def _own_reading(self) -> float | None:
+        current = read_stat(self.device, time.monotonic())
+        previous, self._stat = self._stat, current
+        if previous is None or current.t <= previous.t:
+            return None
+        return block_rates(previous, current).util
