@@ -114,6 +114,8 @@ def _read_varints(buf: bytes, pos: int, count: int) -> tuple[np.ndarray, int]:
     if count == 0:
         return np.empty(0, np.uint64), pos
     raw = np.frombuffer(buf, np.uint8, len(buf) - pos, pos)
+    if len(raw) >= count and raw[:count].max() < 0x80:      # all one-byte: the common case
+        return raw[:count].astype(np.uint64), pos + count
     ends = np.flatnonzero(raw < 0x80)[:count]
     if len(ends) < count:
         raise CodecError("chunk truncated inside its exceptions or run lengths")

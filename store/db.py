@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 STALE_OPEN_S = 600.0        # an open chunk not extended for this long is sealed, never rewritten
 COMPACT_MIN_AGE_S = 3600.0  # compaction merges only chunks whose data is older than this (> STALE_OPEN_S)
-COMPACT_POINTS = 1440       # merged chunk size: 24 min at 1 Hz
+COMPACT_POINTS = 7200       # merged chunk size: 2 h at 1 Hz (fewer, larger chunks decode faster)
 
 
 @dataclass
