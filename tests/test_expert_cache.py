@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import random
 import threading
 import time
 from pathlib import Path
@@ -230,6 +231,24 @@ def test_shrinking_below_the_pinned_step_is_refused_and_changes_nothing(store):
         assert cache.stats().capacity == LAYERS * 4 and cache.stats().resident == 4
         step(cache, 0, [1])
         assert cache.resize(slots(store, LAYERS * 2)) == [(0, 0), (0, 2)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "least-stale"])
+def test_random_routing_prefetch_and_resizes_always_serve_the_right_weights(store, policy):
+    reference = InMemoryExperts(store)
+    rng = random.Random(policy)
+    with ExpertCache(store, slots(store, LAYERS * 4), policy=policy) as cache:
+        for t in range(120):
+            layer = t % LAYERS
+            chosen = rng.sample(range(EXPERTS), TOP_K)
+            cache.route(layer, chosen)
+            cache.prefetch((layer + 1) % LAYERS, rng.sample(range(EXPERTS), 3))
+            for e in chosen:
+                assert torch.equal(cache.get(layer, e).down, reference.get(layer, e).down)
+            if t % 7 == 6:
+                cache.resize(slots(store, LAYERS * rng.choice([2, 3, 4, 6])))
+        s = cache.stats()
+    assert s.hits > 0 and s.evictions > 0 and s.prefetches > 0
 
 
 def test_set_policy_keeps_the_resident_set_and_the_counters(store):

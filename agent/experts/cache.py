@@ -302,12 +302,15 @@ class ExpertCache:
             elapsed = time.perf_counter() - start
             weights = block_views(torch.from_numpy(data), self.index)
         except BaseException as exc:
-            log.error("reading expert layer %d expert %d failed: %s", *load.key, exc)
             with self._lock:  # cleanup and failure are seen together: no get() re-reads in between
-                if self._inflight.get(load.key) is load:
+                current = self._inflight.get(load.key) is load
+                if current:
                     self._residency.drop(load.key)
                     self._forget(load.key)
                 load.future.set_exception(exc)
+            # An abandoned read (its expert evicted meanwhile) may see its slot released by a shrink: not news.
+            log.log(logging.ERROR if current else logging.DEBUG, "reading expert layer %d expert %d failed: %s",
+                    *load.key, exc)
             return
         with self._lock:
             self._reads += 1
