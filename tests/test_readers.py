@@ -168,6 +168,13 @@ def test_truncated_file_is_a_short_read_error(store, backend):
         reader.load(last, pool.buffer(pool.acquire()) if reader.uses_slots else None)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_missing_expert_file_is_a_store_error(store, backend):
+    (store / EXPERTS).unlink()
+    with pytest.raises(StoreError, match=r"experts\.bin is missing"):
+        open_reader(backend, store / EXPERTS, Index.load(store / INDEX))
+
+
 def test_unknown_backend_lists_the_choices(store):
     with pytest.raises(ValueError, match="direct, buffered, mmap"):
         open_reader("bogus", store / EXPERTS, Index.load(store / INDEX))

@@ -170,4 +170,7 @@ def open_reader(backend: str, path: Path, index: Index, verify: bool = True) -> 
         cls = _READERS[backend]
     except KeyError:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}") from None
-    return cls(path, index, verify)
+    try:
+        return cls(path, index, verify)
+    except FileNotFoundError:
+        raise StoreError(f"{path} is missing: the store is incomplete; re-run flashmoe-cli convert") from None
