@@ -40,25 +40,27 @@ def _time(text: str) -> float:
     return moment.timestamp()
 
 
+def _subcommand(sub: argparse._SubParsersAction, name: str, help_: str, example: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help_, description=help_, epilog=f"example:\n  {example}",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = __doc__.split("\n\n", 1)[1]
     sub = parser.add_subparsers(dest="store_command", metavar="SUBCOMMAND", required=True)
-    stats = sub.add_parser("stats", help="per series: points, encoded bytes, bytes per point",
-                           description="per series: points, chunks, encoded bytes, bytes per point; "
-                           "row counts of the other tables.\nexample: flashmoe-cli store stats --db data/flashmoe.db")
+    stats = _subcommand(sub, "stats", "per series: points, chunks, encoded bytes, bytes per point; "
+                        "row counts of the other tables", "flashmoe-cli store stats --db data/flashmoe.db")
     stats.add_argument("--db", required=True, type=Path)
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    export = sub.add_parser("export", help="decoded points of one series (JSON lines or CSV)",
-                            description="decoded points of one series as JSON lines {t, value}, or CSV.\n"
-                            "example: flashmoe-cli store export --db data/flashmoe.db --series mem.free_bytes --csv")
+    export = _subcommand(sub, "export", "decoded points of one series as JSON lines {t, value}, or CSV",
+                         "flashmoe-cli store export --db data/flashmoe.db --series mem.free_bytes --csv")
     export.add_argument("--db", required=True, type=Path)
     export.add_argument("--series", required=True, help="series name, e.g. block.vda.util")
     export.add_argument("--since", type=_time, default=None, help="Unix seconds or ISO 8601 time")
     export.add_argument("--until", type=_time, default=None, help="Unix seconds or ISO 8601 time")
     export.add_argument("--csv", action="store_true", help="CSV with a header t,value")
-    compact = sub.add_parser("compact", help="apply retention and merge small chunks",
-                             description="delete data older than the retention and merge small chunks.\n"
-                             "example: flashmoe-cli store compact --db data/flashmoe.db --retention-days 7")
+    compact = _subcommand(sub, "compact", "delete data older than the retention and merge small chunks",
+                          "flashmoe-cli store compact --db data/flashmoe.db --retention-days 7")
     compact.add_argument("--db", required=True, type=Path)
     compact.add_argument("--retention-days", type=float, default=DEFAULT_RETENTION_S / 86400)
 

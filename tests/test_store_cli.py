@@ -1,0 +1,75 @@
+"""`flashmoe-cli store stats|export|compact` through the real CLI entry point."""
+import csv
+import io
+import json
+
+import pytest
+
+from agent.cli import main
+from store.db import Store
+
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture
+def db(tmp_path):
+    path = tmp_path / "flashmoe.db"
+    with Store(path, chunk_points=50, autoflush_s=0) as store:
+        for i in range(120):
+            store.append("block.vda.util", T0 + i, (i % 4) / 4)
+            store.append("psi.io.some_total_us", T0 + i, 10 * i)
+        store.record_event(T0, "test", "hello")
+    return path
+
+
+def test_stats_json_counts_points_and_bytes(db, capsys):
+    assert main(["store", "stats", "--db", str(db), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    by_name = {s["name"]: s for s in report["series"]}
+    assert by_name["block.vda.util"]["points"] == 120 and by_name["block.vda.util"]["chunks"] == 3
+    assert report["points"] == 240 and report["rows"]["events"] == 1
+    assert report["bytes_per_point"] == pytest.approx(report["encoded_bytes"] / 240, abs=1e-3)
+
+
+def test_stats_table_names_every_series(db, capsys):
+    assert main(["store", "stats", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "block.vda.util" in out and "psi.io.some_total_us" in out and "all series" in out
+
+
+def test_export_csv_and_json_lines_with_since(db, capsys):
+    assert main(["store", "export", "--db", str(db), "--series", "psi.io.some_total_us", "--csv"]) == 0
+    rows = list(csv.reader(io.StringIO(capsys.readouterr().out)))
+    assert rows[0] == ["t", "value"] and len(rows) == 121
+    assert (float(rows[-1][0]), float(rows[-1][1])) == (T0 + 119, 1190.0)
+    assert main(["store", "export", "--db", str(db), "--series", "block.vda.util",
+                 "--since", str(T0 + 100)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [p["t"] for p in lines] == [T0 + i for i in range(100, 120)]
+    assert main(["store", "export", "--db", str(db), "--series", "block.vda.util",
+                 "--since", "2023-11-14T22:13:20+00:00", "--until", str(T0 + 1)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2          # T0 is 2023-11-14T22:13:20Z
+
+
+def test_errors_name_the_problem(db, tmp_path, caplog):
+    assert main(["store", "export", "--db", str(db), "--series", "nope"]) == 1
+    assert "'nope' has no points" in caplog.text and "block.vda.util" in caplog.text
+    assert main(["store", "stats", "--db", str(tmp_path / "missing.db")]) == 1
+    assert "there is no store at" in caplog.text
+    with pytest.raises(SystemExit):
+        main(["store", "export", "--db", str(db), "--series", "x", "--since", "yesterday"])
+
+
+def test_compact_reports_what_it_did(db, capsys):
+    assert main(["store", "compact", "--db", str(db), "--retention-days", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["chunks_deleted"] == 3 * 2  # all data is from 2023
+
+
+def test_every_subcommand_documents_an_example(capsys):
+    for sub in ("stats", "export", "compact"):
+        with pytest.raises(SystemExit):
+            main(["store", sub, "--help"])
+        assert "example:\n  flashmoe-cli store " + sub in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["collect", "--help"])
+    assert "example:\n  flashmoe-cli collect --db" in capsys.readouterr().out
