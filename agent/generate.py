@@ -84,11 +84,19 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
         net = Transformer.from_store(model, recorder, prefetch=prefetch)
         if prefill == "batched":
             _check_batched_fits(net.config, cache.stats(), len(ids))
+        prefill_steps = 1 if prefill == "batched" else len(ids)
+        marks = {}
+
+        def on_step() -> None:
+            recorder.end_step()
+            if len(recorder.records) == prefill_steps:
+                marks["prefill"] = cache.stats()
+
         cache.session()
         gen = generate(net, ids, max_new_tokens, greedy=greedy, seed=seed, stop_ids=_stop_ids(net.config),
-                       prefill_chunk=None if prefill == "batched" else 1, on_step=recorder.end_step)
+                       prefill_chunk=None if prefill == "batched" else 1, on_step=on_step)
         cs = cache.stats()
-    stats = {
+    stats = {**_decode_stats(marks["prefill"], cs, len(gen.token_ids) - 1),
         "hit_rate": cs.hit_rate, "hits": cs.hits, "misses": cs.misses, "bytes_read": cs.bytes_read,
         "mb_read_per_token": cs.bytes_read / 1e6 / len(gen.token_ids),
         "tokens_per_s": gen.tokens_per_s, "decode_tokens_per_s": gen.decode_tokens_per_s,
@@ -105,6 +113,13 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
                 "prefetch": prefetch, "source": "flashmoe-cli generate"}
         write_trace(Path(record_trace), meta, recorder.records)
     return GenerateResult(ids, gen.token_ids, tokenizer.decode(gen.token_ids), stats)
+
+
+def _decode_stats(before, after, decode_steps: int) -> dict[str, float]:
+    """Hit rate and bytes per token of the decode steps alone (the prefill's cold misses left out)."""
+    hits, misses = after.hits - before.hits, after.misses - before.misses
+    return {"decode_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "decode_mb_read_per_token": (after.bytes_read - before.bytes_read) / 1e6 / decode_steps if decode_steps else 0.0}
 
 
 def _cap(model: Path, text: str, parse_cap) -> int:
@@ -161,6 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no lookahead prefetch: a pure demand-access run")
     parser.add_argument("--prefill", choices=PREFILL_MODES, default="sequential",
                         help="prompt token by token (default) or in one batched step")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: the expert "
+                        "reads and their CRC checks run on other threads, and one token's matmuls are small)")
     parser.add_argument("--record-trace", type=Path, metavar="FILE", help="write the routing as decode-layout JSONL")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
 
@@ -176,8 +193,14 @@ def _ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from agent.experts.layout import StoreError
     from agent.model.config import ConfigError
+    if args.threads < 1:
+        log.error("--threads must be at least 1, got %d", args.threads)
+        return 2
+    torch.set_num_threads(args.threads)
     try:
         result = run_generate(args.model, args.prompt, args.prompt_ids, args.max_new_tokens, args.greedy,
                               args.cache_cap, args.policy, args.scope, args.backend, args.prefetch, args.prefill,

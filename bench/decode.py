@@ -1,0 +1,156 @@
+"""Decode speed and SSD traffic per token at several cache caps, O_DIRECT vs mmap, beside all experts in RAM.
+
+    .venv/bin/python bench/decode.py [--model DIR] [--size default|small] [--tokens 48] [--repeat 2]
+
+Every configuration runs `run_generate` (what `flashmoe-cli generate` runs) on the same prompt,
+greedy, from a cold cache, and must produce the same tokens as the all-in-RAM run (InMemoryExperts,
+the reference). Reported per configuration: decode tokens/s (prefill excluded), the decode steps'
+hit rate and MB read from the SSD per token, and the ratio of its tokens/s to the in-RAM figure.
+Rounds interleave the configurations (the machine is shared) and the median of each is reported.
+
+The mmap rows start with experts.bin dropped from the page cache (posix_fadvise DONTNEED); after
+that the kernel keeps whatever pages it likes, so their cap bounds only the cache's bookkeeping,
+not the RAM used: that unbounded page cache is what the mmap design trades for. A cap below one
+token's working set (top-k experts per layer) is refused by the cache; such a row runs at that
+minimum and says so.
+
+--model defaults to the default demo model in data/demo (written by init-demo if absent).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from agent.demo import init_demo
+from agent.experts.cache import cap_bounds
+from agent.experts.layout import EXPERTS, INDEX, Index
+from agent.experts.provider import InMemoryExperts
+from agent.generate import run_generate
+from agent.model.generation import generate
+from agent.model.model import Transformer
+from agent.tokenizer import load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loader import drop_from_page_cache, machine_facts  # noqa: E402  (bench/loader.py, same directory)
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "decode.json"
+PROMPT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+
+
+@dataclass
+class Row:
+    config: str
+    backend: str
+    cap_pct: float | None          # of all expert bytes, as run (None: everything in RAM)
+    note: str
+    decode_tok_s: float            # median over rounds
+    ratio: float                   # decode_tok_s / the in-RAM decode_tok_s
+    hit_rate: float                # decode steps only
+    mb_per_token: float            # read from the SSD per decode step, MB = 10^6 bytes
+    prefetch_accuracy: float | None
+    same_tokens: bool
+    rounds_tok_s: list[float] = field(default_factory=list)
+
+
+def in_ram(store: Path, prompt_ids: list[int], tokens: int) -> tuple[float, list[int]]:
+    model = Transformer.from_store(store, InMemoryExperts(store))
+    gen = generate(model, prompt_ids, tokens, greedy=True)
+    return gen.decode_tokens_per_s, gen.token_ids
+
+
+def cached(store: Path, prompt_ids: list[int], tokens: int, cap_bytes: int, backend: str) -> dict:
+    drop_from_page_cache(store / EXPERTS)
+    result = run_generate(store, prompt_ids=prompt_ids, max_new_tokens=tokens, greedy=True,
+                          cache_cap=str(cap_bytes), backend=backend)
+    return {**result.stats, "token_ids": result.token_ids}
+
+
+def cap_for(store: Path, pct: float) -> tuple[int, float, str]:
+    """Cap bytes for pct% of expert bytes, raised to the cache's floor (one token's working set) if below."""
+    index = Index.load(store / INDEX)
+    total = index.nbytes * len(index.blocks)
+    top_k = json.loads((store / "config.json").read_text())["num_experts_per_tok"]
+    floor, _ = cap_bounds(index, top_k)
+    want = int(total * pct / 100)
+    if want >= floor:
+        return want, pct, ""
+    return floor, 100 * floor / total, f"{pct:g}% is below top-{top_k} per layer; ran at the minimum"
+
+
+def run(store: Path, caps: list[float], backends: list[str], tokens: int, repeat: int) -> list[Row]:
+    prompt_ids = load_tokenizer(store).encode(PROMPT)
+    configs = [(b, *cap_for(store, pct), pct) for pct in caps for b in backends]
+    ram_speeds, samples = [], {i: [] for i in range(len(configs))}
+    for _ in range(repeat):
+        speed, reference = in_ram(store, prompt_ids, tokens)
+        ram_speeds.append(speed)
+        for i, (backend, cap_bytes, _, _, _) in enumerate(configs):
+            samples[i].append(cached(store, prompt_ids, tokens, cap_bytes, backend))
+            print(f"  {backend} {configs[i][4]:g}%: {samples[i][-1]['decode_tokens_per_s']:.2f} tok/s", flush=True)
+    ram = statistics.median(ram_speeds)
+    rows = [Row("all experts in RAM", "in-memory", None, "", ram, 1.0, 1.0, 0.0, None, True, ram_speeds)]
+    for i, (backend, _, pct_run, note, pct) in enumerate(configs):
+        runs = samples[i]
+        speed = statistics.median(r["decode_tokens_per_s"] for r in runs)
+        rows.append(Row(f"{backend} {pct:g}%", backend, round(pct_run, 2), note, speed, speed / ram,
+                        statistics.median(r["decode_hit_rate"] for r in runs),
+                        statistics.median(r["decode_mb_read_per_token"] for r in runs),
+                        runs[-1]["prefetch_accuracy"], all(r["token_ids"] == reference for r in runs),
+                        [round(r["decode_tokens_per_s"], 3) for r in runs]))
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"\n{'configuration':<20} {'cap %':>6} {'tok/s':>7} {'x RAM':>6} {'hit rate':>8} {'MB/token':>9} "
+          f"{'prefetch acc':>12} {'same tokens':>11}")
+    for r in rows:
+        cap = "-" if r.cap_pct is None else f"{r.cap_pct:g}"
+        acc = "-" if r.prefetch_accuracy is None else f"{r.prefetch_accuracy:.2f}"
+        print(f"{r.config:<20} {cap:>6} {r.decode_tok_s:>7.2f} {r.ratio:>6.2f} {r.hit_rate:>8.3f} "
+              f"{r.mb_per_token:>9.1f} {acc:>12} {str(r.same_tokens):>11}")
+    for r in rows:
+        if r.note:
+            print(f"note: {r.config}: {r.note}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="an expert store (default: the demo model in data/demo)")
+    parser.add_argument("--size", choices=("default", "small"), default="default", help="demo size if --model is absent")
+    parser.add_argument("--tokens", type=int, default=48, help="new tokens per run (default 48)")
+    parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds; the median is reported")
+    parser.add_argument("--caps", default="10,25,50,100", help="cache caps in %% of expert bytes")
+    parser.add_argument("--backends", default="direct,mmap")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as flashmoe-cli generate)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    store = args.model or init_demo(ROOT / "data" / ("demo" if args.size == "default" else "demo-small"), args.size)
+    index = Index.load(store / INDEX)
+    start = time.monotonic()
+    rows = run(store, [float(c) for c in args.caps.split(",")], args.backends.split(","), args.tokens, args.repeat)
+    facts = machine_facts(store)
+    print(f"\nstore {store}: {index.n_layers} layers x {index.n_experts} experts, blocks of "
+          f"{index.nbytes / 2**20:.2f} MiB ({index.nbytes * len(index.blocks) / 2**30:.2f} GiB); prompt "
+          f"{len(load_tokenizer(store).encode(PROMPT))} tokens, {args.tokens} new tokens, greedy, LRU, layer scope, "
+          f"prefetch on; {args.threads} torch thread(s); median of {args.repeat}; {time.monotonic() - start:.0f} s")
+    print(f"machine: {facts['cpu']}, {facts['cores']} cores, {facts['ram_bytes'] / 2**30:.1f} GiB RAM, "
+          f"{facts['filesystem']}, kernel {facts['kernel']}")
+    print_table(rows)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"store": str(store), "layers": index.n_layers, "experts": index.n_experts,
+                                   "block_bytes": index.nbytes, "tokens": args.tokens, "repeat": args.repeat,
+                                   "threads": args.threads, "prompt": PROMPT, "machine": facts,
+                                   "rows": [asdict(r) for r in rows]}, indent=2))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
