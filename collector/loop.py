@@ -225,10 +225,12 @@ class Collector:
 
 def ticks(interval: float, stop: threading.Event, duration: float | None):
     """Yield (scheduled wall time, monotonic time) on a drift-free grid of whole intervals,
-    skipping ticks the loop was too late for, until stop is set or duration has passed."""
+    skipping ticks the loop was too late for, until stop is set or duration has passed. The
+    grid follows the monotonic clock; if the wall clock is stepped (NTP, suspend) by more than
+    an interval, the grid is re-anchored to it."""
     wall0, mono0 = time.time(), time.monotonic()
-    k = math.ceil(wall0 / interval)
     end = None if duration is None else mono0 + duration
+    k = math.ceil(wall0 / interval)
     while not stop.is_set():
         t_wall = round(k * interval, 3)
         deadline = mono0 + (t_wall - wall0)
@@ -236,6 +238,12 @@ def ticks(interval: float, stop: threading.Event, duration: float | None):
             return
         if stop.wait(max(0.0, deadline - time.monotonic())):
             return
+        step = time.time() - (wall0 + time.monotonic() - mono0)
+        if abs(step) > max(1.0, interval):
+            log.warning("the wall clock moved by %+.1f s; re-anchoring the sampling grid", step)
+            wall0, mono0 = time.time(), time.monotonic()
+            k = math.ceil(wall0 / interval)
+            continue
         yield t_wall, time.monotonic()
         k = max(k + 1, math.ceil((wall0 + time.monotonic() - mono0) / interval))
 

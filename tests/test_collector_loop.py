@@ -104,3 +104,18 @@ def test_the_collector_and_store_commands_never_import_torch():
     code = ("import sys, collector.loop, store.cli; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_ticks_lie_on_the_grid_and_stop_when_asked():
+    import threading
+
+    from collector.loop import ticks
+    stop = threading.Event()
+    seen = []
+    for t_wall, _ in ticks(0.05, stop, duration=None):
+        seen.append(t_wall)
+        if len(seen) == 5:
+            stop.set()
+    assert len(seen) == 5
+    assert all(b > a for a, b in zip(seen, seen[1:]))
+    assert np.allclose(np.round(np.array(seen) / 0.05), np.array(seen) / 0.05)
