@@ -17,7 +17,7 @@ from agent.experts.layout import INDEX, Index, StoreError
 from agent.experts.provider import InMemoryExperts
 from agent.experts.reader import BACKENDS
 from agent.policies import Policy
-from test_readers import flip_byte, write_store
+from test_readers import fd_flags, flip_byte, write_store
 
 LAYERS, EXPERTS, TOP_K = 3, 8, 2
 
@@ -74,11 +74,10 @@ def test_every_backend_serves_the_in_memory_weights_through_evictions(store, bac
 
 def test_direct_backend_reads_with_o_direct_and_counts_bytes(store):
     with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
-        fd = cache._reader.fd
-        flags = int(Path(f"/proc/self/fdinfo/{fd}").read_text().split("flags:")[1].split()[0], 8)
+        flags = fd_flags(cache._reader.fd)
         step(cache, 0, [1, 2])
         s = cache.stats()
-    assert flags & cache_module.os.O_DIRECT
+    assert flags & os.O_DIRECT
     assert s.misses == 2 and s.bytes_read == 2 * cache.index.nbytes and len(s.read_latency_s) == 2
 
 

@@ -16,9 +16,6 @@ from agent.experts import reader as reader_module
 from agent.experts.reader import BACKENDS, DirectReader, dio_alignment, fast_crc32, open_reader
 from agent.experts.slots import SlotPool
 
-O_DIRECT_FLAG = os.O_DIRECT
-
-
 def write_store(path: Path, n_layers: int = 3, n_experts: int = 8, hidden: int = 64, intermediate: int = 40,
                 top_k: int = 2, seed: int = 0) -> Path:
     """A store written by convert's StoreWriter: random float32 blocks (no dense weights: readers don't need them)."""
@@ -33,6 +30,11 @@ def write_store(path: Path, n_layers: int = 3, n_experts: int = 8, hidden: int =
         for _ in range(writer.n_blocks):
             writer.add_block(fill)
     return path
+
+
+def fd_flags(fd: int) -> int:
+    """The open flags the kernel holds for fd (octal in /proc/self/fdinfo)."""
+    return int(Path(f"/proc/self/fdinfo/{fd}").read_text().split("flags:")[1].split()[0], 8)
 
 
 @pytest.fixture
@@ -113,8 +115,7 @@ def test_every_backend_loads_the_same_bytes_as_in_memory(store, backend):
 def test_direct_reader_really_opens_with_o_direct(store):
     index = Index.load(store / INDEX)
     reader = DirectReader(store / EXPERTS, index)
-    flags = int(Path(f"/proc/self/fdinfo/{reader.fd}").read_text().split("flags:")[1].split()[0], 8)
-    assert flags & O_DIRECT_FLAG
+    assert fd_flags(reader.fd) & os.O_DIRECT
     reader.close()
 
 
