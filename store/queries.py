@@ -66,13 +66,15 @@ def _reader(db: Db) -> Iterator[sqlite3.Connection | None]:
             conn.close()
 
 
+def _dicts(conn: sqlite3.Connection, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[dict[str, Any]]:
+    cur = conn.execute(sql, params)
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
 def _rows(db: Db, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
     with _reader(db) as conn:
-        if conn is None:
-            return []
-        cur = conn.execute(sql, params)
-        names = [d[0] for d in cur.description]
-        return [dict(zip(names, row)) for row in cur.fetchall()]
+        return [] if conn is None else _dicts(conn, sql, params)
 
 
 def _window(since: float | None, until: float | None) -> tuple[float, float]:
@@ -188,67 +190,66 @@ def requests(db: Db, since: float | None = None, until: float | None = None) -> 
     return _rows(db, "SELECT * FROM requests WHERE t >= ? AND t <= ? ORDER BY t", (lo, hi))
 
 
+def _span(conn: sqlite3.Connection, table: str, since: float | None,
+          until: float | None) -> tuple[float, float] | None:
+    """The [since, until] window with open ends closed at the table's first/last row."""
+    lo, hi = conn.execute(f"SELECT MIN(t), MAX(t) FROM {table} WHERE t >= ? AND t <= ?",
+                          _window(since, until)).fetchone()
+    if lo is None:
+        return None
+    return (lo if since is None else since), (hi if until is None else until)
+
+
 def latency_quantiles(db: Db, since: float | None = None, until: float | None = None,
                       buckets: int = 60, qs: Sequence[float] = (0.5, 0.95, 0.99)) -> list[dict[str, Any]]:
     """Per time bucket: {"t", "n", "ttft_s", "tpot_s", "latency_s"}, each of the last three a
     dict {q: value} over the requests in that bucket (None where no request had that value)."""
-    rows = requests(db, since, until)
-    if not rows:
-        return []
-    start = rows[0]["t"] if since is None else since
-    end = rows[-1]["t"] if until is None else until
-    width = max((end - start) / buckets, 1e-3)
-    grouped: dict[int, list[dict[str, Any]]] = {}
-    for row in rows:
-        grouped.setdefault(min(int((row["t"] - start) // width), buckets - 1), []).append(row)
+    with _reader(db) as conn:
+        if conn is None or (span := _span(conn, "requests", since, until)) is None:
+            return []
+        rows = conn.execute("SELECT t, ttft_s, tpot_s, latency_s FROM requests WHERE t >= ? AND t <= ? "
+                            "ORDER BY t", span).fetchall()
+    data = np.array(rows, dtype=np.float64)          # NULL becomes NaN
+    width = max((span[1] - span[0]) / buckets, 1e-3)
+    index = np.minimum(((data[:, 0] - span[0]) // width).astype(np.int64), buckets - 1)
     out = []
-    for index in sorted(grouped):
-        group = grouped[index]
-        entry: dict[str, Any] = {"t": start + index * width, "n": len(group)}
-        for column in ("ttft_s", "tpot_s", "latency_s"):
-            values = [r[column] for r in group if r[column] is not None]
-            entry[column] = {q: (float(np.quantile(values, q)) if values else None) for q in qs}
+    for b in np.unique(index):
+        group = data[index == b]
+        entry: dict[str, Any] = {"t": span[0] + int(b) * width, "n": len(group)}
+        for col, name in ((1, "ttft_s"), (2, "tpot_s"), (3, "latency_s")):
+            values = group[:, col][~np.isnan(group[:, col])]
+            entry[name] = {q: (float(np.quantile(values, q)) if len(values) else None) for q in qs}
         out.append(entry)
     return out
 
 
-def _hit_rate(hits: int, misses: int) -> float | None:
-    return hits / (hits + misses) if hits + misses else None
+def _hit_rate(row: dict[str, Any]) -> dict[str, Any]:
+    total = row["hits"] + row["misses"]
+    return row | {"hit_rate": row["hits"] / total if total else None}
+
+
+_CACHE_SUMS = ", ".join(f"SUM({c}) AS {c}" for c in ("hits", "misses", "evictions", "prefetch_hits", "bytes_read"))
 
 
 def cache_stats(db: Db, since: float | None = None, until: float | None = None,
                 buckets: int = 60) -> dict[str, list[dict[str, Any]]]:
     """Cache counters summed over all layers per time bucket ("over_time": t, hits, misses,
     hit_rate, evictions, prefetch_hits, bytes_read) and per layer over the window ("per_layer":
-    layer, hits, misses, hit_rate, evictions, prefetch_hits, bytes_read, read_latency_s mean)."""
-    lo, hi = _window(since, until)
-    rows = _rows(db, "SELECT * FROM cache_stats WHERE t >= ? AND t <= ? ORDER BY t", (lo, hi))
-    if not rows:
-        return {"over_time": [], "per_layer": []}
-    start = rows[0]["t"] if since is None else since
-    end = rows[-1]["t"] if until is None else until
-    width = max((end - start) / buckets, 1e-3)
-    counters = ("hits", "misses", "evictions", "prefetch_hits", "bytes_read")
-    over_time: dict[int, dict[str, Any]] = {}
-    per_layer: dict[int, dict[str, Any]] = {}
-    for row in rows:
-        index = min(int((row["t"] - start) // width), buckets - 1)
-        slot = over_time.setdefault(index, {"t": start + index * width, **dict.fromkeys(counters, 0)})
-        layer = per_layer.setdefault(row["layer"], {"layer": row["layer"], **dict.fromkeys(counters, 0),
-                                                    "_latencies": []})
-        for c in counters:
-            slot[c] += row[c]
-            layer[c] += row[c]
-        if row["read_latency_s"] is not None:
-            layer["_latencies"].append(row["read_latency_s"])
-    for slot in over_time.values():
-        slot["hit_rate"] = _hit_rate(slot["hits"], slot["misses"])
-    for layer in per_layer.values():
-        latencies = layer.pop("_latencies")
-        layer["hit_rate"] = _hit_rate(layer["hits"], layer["misses"])
-        layer["read_latency_s"] = float(np.mean(latencies)) if latencies else None
-    return {"over_time": [over_time[i] for i in sorted(over_time)],
-            "per_layer": [per_layer[k] for k in sorted(per_layer)]}
+    layer, the same sums, hit_rate, read_latency_s mean). Summed inside SQLite."""
+    empty: dict[str, list[dict[str, Any]]] = {"over_time": [], "per_layer": []}
+    with _reader(db) as conn:
+        if conn is None or (span := _span(conn, "cache_stats", since, until)) is None:
+            return empty
+        width = max((span[1] - span[0]) / buckets, 1e-3)
+        params = {"since": span[0], "until": span[1], "width": width, "last": buckets - 1}
+        over = _dicts(conn, f"SELECT MIN(CAST((t - :since) / :width AS INTEGER), :last) AS bucket, "
+                            f"{_CACHE_SUMS} FROM cache_stats WHERE t >= :since AND t <= :until "
+                            f"GROUP BY bucket ORDER BY bucket", params)
+        layers = _dicts(conn, f"SELECT layer, {_CACHE_SUMS}, AVG(read_latency_s) AS read_latency_s "
+                              f"FROM cache_stats WHERE t >= :since AND t <= :until GROUP BY layer "
+                              f"ORDER BY layer", params)
+    over_time = [_hit_rate({"t": span[0] + row.pop("bucket") * width, **row}) for row in over]
+    return {"over_time": over_time, "per_layer": [_hit_rate(row) for row in layers]}
 
 
 def activations(db: Db, since: float | None = None, until: float | None = None) -> dict[tuple[int, int], int]:
