@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import os
 import sqlite3
 import threading
@@ -116,8 +117,8 @@ def to_fixed(value: float, spec: SeriesSpec) -> int:
     """The codec's fixed-point integer for a value; rejects NaN and infinities by name."""
     if not math.isfinite(value):
         raise ValueError(f"series {spec.name!r}: value {value!r} is not finite; skip the sample instead")
-    if spec.precision == 1.0 and isinstance(value, int):
-        return value          # counters: exact, even beyond 2**53
+    if spec.precision == 1.0 and isinstance(value, numbers.Integral):
+        return int(value)     # counters: exact, even beyond 2**53 (numpy integers too)
     return round(value / spec.precision)
 
 

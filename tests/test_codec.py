@@ -60,6 +60,7 @@ def test_values_are_lossless_within_half_the_precision(value, precision):
 def test_integer_counters_are_exact_beyond_float_precision(count):
     spec = SeriesSpec("c", "B", "counter", 1.0)
     assert decode(encode([0, 1000], [0, to_fixed(count, spec)])).q[1] == count
+    assert to_fixed(np.int64(count), spec) == count
 
 
 def test_steady_1hz_series_costs_well_under_a_byte_per_point():
