@@ -1,7 +1,9 @@
 """The dashboard's side of the agent's control API: status, knobs, completions.
 
 Every call carries `X-FlashMoE-Source: dashboard` so the agent records who turned a knob. An
-unreachable agent raises AgentOffline (an AgentError), which pages turn into a plain "agent offline" notice.
+unreachable agent raises AgentOffline (an AgentError), which pages turn into a plain "agent
+offline" notice. One Agent keeps one connection pool: a new httpx client per call would build a
+TLS context each time (~0.2 s here), more than the page's whole render budget allows.
 """
 from __future__ import annotations
 
@@ -34,46 +36,57 @@ class KnobAnswer:
         return "accepted" if self.accepted else f"refused ({self.status_code}): {self.detail}"
 
 
-def _request(method: str, url: str, timeout: float = TIMEOUT_S, **kwargs: Any) -> httpx.Response:
-    try:
-        return httpx.request(method, url, headers=SOURCE_HEADER, timeout=timeout, **kwargs)
-    except httpx.TransportError as err:
-        raise AgentOffline(f"the agent at {url} did not answer ({type(err).__name__}); "
-                           "start it with `flashmoe-cli serve` or set FLASHMOE_AGENT_URL") from err
+class Agent:
+    """A client of one agent at `base_url` (thread-safe: the sweep thread shares it)."""
 
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(headers=SOURCE_HEADER, timeout=TIMEOUT_S)
 
-def _json_ok(response: httpx.Response) -> dict[str, Any]:
-    if response.status_code >= 400:
-        raise AgentError(f"the agent answered {response.status_code} at {response.url}: {response.text[:200]}")
-    return response.json()
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return self._http.request(method, f"{self.base_url}{path}", **kwargs)
+        except httpx.TransportError as err:
+            raise AgentOffline(f"the agent at {self.base_url} did not answer ({type(err).__name__}); "
+                               "start it with `flashmoe-cli serve` or set FLASHMOE_AGENT_URL") from err
 
+    def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        response = self._request(method, path, **kwargs)
+        if response.status_code >= 400:
+            raise AgentError(f"the agent answered {response.status_code} to {method} {path}: "
+                             f"{error_detail(response)}")
+        return response.json()
 
-def get_status(base_url: str) -> dict[str, Any]:
-    return _json_ok(_request("GET", f"{base_url}/v1/status"))
+    def status(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/status")
 
+    def knobs(self) -> dict[str, Any]:
+        """Each knob's value, default and bounds, as GET /v1/knobs describes them."""
+        return self._json("GET", "/v1/knobs")
 
-def get_knobs(base_url: str) -> dict[str, Any]:
-    return _json_ok(_request("GET", f"{base_url}/v1/knobs"))
+    def put_knobs(self, changes: dict[str, Any]) -> KnobAnswer:
+        """Push `changes`; a 4xx is an answer (the agent's validation error), not an exception."""
+        response = self._request("PUT", "/v1/knobs", json=changes)
+        if response.status_code < 400:
+            return KnobAnswer(True, response.status_code, response.json(), "")
+        if response.status_code >= 500:
+            raise AgentError(f"the agent failed with {response.status_code}: {error_detail(response)}")
+        return KnobAnswer(False, response.status_code, {}, error_detail(response))
 
+    def push(self, changes: dict[str, Any]) -> str:
+        """Push `changes` and describe the agent's answer in one line, an unreachable agent included."""
+        try:
+            answer = self.put_knobs(changes)
+        except AgentError as err:
+            return f"not sent: {err}"
+        if not answer.accepted:
+            return answer.message()
+        return "accepted: " + ", ".join(f"{k} = {answer.knobs[k]['value']}" for k in changes if k in answer.knobs)
 
-def put_knobs(base_url: str, changes: dict[str, Any]) -> KnobAnswer:
-    """Push `changes`; a 4xx is an answer (the agent's validation error), not an exception."""
-    response = _request("PUT", f"{base_url}/v1/knobs", json=changes)
-    if response.status_code < 400:
-        return KnobAnswer(True, response.status_code, response.json(), "")
-    if response.status_code >= 500:
-        raise AgentError(f"the agent failed with {response.status_code}: {response.text[:200]}")
-    return KnobAnswer(False, response.status_code, {}, error_detail(response))
-
-
-def push(base_url: str, changes: dict[str, Any]) -> str:
-    """Push `changes` and describe the agent's answer in one line, an unreachable agent included."""
-    try:
-        answer = put_knobs(base_url, changes)
-    except AgentError as err:
-        return f"not sent: {err}"
-    changed = ", ".join(f"{k} = {answer.knobs[k]['value']}" for k in changes if k in answer.knobs)
-    return f"accepted: {changed}" if answer.accepted else answer.message()
+    def complete(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        """One non-streaming completion; returns the agent's OpenAI-style JSON."""
+        return self._json("POST", "/v1/completions", timeout=COMPLETION_TIMEOUT_S,
+                          json={"prompt": prompt, "max_tokens": max_tokens, "stream": False})
 
 
 def error_detail(response: httpx.Response) -> str:
@@ -85,10 +98,3 @@ def error_detail(response: httpx.Response) -> str:
     if isinstance(detail, list):
         return "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg', d)}" for d in detail)
     return str(detail)
-
-
-def complete(base_url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """One non-streaming completion; returns the agent's OpenAI-style JSON."""
-    response = _request("POST", f"{base_url}/v1/completions", timeout=COMPLETION_TIMEOUT_S,
-                        json={"prompt": prompt, "max_tokens": max_tokens, "stream": False})
-    return _json_ok(response)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dashboard import agent_client
+from dashboard.agent_client import Agent, AgentError
 from store.db import Store
 
 log = logging.getLogger(__name__)
@@ -34,15 +34,15 @@ def default_caps(expert_bytes: int, cap_min: int, cap_max: int,
     return sorted({min(max(int(expert_bytes * f), cap_min), cap_max) for f in fractions})
 
 
-def measure(url: str, cap: int, n_requests: int, max_tokens: int) -> SweepPoint:
+def measure(agent: Agent, cap: int, n_requests: int, max_tokens: int) -> SweepPoint:
     """Set the cap, then time `n_requests` completions one after another."""
-    answer = agent_client.put_knobs(url, {"cache_cap_bytes": cap})
+    answer = agent.put_knobs({"cache_cap_bytes": cap})
     if not answer.accepted:
-        raise agent_client.AgentError(f"the agent refused cache_cap_bytes={cap}: {answer.detail}")
+        raise AgentError(f"the agent refused cache_cap_bytes={cap}: {answer.detail}")
     tokens = hits = misses = 0
     start = time.perf_counter()
     for _ in range(n_requests):
-        reply = agent_client.complete(url, PROMPT, max_tokens)
+        reply = agent.complete(PROMPT, max_tokens)
         tokens += reply["usage"]["completion_tokens"]
         hits += reply["flashmoe"]["expert_hits"]
         misses += reply["flashmoe"]["expert_misses"]
@@ -50,20 +50,20 @@ def measure(url: str, cap: int, n_requests: int, max_tokens: int) -> SweepPoint:
     return SweepPoint(cap, tokens / elapsed, hits / (hits + misses) if hits + misses else 0.0)
 
 
-def run_sweep(url: str, db: str, caps: Sequence[int], n_requests: int, max_tokens: int,
+def run_sweep(agent: Agent, db: str, caps: Sequence[int], n_requests: int, max_tokens: int,
               progress: "SweepProgress") -> None:
     """Measure every cap, record each point as it comes, restore the original cap at the end."""
-    original = agent_client.get_knobs(url)["cache_cap_bytes"]["value"]
+    original = agent.knobs()["cache_cap_bytes"]["value"]
     store = Store(db, autoflush_s=0)
     try:
         for cap in caps:
             progress.note(f"measuring at {cap / 2**20:,.0f} MiB")
-            point = measure(url, cap, n_requests, max_tokens)
+            point = measure(agent, cap, n_requests, max_tokens)
             store.record_sweep(time.time(), point.cache_cap_bytes, point.tokens_per_s, point.hit_rate)
             progress.add(point)
     finally:
         store.close()
-        agent_client.put_knobs(url, {"cache_cap_bytes": original})
+        agent.put_knobs({"cache_cap_bytes": original})
 
 
 @dataclass
@@ -95,20 +95,20 @@ class SweepRunner:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self, url: str, db: str, caps: Sequence[int], n_requests: int, max_tokens: int) -> bool:
+    def start(self, agent: Agent, db: str, caps: Sequence[int], n_requests: int, max_tokens: int) -> bool:
         """Start a sweep in the background; False if one is already running."""
         if self.running:
             return False
         self.progress = SweepProgress(total=len(caps), status="starting")
-        self._thread = threading.Thread(target=self._run, args=(url, db, list(caps), n_requests, max_tokens),
+        self._thread = threading.Thread(target=self._run, args=(agent, db, list(caps), n_requests, max_tokens),
                                         name="cache-cap-sweep", daemon=True)
         self._thread.start()
         return True
 
-    def _run(self, url: str, db: str, caps: list[int], n_requests: int, max_tokens: int) -> None:
+    def _run(self, agent: Agent, db: str, caps: list[int], n_requests: int, max_tokens: int) -> None:
         progress = self.progress
         try:
-            run_sweep(url, db, caps, n_requests, max_tokens, progress)
+            run_sweep(agent, db, caps, n_requests, max_tokens, progress)
             progress.note(f"done: {len(progress.points)} caps measured, original cap restored")
         except Exception as err:   # the thread's only reporter is the page: keep the reason for it
             log.exception("cache-cap sweep failed")

@@ -81,7 +81,7 @@ def cap_sweep() -> None:
         caps = sweep.default_caps(status["cache"]["expert_bytes"], cap["min"], cap["max"])
         st.caption("Caps: " + ", ".join(f"{c / 2**20:,.0f} MiB" for c in caps))
         if st.button("Start sweep", disabled=runner.running, key="start-sweep"):
-            runner.start(url, db, caps, int(n_requests), int(max_tokens))
+            runner.start(data.agent(url), db, caps, int(n_requests), int(max_tokens))
     else:
         st.caption("The sweep needs the agent; it is offline. Stored sweeps are shown below.")
     progress = runner.progress

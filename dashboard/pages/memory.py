@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import agent_client, components, data, diagnosis, settings, transforms
+from dashboard import components, data, diagnosis, settings, transforms
 
 MIB = 2**20
 FULL = "psi.memory.full_avg10"
@@ -59,7 +59,7 @@ def diagnose(since: float, until: float) -> None:
     if st.button(f"Apply cache cap {rec.cache_cap_bytes / MIB:,.0f} MiB", key="apply-recommendation",
                  disabled=not isinstance(knobs, dict),
                  help=None if isinstance(knobs, dict) else f"agent offline: {knobs}"):
-        st.session_state["memory-answer"] = agent_client.push(url, {"cache_cap_bytes": rec.cache_cap_bytes})
+        st.session_state["memory-answer"] = data.agent(url).push({"cache_cap_bytes": rec.cache_cap_bytes})
     if "memory-answer" in st.session_state:
         st.info(f"Agent: {st.session_state['memory-answer']}")
 

@@ -6,7 +6,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dashboard import agent_client, components, data, settings, transforms
+from dashboard import components, data, settings, transforms
 
 MIB = 2**20
 
@@ -38,7 +38,7 @@ def knob_form(knobs: dict[str, dict[str, Any]], online: bool) -> None:
                 edited[name] = knob_widget(name, spec, not online)
         if st.form_submit_button("Apply", type="primary", disabled=not online):
             changes = transforms.changed({k: s["value"] for k, s in knobs.items()}, edited)
-            st.session_state["tuning-answer"] = (agent_client.push(url, changes) if changes
+            st.session_state["tuning-answer"] = (data.agent(url).push(changes) if changes
                                                  else "nothing to apply: every knob already has that value")
             data.knob_history.clear()   # show the change just made, not the history cached before it
             st.rerun()
