@@ -1,0 +1,91 @@
+"""Pure shaping of query results, the sweep's cap choice, and the SQL cache-statistics loader."""
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from dashboard import data, sweep, synthetic, transforms
+from store import queries
+
+
+def test_scaled_multiplies_min_avg_max_not_time():
+    assert transforms.scaled([(5.0, 1.0, 2.0, 4.0)], 0.5) == [(5.0, 0.5, 1.0, 2.0)]
+
+
+def test_latency_lines_pick_each_quantile_per_bucket():
+    rows = [{"t": 0.0, "latency_s": {0.5: 1.0, 0.95: 2.0, 0.99: 3.0}},
+            {"t": 60.0, "latency_s": {0.5: 1.5, 0.95: None, 0.99: None}}]
+    t, lines = transforms.latency_lines(rows)
+    assert t == [0.0, 60.0]
+    assert lines == {"P50": [1.0, 1.5], "P95": [2.0, None], "P99": [3.0, None]}
+
+
+def test_overall_quantile_is_nearest_rank():
+    rows = [{"latency_s": v} for v in (5.0, 1.0, None, 3.0, 2.0)]
+    assert transforms.overall_quantile(rows, 0.5) == 2.0
+    assert transforms.overall_quantile(rows, 0.99) == 5.0
+    assert math.isnan(transforms.overall_quantile([], 0.5))
+
+
+def test_heatmap_matrix_fills_unrouted_experts_with_zero():
+    assert transforms.heatmap_matrix({(0, 2): 5, (1, 0): 1}) == [[0, 0, 5], [1, 0, 0]]
+    assert transforms.heatmap_matrix({}) == []
+
+
+def test_latest_per_cap_keeps_the_newest_measurement():
+    rows = [{"cache_cap_bytes": 2, "tokens_per_s": 1.0}, {"cache_cap_bytes": 1, "tokens_per_s": 5.0},
+            {"cache_cap_bytes": 2, "tokens_per_s": 3.0}]
+    assert transforms.latest_per_cap(rows) == [(1, 5.0), (2, 3.0)]
+
+
+def test_devices_from_series_names():
+    names = ["block.vda.util", "block.nvme0n1.util", "block.vda.queue_depth", "nvme.nvme0.temperature_c",
+             "mem.total_bytes"]
+    assert transforms.devices(names, "block") == ["nvme0n1", "vda"]
+    assert transforms.devices(names, "nvme") == ["nvme0"]
+
+
+def test_unavailable_sources_replays_down_and_up_events():
+    events = [{"kind": "collector.source_unavailable", "message": "cannot read NVMe SMART: no controller"},
+              {"kind": "collector.source_unavailable", "message": "cannot read agent memory: no pid file"},
+              {"kind": "collector.source_available", "message": "agent memory is readable again"}]
+    assert transforms.unavailable_sources(events) == {"NVMe SMART": "no controller"}
+
+
+def test_knob_table_states_bounds_by_type():
+    described = {"cap": {"value": 3, "default": 1, "type": "int", "min": 1, "max": 9, "help": "bytes"},
+                 "policy": {"value": "lru", "default": "lru", "type": "str", "choices": ["lru", "arc"]},
+                 "prefetch": {"value": True, "default": True, "type": "bool"}}
+    assert [r["allowed"] for r in transforms.knob_table(described)] == ["1 … 9", "lru, arc", "true or false"]
+
+
+def test_stored_knobs_have_no_bounds_while_the_agent_is_away():
+    shaped = transforms.stored_knobs({"cache_cap_bytes": 5, "policy": "arc", "prefetch": False, "x": 0.5})
+    assert [s["type"] for s in shaped.values()] == ["int", "str", "bool", "float"]
+    assert transforms.bounds_text(shaped["cache_cap_bytes"]) == "unknown while the agent is offline"
+
+
+def test_changed_keeps_only_differences():
+    assert transforms.changed({"a": 1, "b": "lru"}, {"a": 1, "b": "arc"}) == {"b": "arc"}
+
+
+def test_default_caps_span_the_expert_bytes_within_bounds():
+    assert sweep.default_caps(800, cap_min=150, cap_max=10_000) == [150, 200, 400, 800]
+    assert sweep.default_caps(800, cap_min=10, cap_max=300) == [100, 200, 300]
+
+
+@pytest.mark.parametrize("window_s", [300, 3600])
+def test_sql_cache_stats_loader_matches_the_store_query(tmp_path, window_s):
+    db = str(tmp_path / "s.db")
+    now = time.time()
+    synthetic.write(db, synthetic.Spec(start=now - 600, seconds=600))
+    since, until = now - window_s, now
+    ours, reference = data.cache_stats(db, since, until, 60), queries.cache_stats(db, since, until, 60)
+    for key in ("over_time", "per_layer"):
+        assert len(ours[key]) == len(reference[key]) > 0
+        for mine, theirs in zip(ours[key], reference[key]):
+            assert mine.keys() == theirs.keys()
+            for field, value in theirs.items():
+                assert mine[field] == pytest.approx(value), (key, field)
