@@ -1,0 +1,110 @@
+"""The two-tower retention model and its weights file.
+
+Expert tower: the expert's activation signature (its last HISTORY_BITS steps as bits) is projected
+to a 256-d embedding, concatenated with its features and run through a 3-layer MLP -> h_e [32].
+System tower: an LSTM (128 hidden) over the recent monitoring series (read latency, memory
+pressure) -> s [32], plus a learned bias so it is never zero. Retention score = <h_e, s>: high
+means "will be used again soon, keep".
+
+The embedding is computed from what the expert did, not looked up by its id: an id table would
+tie the network to one expert count and to one model's numbering (expert 5 of OLMoE has nothing
+to do with expert 5 of Qwen) and would memorise which experts were hot in the training prompts,
+which is exactly what drifts. A signature embedding runs unchanged on any number of experts.
+
+Weights file: one safetensors file; its metadata holds the config and how it was trained.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, safe_open, save_file
+from torch import nn
+
+from agent.learned.features import FEATURES, HISTORY_BITS
+
+SYSTEM_INPUTS = 2  # read latency, memory pressure
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    n_features: int = len(FEATURES)
+    signature_bits: int = HISTORY_BITS
+    embed_dim: int = 256
+    hidden: int = 64
+    out_dim: int = 32
+    lstm_hidden: int = 128
+    system_inputs: int = SYSTEM_INPUTS
+
+
+class ExpertTower(nn.Module):
+    def __init__(self, c: NetConfig) -> None:
+        super().__init__()
+        self.embed = nn.Linear(c.signature_bits, c.embed_dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(c.embed_dim + c.n_features, c.hidden), nn.ReLU(),
+            nn.Linear(c.hidden, c.hidden), nn.ReLU(),
+            nn.Linear(c.hidden, c.out_dim))
+
+    def forward(self, signature: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        emb = torch.relu(self.embed(signature))                 # [N, 256]
+        return self.mlp(torch.cat([emb, features], dim=-1))     # [N, out]
+
+
+class SystemTower(nn.Module):
+    def __init__(self, c: NetConfig) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(c.system_inputs, c.lstm_hidden, batch_first=True)
+        self.proj = nn.Linear(c.lstm_hidden, c.out_dim)
+        self.bias = nn.Parameter(torch.ones(c.out_dim) / c.out_dim ** 0.5)
+
+    def forward(self, series: torch.Tensor) -> torch.Tensor:
+        _, (h, _) = self.lstm(series)                           # series [B, T, inputs]
+        return self.bias + self.proj(h[-1])                     # [B, out]
+
+
+class RetentionNet(nn.Module):
+    def __init__(self, config: NetConfig = NetConfig()) -> None:
+        super().__init__()
+        self.config = config
+        self.expert = ExpertTower(config)
+        self.system = SystemTower(config)
+
+    def forward(self, signature: torch.Tensor, features: torch.Tensor, series: torch.Tensor) -> torch.Tensor:
+        """Scores [N] of N experts sharing one system state (series [1, T, inputs])."""
+        return (self.expert(signature, features) * self.system(series)).sum(-1)
+
+
+def save(net: RetentionNet, path: Path, training: dict) -> None:
+    """Write weights atomically (temp file, then rename): a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    meta = {"config": json.dumps(asdict(net.config)), "training": json.dumps(training)}
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def load(path: Path) -> RetentionNet:
+    """Load a weights file written by `save`; a missing or damaged file is a clear ValueError."""
+    path = Path(path)
+    hint = "retrain it with `flashmoe-cli train-policy` or pass a valid --policy-model"
+    if not path.is_file():
+        raise ValueError(f"FlashMoE policy weights {path} do not exist; {hint}")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        config = NetConfig(**json.loads(meta["config"]))
+        net = RetentionNet(config)
+        net.load_state_dict(load_file(str(path)))
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"FlashMoE policy weights {path} are not a valid weights file ({e}); {hint}") from None
+    return net.eval()
+
+
+def training_info(path: Path) -> dict:
+    with safe_open(str(path), "pt") as f:
+        return json.loads((f.metadata() or {}).get("training", "{}"))

@@ -1,0 +1,115 @@
+"""FlashMoE: a learned retention score per cached expert, recomputed only when routing drifts.
+
+Every routing step updates the layer's activation history (agent.learned.features: a few vector
+ops). On an eviction the policy rescores the resident experts only if the windowed activation
+histogram moved more than `recompute_threshold` (total-variation distance) since the last scoring,
+or the system state changed; otherwise the cached scores are a dictionary lookup. Experts scoring
+at or above the `keep_percentile` of the resident set are kept; among the rest, `decision="score"`
+evicts the lowest score (the furthest predicted next use), `decision="lfu"` the least frequently
+used one in the last 64 steps, as the original design note had it. Experts brought in since the
+last scoring have no score yet; they were just used, so they count as the freshest.
+
+torch is imported on the first construction (agent.learned.scorer), never by the registry.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection, Mapping
+from pathlib import Path
+
+import numpy as np
+
+from agent.policies.base import Key, Policy
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+DEFAULT_WEIGHTS = WEIGHTS_DIR / "flashmoe.safetensors"
+DECISIONS = ("score", "lfu")
+
+
+class FlashMoE(Policy):
+    name = "flashmoe"
+
+    def __init__(self, model_path: str | Path | None = None, keep_percentile: float = 80.0,
+                 recompute_threshold: float = 0.1, decision: str = "score") -> None:
+        if not 0.0 <= float(keep_percentile) <= 100.0:
+            raise ValueError(f"keep_percentile must be within 0..100, got {keep_percentile}")
+        if not 0.0 <= float(recompute_threshold) <= 1.0:
+            raise ValueError(f"recompute_threshold is a total-variation distance within 0..1, "
+                             f"got {recompute_threshold}")
+        if decision not in DECISIONS:
+            raise ValueError(f"decision must be one of {DECISIONS}, got {decision!r}")
+        from agent.learned import features, scorer  # torch loads here, on first use only
+
+        self._f, self._s = features, scorer
+        self.scorer = scorer.Scorer(scorer.shared_net(str(Path(model_path or DEFAULT_WEIGHTS).resolve())))
+        self.keep_percentile, self.recompute_threshold = float(keep_percentile), float(recompute_threshold)
+        self.decision = decision
+        self.layers: dict[int, features.LayerHistory] = {}
+        self._scores: dict[Key, float] = {}
+        self._scored_hist: dict[int, np.ndarray] = {}
+        self._series: deque[tuple[float, float]] = deque(maxlen=scorer.SERIES_LEN)
+        self._system_changed = False
+        self.recomputes = 0  # how often the network ran: the event-driven cost, observable
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def session(self) -> None:
+        for h in self.layers.values():
+            h.new_session()
+
+    def system(self, sample: Mapping[str, float]) -> None:
+        self._series.append(self._s.system_input(sample))
+        self._system_changed = True
+
+    def route(self, layer: int, experts: Collection[int]) -> None:
+        self._history(layer).observe(experts)
+
+    def remove(self, key: Key) -> None:
+        self._scores.pop(key, None)
+
+    def victim(self, resident: Collection[Key], pinned: Collection[Key]) -> Key:
+        candidates = [k for k in resident if k not in pinned]
+        if not candidates:
+            raise ValueError("every resident expert is pinned by the current step; nothing can be evicted")
+        if self._shifted():
+            self._rescore(resident)
+        fresh = float("inf")
+        scores = [self._scores.get(k, fresh) for k in candidates]
+        scored = [s for k in resident if (s := self._scores.get(k)) is not None]
+        keep = np.percentile(scored, self.keep_percentile) if scored else fresh
+        rest = [i for i, s in enumerate(scores) if s < keep] or range(len(candidates))
+        if self.decision == "score":
+            return candidates[min(rest, key=lambda i: scores[i])]
+        return candidates[min(rest, key=lambda i: self._frequency(candidates[i]))]
+
+    # -- scoring --------------------------------------------------------------------------------
+    def _history(self, layer: int):
+        history = self.layers.get(layer)
+        if history is None:
+            history = self.layers[layer] = self._f.LayerHistory()
+        return history
+
+    def _frequency(self, key: Key) -> tuple[int, int]:
+        """(uses in the last 64 steps, step of last use): LFU order with LRU to break ties."""
+        h = self._history(key[0])
+        return int(np.bitwise_count(h.bits[key[1]])), int(h.last[key[1]])
+
+    def _shifted(self) -> bool:
+        if self._system_changed or not self._scored_hist:
+            return True
+        tv = [self._f.tv_distance(self._f.window_histogram(h), self._scored_hist.get(layer, np.zeros(0)))
+              for layer, h in self.layers.items()]
+        return float(np.mean(tv)) > self.recompute_threshold
+
+    def _rescore(self, resident: Collection[Key]) -> None:
+        if self._system_changed:
+            self.scorer.set_series(list(self._series))
+            self._system_changed = False
+        by_layer: dict[int, list[int]] = {}
+        for layer, expert in resident:
+            by_layer.setdefault(layer, []).append(expert)
+        groups = [(layer, np.array(experts, np.int64)) for layer, experts in by_layer.items()]
+        scores = self.scorer.score((self._history(layer), ids) for layer, ids in groups)
+        keys = [(layer, int(e)) for layer, ids in groups for e in ids]
+        self._scores = dict(zip(keys, scores.tolist()))
+        self._scored_hist = {layer: self._f.window_histogram(h) for layer, h in self.layers.items()}
+        self.recomputes += 1

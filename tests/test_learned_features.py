@@ -1,0 +1,90 @@
+"""Feature extraction of the learned policy on hand-made routing sequences."""
+import numpy as np
+import pytest
+
+from agent.learned.features import (FEATURES, HISTORY_BITS, NEVER, LayerHistory, activation_signature,
+                                    expert_features, tv_distance, window_histogram)
+
+
+def history(steps, sessions=()):
+    """A LayerHistory after `steps` (lists of expert ids); a new session starts before each index in `sessions`."""
+    h = LayerHistory()
+    for i, experts in enumerate(steps):
+        if i in sessions:
+            h.new_session()
+        h.observe(experts)
+    return h
+
+
+def feature(h, expert, name):
+    return float(expert_features(h, np.array([expert]))[0, FEATURES.index(name)])
+
+
+def test_recency_counts_steps_since_last_use():
+    h = history([[0, 1], [1, 2], [2, 3], [3, 0]])
+    ages = {e: 2 ** (feature(h, e, "recency") * 10) - 1 for e in range(4)}
+    assert ages == pytest.approx({0: 1, 1: 3, 2: 2, 3: 1})
+    assert feature(h, 9, "recency") == pytest.approx(np.log2(1 + NEVER) / 10)  # never seen, even beyond n
+
+
+def test_windowed_rates_forget_what_left_the_window():
+    # expert 0 busy for 60 steps then idle for 8; expert 1 the reverse; 2 experts of 4 per step
+    h = history([[0, 2]] * 60 + [[1, 2]] * 8 + [[3, 2]])
+    h.observe([3, 2])
+    uniform = 2 / 4
+    assert feature(h, 0, "rate_4") == 0.0
+    assert feature(h, 0, "rate_64") == pytest.approx(min((54 / 64) / uniform, 8) / 8)
+    assert feature(h, 1, "rate_4") == pytest.approx(min((2 / 4) / uniform, 8) / 8)
+    assert feature(h, 1, "rate_16") == pytest.approx((8 / 16) / uniform / 8)
+    assert feature(h, 2, "rate_16") == pytest.approx((16 / 16) / uniform / 8)
+
+
+def test_coactivation_is_conditional_on_the_experts_chosen_now():
+    # 4 came with 0 twice out of 0's three steps; 5 never did; the last step chose 0 and a new 2
+    h = history([[0, 4], [1, 5], [0, 4], [1, 5], [0, 2]])
+    assert feature(h, 4, "coactivation") > feature(h, 5, "coactivation")
+    assert feature(h, 4, "coactivation") == pytest.approx((2 / 3 + 0 / 3) / 2, rel=0.01)
+
+
+def test_session_persistence_and_session_rate():
+    h = history([[0], [1], [0], [2], [1]], sessions={2, 4})  # sessions: [0 1] [0 2] [1]
+    assert feature(h, 0, "persistence") == pytest.approx(1.0)   # in both finished sessions
+    assert feature(h, 2, "persistence") == pytest.approx(0.5)
+    assert feature(h, 1, "session_seen") == 1.0 and feature(h, 0, "session_seen") == 0.0
+
+
+def test_batch_share_is_the_distribution_of_the_current_multiset():
+    h = history([[0, 1], [3, 3, 3, 2]])
+    assert feature(h, 3, "batch_share") == pytest.approx(0.75)
+    assert feature(h, 2, "batch_share") == pytest.approx(0.25)
+    assert feature(h, 0, "batch_share") == 0.0
+
+
+def test_activation_signature_is_most_recent_first():
+    h = history([[0], [1], [0], [1], [1]])
+    sig = activation_signature(h, np.array([0, 1]))
+    assert sig.shape == (2, HISTORY_BITS)
+    assert sig[0, :5].tolist() == [0, 0, 1, 0, 1] and sig[1, :5].tolist() == [1, 1, 0, 1, 0]
+    assert sig[:, 5:].sum() == 0
+
+
+def test_features_do_not_depend_on_expert_numbering_or_count():
+    a = history([[0, 1], [1, 2], [0, 2]] * 10)
+    b = history([[100, 101], [101, 102], [100, 102]] * 10)   # same routing, ids shifted, 103 "experts"
+    # rates are relative to top_k / experts-seen: the density feature differs, nothing else of an expert's history
+    fa, fb = expert_features(a, np.array([0, 1, 2])), expert_features(b, np.array([100, 101, 102]))
+    keep = [i for i, n in enumerate(FEATURES) if n != "density" and "rate" not in n]
+    np.testing.assert_allclose(fa[:, keep], fb[:, keep], rtol=1e-6)
+    np.testing.assert_array_equal(activation_signature(a, np.array([0, 1, 2])),
+                                  activation_signature(b, np.array([100, 101, 102])))
+
+
+def test_histogram_and_total_variation():
+    h = history([[0, 1]] * 16)
+    np.testing.assert_allclose(window_histogram(h)[:2], [0.5, 0.5])
+    for _ in range(8):
+        h.observe([0, 2])
+    p = window_histogram(h)
+    assert p[:3].tolist() == pytest.approx([0.5, 0.25, 0.25])
+    assert tv_distance(np.array([0.5, 0.5]), p) == pytest.approx(0.25)
+    assert tv_distance(p, p) == 0.0
