@@ -23,7 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from agent.experts.cache import CacheStats, ExpertCache, parse_cap
+from agent.experts.layout import INDEX, Index, StoreError
 from agent.experts.provider import ExpertProvider, ExpertWeights
+from agent.model.config import ConfigError, MoEConfig
+from agent.model.generation import Generation, generate
+from agent.model.model import Transformer
+from agent.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -69,43 +77,30 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
                  scope: str = "layer", backend: str = "direct", prefetch: bool = True, prefill: str = "sequential",
                  record_trace: Path | None = None, seed: int = 0) -> GenerateResult:
     """Generate from an expert store; the library function behind the command (same parameter names)."""
-    from agent.experts.cache import ExpertCache, parse_cap
-    from agent.model.generation import generate
-    from agent.model.model import Transformer
-    from agent.tokenizer import load_tokenizer
-
     model = Path(model)
     if prefill not in PREFILL_MODES:
         raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
     tokenizer = load_tokenizer(model)
     ids = list(prompt_ids) if prompt_ids is not None else list(tokenizer.encode(prompt or ""))
-    with ExpertCache(model, _cap(model, cache_cap, parse_cap), policy=policy, scope=scope, backend=backend) as cache:
+    index = Index.load(model / INDEX)
+    with ExpertCache(model, parse_cap(cache_cap, index.nbytes * len(index.blocks)), policy=policy, scope=scope,
+                     backend=backend) as cache:
         recorder = RoutingRecorder(cache)
         net = Transformer.from_store(model, recorder, prefetch=prefetch)
         if prefill == "batched":
             _check_batched_fits(net.config, cache.stats(), len(ids))
-        prefill_steps = 1 if prefill == "batched" else len(ids)
-        marks = {}
+        prefill_steps, after_prefill = (1 if prefill == "batched" else len(ids)), []
 
         def on_step() -> None:
             recorder.end_step()
             if len(recorder.records) == prefill_steps:
-                marks["prefill"] = cache.stats()
+                after_prefill.append(cache.stats())
 
         cache.session()
         gen = generate(net, ids, max_new_tokens, greedy=greedy, seed=seed, stop_ids=_stop_ids(net.config),
                        prefill_chunk=None if prefill == "batched" else 1, on_step=on_step)
-        cs = cache.stats()
-    stats = {**_decode_stats(marks["prefill"], cs, len(gen.token_ids) - 1),
-        "hit_rate": cs.hit_rate, "hits": cs.hits, "misses": cs.misses, "bytes_read": cs.bytes_read,
-        "mb_read_per_token": cs.bytes_read / 1e6 / len(gen.token_ids),
-        "tokens_per_s": gen.tokens_per_s, "decode_tokens_per_s": gen.decode_tokens_per_s,
-        "prefill_s": gen.prefill_s, "decode_s": gen.decode_s,
-        "prefetch_accuracy": net.lookahead.accuracy, "prefetch_predicted": net.lookahead.predicted,
-        "prefetch_correct": net.lookahead.correct, "prefetches": cs.prefetches, "prefetch_hits": cs.prefetch_hits,
-        "cap_bytes": cs.cap_bytes, "capacity_slots": cs.capacity, "policy": cs.policy, "scope": cs.scope,
-        "backend": cs.backend, "prefetch": prefetch, "prefill": prefill, "steps": len(recorder.records),
-    }
+        stats = _stats(gen, net, after_prefill[0], cache.stats())
+    stats.update(prefetch=prefetch, prefill=prefill, steps=len(recorder.records))
     if record_trace is not None:
         meta = {"model": model.name, "arch": net.config.arch, "prompt": prompt, "steps": len(recorder.records),
                 "layers": len(net.config.moe_layer_ids), "top_k": net.config.top_k, "n_experts": net.config.n_experts,
@@ -115,24 +110,29 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
     return GenerateResult(ids, gen.token_ids, tokenizer.decode(gen.token_ids), stats)
 
 
-def _decode_stats(before, after, decode_steps: int) -> dict[str, float]:
-    """Hit rate and bytes per token of the decode steps alone (the prefill's cold misses left out)."""
+def _stats(gen: Generation, net: Transformer, before: CacheStats, after: CacheStats) -> dict[str, Any]:
+    """The whole run's cache counters, plus the decode steps' alone (the prefill's cold misses left out)."""
+    decode_steps = len(gen.token_ids) - 1
     hits, misses = after.hits - before.hits, after.misses - before.misses
-    return {"decode_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "decode_mb_read_per_token": (after.bytes_read - before.bytes_read) / 1e6 / decode_steps if decode_steps else 0.0}
+    return {
+        "hit_rate": after.hit_rate, "hits": after.hits, "misses": after.misses, "bytes_read": after.bytes_read,
+        "mb_read_per_token": after.bytes_read / 1e6 / len(gen.token_ids),
+        "decode_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "decode_mb_read_per_token": (after.bytes_read - before.bytes_read) / 1e6 / max(decode_steps, 1),
+        "tokens_per_s": gen.tokens_per_s, "decode_tokens_per_s": gen.decode_tokens_per_s,
+        "prefill_s": gen.prefill_s, "decode_s": gen.decode_s,
+        "prefetch_accuracy": net.lookahead.accuracy, "prefetch_predicted": net.lookahead.predicted,
+        "prefetch_correct": net.lookahead.correct, "prefetches": after.prefetches,
+        "prefetch_hits": after.prefetch_hits, "cap_bytes": after.cap_bytes, "capacity_slots": after.capacity,
+        "policy": after.policy, "scope": after.scope, "backend": after.backend,
+    }
 
 
-def _cap(model: Path, text: str, parse_cap) -> int:
-    from agent.experts.layout import INDEX, Index
-    index = Index.load(model / INDEX)
-    return parse_cap(text, index.nbytes * len(index.blocks))
-
-
-def _stop_ids(config) -> tuple[int, ...]:
+def _stop_ids(config: MoEConfig) -> tuple[int, ...]:
     return () if config.eos_token_id is None else (config.eos_token_id,)
 
 
-def _check_batched_fits(config, cache_stats, prompt_len: int) -> None:
+def _check_batched_fits(config: MoEConfig, cache_stats: CacheStats, prompt_len: int) -> None:
     """A batched prefill pins the union of the prompt's experts per layer; the cache must hold it."""
     union = min(config.n_experts, prompt_len * config.top_k)
     room = cache_stats.capacity // len(config.moe_layer_ids) if cache_stats.scope == "layer" else cache_stats.capacity
@@ -193,10 +193,6 @@ def _ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from agent.experts.layout import StoreError
-    from agent.model.config import ConfigError
     if args.threads < 1:
         log.error("--threads must be at least 1, got %d", args.threads)
         return 2
