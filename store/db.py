@@ -99,11 +99,11 @@ def open_database(path: Path, busy_timeout_s: float) -> sqlite_utils.Database:
     try:
         db.enable_wal()
         conn.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: a crash loses no committed data
-        conn.executescript(DDL)
+        # One transaction: a writer killed mid-creation leaves no half-made schema behind.
+        conn.executescript(f"BEGIN IMMEDIATE; {DDL} INSERT OR IGNORE INTO meta VALUES "
+                           f"('schema_version', '{SCHEMA_VERSION}'); COMMIT;")
         row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        if row is None:
-            conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        elif int(row[0]) != SCHEMA_VERSION:
+        if int(row[0]) != SCHEMA_VERSION:
             raise StoreError(f"{path} has store schema version {row[0]}, this FlashMoE uses "
                              f"{SCHEMA_VERSION}; move the old file aside to start a new store")
     except sqlite3.DatabaseError as e:
