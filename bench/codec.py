@@ -4,8 +4,9 @@
     .venv/bin/python bench/codec.py --make-fixture DB    # rewrite the fixture from a recording
 
 The fixture tests/data/recorded_series.json was recorded on this machine by the collector itself
-(`flashmoe-cli collect --db /tmp/rec.db --duration 900 --store-path .`), then exported with
---make-fixture. Every codec sees the same points: raw is an 8-byte timestamp + 8-byte value;
+(`flashmoe-cli collect --db /tmp/rec.db --duration 900 --store-path .`, while seven other
+programs built and tested FlashMoE on the same two cores), then its first 10 minutes of every
+series exported with --make-fixture. Every codec sees the same points: raw is an 8-byte timestamp + 8-byte value;
 zlib (level 9) and Gorilla (`gorillacompression`, f64 values, second timestamps) compress a whole
 series as one block, their best case; ours is measured at the writer's chunk size (120 points),
 at the compacted size (7200) and as one block. Our decode is checked against the input.
@@ -48,9 +49,11 @@ class Row:
 
 
 def load(path: Path) -> dict:
+    """The fixture with absolute times (ms) and values (q x precision, as the store returns them)."""
     fixture = json.loads(path.read_text())
     for entry in fixture["series"].values():
-        entry["t_ms"] = [fixture["t0_ms"] + dt for dt in entry["t_ms"]]
+        entry["t_ms"] = np.cumsum([fixture["t0_ms"]] + entry["dt_ms"])[1:].tolist()
+        entry["values"] = queries.fixed_to_values(np.array(entry["q"], np.int64), entry["precision"]).tolist()
     return fixture
 
 
@@ -78,19 +81,22 @@ def measure(name: str, entry: dict) -> Row:
                ours(spec, t_ms, values, n))
 
 
-def make_fixture(db: Path, out: Path) -> None:
-    """Export every series of a collector recording (at its declared precision) to the fixture."""
+def make_fixture(db: Path, out: Path, seconds: float = 600.0) -> None:
+    """Export every series of a collector recording, its first `seconds`, to the fixture: times
+    as ms steps (the first from t0_ms), values as the fixed-point integers the store keeps."""
     series = {}
     infos = [i for i in queries.series_info(db) if i.points]
-    t0_ms = min(round(i.t_first * 1000) for i in infos)
+    t0 = min(i.t_first for i in infos)
+    t0_ms = round(t0 * 1000)
     for info in infos:
-        t, v = queries.points(db, info.name)
+        t, v = queries.points(db, info.name, t0, t0 + seconds - 0.001)
+        t_ms = [round(x * 1000) for x in t.tolist()]
         series[info.name] = {"unit": info.unit, "kind": info.kind, "precision": info.precision,
-                             "t_ms": [round(x * 1000) - t0_ms for x in t.tolist()],
-                             "values": [int(x) if x == int(x) else x for x in v.tolist()]}
+                             "dt_ms": np.diff([t0_ms] + t_ms).tolist(),
+                             "q": [round(x / info.precision) for x in v.tolist()]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"recorded_with": "flashmoe-cli collect --interval 1 (see bench/codec.py)",
-                               "machine": machine(), "t0_ms": t0_ms, "series": series},
+                               "machine": machine(), "t0_ms": t0_ms, "seconds": seconds, "series": series},
                               separators=(",", ":")) + "\n")
 
 

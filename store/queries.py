@@ -131,14 +131,15 @@ def points(db: Db, name: str, since: float | None = None,
         return np.empty(0), np.empty(0)
     decoded = [(codec.decode(data), precision) for precision, data in chunks]
     t = np.concatenate([d.t_ms for d, _ in decoded]) / 1000.0
-    v = np.concatenate([_values(d.q, p) for d, p in decoded])
+    v = np.concatenate([fixed_to_values(d.q, p) for d, p in decoded])
     keep = (t >= lo) & (t <= hi)
     t, v = t[keep], v[keep]
     order = np.argsort(t, kind="stable")
     return t[order], v[order]
 
 
-def _values(q: np.ndarray, precision: float) -> np.ndarray:
+def fixed_to_values(q: np.ndarray, precision: float) -> np.ndarray:
+    """Values of the codec's fixed-point integers, without binary noise in the last digits."""
     values = q * precision
     if precision < 1:      # undo binary noise such as 0.1 * 3 = 0.30000000000000004
         values = np.round(values, int(np.ceil(-np.log10(precision))) + 1)
@@ -180,7 +181,7 @@ def latest(db: Db, name: str) -> tuple[float, float] | None:
         return None
     decoded = codec.decode(row[1])
     i = int(np.argmax(decoded.t_ms))
-    return float(decoded.t_ms[i]) / 1000.0, float(_values(decoded.q[i:i + 1], row[0])[0])
+    return float(decoded.t_ms[i]) / 1000.0, float(fixed_to_values(decoded.q[i:i + 1], row[0])[0])
 
 
 # --- rows ---------------------------------------------------------------------------------
