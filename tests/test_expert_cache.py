@@ -298,13 +298,15 @@ class Recorder(Policy):
         return next(k for k in self.order if k not in pinned)
 
 
-def test_measured_read_latency_reaches_the_policy(store, monkeypatch):
+def test_measured_read_latency_and_outside_samples_reach_the_policy(store, monkeypatch):
     monkeypatch.setattr(cache_module, "SYSTEM_SAMPLE_INTERVAL_S", 0.0)
     with ExpertCache(store, slots(store, LAYERS * 2), policy="test-recorder", scope="global") as cache:
         step(cache, 0, [0])
         cache.route(1, [1])
+        cache.system({"mem_pressure": 0.25})
         samples = cache._residency._parts[0].policy.samples
-    assert samples and samples[-1]["read_latency_s"] > 0
+    assert samples[0]["read_latency_s"] > 0 and "mem_pressure" not in samples[0]
+    assert samples[-1] == {"read_latency_s": samples[0]["read_latency_s"], "mem_pressure": 0.25}
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -18,7 +18,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from copy import copy
 from dataclasses import dataclass, field
@@ -171,6 +171,7 @@ class ExpertCache:
         self._bytes_read = self._reads = 0
         self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self._last_sample = time.monotonic()
+        self._system: dict[str, float] = {}  # the latest monitoring values, passed to the policy together
         log.info("expert cache: %d slots of %d bytes (%s scope, %s policy, %s backend)",
                  self._residency.capacity, self.index.slot_bytes, scope, policy, backend)
 
@@ -321,12 +322,18 @@ class ExpertCache:
                 self._ready[load.key] = weights
         load.future.set_result(weights)
 
+    def system(self, sample: Mapping[str, float]) -> None:
+        """A monitoring sample from outside (e.g. {"mem_pressure": ...}); the policy sees it with the read latency."""
+        with self._lock:
+            self._system.update(sample)
+            self._residency.system(dict(self._system))
+
     def _maybe_sample_system(self) -> None:
         now = time.monotonic()
         if now - self._last_sample >= SYSTEM_SAMPLE_INTERVAL_S and self._latency:
             self._last_sample = now
-            recent = list(self._latency)[-64:]
-            self._residency.system({"read_latency_s": float(np.mean(recent))})
+            self._system["read_latency_s"] = float(np.mean(list(self._latency)[-64:]))
+            self._residency.system(dict(self._system))
 
     # -- live changes -----------------------------------------------------------------------------------------
     def resize(self, cap_bytes: int) -> list[Key]:
