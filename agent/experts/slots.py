@@ -9,7 +9,7 @@ at once (MADV_DONTNEED) and unmapping an arena once none of its slots is live.
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,7 +19,6 @@ import torch
 class _Arena:
     mem: mmap.mmap
     first: int              # id of the arena's first slot
-    live: set[int] = field(default_factory=set)
 
 
 class SlotPool:
@@ -27,7 +26,6 @@ class SlotPool:
         if slot_bytes <= 0 or slot_bytes % mmap.PAGESIZE:
             raise ValueError(f"slot size {slot_bytes} must be a positive multiple of the page size {mmap.PAGESIZE}")
         self.slot_bytes = slot_bytes
-        self._arenas: list[_Arena] = []
         self._arena_of: dict[int, _Arena] = {}
         self._views: dict[int, torch.Tensor] = {}
         self._free: list[int] = []
@@ -40,10 +38,6 @@ class SlotPool:
 
     def __contains__(self, slot: int) -> bool:
         return slot in self._arena_of
-
-    @property
-    def nbytes(self) -> int:
-        return len(self) * self.slot_bytes
 
     @property
     def free(self) -> int:
@@ -76,8 +70,6 @@ class SlotPool:
             slot = self._next_id + i
             self._views[slot] = whole[i * self.slot_bytes:(i + 1) * self.slot_bytes]
             self._arena_of[slot] = arena
-            arena.live.add(slot)
-        self._arenas.append(arena)
         self._free.extend(range(self._next_id + n - 1, self._next_id - 1, -1))  # lowest ids handed out first
         self._next_id += n
 
@@ -85,21 +77,18 @@ class SlotPool:
         """Release n free slots, newest arenas first so whole arenas can be unmapped."""
         if n > len(self._free):
             raise ValueError(f"cannot release {n} slots: only {len(self._free)} are free (evict first)")
-        self._free.sort()
-        for slot in self._free[len(self._free) - n:]:
+        self._free.sort(reverse=True)  # highest ids (newest arenas) released; lowest still handed out first
+        for slot in self._free[:n]:
             self._release(slot)
-        del self._free[len(self._free) - n:]
+        del self._free[:n]
 
     def _release(self, slot: int) -> None:
         arena = self._arena_of.pop(slot)
         del self._views[slot]
-        arena.live.discard(slot)
+        # Pages go back to the OS now; the arena is unmapped once no slot table or tensor refers to it.
         arena.mem.madvise(mmap.MADV_DONTNEED, (slot - arena.first) * self.slot_bytes, self.slot_bytes)
-        if not arena.live:
-            self._arenas.remove(arena)  # unmapped once the last tensor viewing it is gone
 
     def close(self) -> None:
         self._views.clear()
         self._arena_of.clear()
-        self._arenas.clear()
         self._free.clear()
