@@ -140,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXAMPLE
     parser.add_argument("--trace", nargs="+", required=True, metavar="PATH",
                         help="routing traces: decode/recorded .jsonl or prefill .npz")
-    parser.add_argument("--policy", default=",".join(p for p in policy_names()),
+    parser.add_argument("--policy", default=",".join(policy_names()),
                         help="comma-separated policy names (default: all registered: %(default)s)")
     parser.add_argument("--capacity", type=float, default=0.25, metavar="FRACTION",
                         help="cache size as a fraction of all experts, in (0, 1] (default 0.25)")
@@ -148,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy-model", metavar="FILE", help="weights for the learned flashmoe policy")
     parser.add_argument("--experts", type=int, metavar="N", help="experts per layer when a trace's meta has null")
     parser.add_argument("--prompts", metavar="A..B", help="prefill NPZ only: prompt numbers to replay")
-    parser.add_argument("--window", type=int, metavar="W", help="lfu-window: window in accesses of a partition")
+    parser.add_argument("--window", type=int, metavar="W", help="lfu-window: window in accesses of one layer (default 512)")
     parser.add_argument("--system-series", metavar="FILE", help="monitoring series JSON to replay "
                         "(default: a deterministic synthetic one)")
     parser.add_argument("--json", action="store_true", help="print {\"results\": [...]} instead of a table")

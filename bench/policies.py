@@ -136,7 +136,7 @@ def main() -> None:
     for scope, capacity in CONFIGS:
         runs = [run(t, p, scope, capacity) for t in [*report, degenerate] for p in policies]
         table, summary = config_table(runs, names, degenerate.name, policies)
-        print(f"\n== {scope} scope, capacity {capacity:g} of experts, cold misses counted ==\n{table}")
+        print(f"\n== {scope} scope, capacity {capacity:g} of experts, cold misses counted ==\n{table}", flush=True)
         doc["configs"].append({"scope": scope, "capacity": capacity, **summary,
                                "runs": [vars(r) for r in runs]})
     table, cross = cross_architecture(report) if "flashmoe" in policies else ("(flashmoe not run)", [])
