@@ -21,6 +21,7 @@ from pathlib import Path
 
 from agent.policies import policy_factory, policy_names
 from agent.policies.belady import BeladyOracle
+from agent.policies.lfu import DEFAULT_WINDOW
 from agent.residency import SCOPES, Residency
 from agent.traces import Trace, TraceError, access_sequence, load, parse_prompts, walk
 
@@ -148,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy-model", metavar="FILE", help="weights for the learned flashmoe policy")
     parser.add_argument("--experts", type=int, metavar="N", help="experts per layer when a trace's meta has null")
     parser.add_argument("--prompts", metavar="A..B", help="prefill NPZ only: prompt numbers to replay")
-    parser.add_argument("--window", type=int, metavar="W", help="lfu-window: window in accesses of one layer (default 512)")
+    parser.add_argument("--window", type=int, metavar="W", help=f"lfu-window: window in accesses of one layer (default {DEFAULT_WINDOW})")
     parser.add_argument("--system-series", metavar="FILE", help="monitoring series JSON to replay "
                         "(default: a deterministic synthetic one)")
     parser.add_argument("--json", action="store_true", help="print {\"results\": [...]} instead of a table")
