@@ -15,6 +15,7 @@ import ctypes
 import errno
 import mmap
 import os
+import threading
 from pathlib import Path
 from typing import ClassVar
 
@@ -135,6 +136,8 @@ class MmapReader(BlockReader):
             # ACCESS_COPY: a private mapping (writable views for torch, never written back), still page-cache backed.
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self._base = self._bytes.ctypes.data
+        self._local = threading.local()
 
     def _read(self, block: Block, slot: memoryview | None) -> np.ndarray:
         data = self._bytes[block.offset:block.offset + self.index.nbytes]
@@ -148,11 +151,17 @@ class MmapReader(BlockReader):
         """Bytes of the block already in the page cache (mincore), to count what a fault really reads."""
         start = block.offset - block.offset % mmap.PAGESIZE
         length = block.offset + self.index.nbytes - start
-        vec = np.zeros(-(-length // mmap.PAGESIZE), dtype=np.uint8)
-        if _libc.mincore(ctypes.c_void_p(self._bytes.ctypes.data + start), ctypes.c_size_t(length),
-                         ctypes.c_void_p(vec.ctypes.data)) != 0:
+        vec = self._mincore_vector(-(-length // mmap.PAGESIZE))
+        if _libc.mincore(ctypes.c_void_p(self._base + start), ctypes.c_size_t(length), vec) != 0:
             return 0
-        return int(np.count_nonzero(vec & 1)) * mmap.PAGESIZE
+        return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) * mmap.PAGESIZE
+
+    def _mincore_vector(self, pages: int) -> ctypes.Array:
+        """A per-thread result buffer: this runs on every get() of the decode thread, so no allocation."""
+        vec = getattr(self._local, "vec", None)
+        if vec is None or len(vec) != pages:
+            vec = self._local.vec = ctypes.create_string_buffer(pages)
+        return vec
 
     def close(self) -> None:
         self._bytes = None
