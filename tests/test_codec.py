@@ -117,3 +117,17 @@ def test_truncated_or_corrupt_chunks_raise_codec_error():
 def test_non_finite_values_are_rejected_by_name():
     with pytest.raises(ValueError, match="not finite"):
         to_fixed(math.nan, SeriesSpec("block.vda.util", "fraction"))
+
+
+def test_every_recorded_series_round_trips_exactly():
+    """The series the collector recorded on this machine (tests/data/recorded_series.json)."""
+    import json
+    from pathlib import Path
+    fixture = json.loads((Path(__file__).parent / "data" / "recorded_series.json").read_text())
+    assert len(fixture["series"]) >= 12
+    for name, entry in fixture["series"].items():
+        t_ms = np.cumsum([fixture["t0_ms"]] + entry["dt_ms"])[1:].tolist()
+        for start in range(0, len(t_ms), 120):                      # the writer's chunks
+            decoded = decode(encode(t_ms[start:start + 120], entry["q"][start:start + 120]))
+            assert decoded.t_ms.tolist() == t_ms[start:start + 120], name
+            assert decoded.q.tolist() == entry["q"][start:start + 120], name
