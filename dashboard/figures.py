@@ -34,27 +34,27 @@ def band_chart(series: Mapping[str, Sequence[BandRow]], title: str, unit: str) -
     return _layout(fig, title, unit)
 
 
-def _over_window(fig: go.Figure, window: tuple[float, float]) -> go.Figure:
-    # Bucketed data may fill one bucket only: pin the axis to the window so time reads true.
-    fig.update_xaxes(range=to_datetimes(window))
+def _until(fig: go.Figure, t: Sequence[float], until: float) -> go.Figure:
+    # Bucketed data may fill one bucket only: run the axis from the first bucket to now so time reads true.
+    fig.update_xaxes(range=to_datetimes([min(t), until]))
     return fig
 
 
 def lines_chart(t: Sequence[float], lines: Mapping[str, Sequence[float | None]], title: str,
-                unit: str, window: tuple[float, float]) -> go.Figure:
+                unit: str, until: float) -> go.Figure:
     """Several lines over one shared time axis, e.g. latency P50/P95/P99 per bucket."""
     x = to_datetimes(t)
     fig = go.Figure([go.Scatter(x=x, y=list(ys), mode="lines+markers", name=name)
                      for name, ys in lines.items()])
-    return _over_window(_layout(fig, title, unit), window)
+    return _until(_layout(fig, title, unit), t, until)
 
 
 def time_bars(t: Sequence[float], values: Sequence[float], title: str, y_title: str,
-              window: tuple[float, float], bucket_s: float) -> go.Figure:
+              until: float, bucket_s: float) -> go.Figure:
     """Counts per time bucket (bucket start times `t`), e.g. requests or evictions per interval."""
     fig = go.Figure(go.Bar(x=to_datetimes(t), y=list(values), name=y_title, width=bucket_s * 1000,
                            offset=0))
-    return _over_window(_layout(fig, title, y_title), window)
+    return _until(_layout(fig, title, y_title), t, until)
 
 
 def bar_chart(labels: Sequence[str], values: Sequence[float], title: str, y_title: str,

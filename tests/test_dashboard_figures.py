@@ -14,17 +14,17 @@ def test_band_chart_draws_average_line_over_min_max_band():
 
 
 def test_lines_chart_one_trace_per_line():
-    fig = figures.lines_chart([0.0, 60.0], {"P50": [0.1, 0.2], "P99": [0.5, None]}, "latency", "s", (0.0, 120.0))
+    fig = figures.lines_chart([0.0, 60.0], {"P50": [0.1, 0.2], "P99": [0.5, None]}, "latency", "s", 120.0)
     assert [d.name for d in fig.data] == ["P50", "P99"]
     assert list(fig.data[1].y) == [0.5, None]
     assert [x.timestamp() for x in fig.layout.xaxis.range] == [0.0, 120.0]
 
 
-def test_time_bars_are_one_bucket_wide_and_span_the_window():
-    fig = figures.time_bars([60.0], [7], "requests", "requests", (0.0, 600.0), bucket_s=60.0)
+def test_time_bars_are_one_bucket_wide_and_run_from_the_first_bucket_to_now():
+    fig = figures.time_bars([60.0], [7], "requests", "requests", 600.0, bucket_s=60.0)
     assert list(fig.data[0].y) == [7]
     assert fig.data[0].width == 60_000      # ms on a date axis
-    assert [x.timestamp() for x in fig.layout.xaxis.range] == [0.0, 600.0]
+    assert [x.timestamp() for x in fig.layout.xaxis.range] == [60.0, 600.0]
 
 
 def test_heatmap_rows_are_layers():

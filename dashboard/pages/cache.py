@@ -49,7 +49,7 @@ def live() -> None:
         over = stats["over_time"]
         if over:
             st.plotly_chart(figures.time_bars([r["t"] for r in over], [r["evictions"] for r in over],
-                                              "Evictions per interval", "evictions", (since, until),
+                                              "Evictions per interval", "evictions", until,
                                               (until - since) / TIME_BUCKETS), key="evictions")
         else:
             st.caption("**Evictions**: no cache statistics in this window.")
@@ -62,8 +62,8 @@ def policies() -> None:
     if rows:
         st.plotly_chart(figures.policy_comparison(rows, "Hit rate by policy on recorded traces"), key="policies")
     else:
-        st.caption("No simulator runs stored. Run `flashmoe-cli simulate --trace ... --db ...` to compare "
-                   "policies on recorded traces.")
+        st.caption("No simulator runs in this store yet. Results of `flashmoe-cli simulate` recorded here "
+                   "(Store.record_simulation) compare the policies on recorded traces.")
 
 
 @st.fragment(run_every=settings.REFRESH_S)

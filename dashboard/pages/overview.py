@@ -57,9 +57,9 @@ def live() -> None:
     if quantiles:
         t, lines = transforms.latency_lines(quantiles)
         left, right = st.columns(2)
-        left.plotly_chart(figures.lines_chart(t, lines, "Request latency", "s", (since, until)), key="latency")
+        left.plotly_chart(figures.lines_chart(t, lines, "Request latency", "s", until), key="latency")
         right.plotly_chart(figures.time_bars(t, [q["n"] for q in quantiles], "Requests per interval", "requests",
-                                             (since, until), (until - since) / TIME_BUCKETS), key="requests")
+                                             until, (until - since) / TIME_BUCKETS), key="requests")
         st.dataframe(transforms.request_rows(rows[-20:][::-1]), hide_index=True, width="stretch")
     else:
         st.caption("No requests in this window: send one to the agent's /v1/completions.")

@@ -26,6 +26,9 @@ def live() -> None:
     since, until = components.window()
     names = data.series_names(db)
     devices = transforms.devices(names, "block")
+    seen = data.events(db, 0.0, "collector.devices")
+    if seen:
+        st.caption(f"Devices ({transforms.clock(seen[-1]['t'])}): {seen[-1]['message']}")
     if not devices:
         st.info("No block-device series in the store yet: start the collector (`flashmoe-cli collect`).")
     else:
