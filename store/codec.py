@@ -2,7 +2,7 @@
 
 Layout (all integers little-endian):
 
-    header   byte FORMAT (2), varint n_points, zigzag-varint t0_ms, zigzag-varint v0
+    header   byte FORMAT (3), varint n_points, zigzag-varint t0_ms, zigzag-varint v0
     stream   times:  n-1 delta-of-deltas of t_ms      (time resolution 1 ms)
     stream   values: n-1 deltas of v (fixed-point ints: round(value / precision))
 
@@ -14,9 +14,15 @@ flat gauge delta 0). Exceptions (zigzag varints) and run lengths (varints) sit i
 sections after the codes, so decoding is a handful of numpy operations, not a Python loop per
 byte:
 
-    stream   = varint n_codes, varint n_exceptions, varint n_runs,
+    stream   = varint (n_codes << 1), varint n_exceptions, varint n_runs,
                codes (n_codes x int8), exceptions (n_exceptions x zigzag varint),
                run lengths (n_runs x varint)
+
+When larger deltas are the rule rather than the exception (a busy disk's byte rate, free memory
+under churn), the escape byte in front of each is pure overhead; such a stream is stored as plain
+zigzag varints instead, whichever is smaller (low bit of the first varint = 1):
+
+    stream   = varint (n_deltas << 1 | 1), deltas (n_deltas x zigzag varint)
 
 Fixed-point values must lie within +-2**62 (so every difference fits int64); counters with
 precision 1 are therefore exact.
@@ -27,7 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FORMAT = 2           # first byte of every chunk; 1 was a fixed-width-exception layout, never shipped
+FORMAT = 3           # first byte of every chunk; 2 (no varint streams) is still read
+READABLE_FORMATS = (2, 3)
 ESC = -128
 RUN = -127
 MIN_RUN = 3          # a run of 2 zeros costs the same as two literal zeros
@@ -102,11 +109,21 @@ def _encode_stream(deltas: list[int], out: bytearray) -> None:
         i += 1
     for run in runs:
         _varint(run, tail)
-    _varint(len(codes), out)
-    _varint(n_exceptions, out)
-    _varint(len(runs), out)
-    out += codes
-    out += tail
+    byte_mode = bytearray()
+    _varint(len(codes) << 1, byte_mode)
+    _varint(n_exceptions, byte_mode)
+    _varint(len(runs), byte_mode)
+    byte_mode += codes
+    byte_mode += tail
+    if n_exceptions * 4 >= n:           # escapes are common: plain varints may be smaller
+        varint_mode = bytearray()
+        _varint(n << 1 | 1, varint_mode)
+        for d in deltas:
+            _varint(_zigzag(d), varint_mode)
+        if len(varint_mode) < len(byte_mode):
+            out += varint_mode
+            return
+    out += byte_mode
 
 
 def _read_varints(buf: bytes, pos: int, count: int) -> tuple[np.ndarray, int]:
@@ -129,8 +146,18 @@ def _read_varints(buf: bytes, pos: int, count: int) -> tuple[np.ndarray, int]:
     return np.add.reduceat(parts, starts), pos + len(raw)
 
 
-def _decode_stream(buf: bytes, pos: int) -> tuple[np.ndarray, int]:
-    n_codes, pos = _read_varint(buf, pos)
+def _unzigzag_array(z: np.ndarray) -> np.ndarray:
+    return (z >> np.uint64(1)).astype(np.int64) ^ -(z & np.uint64(1)).astype(np.int64)
+
+
+def _decode_stream(buf: bytes, pos: int, fmt: int) -> tuple[np.ndarray, int]:
+    head, pos = _read_varint(buf, pos)
+    if fmt == 2:
+        head <<= 1                     # format 2 had byte streams only, no mode bit
+    if head & 1:
+        zigzags, pos = _read_varints(buf, pos, head >> 1)
+        return _unzigzag_array(zigzags), pos
+    n_codes = head >> 1
     n_exc, pos = _read_varint(buf, pos)
     n_runs, pos = _read_varint(buf, pos)
     if pos + n_codes > len(buf):
@@ -143,7 +170,7 @@ def _decode_stream(buf: bytes, pos: int) -> tuple[np.ndarray, int]:
     run_at = np.flatnonzero(codes == RUN)
     if len(esc_at) != n_exc or len(run_at) != n_runs:
         raise CodecError("chunk corrupt: escape or run count does not match its section")
-    values[esc_at] = (zigzags >> np.uint64(1)).astype(np.int64) ^ -(zigzags & np.uint64(1)).astype(np.int64)
+    values[esc_at] = _unzigzag_array(zigzags)
     values[run_at] = 0
     repeats = np.ones(n_codes, np.int64)
     repeats[run_at] = runs.astype(np.int64)
@@ -178,13 +205,14 @@ def encode(t_ms: list[int], q: list[int]) -> bytes:
 
 def decode(data: bytes) -> Decoded:
     """Decode a chunk written by `encode`; raises CodecError if it is truncated or corrupt."""
-    if not data or data[0] != FORMAT:
-        raise CodecError(f"not a chunk of format {FORMAT} (first byte {data[:1].hex() or 'missing'})")
+    if not data or data[0] not in READABLE_FORMATS:
+        raise CodecError(f"not a chunk of format {READABLE_FORMATS} (first byte {data[:1].hex() or 'missing'})")
+    fmt = data[0]
     n, pos = _read_varint(data, 1)
     z_t0, pos = _read_varint(data, pos)
     z_v0, pos = _read_varint(data, pos)
-    dod, pos = _decode_stream(data, pos)
-    deltas, pos = _decode_stream(data, pos)
+    dod, pos = _decode_stream(data, pos, fmt)
+    deltas, pos = _decode_stream(data, pos, fmt)
     if len(dod) != n - 1 or len(deltas) != n - 1 or pos != len(data):
         raise CodecError(f"chunk corrupt: header says {n} points, streams hold "
                          f"{len(dod) + 1} and {len(deltas) + 1}, {len(data) - pos} bytes left over")

@@ -70,14 +70,29 @@ def test_steady_1hz_series_costs_well_under_a_byte_per_point():
     assert decode(data).q.tolist() == [42] * 120
 
 
-def test_small_steps_cost_one_byte_each_and_large_ones_escape():
-    t = [1000 * i for i in range(4)]
-    small = encode(t, [0, 5, -95, -90])
-    large = encode(t, [0, 5, 100_005, 100_010])
+def test_small_steps_cost_one_byte_each_and_a_rare_large_one_escapes():
+    t = [1000 * i for i in range(10)]
+    small = encode(t, [0, 5, -95, -90, -80, -70, -60, -50, -40, -30])
+    large = encode(t, [0, 5, 100_005, 100_010, 100_020, 100_030, 100_040, 100_050, 100_060, 100_070])
     assert len(large) - len(small) == 3          # a 3-byte zigzag varint beside its escape code
-    with pytest.raises(CodecError, match="not a chunk of format 2"):
+    assert decode(large).q.tolist()[2] == 100_005
+    with pytest.raises(CodecError, match="not a chunk of format"):
         decode(b"\x01" + large[1:])
-    assert decode(large).q.tolist() == [0, 5, 100_005, 100_010]
+
+
+def test_streams_of_mostly_large_deltas_drop_the_escape_bytes():
+    t = [1000 * i for i in range(100)]
+    q = np.cumsum(np.random.default_rng(1).integers(-5000, 5000, 100)).tolist()
+    data = encode(t, q)
+    assert len(data) < 100 * 2.2          # 2-byte varints, not escape + varint (3 bytes each)
+    assert decode(data).q.tolist() == q
+
+
+def test_format_2_chunks_still_decode():
+    #          fmt  n   t0  v0 | times: codes<<0, exc, runs, ESC, zigzag(1000) | values: 1 code: +5
+    chunk = bytes([2, 2, 0, 0, 1, 1, 0, 0x80, 0xD0, 0x0F, 1, 0, 0, 5])
+    decoded = decode(chunk)
+    assert decoded.t_ms.tolist() == [0, 1000] and decoded.q.tolist() == [0, 5]
 
 
 def test_reserved_codes_are_escaped_not_misread():
