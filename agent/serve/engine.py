@@ -75,7 +75,8 @@ class RouteWindows:
         return self.cache.get(layer, expert)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        self.cache.prefetch(layer, experts)
+        """Only the first window: more than a partition holds would evict its own prefetches unread."""
+        self.cache.prefetch(layer, list(experts)[:self._size()])
 
 
 class ModelEngine:

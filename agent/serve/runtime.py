@@ -170,7 +170,7 @@ class Runtime:
                       "cache_bytes": s.resident * s.slot_bytes, "cap_bytes": s.cap_bytes,
                       "occupancy": s.resident / s.capacity if s.capacity else 0.0,
                       "expert_bytes": self.cache.expert_bytes,
-                      "hits": s.hits, "misses": s.misses, "hit_rate": s.hit_rate,
+                      "hits": s.hits, "misses": s.misses, "hit_rate": s.hit_rate, "bytes_read": s.bytes_read,
                       "prefetch_accuracy": s.prefetch_accuracy},
             "recent_hit_rate": self.metrics.recent_hit_rate(),
             "batch_size": self.scheduler.batch_size, "batch_limit": self.scheduler.limit,
