@@ -119,3 +119,23 @@ def test_ticks_lie_on_the_grid_and_stop_when_asked():
     assert len(seen) == 5
     assert all(b > a for a, b in zip(seen, seen[1:]))
     assert np.allclose(np.round(np.array(seen) / 0.05), np.array(seen) / 0.05)
+
+
+def test_a_hotplug_event_is_recorded_and_devices_rediscovered(tmp_path):
+    db = tmp_path / "flashmoe.db"
+    with Store(db, autoflush_s=0) as store:
+        collector = Collector(store)
+        assert collector.hotplug is not None
+        device = sorted(p.name for p in Path("/sys/block").iterdir())[0]
+        Path(f"/sys/block/{device}/uevent").write_text("change")     # a real kernel uevent
+        expected = f"change block device {device}"
+        deadline = time.monotonic() + 10
+        k = 0
+        while time.monotonic() < deadline:
+            tick(collector, k)
+            k += 1
+            if expected in [e["message"] for e in queries.events(db, kind="device.hotplug")]:
+                break
+            time.sleep(0.05)
+        assert expected in [e["message"] for e in queries.events(db, kind="device.hotplug")]
+        assert len(queries.events(db, kind="collector.devices")) >= 2     # rediscovered
