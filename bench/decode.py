@@ -66,10 +66,10 @@ def in_ram(store: Path, prompt_ids: list[int], tokens: int) -> tuple[float, list
     return gen.decode_tokens_per_s, gen.token_ids
 
 
-def cached(store: Path, prompt_ids: list[int], tokens: int, cap_bytes: int, backend: str) -> dict:
+def cached(store: Path, prompt_ids: list[int], tokens: int, cap_bytes: int, backend: str, prefetch: bool) -> dict:
     drop_from_page_cache(store / EXPERTS)
     result = run_generate(store, prompt_ids=prompt_ids, max_new_tokens=tokens, greedy=True,
-                          cache_cap=str(cap_bytes), backend=backend)
+                          cache_cap=str(cap_bytes), backend=backend, prefetch=prefetch)
     return {**result.stats, "token_ids": result.token_ids}
 
 
@@ -85,22 +85,23 @@ def cap_for(store: Path, pct: float) -> tuple[int, float, str]:
     return floor, 100 * floor / total, f"{pct:g}% is below top-{top_k} per layer; ran at the minimum"
 
 
-def run(store: Path, caps: list[float], backends: list[str], tokens: int, repeat: int) -> list[Row]:
+def run(store: Path, caps: list[float], backends: list[str], prefetch: list[bool], tokens: int,
+        repeat: int) -> list[Row]:
     prompt_ids = load_tokenizer(store).encode(PROMPT)
-    configs = [(b, *cap_for(store, pct), pct) for pct in caps for b in backends]
+    configs = [(b, *cap_for(store, pct), pct, p) for pct in caps for b in backends for p in prefetch]
     ram_speeds, samples = [], {i: [] for i in range(len(configs))}
     for _ in range(repeat):
         speed, reference = in_ram(store, prompt_ids, tokens)
         ram_speeds.append(speed)
-        for i, (backend, cap_bytes, _, _, _) in enumerate(configs):
-            samples[i].append(cached(store, prompt_ids, tokens, cap_bytes, backend))
-            print(f"  {backend} {configs[i][4]:g}%: {samples[i][-1]['decode_tokens_per_s']:.2f} tok/s", flush=True)
+        for i, (backend, cap_bytes, _, _, pct, pf) in enumerate(configs):
+            samples[i].append(cached(store, prompt_ids, tokens, cap_bytes, backend, pf))
+            print(f"  {_name(backend, pct, pf)}: {samples[i][-1]['decode_tokens_per_s']:.2f} tok/s", flush=True)
     ram = statistics.median(ram_speeds)
     rows = [Row("all experts in RAM", "in-memory", None, "", ram, 1.0, 1.0, 0.0, None, True, ram_speeds)]
-    for i, (backend, _, pct_run, note, pct) in enumerate(configs):
+    for i, (backend, _, pct_run, note, pct, pf) in enumerate(configs):
         runs = samples[i]
         speed = statistics.median(r["decode_tokens_per_s"] for r in runs)
-        rows.append(Row(f"{backend} {pct:g}%", backend, round(pct_run, 2), note, speed, speed / ram,
+        rows.append(Row(_name(backend, pct, pf), backend, round(pct_run, 2), note, speed, speed / ram,
                         statistics.median(r["decode_hit_rate"] for r in runs),
                         statistics.median(r["decode_mb_read_per_token"] for r in runs),
                         runs[-1]["prefetch_accuracy"], all(r["token_ids"] == reference for r in runs),
@@ -108,13 +109,17 @@ def run(store: Path, caps: list[float], backends: list[str], tokens: int, repeat
     return rows
 
 
+def _name(backend: str, pct: float, prefetch: bool) -> str:
+    return f"{backend} {pct:g}%" + ("" if prefetch else " no-pf")
+
+
 def print_table(rows: list[Row]) -> None:
-    print(f"\n{'configuration':<20} {'cap %':>6} {'tok/s':>7} {'x RAM':>6} {'hit rate':>8} {'MB/token':>9} "
+    print(f"\n{'configuration':<22} {'cap %':>6} {'tok/s':>7} {'x RAM':>6} {'hit rate':>8} {'MB/token':>9} "
           f"{'prefetch acc':>12} {'same tokens':>11}")
     for r in rows:
         cap = "-" if r.cap_pct is None else f"{r.cap_pct:g}"
         acc = "-" if r.prefetch_accuracy is None else f"{r.prefetch_accuracy:.2f}"
-        print(f"{r.config:<20} {cap:>6} {r.decode_tok_s:>7.2f} {r.ratio:>6.2f} {r.hit_rate:>8.3f} "
+        print(f"{r.config:<22} {cap:>6} {r.decode_tok_s:>7.2f} {r.ratio:>6.2f} {r.hit_rate:>8.3f} "
               f"{r.mb_per_token:>9.1f} {acc:>12} {str(r.same_tokens):>11}")
     for r in rows:
         if r.note:
@@ -129,25 +134,28 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds; the median is reported")
     parser.add_argument("--caps", default="10,25,50,100", help="cache caps in %% of expert bytes")
     parser.add_argument("--backends", default="direct,mmap")
+    parser.add_argument("--prefetch", choices=("on", "off", "both"), default="on", help="lookahead prefetch")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as flashmoe-cli generate)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     store = args.model or init_demo(ROOT / "data" / ("demo" if args.size == "default" else "demo-small"), args.size)
     index = Index.load(store / INDEX)
     start = time.monotonic()
-    rows = run(store, [float(c) for c in args.caps.split(",")], args.backends.split(","), args.tokens, args.repeat)
+    prefetch = {"on": [True], "off": [False], "both": [True, False]}[args.prefetch]
+    rows = run(store, [float(c) for c in args.caps.split(",")], args.backends.split(","), prefetch, args.tokens,
+               args.repeat)
     facts = machine_facts(store)
     print(f"\nstore {store}: {index.n_layers} layers x {index.n_experts} experts, blocks of "
           f"{index.nbytes / 2**20:.2f} MiB ({index.nbytes * len(index.blocks) / 2**30:.2f} GiB); prompt "
           f"{len(load_tokenizer(store).encode(PROMPT))} tokens, {args.tokens} new tokens, greedy, LRU, layer scope, "
-          f"prefetch on; {args.threads} torch thread(s); median of {args.repeat}; {time.monotonic() - start:.0f} s")
+          f"prefetch {args.prefetch}; {args.threads} torch thread(s); median of {args.repeat}; {time.monotonic() - start:.0f} s")
     print(f"machine: {facts['cpu']}, {facts['cores']} cores, {facts['ram_bytes'] / 2**30:.1f} GiB RAM, "
           f"{facts['filesystem']}, kernel {facts['kernel']}")
     print_table(rows)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"store": str(store), "layers": index.n_layers, "experts": index.n_experts,
                                    "block_bytes": index.nbytes, "tokens": args.tokens, "repeat": args.repeat,
-                                   "threads": args.threads, "prompt": PROMPT, "machine": facts,
+                                   "threads": args.threads, "prefetch": args.prefetch, "prompt": PROMPT, "machine": facts,
                                    "rows": [asdict(r) for r in rows]}, indent=2))
     print(f"\nwrote {RESULTS}")
 
