@@ -21,12 +21,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent.serve.knobs import KnobError
+from agent.serve.knobs import SOURCES, KnobError
 from agent.serve.runtime import Runtime
 from agent.serve.scheduler import Event
 from agent.serve.scheduler import Request as Job
 
-CLIENT_SOURCES = ("api", "dashboard")
+CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
 
 
 class CompletionRequest(BaseModel):

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SOURCES = ("api", "dashboard", "guard", "restore")
+SOURCES = ("api", "dashboard", "guard", "restore", "cli")  # who changed a knob; clients may send the first two
 
 
 class KnobError(ValueError):

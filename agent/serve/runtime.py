@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry
 from agent.experts.cache import ExpertCache, cap_bounds, parse_cap
 from agent.experts.layout import CONFIG, INDEX, Index
 from agent.model.config import MoEConfig
+from agent.policies import policy_factory, policy_names
 from agent.policies.base import REGISTRY
-from agent.policies import policy_names
 from agent.serve import batching, guard
 from agent.serve.engine import ModelEngine
 from agent.serve.knobs import KnobError, Knobs, Limits
@@ -114,6 +114,7 @@ class Runtime:
                 changes = self._fitting(changes)
             validated = self.knobs.validate(changes) if changes else {}
             diff = self.knobs.diff(validated)
+            self._check_policy({k: new for k, (_, new) in diff.items()})
             if diff:
                 self.scheduler.call(lambda: self._apply({k: new for k, (_, new) in diff.items()}))
                 t = time.time()
@@ -122,6 +123,17 @@ class Runtime:
                     if self.recorder is not None:
                         self.recorder.knob_change(t, knob, old, new, source)
             return self.knobs.describe()
+
+    def _check_policy(self, new: dict[str, Any]) -> None:
+        """Build the policy a change asks for once before applying anything: a policy that cannot load
+        (e.g. the learned one without its weights file) is refused like an out-of-range value."""
+        if "policy" not in new and not new.keys() & set(POLICY_KNOBS):
+            return
+        merged = {**self.knobs.values, **new}
+        try:
+            policy_factory(merged["policy"], **policy_options(merged["policy"], merged))()
+        except (ValueError, OSError) as exc:
+            raise KnobError("policy", f"policy {merged['policy']!r} cannot run: {exc}") from None
 
     def _fitting(self, changes: dict[str, Any]) -> dict[str, Any]:
         ok = {}

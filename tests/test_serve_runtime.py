@@ -1,0 +1,62 @@
+"""The runtime in-process on the small demo model: the memory guard and dynamic batching act and say why."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from agent.serve.guard import GuardConfig, PressureSampler
+from agent.serve.runtime import Runtime, ServeOptions
+from store import queries
+from store.db import Store
+from test_serve import demo_model
+
+
+@pytest.fixture
+def runtime(tmp_path_factory, tmp_path):
+    store = Store(tmp_path / "flashmoe.db", autoflush_s=0)
+    rt = Runtime(ServeOptions(demo_model(tmp_path_factory), tmp_path / "flashmoe.db", cache_cap="50%"),
+                 CollectorRegistry(), store)
+    rt.start()
+    yield rt
+    rt.stop()
+    store.close()
+
+
+def test_sustained_memory_pressure_shrinks_the_cache_step_by_step_and_records_why(runtime, tmp_path):
+    psi = tmp_path / "memory"
+    psi.write_text("some avg10=60.00 avg60=40.00 avg300=10.00 total=1\nfull avg10=42.00 avg60=30.00 avg300=5.00 total=1\n")
+    runtime.pressure = PressureSampler(psi_path=psi)
+    runtime.guard_config = GuardConfig(psi_full_avg10=10.0, intervals=3, step=0.10)
+    cap = runtime.cache.cap_bytes
+    for _ in range(3):
+        runtime.tick()
+    assert runtime.cache.cap_bytes == cap  # auto_shrink is off by default: pressure alone changes nothing
+    runtime.set_knobs({"auto_shrink": True}, "api")
+    for _ in range(2):
+        runtime.tick()
+    assert runtime.cache.cap_bytes == cap
+    runtime.tick()  # the third consecutive pressured interval
+    assert runtime.cache.cap_bytes == int(cap * 0.9) and runtime.knobs["cache_cap_bytes"] == int(cap * 0.9)
+    events = queries.events(runtime.recorder.store.path, kind="memory_guard")
+    assert len(events) == 1 and "PSI memory full avg10 42.0% > 10%" in events[0]["message"]
+    assert ("cache_cap_bytes", int(cap * 0.9), "guard") in {
+        (h["knob"], h["new"], h["source"]) for h in queries.knob_history(runtime.recorder.store.path)}
+    psi.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=1\n")
+    for _ in range(4):
+        runtime.tick()
+    assert runtime.cache.cap_bytes == int(cap * 0.9)  # calm again: no further step
+
+
+def test_batch_limit_follows_the_collectors_ssd_utilisation(runtime):
+    runtime.ssd.device = "testdisk"  # read the collector's series for this name from the store
+    store = runtime.recorder.store
+    limits = []
+    for util in (0.97, 0.97, 0.2):
+        store.append("block.testdisk.util", time.time(), util)
+        store.flush()
+        runtime.tick()
+        limits.append(runtime.scheduler.limit)
+    assert limits == [12, 9, 11]
+    assert runtime.status()["ssd_util_source"] == "collector block.testdisk.util"
