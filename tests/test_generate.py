@@ -107,6 +107,7 @@ def test_text_prompt_goes_through_the_tokenizer(store, capsys):
     (["--prompt-ids", "5", "--cache-cap", "lots"], "is not understood"),
     (["--prompt-ids", PROMPT, "--prefill", "batched", "--cache-cap", "SMALL"], "use --prefill sequential"),
     (["--prompt-ids", "5", "--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
+    (["--prompt-ids", "5", "--threads", "0"], "--threads must be at least 1"),
 ])
 def test_bad_input_is_a_clear_error_and_writes_no_trace(store, tmp_path, caplog, args, words):
     args = [a.replace("SMALL", slot_cap(store, 2)) for a in args]

@@ -82,7 +82,10 @@ class Segment:
     pos: int  # absolute position of the first new token
 
     def mask(self, window: int | None) -> Tensor:
-        """[n, pos+n] True where query i may attend key j: causal, and within the sliding window if any."""
+        """[n, pos+n] True where query i may attend key j: causal, and within the sliding window if any.
+
+        A window is applied here only; the KV cache still keeps every position (simple, and our
+        sequences are far shorter than the windows of the supported checkpoints)."""
         q = torch.arange(self.pos, self.pos + self.n)[:, None]
         kv = torch.arange(self.pos + self.n)[None, :]
         allowed = kv <= q
