@@ -8,7 +8,7 @@ DEFAULT_AGENT_URL = "http://127.0.0.1:8600"
 REFRESH_S = 5                 # live pages re-read the store this often
 BUCKETS = 240                 # points per chart: enough for a smooth line, few enough to stay fast
 WINDOWS = {"15 min": 900, "1 h": 3600, "6 h": 6 * 3600, "24 h": 24 * 3600, "7 d": 7 * 24 * 3600}
-DEFAULT_WINDOW = "1 h"
+DEFAULT_WINDOW = "15 min"
 
 
 def db_path() -> str:

@@ -3,13 +3,17 @@ Debian's Chromium driven by playwright (never a downloaded browser).
 
 Opens every page and checks its plotly charts render, changes the cache cap on the Tuning page and
 checks that the agent's /v1/knobs and the page both show the new value, and saves a screenshot of
-each page (to FLASHMOE_SCREENSHOT_DIR if set, e.g. docs/, else the test's tmp dir).
+each page (to FLASHMOE_SCREENSHOT_DIR if set, e.g. docs/, else the test's tmp dir). The README's
+pictures come from a longer run of the same test:
+
+    FLASHMOE_SCREENSHOT_DIR=docs FLASHMOE_TRAFFIC_REQUESTS=120 .venv/bin/pytest -m browser tests/test_browser.py
 """
 from __future__ import annotations
 
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +37,7 @@ class Traffic:
     """Two clients sending completions in the background (they share decode steps in the agent)."""
 
     def __init__(self, url: str, clients: int = 2) -> None:
-        self.url, self.sent = url, 0
+        self.url, self.sent, self.errors = url, 0, []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(f"client {i}",), daemon=True)
@@ -41,10 +45,19 @@ class Traffic:
 
     def _run(self, prompt: str) -> None:
         while not self._stop.is_set():
-            httpx.post(f"{self.url}/v1/completions", json={"prompt": f"{prompt}: an expert cache", "max_tokens": 4},
-                       timeout=120).raise_for_status()
+            reply = httpx.post(f"{self.url}/v1/completions", timeout=120,
+                               json={"prompt": f"{prompt}: an expert cache", "max_tokens": 4})
             with self._lock:
+                if reply.status_code != 200:
+                    self.errors.append(f"{reply.status_code}: {reply.text[:300]}")
+                    return
                 self.sent += 1
+
+    def wait_for(self, n: int, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.sent < n and not self.errors and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not self.errors and self.sent >= n, f"{self.sent} of {n} completions: {self.errors}"
 
     def __enter__(self) -> "Traffic":
         for thread in self._threads:
@@ -100,8 +113,7 @@ def open_page(page: Page, product: dict[str, str], path: str) -> None:
 
 def test_every_page_renders_its_charts_with_real_traffic(product, page):
     with Traffic(product["agent"]) as traffic:
-        while traffic.sent < 6:          # requests, cache statistics and collector samples in the store
-            threading.Event().wait(0.5)
+        traffic.wait_for(int(os.environ.get("FLASHMOE_TRAFFIC_REQUESTS", 6)))   # requests, cache stats, samples
     # The agent is idle again: its CPU goes to the browser (this machine has two cores).
     for path in PAGES:
         open_page(page, product, path)

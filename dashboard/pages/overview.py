@@ -44,8 +44,8 @@ def live() -> None:
     hit = data.latest(db, "agent.hit_rate")
     quantiles = data.latency_quantiles(db, since, until, TIME_BUCKETS)
     c1, c2, c3, c4 = st.columns(4)
-    c1.metric("Tokens/s", f"{tokens[1]:.1f}" if tokens else "–")
-    c2.metric("Hit rate", f"{hit[1]:.1%}" if hit else "–")
+    c1.metric("Tokens/s (now)", f"{tokens[1]:.1f}" if tokens else "–")
+    c2.metric("Hit rate (now)", f"{hit[1]:.1%}" if hit else "–")
     c3.metric("Requests", f"{len(rows):,}")
     c4.metric("P99 latency", f"{transforms.overall_quantile(rows, 0.99):.2f} s" if rows else "–")
 
