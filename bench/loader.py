@@ -32,7 +32,7 @@ import numpy as np
 from agent.demo import init_demo
 from agent.experts.cache import ExpertCache, cap_bounds
 from agent.experts.layout import CONFIG, EXPERTS, INDEX, Index
-from agent.experts.reader import dio_alignment
+from agent.experts.reader import MmapReader, dio_alignment
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "loader.json"
@@ -53,12 +53,24 @@ def bench_store(model: Path | None) -> Path:
     return model if model is not None else init_demo(DEMO, "default")
 
 
-def drop_from_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def drop_from_page_cache(store: Path, index: Index, attempts: int = 5) -> None:
+    """Start cold: drop experts.bin's pages and check (mincore) that they are gone; readahead still in
+    flight when the previous sweep ended can land just after a drop, hence a few attempts."""
+    total = index.nbytes * len(index.blocks)
+    for _ in range(attempts):
+        fd = os.open(store / EXPERTS, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        probe = MmapReader(store / EXPERTS, index)
+        left = sum(probe.resident_bytes(b) for b in index.blocks)
+        probe.close()
+        if left <= 0.01 * total:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{left} bytes of {store / EXPERTS} stay in the page cache after DONTNEED (mapped "
+                       f"elsewhere?); the buffered and mmap sweeps would not start cold")
 
 
 # -- the measurements --------------------------------------------------------------------------------------
@@ -94,7 +106,7 @@ def cache_sweep(store: Path, backend: str, verify: bool, shuffled: bool, io_thre
     index = Index.load(store / INDEX)
     top_k = json.loads((store / CONFIG).read_text())["num_experts_per_tok"]
     if backend != "direct":
-        drop_from_page_cache(store / EXPERTS)
+        drop_from_page_cache(store, index)
     with ExpertCache(store, cap_bounds(index, top_k)[0], backend=backend, verify=verify,
                      io_threads=io_threads) as cache:
         start = time.perf_counter()

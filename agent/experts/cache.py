@@ -383,9 +383,9 @@ class ExpertCache:
 
     def close(self) -> None:
         self._io.shutdown(wait=True, cancel_futures=False)
-        with self._lock:
-            self._ready.clear()
-            self._inflight.clear()
+        with self._lock:  # drop every view first, so an mmap backend can unmap at once
+            for table in (self._ready, self._inflight, self._step, self._busy, self._slot_of):
+                table.clear()
             self._reader.close()
             if self._pool is not None:
                 self._pool.close()
