@@ -1,6 +1,6 @@
 """Serving benchmark: 16 concurrent clients, a fixed request mix, three agent configurations side by side.
 
-    .venv/bin/python bench/serve.py [--model data/demo] [--clients 16] [--requests-per-client 3]
+    .venv/bin/python bench/serve.py [--model data/demo] [--clients 16] [--requests-per-client 2]
 
 (a) the learned flashmoe policy with lookahead prefetch, O_DIRECT slots;
 (b) LRU with the same prefetch and slots;
@@ -82,7 +82,7 @@ def request_mix(clients: int, per_client: int, seed: int = 0) -> list[list[dict]
     mix = []
     for c in range(clients):
         mix.append([{"prompt": f"Client {c} asks about {rng.choice(TOPICS)} and {rng.choice(TOPICS)}.",
-                     "max_tokens": rng.choice((8, 16, 24)), "temperature": 0} for _ in range(per_client)])
+                     "max_tokens": rng.choice((4, 8, 12)), "temperature": 0} for _ in range(per_client)])
     return mix
 
 
@@ -248,7 +248,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=ROOT / "data" / "demo")
     ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--requests-per-client", type=int, default=3)
+    ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-batch-size", type=int, default=16)
     ap.add_argument("--configs", default="a,b,c", help="which of a,b,c to run (c is the reference; keep it last)")
     args = ap.parse_args()

@@ -4,12 +4,15 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from agent.experts.cache import ExpertCache
 from agent.experts.provider import ExpertProvider, ExpertWeights
+from agent.model.config import MoEConfig
 from agent.model.generation import sample
+from agent.model.model import Sequence as Sequence_
 from agent.model.model import Transformer
 from agent.serve.scheduler import Request, StepIO
 
@@ -80,17 +83,17 @@ class RouteWindows:
 
 
 class ModelEngine:
-    def __init__(self, model_dir, cache: ExpertCache, prefetch: bool = True, seed: int = 0) -> None:
+    def __init__(self, model_dir: Path, cache: ExpertCache, prefetch: bool = True, seed: int = 0) -> None:
         self.cache = cache
         self.routes = RouteCounter(RouteWindows(cache, cache.stats().scope))
         self.model = Transformer.from_store(model_dir, self.routes, prefetch)
         self.generator = torch.Generator().manual_seed(seed)
 
     @property
-    def config(self):
+    def config(self) -> MoEConfig:
         return self.model.config
 
-    def begin(self, request: Request):
+    def begin(self, request: Request) -> Sequence_:
         self.cache.session()
         return self.model.new_sequence(len(request.prompt_ids) + request.max_tokens)
 

@@ -40,7 +40,6 @@ POLICY_KNOBS = ("keep_percentile", "recompute_threshold")
 @dataclass(frozen=True)
 class ServeOptions:
     model_dir: Path
-    db: Path | None = None
     cache_cap: str | None = None     # bytes, a size or a percentage of expert bytes
     policy: str | None = None
     backend: str = "direct"

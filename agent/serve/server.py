@@ -164,7 +164,7 @@ def serve(args: argparse.Namespace) -> None:
                 store = Store(args.db)
             except DbError as exc:
                 raise ServeError(str(exc)) from None
-        opts = ServeOptions(args.model, args.db, args.cache_cap, args.policy, args.backend, args.prefetch,
+        opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
                             args.max_batch_size)
         try:
             runtime = Runtime(opts, CollectorRegistry(), store)
