@@ -169,7 +169,10 @@ class StoreWriter:
         return self.index.n_layers * self.index.n_experts
 
     def write_config(self, config: dict) -> None:
-        (self.tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        self.write_text(CONFIG, json.dumps(config, indent=2) + "\n")
+
+    def write_text(self, name: str, text: str) -> None:
+        (self.tmp / name).write_text(text)
 
     def copy_file(self, src: Path, name: str) -> None:
         shutil.copyfile(src, self.tmp / name)
@@ -207,6 +210,7 @@ class StoreWriter:
             os.close(self._fd)
             self._fd = -1
             self.index.save(self.tmp / INDEX)  # last: a directory without it is not a store
+            os.chmod(self.tmp, 0o755)  # mkdtemp made it private; a store is shared like any model directory
             _fsync_path(self.tmp / INDEX)
             _fsync_path(self.tmp)
             self._swap_into_place()
