@@ -70,6 +70,27 @@ class TensorInfo:
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """The tensors of one safetensors file, from its header only; checks the file is long enough."""
     size = path.stat().st_size
+    n, header = _raw_header(path, size)
+    tensors = {}
+    for name, meta in header.items():
+        try:
+            begin, end = meta["data_offsets"]
+            info = TensorInfo(name, str(meta["dtype"]), tuple(int(d) for d in meta["shape"]),
+                              Span(path, 8 + n + int(begin), int(end) - int(begin)))
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: the header entry of {name} is malformed; re-download the file") from None
+        if info.span.offset + info.span.nbytes > size:
+            raise CheckpointError(f"{path} is truncated: tensor {name} needs bytes up to "
+                                  f"{info.span.offset + info.span.nbytes} but the file has {size}; re-download it")
+        if info.dtype in DTYPES and math.prod(info.shape) * DTYPES[info.dtype][1] != info.span.nbytes:
+            raise CheckpointError(f"{path}: tensor {name} has {info.span.nbytes} bytes, not what "
+                                  f"shape {list(info.shape)} {info.dtype} needs; the file is corrupt")
+        tensors[name] = info
+    return tensors
+
+
+def _raw_header(path: Path, size: int) -> tuple[int, dict]:
+    """(header length, header without __metadata__) of a safetensors file: 8-byte length, then JSON."""
     with open(path, "rb") as f:
         raw = f.read(8)
         n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
@@ -79,19 +100,10 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(n))
         except ValueError as exc:
             raise CheckpointError(f"{path} has a corrupt safetensors header ({exc}); re-download it") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a safetensors header that is not a JSON object; re-download it")
     header.pop("__metadata__", None)
-    tensors = {}
-    for name, meta in header.items():
-        begin, end = meta["data_offsets"]
-        info = TensorInfo(name, meta["dtype"], tuple(meta["shape"]), Span(path, 8 + n + begin, end - begin))
-        if 8 + n + end > size:
-            raise CheckpointError(f"{path} is truncated: tensor {name} needs bytes up to {8 + n + end} "
-                                  f"but the file has {size}; re-download it")
-        if info.dtype in DTYPES and math.prod(info.shape) * DTYPES[info.dtype][1] != info.span.nbytes:
-            raise CheckpointError(f"{path}: tensor {name} has {info.span.nbytes} bytes, not what "
-                                  f"shape {list(info.shape)} {info.dtype} needs; the file is corrupt")
-        tensors[name] = info
-    return tensors
+    return n, header
 
 
 DenseSource = TensorInfo | np.ndarray

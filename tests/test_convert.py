@@ -150,6 +150,12 @@ def test_truncated_shard_is_named(tmp_path):
     _convert_fails(ckpt.path, tmp_path / "store", "truncated", "model.safetensors")
 
 
+def test_file_that_is_not_safetensors_is_named(tmp_path):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    (ckpt.path / "model.safetensors").write_bytes(b"<html>rate limited</html>")
+    _convert_fails(ckpt.path, tmp_path / "store", "model.safetensors is not a safetensors file")
+
+
 def test_unsupported_architecture(tmp_path):
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
     _edit_config(ckpt.path, model_type="llama")
