@@ -22,16 +22,15 @@ def window() -> tuple[float, float]:
 
 
 def series_chart(db: str, names: Mapping[str, str], since: float, until: float, title: str,
-                 unit: str, factor: float = 1.0) -> bool:
+                 unit: str, factor: float = 1.0) -> None:
     """Chart the series `names` (store name -> legend label); a caption instead when none has data."""
     loaded = {label: transforms.scaled(data.series(db, name, since, until, settings.BUCKETS), factor)
               for name, label in names.items()}
     loaded = {label: rows for label, rows in loaded.items() if rows}
     if not loaded:
         st.caption(f"**{title}**: no data in this window ({', '.join(names)}).")
-        return False
+        return
     st.plotly_chart(figures.band_chart(loaded, title, unit), key=f"chart-{title}")
-    return True
 
 
 def agent_offline_notice(reason: str) -> None:

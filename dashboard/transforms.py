@@ -17,6 +17,11 @@ def scaled(rows: Sequence[Bucket], factor: float) -> list[Bucket]:
     return [(t, lo * factor, avg * factor, hi * factor) for t, lo, avg, hi in rows]
 
 
+def averages(rows: Sequence[Bucket]) -> list[tuple[float, float]]:
+    """(t, bucket average) pairs: what the thrash diagnosis judges."""
+    return [(t, avg) for t, _, avg, _ in rows]
+
+
 def latency_lines(rows: Sequence[Mapping[str, Any]], column: str = "latency_s"
                   ) -> tuple[list[float], dict[str, list[float | None]]]:
     """latency_quantiles rows -> (bucket times, {"P50": [...], "P95": [...], "P99": [...]})."""
@@ -60,6 +65,14 @@ def devices(names: Iterable[str], prefix: str) -> list[str]:
     """Device names in series like `block.<dev>.util` (prefix "block") or `nvme.<ctrl>.*`."""
     pattern = re.compile(rf"{re.escape(prefix)}\.([^.]+)\.")
     return sorted({m.group(1) for n in names if (m := pattern.match(n))})
+
+
+def size(n: float) -> str:
+    """Bytes as a short human size: 384 KiB, 1.5 MiB, 2.0 GiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.1f} {unit}" if unit != "KiB" else f"{n / scale:,.0f} KiB"
+    return f"{n:,.0f} B"
 
 
 def age_text(t: float | None, now: float) -> str:

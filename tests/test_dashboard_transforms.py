@@ -67,6 +67,11 @@ def test_stored_knobs_have_no_bounds_while_the_agent_is_away():
     assert transforms.bounds_text(shaped["cache_cap_bytes"]) == "unknown while the agent is offline"
 
 
+def test_size_picks_the_largest_unit():
+    assert [transforms.size(n) for n in (512, 393216, 1.5 * 2**20, 2 * 2**30)] == \
+        ["512 B", "384 KiB", "1.5 MiB", "2.0 GiB"]
+
+
 def test_changed_keeps_only_differences():
     assert transforms.changed({"a": 1, "b": "lru"}, {"a": 1, "b": "arc"}) == {"b": "arc"}
 

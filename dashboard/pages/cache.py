@@ -55,7 +55,7 @@ def live() -> None:
             st.caption("**Evictions**: no cache statistics in this window.")
 
 
-@st.fragment
+@st.fragment(run_every=settings.REFRESH_S)
 def policies() -> None:
     st.subheader("Policy comparison (simulator)")
     rows = data.simulations(db) if data.store_problem(db) is None else []
@@ -79,7 +79,7 @@ def cap_sweep() -> None:
     if online:
         cap = knobs["cache_cap_bytes"]
         caps = sweep.default_caps(status["cache"]["expert_bytes"], cap["min"], cap["max"])
-        st.caption("Caps: " + ", ".join(f"{c / 2**20:,.0f} MiB" for c in caps))
+        st.caption("Caps: " + ", ".join(transforms.size(c) for c in caps))
         if st.button("Start sweep", disabled=runner.running, key="start-sweep"):
             runner.start(data.agent(url), db, caps, int(n_requests), int(max_tokens))
     else:
@@ -91,7 +91,7 @@ def cap_sweep() -> None:
     elif progress.error:
         st.error(f"Sweep failed: {progress.error}")
     elif progress.points:
-        st.success(f"Sweep {progress.status}")
+        st.success(f"Last sweep {progress.status}")
     points = transforms.latest_per_cap(data.sweeps(db)) if data.store_problem(db) is None else []
     if points:
         st.plotly_chart(figures.sweep_curve(points, "Tokens/s by cache cap (latest per cap)"), key="sweep")

@@ -43,7 +43,7 @@ def live() -> None:
 
 def diagnose(since: float, until: float) -> None:
     st.subheader("Thrash diagnosis")
-    samples = {th.signal: [(t, avg) for t, _, avg, _ in data.series(db, th.signal, since, until, settings.BUCKETS)]
+    samples = {th.signal: transforms.averages(data.series(db, th.signal, since, until, settings.BUCKETS))
                for th in THRESHOLDS}
     knobs = data.agent_knobs(url)
     cap = knobs["cache_cap_bytes"]["value"] if isinstance(knobs, dict) else data.latest_value(db, "agent.cache_cap_bytes")
