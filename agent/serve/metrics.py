@@ -42,6 +42,7 @@ class Tick:
     bytes_read: int
     read_latencies: list[float]
     batch_size: int
+    batch_limit: int
     queue_depth: int
     tokens: int
     cache_bytes: int
@@ -144,13 +145,13 @@ class Metrics:
         layers = [LayerDelta(i, c.hits - p.hits, c.misses - p.misses, c.evictions - p.evictions,
                              c.prefetch_hits - p.prefetch_hits, bytes_read * n // total_loads, mean_latency)
                   for i, (c, p, n) in enumerate(zip(cache.layers, prev.layers, loads))]
-        tick = Tick(t, t - prev.t, layers, bytes_read, latencies, batch_size, queue_depth,
+        tick = Tick(t, t - prev.t, layers, bytes_read, latencies, batch_size, batch_limit, queue_depth,
                     tokens_total - prev.tokens, cache.resident * cache.slot_bytes, cache.cap_bytes, activations)
-        self._export(tick, batch_limit)
+        self._export(tick)
         self._prev = _Previous(t, cache.layers, cache.bytes_read, cache.reads, tokens_total)
         return tick
 
-    def _export(self, tick: Tick, batch_limit: int) -> None:
+    def _export(self, tick: Tick) -> None:
         for d in tick.layers:
             label = str(d.layer)
             self.hits.labels(layer=label).inc(d.hits)
@@ -162,7 +163,7 @@ class Metrics:
             self.read_latency.observe(s)
         self.tokens.inc(tick.tokens)
         self.batch_size.set(tick.batch_size)
-        self.batch_limit.set(batch_limit)
+        self.batch_limit.set(tick.batch_limit)
         self.queue_depth.set(tick.queue_depth)
         self.cache_bytes.set(tick.cache_bytes)
         self.cap_bytes.set(tick.cap_bytes)

@@ -15,6 +15,7 @@ class Recorder:
 
     def __init__(self, store) -> None:
         self.store = store
+        store.declare("agent.batch_limit", "requests", "gauge", 1.0, "dynamic batch limit (follows SSD utilisation)")
 
     def write(self, tick: Tick, requests: list[RequestStats]) -> None:
         s, t = self.store, tick.t
@@ -35,6 +36,7 @@ class Recorder:
     @staticmethod
     def series(tick: Tick) -> dict[str, float]:
         out = {"agent.tokens_per_s": tick.tokens_per_s, "agent.batch_size": tick.batch_size,
+               "agent.batch_limit": tick.batch_limit,
                "agent.queue_depth": tick.queue_depth, "agent.cache_bytes": tick.cache_bytes,
                "agent.cache_cap_bytes": tick.cap_bytes,
                "agent.read_bytes_per_s": tick.bytes_read / tick.interval_s if tick.interval_s > 0 else 0.0}

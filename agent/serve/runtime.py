@@ -215,7 +215,7 @@ class Runtime:
         util = self.ssd.read(tick.read_busy)
         limit = batching.next_limit(self.scheduler.limit, self.scheduler.max_batch, util, self.knobs["ssd_util_threshold"])
         if limit != self.scheduler.limit:
-            log.info("batch limit %d -> %d (SSD utilisation %.2f from %s, threshold %.2f)", self.scheduler.limit,
+            log.debug("batch limit %d -> %d (SSD utilisation %.2f from %s, threshold %.2f)", self.scheduler.limit,
                      limit, util or 0.0, self.ssd.source, self.knobs["ssd_util_threshold"])
             self.scheduler.limit = limit
 
