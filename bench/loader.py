@@ -11,7 +11,8 @@ these adjacent pairs (the machine is shared; pairing cancels most of the load's 
 the median over rounds. O_DIRECT needs no cache dropping; the buffered and mmap backends start
 cold because the file's pages are dropped with posix_fadvise(DONTNEED) before each of their sweeps.
 
---model defaults to the default demo model in data/demo (`flashmoe-cli init-demo`; written if absent).
+--model defaults to the default demo model, written once by init-demo to data/loader-demo (a private
+copy: see bench_store).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from agent.experts.reader import MmapReader, dio_alignment
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "loader.json"
-DEMO = ROOT / "data" / "demo"
+DEMO = ROOT / "data" / "loader-demo"
 
 
 @dataclass
@@ -49,7 +50,10 @@ class Row:
 
 # -- the store -------------------------------------------------------------------------------------------
 def bench_store(model: Path | None) -> Path:
-    """The given store, else the default demo model (written once by init-demo: 512 blocks of 3 MiB, 1.5 GiB)."""
+    """The given store, else a private copy of the default demo model (512 blocks of 3 MiB, 1.5 GiB).
+
+    Private because another process mapping data/demo (a running agent, the decode bench) keeps its
+    pages in the page cache, and the buffered and mmap sweeps could not start cold."""
     return model if model is not None else init_demo(DEMO, "default")
 
 
@@ -165,7 +169,7 @@ def run(store: Path, repeat: int, chunk_bytes: int, io_threads: int) -> list[Row
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="an expert store (default: the demo model in data/demo)")
+    parser.add_argument("--model", type=Path, help="an expert store (default: the demo model in data/loader-demo)")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median is reported")
     parser.add_argument("--chunk-mb", type=int, default=16, help="raw read chunk size in MiB")
     parser.add_argument("--io-threads", type=int, default=4)
