@@ -319,6 +319,7 @@ def plan(src: Path) -> Plan:
     if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
         raise CheckpointError(f"{src}: expert tensors have dtype(s) {sorted(dtypes)}; flashmoe needs one of "
                               f"{', '.join(DTYPES)} for all experts (quantized checkpoints are not supported)")
+    _check_dense_shapes(dict(dense), config, arch)
     torch_dtype, itemsize = DTYPES[dtypes.pop()]
     shape = StoreShape(shape.n_layers, shape.n_experts, shape.hidden, shape.intermediate, torch_dtype, itemsize)
     files = [src / CONFIG] + ([src / TOKENIZER] if (src / TOKENIZER).exists() else [])
@@ -459,6 +460,20 @@ def _check_shape(info: TensorInfo, want: tuple[int, ...], shape: StoreShape) -> 
         raise CheckpointError(f"tensor {info.name} has shape {list(info.shape)}, but config.json (hidden_size="
                               f"{shape.hidden}, expert intermediate size {shape.intermediate}) implies {list(want)}; "
                               f"the config disagrees with the checkpoint")
+
+
+def _check_dense_shapes(dense: dict[str, TensorInfo], config: MoEConfig, arch: Arch) -> None:
+    """Embeddings, LM head and routers are where a config that disagrees with the weights shows."""
+    want = {"model.embed_tokens.weight": (config.vocab_size, config.dim),
+            "lm_head.weight": (config.vocab_size, config.dim)}
+    for layer in config.moe_layer_ids:
+        for module in arch.moe_modules:
+            want[f"model.layers.{layer}.{module}.gate.weight"] = (config.n_experts, config.dim)
+    for name, shape in want.items():
+        if name in dense and dense[name].shape != shape:
+            raise CheckpointError(f"tensor {name} has shape {list(dense[name].shape)}, but config.json (vocab_size="
+                                  f"{config.vocab_size}, hidden_size={config.dim}, {config.n_experts} experts) "
+                                  f"implies {list(shape)}; the config disagrees with the checkpoint")
 
 
 def _saved_name(name: str, arch: Arch) -> str:

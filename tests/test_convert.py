@@ -177,6 +177,12 @@ def test_config_with_wrong_hidden_size(tmp_path, layout):
     _convert_fails(ckpt.path, tmp_path / "store", "hidden_size=64", "disagrees")
 
 
+def test_config_with_wrong_vocab_size(tmp_path):
+    ckpt = tiny_checkpoint("qwen3_moe", tmp_path / "hf")
+    _edit_config(ckpt.path, vocab_size=1000)
+    _convert_fails(ckpt.path, tmp_path / "store", "model.embed_tokens.weight", "vocab_size=1000", "disagrees")
+
+
 def test_config_with_fewer_layers_than_the_tensors(tmp_path):
     ckpt = tiny_checkpoint("qwen2_moe", tmp_path / "hf")
     _edit_config(ckpt.path, num_hidden_layers=1)
