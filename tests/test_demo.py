@@ -147,6 +147,16 @@ def test_greedy_text_is_printable(hf_demo):
     assert all(32 <= t < 127 or t == 10 for t in ids.tolist()), ids  # printable ASCII or newline
 
 
+def test_our_model_runs_the_demo_like_transformers(demo, hf_demo):
+    from agent.model.model import Transformer
+    ids = list(b"def f(x): return x")
+    model = Transformer.from_store(demo, InMemoryExperts(demo))
+    ours = model.step([(model.new_sequence(len(ids)), torch.tensor(ids))], all_logits=True)[0]
+    with torch.no_grad():
+        ref = hf_demo(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------- the command line and the runtime
 
 def test_cli_init_demo_then_generate(tmp_path):
