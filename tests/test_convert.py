@@ -221,6 +221,13 @@ def test_non_empty_destination_needs_overwrite(tmp_path):
     _assert_store_matches(dst, ckpt)
 
 
+def test_an_empty_destination_directory_is_fine(tmp_path):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    (tmp_path / "store").mkdir()
+    convert(ckpt.path, tmp_path / "store")
+    _assert_store_matches(tmp_path / "store", ckpt)
+
+
 def test_failure_while_writing_leaves_nothing(tmp_path):
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
 
