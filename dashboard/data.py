@@ -13,7 +13,7 @@ from typing import Any
 
 import streamlit as st
 
-from dashboard import agent_client, settings, sweep
+from dashboard import agent_client, settings, sweep, transforms
 from store import queries
 from store.errors import StoreError
 
@@ -156,6 +156,16 @@ def agent_knobs(url: str) -> dict[str, Any] | str:
         return agent(url).knobs()
     except agent_client.AgentError as err:
         return str(err)
+
+
+def knob_state(url: str, db: str) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """(knobs as GET /v1/knobs describes them, None) from a live agent; else the last values the
+    store holds, without bounds, and the reason the agent could not be reached."""
+    knobs = agent_knobs(url)
+    if isinstance(knobs, dict):
+        return knobs, None
+    stored = latest_knobs(db) if store_problem(db) is None else {}
+    return transforms.stored_knobs(stored), knobs
 
 
 @st.cache_resource

@@ -44,24 +44,18 @@ def knob_form(knobs: dict[str, dict[str, Any]], online: bool) -> None:
             st.rerun()
 
 
-knobs = data.agent_knobs(url)
-online = isinstance(knobs, dict)
-if online:
-    st.success(f"Agent online at {url}", icon=":material/check_circle:")
-else:
-    components.agent_offline_notice(knobs)
-    knobs = transforms.stored_knobs(data.latest_knobs(db)) if data.store_problem(db) is None else {}
-
-if "tuning-answer" in st.session_state:
-    answer = st.session_state["tuning-answer"]
-    (st.success if answer.startswith("accepted") else st.error)(f"Agent answer: {answer}")
-
-if knobs:
-    st.subheader("Knobs" if online else "Knobs (last stored values, read-only)")
-    st.table(pd.DataFrame(transforms.knob_table(knobs)).set_index("knob"))
-    knob_form(knobs, online)
-else:
-    st.info("No knob values known: the agent is offline and the store holds no knob changes.")
+@st.fragment(run_every=settings.REFRESH_S)
+def current() -> None:
+    knobs, offline = data.knob_state(url, db)
+    if offline:
+        components.agent_offline_notice(offline)
+    else:
+        st.success(f"Agent online at {url}", icon=":material/check_circle:")
+    if knobs:
+        st.subheader("Knobs (last stored values, read-only)" if offline else "Knobs")
+        st.table(pd.DataFrame(transforms.knob_table(knobs)).set_index("knob"))
+    else:
+        st.info("No knob values known: the agent is offline and the store holds no knob changes.")
 
 
 @st.fragment(run_every=settings.REFRESH_S)
@@ -76,4 +70,11 @@ def history() -> None:
         st.caption("No knob changes recorded yet.")
 
 
+current()
+knobs, offline = data.knob_state(url, db)
+if "tuning-answer" in st.session_state:
+    answer = st.session_state["tuning-answer"]
+    (st.success if answer.startswith("accepted") else st.error)(f"Agent answer: {answer}")
+if knobs:
+    knob_form(knobs, online=offline is None)
 history()
