@@ -20,7 +20,7 @@ import httpx
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard import data, synthetic
+from dashboard import data, sweep, synthetic
 from store import queries
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,3 +174,14 @@ def test_cache_sweep_measures_each_cap_stores_the_curve_and_restores_the_cap(mon
     curve = next(json.loads(c.proto.spec) for c in at.get("plotly_chart")
                  if json.loads(c.proto.spec)["layout"]["title"]["text"].startswith("Tokens/s by cache cap"))
     assert curve["data"][0]["x"] == [c / 2**20 for c in sorted(caps)]
+
+
+def test_a_refused_sweep_says_why_and_still_restores_the_cap(agent):
+    url, db = agent
+    before = knob(url, "cache_cap_bytes")
+    runner = sweep.SweepRunner()
+    runner.start(data.agent(url), str(db), [before["min"] - 1], n_requests=1, max_tokens=1)
+    runner.join(60)
+    assert "refused cache_cap_bytes" in runner.progress.error
+    assert runner.progress.status == "failed" and not runner.progress.points
+    assert knob(url, "cache_cap_bytes")["value"] == before["value"]
