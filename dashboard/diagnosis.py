@@ -61,6 +61,9 @@ def evidence_for(threshold: Threshold, samples: Sequence[tuple[float, float]]) -
     return Evidence(threshold, max(v for _, v in over), over[0][0], over[-1][0], len(over), len(samples))
 
 
+RULE = "PSI full alone, or any two signals, is thrash; one signal is pressure"
+
+
 def verdict_of(evidence: Sequence[Evidence], full_signal: str) -> str:
     if any(e.threshold.signal == full_signal for e in evidence) or len(evidence) >= 2:
         return "thrashing"

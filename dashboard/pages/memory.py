@@ -52,6 +52,9 @@ def diagnose(since: float, until: float) -> None:
     VERDICT_BOX[verdict.verdict](f"**{verdict.verdict.capitalize()}.** {verdict.summary}")
     for e in verdict.evidence:
         st.markdown(f"- {e.sentence()}, from {transforms.clock(e.first_t)} to {transforms.clock(e.last_t)}")
+    st.caption("Judged on the bucket averages of this window: "
+               + "; ".join(f"{th.label} above {th.limit:g} {th.unit}" for th in THRESHOLDS)
+               + f". {diagnosis.RULE}.")
     rec = verdict.recommendation
     if rec is None:
         return
