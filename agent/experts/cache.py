@@ -62,27 +62,37 @@ def parse_cap(text: str | int, total_expert_bytes: int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def _cgroup_limits() -> list[int]:
-    """Memory limits of this process's cgroup (v2 memory.max, v1 memory.limit_in_bytes) that are set."""
-    rel = {}
+def _cgroup_limits(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> list[int]:
+    """Memory limits set on this process's cgroup and its ancestors (v2 memory.max, v1 memory.limit_in_bytes)."""
+    paths = {}
     try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
+        for line in own.read_text().splitlines():
             _, controllers, path = line.split(":", 2)
-            rel[controllers] = path.lstrip("/")
-    except OSError:
+            paths[controllers] = path
+    except (OSError, ValueError):
         pass
-    root = Path("/sys/fs/cgroup")
-    candidates = [root / rel.get("", "") / "memory.max", root / "memory.max",
-                  root / "memory" / rel.get("memory", "") / "memory.limit_in_bytes", root / "memory" / "memory.limit_in_bytes"]
     limits = []
-    for path in candidates:
-        try:
-            value = path.read_text().strip()
-        except OSError:
-            continue
-        if value.isdigit() and int(value) < 2**60:  # "max" or v1's huge sentinel mean no limit
-            limits.append(int(value))
+    for mount, key, name in [(root, "", "memory.max"), (root / "memory", "memory", "memory.limit_in_bytes")]:
+        for directory in _cgroup_chain(mount, paths.get(key, "/")):
+            try:
+                value = (directory / name).read_text().strip()
+            except OSError:
+                continue
+            if value.isdigit() and int(value) < 2**60:  # "max" or v1's huge sentinel mean no limit
+                limits.append(int(value))
     return limits
+
+
+def _cgroup_chain(mount: Path, path: str) -> list[Path]:
+    """The cgroup's directory under mount, then each parent up to mount. A container may mount its
+    own cgroup as the root while /proc/self/cgroup names the full path, so leading parts that do not
+    exist under mount are skipped."""
+    parts = [p for p in path.split("/") if p]
+    here = next((mount.joinpath(*parts[i:]) for i in range(len(parts)) if mount.joinpath(*parts[i:]).is_dir()), mount)
+    chain = [here]
+    while chain[-1] != mount:
+        chain.append(chain[-1].parent)
+    return chain
 
 
 def memory_limit_bytes() -> int:
