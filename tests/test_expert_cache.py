@@ -265,6 +265,37 @@ def test_random_routing_prefetch_and_resizes_always_serve_the_right_weights(stor
     assert s.hits > 0 and s.evictions > 0 and s.prefetches > 0
 
 
+def test_live_resizes_and_policy_switches_from_another_thread_while_decoding(store):
+    reference = InMemoryExperts(store)
+    errors, done = [], threading.Event()
+    with ExpertCache(store, slots(store, LAYERS * 4)) as cache:
+        def operator():  # the service's HTTP handlers
+            rng = random.Random(1)
+            while not done.is_set():
+                try:
+                    cache.resize(slots(store, LAYERS * rng.choice([2, 3, 5])))
+                    cache.set_policy(rng.choice(["lru", "lfu", "arc"]))
+                except Exception as exc:  # noqa: BLE001 - any failure fails the test below
+                    errors.append(exc)
+                time.sleep(0.0005)
+
+        knobs = threading.Thread(target=operator)
+        knobs.start()
+        rng = random.Random(2)
+        try:
+            for t in range(300):  # the decode thread
+                layer = t % LAYERS
+                chosen = rng.sample(range(EXPERTS), TOP_K)
+                cache.route(layer, chosen)
+                cache.prefetch((layer + 1) % LAYERS, rng.sample(range(EXPERTS), 2))
+                for e in chosen:
+                    assert torch.equal(cache.get(layer, e).gate, reference.get(layer, e).gate)
+        finally:
+            done.set()
+            knobs.join(10)
+    assert not errors
+
+
 def test_set_policy_keeps_the_resident_set_and_the_counters(store):
     with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
         step(cache, 0, [0, 1])
