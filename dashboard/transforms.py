@@ -84,19 +84,26 @@ def age_text(t: float | None, now: float) -> str:
 
 def knob_table(described: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     """GET /v1/knobs -> one row per knob: value, allowed range, default, help."""
-    return [{"knob": name, "value": str(spec["value"]), "allowed": bounds_text(spec),
-             "default": str(spec.get("default", "")), "help": spec.get("help", "")}
+    return [{"knob": name, "value": value_text(name, spec["value"]), "allowed": bounds_text(spec, name),
+             "default": value_text(name, spec.get("default", "")), "help": spec.get("help", "")}
             for name, spec in described.items()]
 
 
-def bounds_text(spec: Mapping[str, Any]) -> str:
+def value_text(name: str, value: Any) -> str:
+    """A knob value as text; byte counts also as a human size, e.g. `786432 (768 KiB)`."""
+    if name.endswith("_bytes") and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value} ({size(value)})"
+    return str(value)
+
+
+def bounds_text(spec: Mapping[str, Any], name: str = "") -> str:
     if spec.get("type") == "bool":
         return "true or false"
     if "choices" in spec:
         return ", ".join(spec["choices"])
     if "min" not in spec:
         return "unknown while the agent is offline"
-    return f"{spec['min']} … {spec['max']}"
+    return f"{value_text(name, spec['min'])} … {value_text(name, spec['max'])}"
 
 
 def stored_knobs(latest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

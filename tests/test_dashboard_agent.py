@@ -124,7 +124,7 @@ def test_tuning_applies_a_knob_and_shows_the_agents_answer(monkeypatch, agent):
     assert f"accepted: cache_cap_bytes = {new}" in texts(at.success)
     assert knob(url, "cache_cap_bytes")["value"] == new
     table, history = at.table[0].value, at.dataframe[0].value
-    assert table.loc["cache_cap_bytes", "value"] == str(new)
+    assert table.loc["cache_cap_bytes", "value"].startswith(f"{new} (")
     latest = history.iloc[0]
     assert (latest["knob"], latest["new"], latest["source"]) == ("cache_cap_bytes", str(new), "dashboard")
 

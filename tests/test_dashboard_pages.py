@@ -143,7 +143,7 @@ def test_tuning_page_offline_shows_stored_knobs_read_only_and_history(monkeypatc
     at = open_page(monkeypatch, db, "tuning")
     assert "Agent offline" in texts(at.warning)
     knobs, history = at.table[0].value, at.dataframe[0].value
-    assert dict(zip(knobs.index, knobs["value"])) == {"cache_cap_bytes": str(synthetic.CACHE_CAP),
+    assert dict(zip(knobs.index, knobs["value"])) == {"cache_cap_bytes": f"{synthetic.CACHE_CAP} (4.0 GiB)",
                                                        "policy": "flashmoe"}
     assert all(w.disabled for w in at.number_input) and at.number_input
     assert list(history["knob"]) == ["policy", "cache_cap_bytes"]          # newest first

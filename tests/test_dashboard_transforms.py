@@ -59,6 +59,9 @@ def test_knob_table_states_bounds_by_type():
                  "policy": {"value": "lru", "default": "lru", "type": "str", "choices": ["lru", "arc"]},
                  "prefetch": {"value": True, "default": True, "type": "bool"}}
     assert [r["allowed"] for r in transforms.knob_table(described)] == ["1 … 9", "lru, arc", "true or false"]
+    cap = transforms.knob_table({"cache_cap_bytes": {"value": 3 << 20, "type": "int", "min": 1024, "max": 1 << 30}})[0]
+    assert cap["value"] == f"{3 << 20} (3.0 MiB)"
+    assert cap["allowed"] == "1024 (1 KiB) … 1073741824 (1.0 GiB)"
 
 
 def test_stored_knobs_have_no_bounds_while_the_agent_is_away():
