@@ -262,6 +262,23 @@ def collect(collector: Collector, interval: float, stop: threading.Event, durati
                 log.error("%s", e)
 
 
+def open_store(path: Path, stop: threading.Event, retry_s: float = 1.0) -> Store | None:
+    """Open the store, waiting while another process holds its write lock (a busy agent must not
+    make the collector exit, which would stop the whole Procfile). None if stopped meanwhile."""
+    logged = False
+    while True:
+        try:
+            return Store(path)
+        except StoreError as e:
+            if "locked" not in str(e) and "busy" not in str(e):
+                raise
+            if not logged:
+                log.error("%s; retrying every %.0f s", e, retry_s)
+                logged = True
+        if stop.wait(retry_s):
+            return None
+
+
 def _positive(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -288,10 +305,12 @@ def run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        store = Store(args.db)
+        store = open_store(args.db, stop)
     except StoreError as e:
         log.error("%s", e)
         return 1
+    if store is None:
+        return 0
     try:
         collector = Collector(store, args.pid_file, args.store_path)
         log.info("collecting every %.3g s into %s", args.interval, args.db)

@@ -139,3 +139,28 @@ def test_a_hotplug_event_is_recorded_and_devices_rediscovered(tmp_path):
             time.sleep(0.05)
         assert expected in [e["message"] for e in queries.events(db, kind="device.hotplug")]
         assert len(queries.events(db, kind="collector.devices")) >= 2     # rediscovered
+
+
+def test_the_collector_waits_for_a_locked_store_instead_of_exiting(tmp_path, caplog):
+    import sqlite3
+    import threading
+
+    from collector.loop import open_store
+    db = tmp_path / "flashmoe.db"
+    Store(db, autoflush_s=0).close()
+    blocker = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    blocker.execute("BEGIN IMMEDIATE")                         # a real second writer holds the lock
+    release = threading.Timer(3.0, blocker.execute, args=("ROLLBACK",))
+    give_up = threading.Event()
+    safety = threading.Timer(60.0, give_up.set)
+    release.start()
+    safety.start()
+    try:
+        store = open_store(db, give_up, retry_s=0.2)
+    finally:
+        release.join()
+        safety.cancel()
+        blocker.close()
+    assert store is not None
+    store.close()
+    assert "database is locked" in caplog.text and "retrying" in caplog.text
