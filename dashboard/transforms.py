@@ -1,7 +1,6 @@
 """Pure shaping of query results into what the figures and metrics take (no Streamlit, no I/O)."""
 from __future__ import annotations
 
-import math
 import re
 from datetime import datetime, timezone
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,12 +26,6 @@ def latency_lines(rows: Sequence[Mapping[str, Any]], column: str = "latency_s"
     """latency_quantiles rows -> (bucket times, {"P50": [...], "P95": [...], "P99": [...]})."""
     t = [r["t"] for r in rows]
     return t, {label: [r[column].get(q) for r in rows] for label, q in QUANTILES.items()}
-
-
-def overall_quantile(rows: Sequence[Mapping[str, Any]], q: float, column: str = "latency_s") -> float:
-    """The q-quantile of `column` over all request rows (nearest-rank, no interpolation)."""
-    values = sorted(r[column] for r in rows if r[column] is not None)
-    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))] if values else float("nan")
 
 
 def cache_totals(per_layer: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -1,7 +1,6 @@
 """Pure shaping of query results, the sweep's cap choice, and the SQL cache-statistics loader."""
 from __future__ import annotations
 
-import math
 import time
 
 import pytest
@@ -20,13 +19,6 @@ def test_latency_lines_pick_each_quantile_per_bucket():
     t, lines = transforms.latency_lines(rows)
     assert t == [0.0, 60.0]
     assert lines == {"P50": [1.0, 1.5], "P95": [2.0, None], "P99": [3.0, None]}
-
-
-def test_overall_quantile_is_nearest_rank():
-    rows = [{"latency_s": v} for v in (5.0, 1.0, None, 3.0, 2.0)]
-    assert transforms.overall_quantile(rows, 0.5) == 2.0
-    assert transforms.overall_quantile(rows, 0.99) == 5.0
-    assert math.isnan(transforms.overall_quantile([], 0.5))
 
 
 def test_heatmap_matrix_fills_unrouted_experts_with_zero():
