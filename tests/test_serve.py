@@ -28,8 +28,6 @@ def free_port() -> int:
 
 def demo_model(tmp_path_factory) -> Path:
     """The small demo model, written once per test session (init-demo is idempotent)."""
-    if os.environ.get("FLASHMOE_DEV_MODEL"):
-        return Path(os.environ["FLASHMOE_DEV_MODEL"])
     out = tmp_path_factory.getbasetemp() / "demo-small"
     subprocess.run([*CLI, "init-demo", "--out", str(out), "--size", "small"], check=True, capture_output=True)
     return out
