@@ -14,7 +14,8 @@ not the RAM used: that unbounded page cache is what the mmap design trades for. 
 token's working set (top-k experts per layer) is refused by the cache; such a row runs at that
 minimum and says so.
 
---model defaults to the default demo model in data/demo (written by init-demo if absent).
+--model defaults to a private copy of the demo model in data/decode-demo-SIZE (written by init-demo if
+absent): another process mapping data/demo (a running agent) would keep its pages cached.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch
 
 from agent.demo import init_demo
 from agent.experts.cache import cap_bounds
-from agent.experts.layout import EXPERTS, INDEX, Index
+from agent.experts.layout import INDEX, Index
 from agent.experts.provider import InMemoryExperts
 from agent.generate import run_generate
 from agent.model.generation import generate
@@ -67,7 +68,7 @@ def in_ram(store: Path, prompt_ids: list[int], tokens: int) -> tuple[float, list
 
 
 def cached(store: Path, prompt_ids: list[int], tokens: int, cap_bytes: int, backend: str, prefetch: bool) -> dict:
-    drop_from_page_cache(store / EXPERTS)
+    drop_from_page_cache(store, Index.load(store / INDEX))
     result = run_generate(store, prompt_ids=prompt_ids, max_new_tokens=tokens, greedy=True,
                           cache_cap=str(cap_bytes), backend=backend, prefetch=prefetch)
     return {**result.stats, "token_ids": result.token_ids}
@@ -90,6 +91,7 @@ def run(store: Path, caps: list[float], backends: list[str], prefetch: list[bool
     prompt_ids = load_tokenizer(store).encode(PROMPT)
     configs = [(b, *cap_for(store, pct), pct, p) for pct in caps for b in backends for p in prefetch]
     ram_speeds, samples = [], {i: [] for i in range(len(configs))}
+    in_ram(store, prompt_ids, 4)  # warm-up, not measured: the process's first forward passes are slower
     for _ in range(repeat):
         speed, reference = in_ram(store, prompt_ids, tokens)
         ram_speeds.append(speed)
@@ -128,7 +130,7 @@ def print_table(rows: list[Row]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="an expert store (default: the demo model in data/demo)")
+    parser.add_argument("--model", type=Path, help="an expert store (default: a private demo copy in data/)")
     parser.add_argument("--size", choices=("default", "small"), default="default", help="demo size if --model is absent")
     parser.add_argument("--tokens", type=int, default=48, help="new tokens per run (default 48)")
     parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds; the median is reported")
@@ -138,7 +140,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as flashmoe-cli generate)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    store = args.model or init_demo(ROOT / "data" / ("demo" if args.size == "default" else "demo-small"), args.size)
+    store = args.model or init_demo(ROOT / "data" / f"decode-demo-{args.size}", args.size)
     index = Index.load(store / INDEX)
     start = time.monotonic()
     prefetch = {"on": [True], "off": [False], "both": [True, False]}[args.prefetch]
