@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import sqlite_utils
-
 from store import codec
 from store.errors import StoreError
 from store.schema import DDL, DEFAULT_RETENTION_S, KINDS, SCHEMA_VERSION, SeriesSpec, spec_for
@@ -90,14 +88,20 @@ def advice_for(error: sqlite3.Error, path: Path) -> str:
     return f"check that {path} is a FlashMoE store on a healthy disk"
 
 
-def open_database(path: Path, busy_timeout_s: float) -> sqlite_utils.Database:
-    """Open (or create) the store file in WAL mode with the schema in place."""
+def open_database(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
+    """Open (or create) the store file in WAL mode with the schema in place.
+
+    Plain sqlite3, not sqlite-utils: importing sqlite-utils imports pandas when it is installed
+    (streamlit brings it), which cost the always-on collector 1.7 s at start and ~80 MB of RSS on
+    a box whose RAM is for experts."""
     path.parent.mkdir(parents=True, exist_ok=True)
     conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None,
                            check_same_thread=False)
-    db = sqlite_utils.Database(conn)
     try:
-        db.enable_wal()
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            log.warning("%s stays in %s journal mode (WAL refused, e.g. a network filesystem): "
+                        "readers may briefly block writers", path, mode)
         conn.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: a crash loses no committed data
         # One transaction: a writer killed mid-creation leaves no half-made schema behind.
         conn.executescript(f"BEGIN IMMEDIATE; {DDL} INSERT OR IGNORE INTO meta VALUES "
@@ -110,7 +114,7 @@ def open_database(path: Path, busy_timeout_s: float) -> sqlite_utils.Database:
         conn.close()
         raise StoreError(f"cannot open {path} as a FlashMoE store: {e}; "
                          f"{advice_for(e, path)}") from e
-    return db
+    return conn
 
 
 def to_fixed(value: float, spec: SeriesSpec) -> int:
@@ -132,7 +136,7 @@ class Store:
         self.chunk_points = chunk_points
         self.max_held_points = max_held_points
         self.max_held_rows = max_held_rows
-        self.db = open_database(self.path, busy_timeout_s)
+        self.conn = open_database(self.path, busy_timeout_s)
         self._series: dict[str, _SeriesBuffer] = {}
         self._rows: dict[str, list[tuple[Any, ...]]] = {table: [] for table in _ROW_SQL}
         self._lock = threading.Lock()          # guards the buffers
@@ -229,8 +233,8 @@ class Store:
             try:
                 opened = self._write(snapshot)
             except sqlite3.Error as e:
-                if self._conn.in_transaction:
-                    self._conn.rollback()
+                if self.conn.in_transaction:
+                    self.conn.rollback()
                 self._series_ids.clear()      # ids inserted by the rolled-back transaction are void
                 with self._lock:
                     self._on_failure(e)
@@ -241,10 +245,6 @@ class Store:
         if outage is not None:
             self._on_recovery(outage)
         return True
-
-    @property
-    def _conn(self) -> sqlite3.Connection:
-        return self.db.conn
 
     def _snapshot(self) -> "_Snapshot":
         now = time.monotonic()
@@ -259,7 +259,7 @@ class Store:
 
     def _write(self, snap: "_Snapshot") -> dict[str, tuple[int | None, list[tuple[int, int]]]]:
         """Run the transaction; returns per series the new open chunk (id, points)."""
-        conn = self._conn
+        conn = self.conn
         conn.execute("BEGIN IMMEDIATE")
         opened: dict[str, tuple[int | None, list[tuple[int, int]]]] = {}
         for table, rows in snap.rows.items():
@@ -280,7 +280,7 @@ class Store:
     def _series_id(self, spec: SeriesSpec) -> int:
         if spec in self._series_ids:
             return self._series_ids[spec]
-        conn = self._conn
+        conn = self.conn
         conn.execute(
             "INSERT INTO series (name, unit, kind, precision, description) VALUES (?,?,?,?,?) "
             "ON CONFLICT(name) DO UPDATE SET unit=excluded.unit, kind=excluded.kind, "
@@ -296,14 +296,14 @@ class Store:
         data = codec.encode(t_ms, [p[1] for p in points])
         values = (min(t_ms) / 1000, max(t_ms) / 1000, len(points), precision, data)
         if chunk_id is not None:
-            cur = self._conn.execute(
+            cur = self.conn.execute(
                 "UPDATE chunks SET t_start=?, t_end=?, n_points=?, precision=?, data=? WHERE id=?",
                 values + (chunk_id,))
             if cur.rowcount == 1:
                 return chunk_id
             # The open chunk is gone (deleted by retention): start a new one. Compaction merges
             # only chunks older than any open chunk (see store.compact), so no point is doubled.
-        cur = self._conn.execute(
+        cur = self.conn.execute(
             "INSERT INTO chunks (series_id, t_start, t_end, n_points, precision, data) "
             "VALUES (?,?,?,?,?,?)", (series_id,) + values)
         return int(cur.lastrowid)
@@ -373,18 +373,18 @@ class Store:
         with self._write_lock:
             try:
                 self._retain(now - retention_s, report)
-                series_ids = [r[0] for r in self._conn.execute("SELECT id FROM series")]
+                series_ids = [r[0] for r in self.conn.execute("SELECT id FROM series")]
                 for series_id in series_ids:
                     self._merge_series(series_id, now - min_age_s, target_points, report)
             except sqlite3.Error as e:
-                if self._conn.in_transaction:
-                    self._conn.rollback()
+                if self.conn.in_transaction:
+                    self.conn.rollback()
                 raise StoreError(f"compacting {self.path} failed: {e}; {advice_for(e, self.path)}") from e
         log.info("compacted %s: %s", self.path, report)
         return report
 
     def _retain(self, cutoff: float, report: "Compaction") -> None:
-        conn = self._conn
+        conn = self.conn
         conn.execute("BEGIN IMMEDIATE")
         report.chunks_deleted = conn.execute("DELETE FROM chunks WHERE t_end < ?", (cutoff,)).rowcount
         straddling = conn.execute("SELECT id, series_id, precision, data FROM chunks "
@@ -404,7 +404,7 @@ class Store:
 
     def _merge_series(self, series_id: int, before: float, target_points: int,
                       report: "Compaction") -> None:
-        conn = self._conn
+        conn = self.conn
         conn.execute("BEGIN IMMEDIATE")
         rows = conn.execute(
             "SELECT id, precision, data, n_points FROM chunks WHERE series_id = ? AND t_end < ? "
@@ -437,7 +437,7 @@ class Store:
             log.error("closing the store %s with unwritten data: %s", self.path,
                       self._outage.reason if self._outage else "unknown error")
         with self._write_lock:
-            self.db.conn.close()
+            self.conn.close()
         return ok
 
     def __enter__(self) -> "Store":

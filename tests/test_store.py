@@ -169,8 +169,8 @@ def test_a_full_disk_is_reported_held_and_written_when_space_returns(path, caplo
     try:
         store.append("block.vda.util", T0, 0.5)
         store.flush()
-        pages = store.db.conn.execute("PRAGMA page_count").fetchone()[0]
-        store.db.conn.execute(f"PRAGMA max_page_count = {pages}")     # the file cannot grow
+        pages = store.conn.execute("PRAGMA page_count").fetchone()[0]
+        store.conn.execute(f"PRAGMA max_page_count = {pages}")     # the file cannot grow
         for name in (f"agent.series{i}" for i in range(40)):
             store.declare(name, "x", precision=1.0)
             for i in range(200):
@@ -179,7 +179,7 @@ def test_a_full_disk_is_reported_held_and_written_when_space_returns(path, caplo
             assert store.flush() is False
         assert any("full" in r.getMessage() and "free space" in r.getMessage() for r in caplog.records)
         assert "agent.series0" not in queries.series_names(path)
-        store.db.conn.execute("PRAGMA max_page_count = 1073741823")
+        store.conn.execute("PRAGMA max_page_count = 1073741823")
         assert store.flush()
         assert queries.points(path, "agent.series39")[1].tolist() == [i * 1000.0 for i in range(200)]
     finally:
