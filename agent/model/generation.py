@@ -38,8 +38,9 @@ class Generation:
 def prefill(model: Transformer, seq: Sequence, prompt_ids: Tensor, chunk: int | None = None,
             on_step: Callable[[], None] | None = None) -> Tensor:
     """Run the prompt [n] in steps of `chunk` tokens (None: one step); return the last token's logits."""
-    for start in range(0, len(prompt_ids), chunk or len(prompt_ids)):
-        logits = model.step([(seq, prompt_ids[start:start + (chunk or len(prompt_ids))])])[0]
+    size = chunk or len(prompt_ids)
+    for start in range(0, len(prompt_ids), size):
+        logits = model.step([(seq, prompt_ids[start:start + size])])[0]
         _notify(on_step)
     return logits
 
