@@ -5,7 +5,7 @@
 Runs the real collector on this machine's devices into a temporary store, skips its start-up
 (imports, device discovery), then reads utime + stime of the process from /proc/<pid>/stat at the
 start and end of the measured window. Side by side: the goal (1% of one core), the collector's own
-`collector.cpu_fraction` series over the same window, and the CPU per tick.
+`collector.cpu_fraction` series over the same window, the CPU per tick, and its resident memory.
 """
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[14 - 3]) + int(fields[15 - 3])) / TICK      # utime, stime (proc(5))
 
 
+def rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=60.0)
@@ -52,6 +57,7 @@ def main() -> int:
             wall0, cpu0 = time.time(), cpu_seconds(proc.pid)
             time.sleep(args.seconds)
             wall1, cpu1 = time.time(), cpu_seconds(proc.pid)
+            rss_bytes = rss(proc.pid)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
@@ -62,7 +68,7 @@ def main() -> int:
     result = {"interval_s": args.interval, "window_s": wall1 - wall0, "cpu_s": cpu1 - cpu0,
               "cpu_fraction_of_one_core": fraction, "goal": GOAL, "fraction_over_goal": fraction / GOAL,
               "self_reported_mean": float(np.mean(own)) if len(own) else None,
-              "ticks": ticks, "points": points, "cpu_ms_per_tick": 1000 * (cpu1 - cpu0) / max(ticks, 1),
+              "rss_bytes": rss_bytes, "ticks": ticks, "points": points, "cpu_ms_per_tick": 1000 * (cpu1 - cpu0) / max(ticks, 1),
               "clock_tick_s": 1 / TICK, "machine": machine()}
     print(f"{'measure':34} {'value':>10}")
     print(f"{'window (s)':34} {result['window_s']:>10.1f}")
@@ -74,6 +80,7 @@ def main() -> int:
     if result["self_reported_mean"] is not None:
         print(f"{'collector.cpu_fraction (own) mean':34} {result['self_reported_mean']:>10.4%}")
     print(f"{'CPU per tick (ms)':34} {result['cpu_ms_per_tick']:>10.2f}")
+    print(f"{'collector RSS (MB)':34} {rss_bytes / 1e6:>10.1f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {RESULTS}")
