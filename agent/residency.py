@@ -45,13 +45,19 @@ class Residency:
         self._parts = [_Partition(c, policy_factory()) for c in self._split(capacity)]
 
     # -- capacity -------------------------------------------------------------------------------
+    @staticmethod
+    def min_capacity(n_layers: int, min_per_layer: int, scope: str) -> int:
+        """Fewest slots that hold one layer's working set: only the layer being computed is pinned,
+        so global scope needs one layer's share, layer scope that share in every layer."""
+        return min_per_layer * (n_layers if scope == "layer" else 1)
+
     def _split(self, capacity: int) -> list[int]:
-        floor = self.min_per_layer * (self.n_layers if self.scope == "global" else 1)
-        per = capacity // self.n_layers if self.scope == "layer" else capacity
-        if per < floor:
-            raise ValueError(f"capacity of {capacity} slots is below the working set of one token "
+        if capacity < self.min_capacity(self.n_layers, self.min_per_layer, self.scope):
+            raise ValueError(f"capacity of {capacity} slots is below the working set of one layer "
                              f"({self.min_per_layer} experts per layer, scope {self.scope})")
-        return [per] * (self.n_layers if self.scope == "layer" else 1)
+        if self.scope == "layer":
+            return [capacity // self.n_layers] * self.n_layers
+        return [capacity]
 
     @property
     def capacity(self) -> int:

@@ -101,11 +101,11 @@ def memory_limit_bytes() -> int:
     return min([physical, *_cgroup_limits()])
 
 
-def cap_bounds(index: Index, min_per_layer: int) -> tuple[int, int]:
-    """Allowed cache cap in bytes: one token's working set of slots, up to 70% of available memory.
-
-    Residency needs min_per_layer slots per layer in either scope (see Residency._split)."""
-    return index.n_layers * min_per_layer * index.slot_bytes, int(memory_limit_bytes() * MAX_MEMORY_SHARE)
+def cap_bounds(index: Index, min_per_layer: int, scope: str = "layer") -> tuple[int, int]:
+    """Allowed cache cap in bytes: one layer's working set of slots (Residency.min_capacity), up to
+    70% of available memory."""
+    floor = Residency.min_capacity(index.n_layers, min_per_layer, scope) * index.slot_bytes
+    return floor, int(memory_limit_bytes() * MAX_MEMORY_SHARE)
 
 
 # -- statistics ----------------------------------------------------------------------------------------
@@ -157,7 +157,7 @@ class ExpertCache:
         self.store_dir = Path(store_dir)
         self.index = Index.load(self.store_dir / INDEX)
         self.min_per_layer = min_per_layer or _top_k(self.store_dir)
-        self.policy_name = policy
+        self.policy_name, self.scope = policy, scope
         self._check_cap(cap_bytes)
         self.cap_bytes = cap_bytes
         self._residency = Residency(self._slots_for(cap_bytes), self.index.n_layers,
@@ -201,10 +201,10 @@ class ExpertCache:
         return slots // self.index.n_layers if self._residency.scope == "layer" else slots
 
     def _check_cap(self, cap_bytes: int) -> None:
-        lo, hi = cap_bounds(self.index, self.min_per_layer)
+        lo, hi = cap_bounds(self.index, self.min_per_layer, self.scope)
         if not lo <= cap_bytes <= hi:
             raise ValueError(f"cache cap {cap_bytes} bytes is outside the allowed range [{lo}, {hi}] bytes: at least "
-                             f"{self.min_per_layer} experts per layer x {self.index.n_layers} layers x "
+                             f"one layer's {self.min_per_layer} experts ({self.scope} scope) x "
                              f"{self.index.slot_bytes} bytes, at most {MAX_MEMORY_SHARE:.0%} of physical memory "
                              f"or of the cgroup memory limit")
 
