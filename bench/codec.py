@@ -8,8 +8,9 @@ The fixture tests/data/recorded_series.json was recorded on this machine by the 
 programs built and tested FlashMoE on the same two cores), then its first 10 minutes of every
 series exported with --make-fixture. Every codec sees the same points: raw is an 8-byte timestamp + 8-byte value;
 zlib (level 9) and Gorilla (`gorillacompression`, f64 values, second timestamps) compress a whole
-series as one block, their best case; ours is measured at the writer's chunk size (120 points),
-at the compacted size (7200) and as one block. Our decode is checked against the input.
+series as one block, their best case; ours is measured in chunks of 60 and 120 points and of 600
+(the writer's open chunk, also the whole fixture; compaction makes 7200-point chunks of older
+data). Our decode is checked against the input.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from store.schema import SeriesSpec  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "data" / "recorded_series.json"
 RESULTS = Path(__file__).resolve().parent / "results" / "codec.json"
-WRITER_CHUNK, COMPACT_CHUNK = 120, 7200
+CHUNKS = (60, 120, 600)
 
 
 @dataclass
@@ -43,9 +44,9 @@ class Row:
     raw: int
     zlib: int
     gorilla: int
+    ours_60: int
     ours_120: int
-    ours_7200: int
-    ours_block: int
+    ours_600: int
 
 
 def load(path: Path) -> dict:
@@ -77,8 +78,7 @@ def measure(name: str, entry: dict) -> Row:
     raw = b"".join(struct.pack("<qd", t, v) for t, v in zip(t_ms, values))
     gorilla = PairsEncoder.encode_all(zip((t // 1000 for t in t_ms), values))["encoded"]
     return Row(name, n, len(raw), len(zlib.compress(raw, 9)), len(gorilla),
-               ours(spec, t_ms, values, WRITER_CHUNK), ours(spec, t_ms, values, COMPACT_CHUNK),
-               ours(spec, t_ms, values, n))
+               *(ours(spec, t_ms, values, chunk) for chunk in CHUNKS))
 
 
 def make_fixture(db: Path, out: Path, seconds: float = 600.0) -> None:
@@ -113,15 +113,15 @@ def _cpu_model() -> str:
 
 
 def report(rows: list[Row]) -> dict:
-    columns = ("raw", "zlib", "gorilla", "ours_120", "ours_7200", "ours_block")
+    columns = ("raw", "zlib", "gorilla", "ours_60", "ours_120", "ours_600")
     print(f"{'series':36} {'points':>6} " + " ".join(f"{c:>10}" for c in columns) + "   (bytes/point)")
     for r in rows:
         print(f"{r.series:36} {r.points:>6} " + " ".join(f"{getattr(r, c) / r.points:>10.3f}" for c in columns))
     total_points = sum(r.points for r in rows)
     totals = {c: sum(getattr(r, c) for r in rows) / total_points for c in columns}
     print(f"{'ALL':36} {total_points:>6} " + " ".join(f"{totals[c]:>10.3f}" for c in columns))
-    ratios = {f"{c}_vs_ours_120": totals[c] / totals["ours_120"] for c in ("raw", "zlib", "gorilla")}
-    print("ratios (bytes of the other / bytes of ours at 120-point chunks): "
+    ratios = {f"{c}_vs_ours_600": totals[c] / totals["ours_600"] for c in ("raw", "zlib", "gorilla")}
+    print("ratios (bytes of the other / bytes of ours at 600-point chunks): "
           + ", ".join(f"{k.split('_vs')[0]} {v:.2f}x" for k, v in ratios.items()))
     return {"bytes_per_point": totals, "ratios": ratios, "series": [asdict(r) for r in rows]}
 

@@ -81,49 +81,120 @@ def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _encode_stream(deltas: list[int], out: bytearray) -> None:
-    codes = bytearray()
-    tail = bytearray()              # exceptions, then run lengths
-    runs: list[int] = []
-    n_exceptions = 0
-    i, n = 0, len(deltas)
-    while i < n:
-        d = deltas[i]
+class StreamEncoder:
+    """One stream, encoded delta by delta, so that a writer extending an open chunk every second
+    pays for the new points only. Both layouts are kept; `write` emits the smaller."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.codes = bytearray()
+        self.exceptions = bytearray()      # zigzag varints
+        self.runs = bytearray()            # varints
+        self.n_exceptions = self.n_runs = 0
+        self.zeros = 0                     # a run of zeros not yet emitted
+        self.varints = bytearray()         # the varint layout: every delta as a zigzag varint
+
+    def push(self, d: int) -> None:
+        self.n += 1
+        _varint(_zigzag(d), self.varints)
         if d == 0:
-            j = i
-            while j < n and deltas[j] == 0:
-                j += 1
-            if j - i >= MIN_RUN:
-                codes.append(RUN & 0xFF)
-                runs.append(j - i)
-            else:
-                codes.extend(b"\x00" * (j - i))
-            i = j
-            continue
-        if RUN < d <= 127:
-            codes.append(d & 0xFF)
-        else:
-            codes.append(ESC & 0xFF)
-            _varint(_zigzag(d), tail)
-            n_exceptions += 1
-        i += 1
-    for run in runs:
-        _varint(run, tail)
-    byte_mode = bytearray()
-    _varint(len(codes) << 1, byte_mode)
-    _varint(n_exceptions, byte_mode)
-    _varint(len(runs), byte_mode)
-    byte_mode += codes
-    byte_mode += tail
-    if n_exceptions * 4 >= n:           # escapes are common: plain varints may be smaller
-        varint_mode = bytearray()
-        _varint(n << 1 | 1, varint_mode)
-        for d in deltas:
-            _varint(_zigzag(d), varint_mode)
-        if len(varint_mode) < len(byte_mode):
-            out += varint_mode
+            self.zeros += 1
             return
-    out += byte_mode
+        if self.zeros:
+            self._emit_zeros(self.codes, self.runs)
+            self.n_runs += self.zeros >= MIN_RUN
+            self.zeros = 0
+        if RUN < d <= 127:
+            self.codes.append(d & 0xFF)
+        else:
+            self.codes.append(ESC & 0xFF)
+            _varint(_zigzag(d), self.exceptions)
+            self.n_exceptions += 1
+
+    def _emit_zeros(self, codes: bytearray, runs: bytearray) -> None:
+        if self.zeros >= MIN_RUN:
+            codes.append(RUN & 0xFF)
+            _varint(self.zeros, runs)
+        else:
+            codes.extend(bytes(self.zeros))
+
+    def write(self, out: bytearray) -> None:
+        codes, runs = self.codes, self.runs
+        if self.zeros:                     # close the pending run on copies; pushing may go on
+            codes, runs = bytearray(codes), bytearray(runs)
+            self._emit_zeros(codes, runs)
+        byte_mode = bytearray()
+        _varint(len(codes) << 1, byte_mode)
+        _varint(self.n_exceptions, byte_mode)
+        _varint(self.n_runs + (self.zeros >= MIN_RUN), byte_mode)
+        if len(byte_mode) + len(codes) + len(self.exceptions) + len(runs) <= len(self.varints) + 1:
+            out += byte_mode + codes + self.exceptions + runs
+        else:
+            _varint(self.n << 1 | 1, out)
+            out += self.varints
+
+    def copy(self) -> "StreamEncoder":
+        twin = StreamEncoder()
+        twin.__dict__.update({k: (bytearray(v) if isinstance(v, bytearray) else v)
+                              for k, v in self.__dict__.items()})
+        return twin
+
+
+class ChunkEncoder:
+    """Points appended one by one; `to_bytes()` is the chunk so far (see the module layout)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.t0 = self.q0 = self.t_prev = self.q_prev = self.delta_prev = 0
+        self.t_min = self.t_max = 0
+        self.times, self.values = StreamEncoder(), StreamEncoder()
+
+    def push(self, t_ms: int, q: int) -> None:
+        check_point(t_ms, q)
+        if self.n == 0:
+            self.t0 = self.t_min = self.t_max = self.t_prev = t_ms
+            self.q0 = self.q_prev = q
+        else:
+            delta = t_ms - self.t_prev
+            self.times.push(delta - self.delta_prev)
+            self.values.push(q - self.q_prev)
+            self.delta_prev, self.t_prev, self.q_prev = delta, t_ms, q
+            self.t_min, self.t_max = min(self.t_min, t_ms), max(self.t_max, t_ms)
+        self.n += 1
+
+    def to_bytes(self) -> bytes:
+        if self.n == 0:
+            raise CodecError("an empty chunk cannot be encoded")
+        out = bytearray([FORMAT])
+        _varint(self.n, out)
+        _varint(_zigzag(self.t0), out)
+        _varint(_zigzag(self.q0), out)
+        self.times.write(out)
+        self.values.write(out)
+        return bytes(out)
+
+    def copy(self) -> "ChunkEncoder":
+        twin = ChunkEncoder()
+        twin.__dict__.update(self.__dict__)
+        twin.times, twin.values = self.times.copy(), self.values.copy()
+        return twin
+
+    @classmethod
+    def of(cls, t_ms: list[int], q: list[int]) -> "ChunkEncoder":
+        if len(t_ms) != len(q):
+            raise CodecError(f"need equal lengths, got {len(t_ms)} times and {len(q)} values")
+        encoder = cls()
+        for t, v in zip(t_ms, q):
+            encoder.push(t, v)
+        return encoder
+
+
+def check_point(t_ms: int, q: int) -> None:
+    """Refuse a point the codec cannot hold, naming the bound."""
+    if not -_TIME_LIMIT < t_ms < _TIME_LIMIT:
+        raise CodecError(f"time {t_ms} ms is not within +-2**60 Unix milliseconds")
+    if not -_LIMIT < q < _LIMIT:
+        raise CodecError(f"fixed-point value {q} is beyond +-2**62; declare a coarser precision")
 
 
 def _read_varints(buf: bytes, pos: int, count: int) -> tuple[np.ndarray, int]:
@@ -179,28 +250,9 @@ def _decode_stream(buf: bytes, pos: int, fmt: int) -> tuple[np.ndarray, int]:
 
 def encode(t_ms: list[int], q: list[int]) -> bytes:
     """Encode points given as integer milliseconds and fixed-point integers (same length >= 1)."""
-    n = len(t_ms)
-    if n == 0 or n != len(q):
-        raise CodecError(f"need >= 1 point and equal lengths, got {n} times and {len(q)} values")
-    if not -_TIME_LIMIT < min(t_ms) <= max(t_ms) < _TIME_LIMIT:
-        raise CodecError(f"times must be Unix milliseconds within +-2**60, got {min(t_ms)}..{max(t_ms)}")
-    for v in (min(q), max(q)):
-        if not -_LIMIT < v < _LIMIT:
-            raise CodecError(f"fixed-point value {v} is beyond +-2**62; declare a coarser precision")
-    dod = [0] * (n - 1)
-    prev_delta = 0
-    for i in range(1, n):
-        delta = t_ms[i] - t_ms[i - 1]
-        dod[i - 1] = delta - prev_delta
-        prev_delta = delta
-    deltas = [q[i] - q[i - 1] for i in range(1, n)]
-    out = bytearray([FORMAT])
-    _varint(n, out)
-    _varint(_zigzag(t_ms[0]), out)
-    _varint(_zigzag(q[0]), out)
-    _encode_stream(dod, out)
-    _encode_stream(deltas, out)
-    return bytes(out)
+    if not t_ms:
+        raise CodecError("need >= 1 point to encode a chunk")
+    return ChunkEncoder.of(t_ms, q).to_bytes()
 
 
 def decode(data: bytes) -> Decoded:

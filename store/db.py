@@ -47,7 +47,7 @@ COMPACT_POINTS = 7200       # merged chunk size: 2 h at 1 Hz (fewer, larger chun
 class _SeriesBuffer:
     spec: SeriesSpec
     open_id: int | None = None              # row id of this writer's open chunk
-    open_points: list[tuple[int, int]] = field(default_factory=list)   # already in that chunk
+    encoder: codec.ChunkEncoder | None = None  # that chunk's points so far, ready to extend
     new_points: list[tuple[int, int]] = field(default_factory=list)    # not yet written
     last_write: float = 0.0                 # monotonic time the open chunk was last written
 
@@ -129,7 +129,7 @@ def to_fixed(value: float, spec: SeriesSpec) -> int:
 class Store:
     """Writer for the telemetry store. Thread-safe; one per process is enough."""
 
-    def __init__(self, path: str | os.PathLike[str], *, chunk_points: int = 120,
+    def __init__(self, path: str | os.PathLike[str], *, chunk_points: int = 600,
                  autoflush_s: float = 1.0, busy_timeout_s: float = 2.0,
                  max_held_points: int = 86_400, max_held_rows: int = 100_000) -> None:
         self.path = Path(path)
@@ -176,7 +176,12 @@ class Store:
                 buf = self._series[name] = _SeriesBuffer(spec)
             if not math.isfinite(t):
                 raise ValueError(f"series {name!r}: time {t!r} is not a finite Unix time in seconds")
-            buf.new_points.append((round(t * 1000), to_fixed(value, buf.spec)))
+            point = (round(t * 1000), to_fixed(value, buf.spec))
+            try:
+                codec.check_point(*point)
+            except codec.CodecError as e:
+                raise ValueError(f"series {name!r}: {e}") from None
+            buf.new_points.append(point)
 
     # --- rows ---------------------------------------------------------------------------
     def record_request(self, t: float, request_id: str, ttft_s: float | None, tpot_s: float | None,
@@ -253,27 +258,28 @@ class Store:
             if buf.open_id is not None and now - buf.last_write > STALE_OPEN_S:
                 self._seal(buf)
             if buf.new_points:
-                series[name] = (buf.spec, buf.open_id, list(buf.open_points), list(buf.new_points))
+                series[name] = (buf.spec, buf.open_id, buf.encoder, list(buf.new_points))
         rows = {table: list(rows) for table, rows in self._rows.items() if rows}
         return _Snapshot(series, rows)
 
-    def _write(self, snap: "_Snapshot") -> dict[str, tuple[int | None, list[tuple[int, int]]]]:
-        """Run the transaction; returns per series the new open chunk (id, points)."""
+    def _write(self, snap: "_Snapshot") -> dict[str, tuple[int | None, codec.ChunkEncoder | None]]:
+        """Run the transaction; returns per series the new open chunk (id, encoder). The buffers'
+        encoders are extended on copies, so a failed transaction leaves them as they were."""
         conn = self.conn
         conn.execute("BEGIN IMMEDIATE")
-        opened: dict[str, tuple[int | None, list[tuple[int, int]]]] = {}
+        opened: dict[str, tuple[int | None, codec.ChunkEncoder | None]] = {}
         for table, rows in snap.rows.items():
             conn.executemany(_ROW_SQL[table], rows)
-        for name, (spec, open_id, open_points, new_points) in snap.series.items():
+        for name, (spec, chunk_id, encoder, new_points) in snap.series.items():
             series_id = self._series_id(spec)
-            points = open_points + new_points
-            chunk_id = open_id
-            for start in range(0, len(points), self.chunk_points):
-                part = points[start:start + self.chunk_points]
-                chunk_id = self._write_chunk(series_id, spec.precision, chunk_id, part)
-                if len(part) == self.chunk_points:
-                    chunk_id, part = None, []
-            opened[name] = (chunk_id, part if chunk_id is not None else [])
+            encoder = encoder.copy() if encoder is not None else codec.ChunkEncoder()
+            for point in new_points:
+                if encoder.n == self.chunk_points:
+                    self._write_chunk(series_id, spec.precision, chunk_id, encoder)
+                    chunk_id, encoder = None, codec.ChunkEncoder()
+                encoder.push(*point)
+            chunk_id = self._write_chunk(series_id, spec.precision, chunk_id, encoder)
+            opened[name] = (None, None) if encoder.n == self.chunk_points else (chunk_id, encoder)
         conn.execute("COMMIT")
         return opened
 
@@ -291,10 +297,8 @@ class Store:
         return series_id
 
     def _write_chunk(self, series_id: int, precision: float, chunk_id: int | None,
-                     points: list[tuple[int, int]]) -> int:
-        t_ms = [p[0] for p in points]
-        data = codec.encode(t_ms, [p[1] for p in points])
-        values = (min(t_ms) / 1000, max(t_ms) / 1000, len(points), precision, data)
+                     encoder: codec.ChunkEncoder) -> int:
+        values = (encoder.t_min / 1000, encoder.t_max / 1000, encoder.n, precision, encoder.to_bytes())
         if chunk_id is not None:
             cur = self.conn.execute(
                 "UPDATE chunks SET t_start=?, t_end=?, n_points=?, precision=?, data=? WHERE id=?",
@@ -308,19 +312,19 @@ class Store:
             "VALUES (?,?,?,?,?,?)", (series_id,) + values)
         return int(cur.lastrowid)
 
-    def _apply(self, snap: "_Snapshot", opened: dict[str, tuple[int | None, list[tuple[int, int]]]]) -> None:
+    def _apply(self, snap: "_Snapshot", opened: dict[str, tuple[int | None, codec.ChunkEncoder | None]]) -> None:
         for table, rows in snap.rows.items():
             del self._rows[table][:len(rows)]
         now = time.monotonic()
         for name, (_, _, _, new_points) in snap.series.items():
             buf = self._series[name]
             del buf.new_points[:len(new_points)]
-            buf.open_id, buf.open_points = opened[name]
+            buf.open_id, buf.encoder = opened[name]
             buf.last_write = now
 
     @staticmethod
     def _seal(buf: _SeriesBuffer) -> None:
-        buf.open_id, buf.open_points = None, []
+        buf.open_id, buf.encoder = None, None
 
     def _on_failure(self, error: sqlite3.Error) -> None:
         dropped_points = sum(self._trim(buf.new_points, self.max_held_points) for buf in self._series.values())
@@ -393,8 +397,8 @@ class Store:
             decoded = codec.decode(data)
             keep = decoded.t_ms >= cutoff * 1000
             conn.execute("DELETE FROM chunks WHERE id = ?", (chunk_id,))
-            self._write_chunk(series_id, precision, None,
-                              list(zip(decoded.t_ms[keep].tolist(), decoded.q[keep].tolist())))
+            self._write_chunk(series_id, precision, None, codec.ChunkEncoder.of(
+                decoded.t_ms[keep].tolist(), decoded.q[keep].tolist()))
         for table in ("requests", "cache_stats", "activations", "events"):
             report.rows_deleted += conn.execute(f"DELETE FROM {table} WHERE t < ?", (cutoff,)).rowcount
         report.rows_deleted += conn.execute(
@@ -419,7 +423,8 @@ class Store:
             conn.executemany("DELETE FROM chunks WHERE id = ?", [(r[0],) for r in run])
             for start in range(0, len(order), target_points):
                 part = order[start:start + target_points]
-                self._write_chunk(series_id, run[0][1], None, [(t_ms[i], q[i]) for i in part])
+                self._write_chunk(series_id, run[0][1], None,
+                                  codec.ChunkEncoder.of([t_ms[i] for i in part], [q[i] for i in part]))
                 report.chunks_written += 1
             report.chunks_merged += len(run)
         conn.execute("COMMIT")
@@ -472,7 +477,7 @@ def _runs_to_merge(rows: list[tuple[int, float, bytes, int]], target_points: int
 
 @dataclass
 class _Snapshot:
-    series: dict[str, tuple[SeriesSpec, int | None, list[tuple[int, int]], list[tuple[int, int]]]]
+    series: dict[str, tuple[SeriesSpec, int | None, codec.ChunkEncoder | None, list[tuple[int, int]]]]
     rows: dict[str, list[tuple[Any, ...]]]
 
     def has_work(self) -> bool:

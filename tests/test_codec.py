@@ -72,8 +72,8 @@ def test_steady_1hz_series_costs_well_under_a_byte_per_point():
 
 def test_small_steps_cost_one_byte_each_and_a_rare_large_one_escapes():
     t = [1000 * i for i in range(10)]
-    small = encode(t, [0, 5, -95, -90, -80, -70, -60, -50, -40, -30])
-    large = encode(t, [0, 5, 100_005, 100_010, 100_020, 100_030, 100_040, 100_050, 100_060, 100_070])
+    small = encode(t, [0, 5, -95] + [-95] * 7)
+    large = encode(t, [0, 5, 100_005] + [100_005] * 7)
     assert len(large) - len(small) == 3          # a 3-byte zigzag varint beside its escape code
     assert decode(large).q.tolist()[2] == 100_005
     with pytest.raises(CodecError, match="not a chunk of format"):
@@ -146,3 +146,18 @@ def test_every_recorded_series_round_trips_exactly():
             decoded = decode(encode(t_ms[start:start + 120], entry["q"][start:start + 120]))
             assert decoded.t_ms.tolist() == t_ms[start:start + 120], name
             assert decoded.q.tolist() == entry["q"][start:start + 120], name
+
+
+@settings(max_examples=50, deadline=None)
+@given(chunks())
+def test_an_open_chunk_extended_point_by_point_equals_the_chunk_encoded_at_once(chunk):
+    t, q = chunk
+    encoder = codec.ChunkEncoder()
+    for i, (ti, qi) in enumerate(zip(t, q)):
+        encoder.push(ti, qi)
+        if i % 17 == 0 or i == len(t) - 1:
+            assert encoder.to_bytes() == encode(t[:i + 1], q[:i + 1])
+    twin = encoder.copy()
+    twin.push(t[-1] + 1000, q[-1] + 1)
+    assert encoder.to_bytes() == encode(t, q)                     # the copy did not touch it
+    assert decode(twin.to_bytes()).q.tolist() == q + [q[-1] + 1]
