@@ -6,7 +6,8 @@ A background thread flushes every `autoflush_s` (default 1 s), so points reach r
 about a second even from a writer that never calls `flush()`.
 
 Series points: each series has one open chunk in the database that is rewritten in place on every
-flush until it holds `chunk_points` points, then sealed; a new open chunk follows. Readers
+flush until it holds `chunk_points` points, then sealed; a new open chunk follows. Its encoder is
+kept, so a flush encodes only the new points. Readers
 therefore see every flushed point, and no chunk ever needs re-reading to be extended. `compact()`
 later merges small chunks (left by restarts) and applies retention.
 
@@ -34,7 +35,7 @@ from typing import Any
 
 from store import codec
 from store.errors import StoreError
-from store.schema import DDL, DEFAULT_RETENTION_S, KINDS, SCHEMA_VERSION, SeriesSpec, spec_for
+from store.schema import DDL, DEFAULT_RETENTION_S, SCHEMA_VERSION, SeriesSpec, spec_for
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,8 @@ class Store:
                 self._series[name] = _SeriesBuffer(spec)
             elif buf.spec != spec:
                 self._seal(buf)      # the open chunk keeps its precision; new points start a new one
+                ratio = buf.spec.precision / spec.precision
+                buf.new_points = [(t, round(q * ratio)) for t, q in buf.new_points]
                 buf.spec = spec
         return spec
 
@@ -316,10 +319,11 @@ class Store:
         for table, rows in snap.rows.items():
             del self._rows[table][:len(rows)]
         now = time.monotonic()
-        for name, (_, _, _, new_points) in snap.series.items():
+        for name, (spec, _, _, new_points) in snap.series.items():
             buf = self._series[name]
             del buf.new_points[:len(new_points)]
-            buf.open_id, buf.encoder = opened[name]
+            # redeclared meanwhile: that chunk keeps the old precision, so it stays sealed
+            buf.open_id, buf.encoder = opened[name] if buf.spec == spec else (None, None)
             buf.last_write = now
 
     @staticmethod
@@ -484,4 +488,4 @@ class _Snapshot:
         return bool(self.series or self.rows)
 
 
-__all__ = ["Store", "StoreError", "Compaction", "KINDS", "open_database", "advice_for", "to_fixed"]
+__all__ = ["Store", "StoreError", "Compaction", "open_database", "advice_for", "to_fixed"]

@@ -92,8 +92,11 @@ def test_redeclaring_a_precision_keeps_old_points_decodable(path):
         store.flush()
         store.declare("agent.thing", "x", precision=0.001)
         store.append("agent.thing", T0 + 1, 0.125)
-    assert queries.points(path, "agent.thing")[1].tolist() == [7.0, 0.125]
-    assert chunk_sizes(path, "agent.thing") == [1, 1]
+        store.flush()
+        store.append("agent.thing", T0 + 2, 3.0)            # unflushed when redeclared
+        store.declare("agent.thing", "x", precision=0.5)
+    assert queries.points(path, "agent.thing")[1].tolist() == [7.0, 0.125, 3.0]
+    assert chunk_sizes(path, "agent.thing") == [1, 1, 1]
 
 
 def test_two_writers_and_a_reader_share_the_file(path):
