@@ -33,10 +33,11 @@ def test_windowed_rates_forget_what_left_the_window():
     h.observe([3, 2])
     uniform = 2 / 4
     assert feature(h, 0, "rate_4") == 0.0
-    assert feature(h, 0, "rate_64") == pytest.approx(min((54 / 64) / uniform, 8) / 8)
-    assert feature(h, 1, "rate_4") == pytest.approx(min((2 / 4) / uniform, 8) / 8)
-    assert feature(h, 1, "rate_16") == pytest.approx((8 / 16) / uniform / 8)
-    assert feature(h, 2, "rate_16") == pytest.approx((16 / 16) / uniform / 8)
+    rate = lambda share: np.log2(1 + share / uniform) / 4  # noqa: E731
+    assert feature(h, 0, "rate_64") == pytest.approx(rate(54 / 64))
+    assert feature(h, 1, "rate_4") == pytest.approx(rate(2 / 4))
+    assert feature(h, 1, "rate_16") == pytest.approx(rate(8 / 16))
+    assert feature(h, 2, "rate_16") == pytest.approx(rate(16 / 16))
 
 
 def test_coactivation_is_conditional_on_the_experts_chosen_now():

@@ -119,11 +119,11 @@ def expert_features(h: LayerHistory, experts: np.ndarray) -> np.ndarray:
         if len(cur) else np.zeros(len(experts), np.float32)
     cols = [
         np.log2(1 + age) / 10,
-        *[np.minimum(r, 8) / 8 for r in rates],
-        np.minimum(h.total[experts] / max(1, h.t) / u, 8) / 8,
+        *[np.log2(1 + r) / 4 for r in rates],  # log: hot experts of a top-4-of-60 model stay distinct
+        np.log2(1 + h.total[experts] / max(1, h.t) / u) / 4,
         np.log2(1 + gap) / 10,
         np.where(gap > 0, np.minimum(age / np.maximum(gap, 1), 16) / 16, 1.0),
-        np.minimum(h.session_count[experts] / max(1, h.session_t) / u, 8) / 8,
+        np.log2(1 + h.session_count[experts] / max(1, h.session_t) / u) / 4,
         (h.session_count[experts] > 0).astype(np.float32),
         h.sessions_used[experts] / max(1, h.sessions),
         coact,

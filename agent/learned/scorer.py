@@ -33,28 +33,54 @@ def layer_inputs(history: LayerHistory, experts: np.ndarray) -> tuple[np.ndarray
     return activation_signature(history, experts), expert_features(history, experts)
 
 
-@functools.lru_cache(maxsize=8)
-def shared_net(path: str) -> RetentionNet:
+class ExpertTowerArrays:
+    """ExpertTower.forward in numpy. Scoring ~16 experts is a few tiny matmuls: torch's per-op
+    overhead and its thread pool (which spins when the cores are busy) would cost ten times the
+    arithmetic. tests/test_flashmoe_policy.py checks this equals the torch module."""
+
+    def __init__(self, net: RetentionNet) -> None:
+        w = {k: v.detach().numpy().astype(np.float32) for k, v in net.expert.state_dict().items()}
+        self.embed = (w["embed.weight"].T.copy(), w["embed.bias"])
+        self.layers = [(w[f"mlp.{i}.weight"].T.copy(), w[f"mlp.{i}.bias"]) for i in (0, 2, 4)]
+
+    def __call__(self, signature: np.ndarray, features: np.ndarray) -> np.ndarray:
+        x = np.concatenate([np.maximum(signature @ self.embed[0] + self.embed[1], 0), features], axis=1)
+        for i, (weight, bias) in enumerate(self.layers):
+            x = x @ weight + bias
+            if i < len(self.layers) - 1:
+                x = np.maximum(x, 0)
+        return x  # [N, out]
+
+
+class SharedNet:
     """One loaded network per weights file, shared by every cache partition of the process."""
-    return load(Path(path))
+
+    def __init__(self, net: RetentionNet) -> None:
+        self.net, self.expert = net, ExpertTowerArrays(net)
+
+    @functools.lru_cache(maxsize=64)
+    def system_vector(self, series: tuple[tuple[float, float], ...]) -> np.ndarray:
+        """The system tower's output for a series; every partition sees the same series, so cache it."""
+        x = torch.tensor([list(series) or [(0.0, 0.0)]], dtype=torch.float32)
+        with torch.inference_mode():
+            return self.net.system(x)[0].numpy()
+
+
+@functools.lru_cache(maxsize=8)
+def shared_net(path: str) -> SharedNet:
+    return SharedNet(load(Path(path)))
 
 
 class Scorer:
-    def __init__(self, net: RetentionNet) -> None:
-        self.net = net
-        self._system: torch.Tensor | None = None
+    def __init__(self, shared: SharedNet) -> None:
+        self.shared = shared
+        self._system = shared.system_vector(())
 
     def set_series(self, series: Sequence[tuple[float, float]]) -> None:
-        """New monitoring series: recompute the system tower once, reused by every scoring."""
-        x = torch.tensor([list(series) or [(0.0, 0.0)]], dtype=torch.float32)
-        with torch.inference_mode():
-            self._system = self.net.system(x)[0]
+        """New monitoring series: run the system tower once, reused by every scoring until the next."""
+        self._system = self.shared.system_vector(tuple(series))
 
     def score(self, parts: Iterable[tuple[LayerHistory, np.ndarray]]) -> np.ndarray:
         """Retention scores of the given (layer history, expert ids) groups, concatenated in order."""
-        if self._system is None:
-            self.set_series([])
         sigs, feats = zip(*(layer_inputs(h, e) for h, e in parts))
-        with torch.inference_mode():
-            h = self.net.expert(torch.from_numpy(np.concatenate(sigs)), torch.from_numpy(np.concatenate(feats)))
-            return (h @ self._system).numpy()
+        return self.shared.expert(np.concatenate(sigs), np.concatenate(feats)) @ self._system

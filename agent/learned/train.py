@@ -15,16 +15,20 @@ untrained (arbitrary), random series teach it to stay neutral.
 
 The shipped weights (agent/policies/weights/flashmoe.safetensors) are reproduced with:
 
-    flashmoe-cli train-policy --seed 0 --epochs 6 \\
-        --trace ../shared/traces/decode/olmoe_prose.jsonl ../shared/traces/decode/olmoe_code.jsonl \\
-                ../shared/traces/decode/qwen_prose.jsonl ../shared/traces/decode/qwen_code.jsonl \\
+    flashmoe-cli train-policy --seed 0 --epochs 3 \\
+        --trace tests/data/traces/olmoe_prose.jsonl tests/data/traces/olmoe_code.jsonl \\
+                tests/data/traces/qwen_prose.jsonl tests/data/traces/qwen_code.jsonl \\
                 ../shared/traces/prefill/deepseek_v2_lite_puffin_0001-1000.npz --prompts 1..800 \\
         --out agent/policies/weights/flashmoe.safetensors
+
+Defaults: capacity 0.25 per layer, decisions made by Belady, windowed LFU and LRU (4000 sampled
+per trace and driver), at most 6000 tokens per trace (prefill: whole prompts spread over 1..800).
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -37,9 +41,11 @@ from agent.learned.features import LayerHistory
 from agent.learned.model import NetConfig, RetentionNet, save
 from agent.learned.scorer import SERIES_LEN, layer_inputs
 from agent.policies.base import Key, Policy
+from agent.policies import policy_factory
 from agent.policies.belady import Belady, BeladyOracle
 from agent.residency import Residency
-from agent.traces import Trace, access_sequence, load, parse_prompts, walk
+from agent.simulator import SystemReplay, capacity_slots, replay
+from agent.traces import Trace, access_sequence, load, parse_prompts
 
 log = logging.getLogger(__name__)
 
@@ -74,47 +80,52 @@ class Tape:
 
 
 class Recorder(Policy):
-    """Belady's decisions for one partition, recording sampled decisions' candidates and futures."""
+    """Forwards every hook to the `driver` policy that decides, and records sampled decisions'
+    candidates with their true futures. Driving with Belady shows the states an ideal cache sees;
+    driving with LRU or windowed LFU shows the imperfect states a learned policy meets in use."""
 
-    def __init__(self, oracle: BeladyOracle, tape: Tape) -> None:
-        self.belady, self.tape = Belady(oracle), tape
+    def __init__(self, driver: Policy, tape: Tape) -> None:
+        self.driver, self.tape = driver, tape
         self.layers: dict[int, LayerHistory] = {}
         self._next: dict[Key, int] = {}
 
     def session(self) -> None:
         for h in self.layers.values():
             h.new_session()
+        self.driver.session()
 
     def route(self, layer: int, experts: Collection[int]) -> None:
         self.layers.setdefault(layer, LayerHistory()).observe(experts)
+        self.driver.route(layer, experts)
 
     def hit(self, key: Key) -> None:
         self._touch(key)
-        self.belady.hit(key)
+        self.driver.hit(key)
 
     def insert(self, key: Key) -> None:
         self._touch(key)
-        self.belady.insert(key)
+        self.driver.insert(key)
 
     def remove(self, key: Key) -> None:
         self._next.pop(key, None)
-        self.belady.remove(key)
+        self.driver.remove(key)
 
     def victim(self, resident: Collection[Key], pinned: Collection[Key]) -> Key:
-        choice = self.belady.victim(resident, pinned)
+        choice = self.driver.victim(resident, pinned)
         if self.tape.rng.random() < self.tape.rate:
-            self._record([k for k in resident if k not in pinned], choice)
+            candidates = [k for k in resident if k not in pinned]
+            self._record(candidates, max(candidates, key=self._next.__getitem__))
         return choice
 
     def _touch(self, key: Key) -> None:
         self._next[key] = int(self.tape.next_use[self.tape.position])
         self.tape.position += 1
 
-    def _record(self, candidates: list[Key], choice: Key) -> None:
-        if len(candidates) > MAX_CANDIDATES:
-            others = [k for k in candidates if k != choice]
+    def _record(self, candidates: list[Key], furthest: Key) -> None:
+        if len(candidates) > MAX_CANDIDATES:  # keep Belady's victim, so every decision has its answer
+            others = [k for k in candidates if k != furthest]
             picked = self.tape.rng.choice(len(others), MAX_CANDIDATES - 1, replace=False)
-            candidates = [choice] + [others[i] for i in sorted(picked)]
+            candidates = [furthest] + [others[i] for i in sorted(picked)]
         by_layer: dict[int, list[Key]] = {}
         for k in candidates:
             by_layer.setdefault(k[0], []).append(k)
@@ -126,25 +137,34 @@ class Recorder(Policy):
         self.tape.rows.append((np.concatenate(sigs), np.concatenate(feats), dist))
 
 
-def _capacity(trace: Trace, fraction: float) -> int:
-    """Slots for `fraction` of every layer's experts, at least one token's working set per layer."""
-    return max(round(fraction * trace.n_experts), trace.max_set) * trace.n_layers
-
-
-def collect(trace: Trace, fraction: float, max_decisions: int, rng: np.random.Generator) -> Decisions:
-    """Replay `trace` under Belady at `fraction` capacity (per-layer scope) and record decisions."""
+def collect(trace: Trace, fraction: float, driver: str, max_decisions: int,
+            rng: np.random.Generator) -> Decisions:
+    """Replay `trace` at `fraction` capacity (per-layer scope) with `driver` deciding; record decisions."""
     oracle = BeladyOracle(access_sequence(trace))
-    # Belady misses roughly a third of accesses at these sizes: sample to about max_decisions.
+    # about a third of accesses miss at these sizes: sample to about max_decisions
     tape = Tape(oracle.next_use, rate=min(1.0, 3 * max_decisions / max(1, trace.n_accesses)), rng=rng)
-    cache = Residency(_capacity(trace, fraction), trace.n_layers, lambda: Recorder(oracle, tape), "layer",
-                      min_per_layer=trace.max_set)
-    for new_session, layer, experts in walk(trace):
-        if new_session:
-            cache.session()
-        cache.route(layer, experts)
-        for e in experts:
-            cache.access((layer, e))
+    make = (lambda: Belady(oracle)) if driver == "belady" else policy_factory(driver)
+    cache = Residency(capacity_slots(trace, fraction, "layer"), trace.n_layers, lambda: Recorder(make(), tape),
+                      "layer", min_per_layer=trace.max_set)
+    replay(trace, cache, SystemReplay.synthetic())
     return _pad(tape.rows)
+
+
+def spread_sessions(trace: Trace, max_tokens: int) -> Trace:
+    """At most `max_tokens` tokens of `trace`: whole sessions, evenly spread over it (e.g. prompts)."""
+    if trace.n_tokens <= max_tokens:
+        return trace
+    bounds = np.append(trace.session_starts, trace.n_tokens)
+    lengths = np.diff(bounds)
+    keep = np.unique(np.linspace(0, len(lengths) - 1, max(1, round(len(lengths) * max_tokens / trace.n_tokens)))
+                     .round().astype(int))
+    first, last = trace.offsets[bounds[keep] * trace.n_layers], trace.offsets[bounds[keep + 1] * trace.n_layers]
+    flat = np.concatenate([trace.experts[a:b] for a, b in zip(first, last)])
+    rows = np.concatenate([np.arange(bounds[i] * trace.n_layers, bounds[i + 1] * trace.n_layers) for i in keep])
+    offsets = np.concatenate([[0], np.cumsum(np.diff(trace.offsets)[rows])])
+    starts = np.concatenate([[0], np.cumsum(lengths[keep])[:-1]])
+    return Trace(f"{trace.name}(sampled {len(keep)} sessions)", trace.model, trace.n_layers, trace.n_experts,
+                 trace.top_k, offsets, flat, starts, trace.layer_ids)
 
 
 def _pad(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Decisions:
@@ -177,7 +197,7 @@ def pairwise_loss(scores: torch.Tensor, distance: torch.Tensor, mask: torch.Tens
 def victim_agreement(net: RetentionNet, data: Decisions) -> float:
     """Share of decisions where the lowest-scored candidate is one Belady would evict."""
     with torch.inference_mode():
-        scores = _scores(net, data, torch.zeros(len(data), 1, 2))
+        scores = _scores(net, data, torch.zeros(1, 1, 2))
     scores = scores.masked_fill(~torch.from_numpy(data.mask), float("inf"))
     dist = torch.from_numpy(data.distance).masked_fill(~torch.from_numpy(data.mask), -1)
     chosen = dist.gather(1, scores.argmin(1, keepdim=True))[:, 0]
@@ -191,7 +211,8 @@ def _scores(net: RetentionNet, data: Decisions, series: torch.Tensor) -> torch.T
     return (h * net.system(series)[:, None, :]).sum(-1)
 
 
-def fit(data: Decisions, epochs: int, seed: int, batch: int = 256, lr: float = 2e-3) -> RetentionNet:
+def fit(data: Decisions, epochs: int, seed: int, batch: int = 512, lr: float = 3e-3) -> RetentionNet:
+    torch.set_num_threads(1)  # small matrices: extra threads only spin, and one thread is bit-reproducible
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     net = RetentionNet(NetConfig())
@@ -203,7 +224,7 @@ def fit(data: Decisions, epochs: int, seed: int, batch: int = 256, lr: float = 2
         for start in range(0, len(data), batch):
             idx = order[start:start + batch]
             part = Decisions(data.signature[idx], data.features[idx], data.distance[idx], data.mask[idx])
-            scores = _scores(net, part, random_series(len(idx), gen))
+            scores = _scores(net, part, random_series(1, gen))  # one system state per batch
             loss = pairwise_loss(scores, torch.from_numpy(part.distance), torch.from_numpy(part.mask))
             opt.zero_grad()
             loss.backward()
@@ -214,26 +235,30 @@ def fit(data: Decisions, epochs: int, seed: int, batch: int = 256, lr: float = 2
     return net.eval()
 
 
-def train_policy(paths: Sequence[Path], out: Path, prompts: range | None = None, epochs: int = 6,
-                 seed: int = 0, capacities: Sequence[float] = (0.125, 0.25, 0.5),
-                 max_decisions: int = 20000) -> dict:
-    """Collect Belady's decisions on every trace and capacity, fit, write `out`; returns a summary."""
+def train_policy(paths: Sequence[Path], out: Path, prompts: range | None = None, epochs: int = 3,
+                 seed: int = 0, capacities: Sequence[float] = (0.25,),
+                 drivers: Sequence[str] = ("belady", "lfu-window", "lru"), max_decisions: int = 4000,
+                 max_tokens: int = 6000) -> dict:
+    """Collect decisions on every trace, capacity and driver, fit, write `out`; returns a summary."""
     rng = np.random.default_rng(seed)
     started = time.monotonic()
-    traces = [load(p, prompts=prompts if Path(p).suffix == ".npz" else None) for p in paths]
+    traces = [spread_sessions(load(p, prompts=prompts if Path(p).suffix == ".npz" else None), max_tokens)
+              for p in paths]
     parts = []
     for trace in traces:
         for fraction in capacities:
-            parts.append(collect(trace, fraction, max_decisions, rng))
-            log.info("%s at capacity %.3g: %d decisions", trace.name, fraction, len(parts[-1]))
+            for driver in drivers:
+                parts.append(collect(trace, fraction, driver, max_decisions, rng))
+                log.info("%s, capacity %g, %s deciding: %d decisions", trace.name, fraction, driver, len(parts[-1]))
     data = Decisions.concat(parts)
     if len(data) == 0:
         raise ValueError("the traces produced no eviction decisions (the cache never filled); "
                          "use longer traces or a smaller capacity")
     net = fit(data, epochs, seed)
     summary = {"traces": [t.name for t in traces], "prompts": f"{prompts.start}..{prompts.stop - 1}" if prompts
-               else None, "capacities": list(capacities), "epochs": epochs, "seed": seed,
-               "decisions": len(data), "victim_agreement_train": round(victim_agreement(net, data), 4),
+               else None, "capacities": list(capacities), "drivers": list(drivers), "epochs": epochs,
+               "seed": seed, "decisions": len(data), "max_tokens": max_tokens,
+               "victim_agreement_train": round(victim_agreement(net, data), 4),
                "seconds": round(time.monotonic() - started, 1)}
     save(net, out, summary)
     return summary
@@ -246,16 +271,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=parse_prompts, metavar="A..B",
                         help="prompt numbers to use from .npz traces (e.g. 1..800)")
     parser.add_argument("--out", required=True, type=Path, metavar="FILE", help="weights file to write")
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-decisions", type=int, default=20000,
-                        help="eviction decisions sampled per trace and capacity")
+    parser.add_argument("--max-decisions", type=int, default=4000,
+                        help="eviction decisions sampled per trace, capacity and deciding policy")
+    parser.add_argument("--max-tokens", type=int, default=6000,
+                        help="tokens replayed per trace: longer traces keep whole sessions spread evenly")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.epochs < 1 or args.max_decisions < 1:
-        raise SystemExit("--epochs and --max-decisions must be at least 1")
-    summary = train_policy([Path(p) for p in args.trace], args.out, args.prompts, args.epochs, args.seed,
-                           max_decisions=args.max_decisions)
+    if min(args.epochs, args.max_decisions, args.max_tokens) < 1:
+        raise SystemExit("--epochs, --max-decisions and --max-tokens must be at least 1")
+    try:
+        summary = train_policy([Path(p) for p in args.trace], args.out, args.prompts, args.epochs, args.seed,
+                               max_decisions=args.max_decisions, max_tokens=args.max_tokens)
+    except ValueError as e:  # TraceError included: the message names the file and what to fix
+        print(f"flashmoe-cli train-policy: error: {e}", file=sys.stderr)
+        return 2
     log.info("wrote %s: %s", args.out, summary)
     return 0

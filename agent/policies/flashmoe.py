@@ -30,7 +30,7 @@ class FlashMoE(Policy):
     name = "flashmoe"
 
     def __init__(self, model_path: str | Path | None = None, keep_percentile: float = 80.0,
-                 recompute_threshold: float = 0.1, decision: str = "score") -> None:
+                 recompute_threshold: float = 0.03, decision: str = "score") -> None:
         if not 0.0 <= float(keep_percentile) <= 100.0:
             raise ValueError(f"keep_percentile must be within 0..100, got {keep_percentile}")
         if not 0.0 <= float(recompute_threshold) <= 1.0:

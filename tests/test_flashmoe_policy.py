@@ -1,0 +1,139 @@
+"""The learned FlashMoE policy inside the cache core: contract, event-driven rescoring, knobs, weights."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.learned.model import RetentionNet, save
+from agent.policies import policy_factory, policy_names
+from agent.policies.flashmoe import DEFAULT_WEIGHTS
+from agent.residency import Residency
+from agent.simulator import simulate
+from agent.traces import load, walk
+
+TRACES = Path(__file__).parent / "data" / "traces"
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory) -> Path:
+    import torch
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("weights") / "untrained.safetensors"
+    save(RetentionNet(), path, {"note": "random init"})
+    return path
+
+
+def drive(cache: Residency, steps, layer: int = 0) -> None:
+    for experts in steps:
+        cache.route(layer, experts)
+        for e in experts:
+            cache.access((layer, e))
+
+
+def test_registered_and_shipped_weights_load():
+    assert "flashmoe" in policy_names()
+    assert DEFAULT_WEIGHTS.is_file()
+    policy = policy_factory("flashmoe")()
+    assert policy.keep_percentile == 80.0
+
+
+def test_victim_is_resident_and_never_pinned(untrained):
+    rng = np.random.default_rng(1)
+    policy = policy_factory("flashmoe", model_path=untrained, recompute_threshold=0.0)()
+    resident = {(0, e) for e in range(12)}
+    for _ in range(200):
+        policy.route(0, rng.choice(32, 4, replace=False).tolist())
+        pinned = {k for k in resident if rng.random() < 0.6}
+        pinned.discard(next(iter(resident)))
+        victim = policy.victim(resident, pinned)
+        assert victim in resident and victim not in pinned
+    with pytest.raises(ValueError, match="pinned"):
+        policy.victim(resident, resident)
+
+
+def test_cache_with_flashmoe_never_evicts_the_current_step(untrained):
+    trace = load(TRACES / "qwen_prose.jsonl")
+    cache = Residency(15 * trace.n_layers, trace.n_layers, policy_factory("flashmoe", model_path=untrained),
+                      "layer", trace.max_set)
+    for i, (_, layer, experts) in enumerate(walk(trace)):
+        if i > 24 * 64:
+            break
+        cache.route(layer, experts)
+        for e in experts:
+            _, victim = cache.access((layer, e))
+            assert victim is None or victim[1] not in experts
+        assert all((layer, e) in cache for e in experts)
+
+
+def periodic(period: int, steps: int, k: int = 4, n: int = 32) -> list[list[int]]:
+    rng = np.random.default_rng(period)
+    cycle = [rng.choice(n, k, replace=False).tolist() for _ in range(period)]
+    return [cycle[i % period] for i in range(steps)]
+
+
+def test_scores_are_recomputed_only_when_the_distribution_shifts(untrained):
+    # a period-4 routing cycle: once the 16-step window is full its histogram never changes
+    def recomputes(threshold, steps):
+        cache = Residency(8, 1, policy_factory("flashmoe", model_path=untrained, recompute_threshold=threshold))
+        drive(cache, steps)
+        return cache._parts[0].policy.recomputes, sum(s.evictions for s in cache.stats)
+
+    stationary, evictions = recomputes(0.0, periodic(4, 400))
+    assert evictions > 300 and stationary <= 16  # warm-up only, then cached scores
+    drifting = periodic(4, 200) + periodic(5, 200)
+    shifted, _ = recomputes(0.0, drifting)
+    assert shifted > stationary
+    assert recomputes(1.0, drifting)[0] == 1  # TV distance never exceeds 1: scored once, then cached
+    assert recomputes(0.3, drifting)[0] < shifted
+
+
+def test_system_samples_trigger_one_rescore(untrained):
+    cache = Residency(8, 1, policy_factory("flashmoe", model_path=untrained, recompute_threshold=1.0))
+    drive(cache, periodic(4, 40))
+    policy = cache._parts[0].policy
+    before = policy.recomputes
+    cache.system({"read_latency_s": 4e-4, "mem_pressure": 0.9})
+    drive(cache, periodic(4, 40))
+    assert policy.recomputes == before + 1
+
+
+def test_runs_on_an_expert_count_it_was_not_trained_on():
+    # two OLMoE layers folded into one of 128 experts, top-16: a shape the shipped weights never saw
+    trace = load(TRACES / "olmoe_math.jsonl").dense()[:256]
+    folded = [sorted(trace[t, 2 * i].tolist() + (trace[t, 2 * i + 1] + 64).tolist())
+              for t in range(len(trace)) for i in range(1)]
+    rates = {}
+    for name in ("lru", "flashmoe"):
+        cache = Residency(32, 1, policy_factory(name), "layer", 16)
+        drive(cache, folded)
+        rates[name] = cache.stats[0].hits / (cache.stats[0].hits + cache.stats[0].misses)
+    assert rates["flashmoe"] >= 0.95 * rates["lru"]
+
+
+def test_trained_weights_beat_lru_on_a_report_trace():
+    lru = simulate(load(TRACES / "olmoe_dialogue.jsonl"), "lru", 0.25).hit_rate
+    learned = simulate(load(TRACES / "olmoe_dialogue.jsonl"), "flashmoe", 0.25).hit_rate
+    assert learned > lru
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"keep_percentile": 120}, "keep_percentile"),
+    ({"recompute_threshold": -0.1}, "recompute_threshold"),
+    ({"decision": "random"}, "decision"),
+])
+def test_bad_knobs_are_clear_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        policy_factory("flashmoe", **options)()
+
+
+def test_missing_or_corrupt_weights_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="do not exist.*train-policy"):
+        policy_factory("flashmoe", model_path=tmp_path / "none.safetensors")()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(ValueError, match="not a valid weights file"):
+        policy_factory("flashmoe", model_path=bad)()
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(DEFAULT_WEIGHTS.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="not a valid weights file"):
+        policy_factory("flashmoe", model_path=truncated)()
