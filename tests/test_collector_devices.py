@@ -56,3 +56,20 @@ def test_hotplug_events_are_noticed_without_blocking(context):
         seen += watcher.poll()
         time.sleep(0.02)
     assert any(e.name == device and e.action == "change" and e.subsystem == "block" for e in seen)
+
+
+def test_a_path_on_a_partition_maps_to_its_whole_disk(context, tmp_path, monkeypatch):
+    """This machine has no partitions (and loop devices get none here), so the partition is the
+    one stand-in: pyudev answers the st_dev lookup with a partition of the real disk."""
+    disk = block_devices(context)[0]
+    real = pyudev.Devices.from_name(context, "block", disk.name)
+
+    class Partition:
+        device_type = "partition"
+
+        def find_parent(self, subsystem, device_type=None):
+            assert (subsystem, device_type) == ("block", "disk")
+            return real
+
+    monkeypatch.setattr(pyudev.Devices, "from_device_number", lambda *args: Partition())
+    assert disk_holding(tmp_path, context) == disk
