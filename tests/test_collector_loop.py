@@ -164,3 +164,19 @@ def test_the_collector_waits_for_a_locked_store_instead_of_exiting(tmp_path, cap
     assert store is not None
     store.close()
     assert "database is locked" in caplog.text and "retrying" in caplog.text
+
+
+def test_nvme_without_admin_access_falls_back_to_hwmon_and_says_so_once(tmp_path):
+    from collector.devices import NvmeController
+    from collector.loop import NvmeSampler
+    from collector.sources import SourceStatus
+    (tmp_path / "hwmon0").mkdir()
+    (tmp_path / "hwmon0" / "temp1_input").write_text("38000\n")
+    events = []
+    sampler = NvmeSampler(NvmeController("nvme0", "/dev/null", tmp_path, "Test SSD", "S1", "1.0"),
+                          SourceStatus(lambda kind, message: events.append((kind, message))))
+    for _ in range(3):
+        assert sampler.sample(0.0) == {"nvme.nvme0.temperature_c": 38.0}
+    [(kind, message)] = events
+    assert kind == "collector.source_unavailable"
+    assert "Get Log Page 02h on /dev/null failed" in message and "falling back to the hwmon" in message
