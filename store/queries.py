@@ -78,6 +78,8 @@ def _rows(db: Db, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
 
 
 def _window(since: float | None, until: float | None) -> tuple[float, float]:
+    if since is not None and until is not None and until < since:
+        raise ValueError(f"until ({until}) is before since ({since}); pass the window oldest first")
     return (-np.inf if since is None else since), (np.inf if until is None else until)
 
 

@@ -49,6 +49,8 @@ def test_series_without_a_window_spans_all_points(store_path):
     assert queries.latest(store_path, "mem.dirty_bytes") == (T0 + 9, 36864.0)
     with pytest.raises(ValueError, match="buckets must be >= 1"):
         queries.series(store_path, "mem.dirty_bytes", buckets=0)
+    with pytest.raises(ValueError, match="is before since"):
+        queries.series(store_path, "mem.dirty_bytes", T0 + 5, T0)
 
 
 def test_missing_file_gives_empty_results(tmp_path):
