@@ -169,6 +169,7 @@ class Store:
 
     def append(self, name: str, t: float, value: float) -> None:
         """Buffer one point of a series; undeclared catalogue names are declared on first use."""
+        self._check_open()
         with self._lock:
             buf = self._series.get(name)
             if buf is None:
@@ -203,6 +204,7 @@ class Store:
 
     def record_activations(self, t: float, counts: dict[tuple[int, int], int]) -> None:
         """How often each (layer, expert) was routed to over the interval ending at t (buffered)."""
+        self._check_open()
         with self._lock:
             self._rows["activations"].extend((t, layer, expert, n) for (layer, expert), n in counts.items())
 
@@ -224,6 +226,14 @@ class Store:
         self._add_row("sweeps", (t, cache_cap_bytes, tokens_per_s, hit_rate))
 
     def _add_row(self, table: str, row: tuple[Any, ...]) -> None:
+        self._check_open()
+        self._queue(table, row)
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise StoreError(f"the store {self.path} is closed; open a new Store to write")
+
+    def _queue(self, table: str, row: tuple[Any, ...]) -> None:
         with self._lock:
             self._rows[table].append(row)
         if table in _WRITE_THROUGH:
@@ -357,7 +367,7 @@ class Store:
         message = (f"store writes failed for {seconds:.0f} s ({outage.reason}); held data written, "
                    f"{outage.dropped_points} points and {outage.dropped_rows} rows dropped")
         log.warning("store %s is writable again: %s", self.path, message)
-        self.record_event(time.time(), "store.recovered", message)
+        self._queue("events", (time.time(), "store.recovered", message))   # also while closing
 
     def _autoflush(self, interval_s: float) -> None:
         while not self._closed.wait(interval_s):

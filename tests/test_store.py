@@ -49,6 +49,15 @@ def test_autoflush_delivers_points_without_an_explicit_flush(path):
         store.close()
 
 
+def test_writing_to_a_closed_store_is_refused(path):
+    store = Store(path, autoflush_s=0)
+    store.close()
+    with pytest.raises(StoreError, match="is closed"):
+        store.append("block.vda.util", T0, 0.1)
+    with pytest.raises(StoreError, match="is closed"):
+        store.record_event(T0, "x", "y")
+
+
 def test_chunks_are_sealed_at_chunk_points(path):
     with Store(path, chunk_points=50, autoflush_s=0) as store:
         for i in range(120):
