@@ -33,12 +33,14 @@ def test_sigkill_while_writing_never_corrupts_the_store(tmp_path):
     for _ in range(KILLS):
         proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "collect", "--db", str(db),
                                  "--interval", "0.02"], stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while committed_points(db) <= seen and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 0.4))                     # land anywhere in a write
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        try:
+            deadline = time.monotonic() + 30
+            while committed_points(db) <= seen and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 0.4))                 # land anywhere in a write
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
         check_store(db)
         now = committed_points(db)
         assert now > seen                                     # each run committed new points
