@@ -78,6 +78,9 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
                  record_trace: Path | None = None, seed: int = 0) -> GenerateResult:
     """Generate from an expert store; the library function behind the command (same parameter names)."""
     model = Path(model)
+    if not model.is_dir():
+        raise ValueError(f"--model {model} is not a directory; give an expert store written by "
+                         "flashmoe-cli convert or flashmoe-cli init-demo")
     if prefill not in PREFILL_MODES:
         raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
     tokenizer = load_tokenizer(model)
