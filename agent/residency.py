@@ -41,7 +41,10 @@ class Residency:
         self._factory = policy_factory
         self.stats = [LayerStats() for _ in range(n_layers)]
         self._pinned: set[Key] = set()
-        self._prefetched: set[Key] = set()  # brought in by prefetch, not yet used
+        self._prefetched: dict[Key, None] = {}  # brought in by prefetch, not yet used (oldest first)
+        # Prefetched for a layer whose routing then chose otherwise: the first to go, so a wrong
+        # guess displaces other wrong guesses rather than a block the policy chose to keep.
+        self._wasted: dict[Key, None] = {}
         self._parts = [_Partition(c, policy_factory()) for c in self._split(capacity)]
 
     # -- capacity -------------------------------------------------------------------------------
@@ -96,6 +99,9 @@ class Residency:
     def route(self, layer: int, experts: Collection[int]) -> None:
         """Start a layer's step: its chosen experts are pinned until the next route()."""
         self._pinned = {(layer, e) for e in experts}
+        for key in [k for k in self._prefetched if k[0] == layer and k[1] not in experts]:
+            del self._prefetched[key]
+            self._wasted[key] = None
         self._parts[layer if self.scope == "layer" else 0].policy.route(layer, experts)
 
     def access(self, key: Key) -> tuple[bool, Key | None]:
@@ -103,8 +109,7 @@ class Residency:
         part, stats = self._part(key), self.stats[key[0]]
         if key in part.resident:
             stats.hits += 1
-            if key in self._prefetched:
-                self._prefetched.discard(key)
+            if self._unmark(key):
                 stats.prefetch_hits += 1
             part.policy.hit(key)
             return True, None
@@ -119,16 +124,14 @@ class Residency:
         if len(part.resident) >= part.capacity and not (part.resident - self._pinned):
             return False, None
         self.stats[key[0]].prefetches += 1
-        self._prefetched.add(key)
+        self._prefetched[key] = None
         return True, self._admit(part, key)
 
     def drop(self, key: Key) -> None:
         """Forget a resident key without counting an eviction (e.g. its load failed)."""
         part = self._part(key)
         if key in part.resident:
-            part.resident.discard(key)
-            self._prefetched.discard(key)
-            part.policy.remove(key)
+            self._forget(part, key)
 
     def _admit(self, part: _Partition, key: Key) -> Key | None:
         victim = self._evict(part) if len(part.resident) >= part.capacity else None
@@ -137,9 +140,21 @@ class Residency:
         return victim
 
     def _evict(self, part: _Partition) -> Key:
-        victim = part.policy.victim(part.resident, self._pinned)
-        part.resident.discard(victim)
-        self._prefetched.discard(victim)
-        part.policy.remove(victim)
+        victim = next((k for k in self._wasted if k in part.resident and k not in self._pinned), None)
+        if victim is None:
+            victim = part.policy.victim(part.resident, self._pinned)
+        self._forget(part, victim)
         self.stats[victim[0]].evictions += 1
         return victim
+
+    def _forget(self, part: _Partition, key: Key) -> None:
+        part.resident.discard(key)
+        self._unmark(key)
+        part.policy.remove(key)
+
+    def _unmark(self, key: Key) -> bool:
+        """Clear `key`'s prefetch marks; True if prefetch had brought it in."""
+        marked = key in self._prefetched or key in self._wasted
+        self._prefetched.pop(key, None)
+        self._wasted.pop(key, None)
+        return marked

@@ -48,3 +48,15 @@ def test_unknown_policy_and_scope_are_clear_errors():
         policy_factory("nope")
     with pytest.raises(ValueError, match="scope"):
         Residency(4, 1, policy_factory("lru"), "bogus")
+
+
+def test_a_mispredicted_prefetch_is_evicted_before_the_policy_is_asked():
+    r = make(capacity=3, layers=1)
+    r.route(0, [0, 1])
+    r.access((0, 0)), r.access((0, 1))
+    r.prefetch((0, 5))  # a guess for the next step; the step then routes 0 and 2
+    r.route(0, [0, 2])
+    r.access((0, 0))
+    hit, victim = r.access((0, 2))
+    assert not hit and victim == (0, 5)  # LRU alone would have evicted expert 1
+    assert r.stats[0].evictions == 1 and r.stats[0].prefetch_hits == 0
