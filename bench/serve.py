@@ -262,22 +262,30 @@ def main() -> int:
     print(cgroup.describe())
     mix = request_mix(args.clients, args.requests_per_client)
     chosen = [c for c in CONFIGS if c.name[0] in args.configs.split(",")]
-    results = []
+    results, failed = [], {}
     try:
         logs = RESULTS.parent / "serve-logs"
         logs.mkdir(parents=True, exist_ok=True)
         for config in chosen:
             print(f"running {config.name} ... (agent log in {logs})", flush=True)
-            results.append(run_config(args.model, config, mix, cgroup, logs, args.max_batch_size))
+            try:
+                results.append(run_config(args.model, config, mix, cgroup, logs, args.max_batch_size))
+            except (httpx.HTTPError, SystemExit) as exc:  # report it and measure the others
+                failed[config.name] = f"{type(exc).__name__}: {exc}"
+                print(f"  FAILED: {failed[config.name]} (see the agent log)", flush=True)
+                continue
             r = results[-1]
             print(f"  {r.requests} requests, P99 {r.p(99):.2f} s, {r.tokens_per_s:.2f} tok/s, hit {r.hit_rate:.3f}",
                   flush=True)
     finally:
         cgroup.remove()
     print()
-    print(table(results))
+    if results:
+        print(table(results))
+    for name, error in failed.items():
+        print(f"{name}: failed: {error}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    report = {"command": " ".join(sys.argv), "cache_cap": CAP, "clients": args.clients,
+    report = {"command": " ".join(sys.argv), "cache_cap": CAP, "failed": failed, "clients": args.clients,
               "requests_per_client": args.requests_per_client, "max_batch_size": args.max_batch_size,
               "machine": machine(args.model, cgroup),
               "results": [{**{k: v for k, v in asdict(r).items() if k != "latencies_s"}, "p50_s": r.p(50),

@@ -80,6 +80,8 @@ class Limits:
     cap_max: int          # 70% of physical memory or of the cgroup limit
     policies: tuple[str, ...]
     max_prefetch_depth: int  # layers ahead the model can predict (its lookahead is one layer)
+    keep_percentile: float = 80.0      # defaults of the learned policy's options: its own, where it is installed
+    recompute_threshold: float = 0.1
 
 
 def knob_specs(limits: Limits) -> list[Knob]:
@@ -87,8 +89,8 @@ def knob_specs(limits: Limits) -> list[Knob]:
         Knob("cache_cap_bytes", int, limits.cap_min, limits.cap_min, limits.cap_max,
              help="the working set of one token up to 70% of physical memory or the cgroup limit"),
         Knob("policy", str, "lru", choices=limits.policies),
-        Knob("keep_percentile", float, 80.0, 0.0, 100.0, help="learned policy: keep experts scoring at or above it"),
-        Knob("recompute_threshold", float, 0.1, 0.0, 1.0,
+        Knob("keep_percentile", float, limits.keep_percentile, 0.0, 100.0, help="learned policy: keep experts scoring at or above it"),
+        Knob("recompute_threshold", float, limits.recompute_threshold, 0.0, 1.0,
              help="learned policy: activation-distribution shift that triggers rescoring"),
         Knob("ssd_util_threshold", float, 0.9, 0.0, 1.0, help="SSD utilisation above which the batch limit shrinks"),
         Knob("prefetch", bool, True),

@@ -58,7 +58,7 @@ class Runtime:
             self.cache.close()
             raise
         lo, hi = cap_bounds(self.cache.index, self.cache.min_per_layer)
-        self.knobs = Knobs(Limits(lo, hi, live_policies(), max_prefetch_depth=1))
+        self.knobs = Knobs(Limits(lo, hi, live_policies(), max_prefetch_depth=1, **policy_defaults()))
         self.knobs.commit({"cache_cap_bytes": self.cache.cap_bytes, "policy": self.cache.policy_name})
         self.metrics = Metrics(registry, self.cache.index.n_layers)
         self.scheduler = Scheduler(self.engine, self.knobs["max_batch_size"], self.metrics.request)
@@ -239,6 +239,16 @@ def live_policies() -> tuple[str, ...]:
     return tuple(name for name in policy_names()
                  if all(p.default is not p.empty or p.name in POLICY_KNOBS or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
                         for p in inspect.signature(REGISTRY[name]).parameters.values()))
+
+
+def policy_defaults() -> dict[str, Any]:
+    """The policy knobs' defaults as the first installed policy that takes them declares them."""
+    out = {}
+    for name in policy_names():
+        for k, p in inspect.signature(REGISTRY[name]).parameters.items():
+            if k in POLICY_KNOBS and p.default is not p.empty:
+                out.setdefault(k, float(p.default))
+    return out
 
 
 def policy_options(name: str, values: dict[str, Any]) -> dict[str, Any]:
