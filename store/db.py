@@ -35,6 +35,7 @@ from typing import Any
 
 from store import codec
 from store.errors import StoreError
+from store.migrations import UPGRADES
 from store.schema import DDL, DEFAULT_RETENTION_S, SCHEMA_VERSION, SeriesSpec, spec_for
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ _ROW_SQL = {
     "requests": "INSERT INTO requests (t, request_id, ttft_s, tpot_s, latency_s, prompt_tokens, "
                 "completion_tokens, hits, misses, bytes_read) VALUES (?,?,?,?,?,?,?,?,?,?)",
     "cache_stats": "INSERT INTO cache_stats (t, layer, hits, misses, evictions, prefetch_hits, "
-                   "bytes_read, read_latency_s) VALUES (?,?,?,?,?,?,?,?)",
+                   "bytes_read, read_latency_s, prefetches) VALUES (?,?,?,?,?,?,?,?,?)",
     "activations": "INSERT INTO activations (t, layer, expert, count) VALUES (?,?,?,?)",
     "knob_changes": "INSERT INTO knob_changes (t, knob, old, new, source) VALUES (?,?,?,?,?)",
     "events": "INSERT INTO events (t, kind, message) VALUES (?,?,?)",
@@ -104,18 +105,42 @@ def open_database(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
             log.warning("%s stays in %s journal mode (WAL refused, e.g. a network filesystem): "
                         "readers may briefly block writers", path, mode)
         conn.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: a crash loses no committed data
-        # One transaction: a writer killed mid-creation leaves no half-made schema behind.
-        conn.executescript(f"BEGIN IMMEDIATE; {DDL} INSERT OR IGNORE INTO meta VALUES "
-                           f"('schema_version', '{SCHEMA_VERSION}'); COMMIT;")
-        row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        if int(row[0]) != SCHEMA_VERSION:
-            raise StoreError(f"{path} has store schema version {row[0]}, this FlashMoE uses "
-                             f"{SCHEMA_VERSION}; move the old file aside to start a new store")
+        # One transaction: a writer killed mid-creation or mid-upgrade leaves no half-made schema behind.
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            _ensure_schema(conn, path)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.rollback()
+            raise
     except sqlite3.DatabaseError as e:
         conn.close()
         raise StoreError(f"cannot open {path} as a FlashMoE store: {e}; "
                          f"{advice_for(e, path)}") from e
+    except StoreError:
+        conn.close()
+        raise
     return conn
+
+
+def _ensure_schema(conn: sqlite3.Connection, path: Path) -> None:
+    """Create the schema in a new file, or upgrade an older store in place (store.migrations)."""
+    has_meta = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone()
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() if has_meta else None
+    if row is None:
+        for statement in DDL:
+            conn.execute(statement)
+        conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        return
+    version = int(row[0])
+    while version < SCHEMA_VERSION and version in UPGRADES:
+        done = UPGRADES[version](conn, path)
+        version += 1
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(version),))
+        log.warning("upgraded %s to store schema version %d: %s", path, version, done)
+    if version != SCHEMA_VERSION:
+        raise StoreError(f"{path} has store schema version {version}, this FlashMoE uses "
+                         f"{SCHEMA_VERSION} and cannot upgrade it; move the old file aside to start a new store")
 
 
 def to_fixed(value: float, spec: SeriesSpec) -> int:
@@ -196,11 +221,14 @@ class Store:
                                    completion_tokens, hits, misses, bytes_read))
 
     def record_cache_stats(self, t: float, layer: int, hits: int, misses: int, evictions: int,
-                           prefetch_hits: int, bytes_read: int, read_latency_s: float | None) -> None:
+                           prefetch_hits: int, bytes_read: int, read_latency_s: float | None,
+                           prefetches: int | None = None) -> None:
         """Cache counters of one layer over the interval ending at t (deltas, not totals; buffered).
-        Use layer -1 for a global-scope cache."""
+        Use layer -1 for a global-scope cache. `prefetches` issued and `prefetch_hits` (demand hits
+        on blocks a prefetch brought in) give the prefetch accuracy; None (the default) records
+        "not counted", so the row stays out of the accuracy instead of pushing it above 1."""
         self._add_row("cache_stats", (t, layer, hits, misses, evictions, prefetch_hits, bytes_read,
-                                      read_latency_s))
+                                      read_latency_s, prefetches))
 
     def record_activations(self, t: float, counts: dict[tuple[int, int], int]) -> None:
         """How often each (layer, expert) was routed to over the interval ending at t (buffered)."""
@@ -216,10 +244,14 @@ class Store:
         """Something an operator should see on the timeline (written through)."""
         self._add_row("events", (t, kind, message))
 
-    def record_simulation(self, t: float, trace: str, policy: str, capacity: int, scope: str,
+    def record_simulation(self, t: float, trace: str, policy: str, capacity: float, scope: str,
                           hit_rate: float) -> None:
-        """One simulator result (written through)."""
-        self._add_row("simulations", (t, trace, policy, capacity, scope, hit_rate))
+        """One simulator result (written through); `capacity` is the fraction of all experts the
+        cache held, in (0, 1], as `flashmoe-cli simulate --capacity` takes it."""
+        if not 0 < capacity <= 1:
+            raise ValueError(f"simulation capacity must be a fraction of all experts in (0, 1], not "
+                             f"{capacity!r}; divide a slot count by the number of experts")
+        self._add_row("simulations", (t, trace, policy, float(capacity), scope, hit_rate))
 
     def record_sweep(self, t: float, cache_cap_bytes: int, tokens_per_s: float, hit_rate: float) -> None:
         """One point of a cache-cap sweep (written through)."""

@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from store import codec
+from store import codec, rollup
 from store.errors import StoreError
+from store.schema import ACTIVATIONS_ROLLUP, CACHE_STATS_ROLLUP, SCHEMA_VERSION
 
 Db = str | Path | sqlite3.Connection
 Bucket = tuple[float, float, float, float]     # (bucket start t, min, avg, max)
@@ -50,6 +51,13 @@ def connect_ro(path: str | Path) -> sqlite3.Connection | None:
         raise StoreError(f"{path} is an SQLite file but not a FlashMoE store (tables: "
                          f"{', '.join(sorted(tables))}); point --db at the file the collector and "
                          f"agent write (e.g. data/flashmoe.db)")
+    (version,) = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    if int(version) != SCHEMA_VERSION:
+        conn.close()
+        raise StoreError(f"{path} has store schema version {version}, this reader needs {SCHEMA_VERSION}: "
+                         + (f"start the agent or the collector on it, or run `flashmoe-cli store compact "
+                            f"--db {path}`, to upgrade it in place" if int(version) < SCHEMA_VERSION
+                            else "update this FlashMoE to the version that wrote it"))
     return conn
 
 
@@ -196,8 +204,9 @@ def requests(db: Db, since: float | None = None, until: float | None = None) -> 
 def _span(conn: sqlite3.Connection, table: str, since: float | None,
           until: float | None) -> tuple[float, float] | None:
     """The [since, until] window with open ends closed at the table's first/last row."""
-    lo, hi = conn.execute(f"SELECT MIN(t), MAX(t) FROM {table} WHERE t >= ? AND t <= ?",
-                          _window(since, until)).fetchone()
+    window = _window(since, until)     # two subqueries: each a single index probe, not a range scan
+    lo, hi = conn.execute(f"SELECT (SELECT MIN(t) FROM {table} WHERE t >= ? AND t <= ?), "
+                          f"(SELECT MAX(t) FROM {table} WHERE t >= ? AND t <= ?)", window + window).fetchone()
     if lo is None:
         return None
     return (lo if since is None else since), (hi if until is None else until)
@@ -226,41 +235,56 @@ def latency_quantiles(db: Db, since: float | None = None, until: float | None = 
     return out
 
 
-def _hit_rate(row: dict[str, Any]) -> dict[str, Any]:
-    total = row["hits"] + row["misses"]
-    return row | {"hit_rate": row["hits"] / total if total else None}
+_CACHE_COUNTERS = ("hits", "misses", "evictions", "prefetches", "prefetch_hits", "bytes_read")
 
 
-_CACHE_SUMS = ", ".join(f"SUM({c}) AS {c}" for c in ("hits", "misses", "evictions", "prefetch_hits", "bytes_read"))
+def _cache_row(cells: list[dict[str, Any]], **head: Any) -> dict[str, Any]:
+    """Rollup cells summed into one row: the counters, hit_rate, prefetch_accuracy (prefetched
+    experts later used, over experts prefetched, from the rows that recorded prefetches) and
+    read_latency_s (mean of the recorded ones); a ratio is None where its denominator is 0."""
+    row = head | {c: sum(cell[c] for cell in cells) for c in _CACHE_COUNTERS}
+    lookups = row["hits"] + row["misses"]
+    latency_n = sum(cell["latency_n"] for cell in cells)
+    counted_hits = sum(cell["counted_prefetch_hits"] for cell in cells)
+    return row | {"hit_rate": row["hits"] / lookups if lookups else None,
+                  "prefetch_accuracy": counted_hits / row["prefetches"] if row["prefetches"] else None,
+                  "read_latency_s": sum(cell["latency_sum"] for cell in cells) / latency_n if latency_n else None}
+
+
+def _grouped(cells: list[dict[str, Any]], key: str) -> dict[Any, list[dict[str, Any]]]:
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for cell in cells:
+        groups.setdefault(cell[key], []).append(cell)
+    return dict(sorted(groups.items()))
 
 
 def cache_stats(db: Db, since: float | None = None, until: float | None = None,
-                buckets: int = 60) -> dict[str, list[dict[str, Any]]]:
-    """Cache counters summed over all layers per time bucket ("over_time": t, hits, misses,
-    hit_rate, evictions, prefetch_hits, bytes_read) and per layer over the window ("per_layer":
-    layer, the same sums, hit_rate, read_latency_s mean). Summed inside SQLite."""
-    empty: dict[str, list[dict[str, Any]]] = {"over_time": [], "per_layer": []}
+                buckets: int = 60) -> dict[str, Any]:
+    """Cache counters (hits, misses, evictions, prefetches recorded, prefetch_hits, bytes_read) with
+    hit_rate, prefetch_accuracy and read_latency_s: summed over all layers per time bucket
+    ("over_time": rows with "t", the bucket start), per layer over the window ("per_layer": rows
+    with "layer"), and over everything ("total": one row, None when the window holds no rows).
+    Summed in SQLite, through the per-minute rollup for long windows (store.rollup)."""
+    empty: dict[str, Any] = {"over_time": [], "per_layer": [], "total": None}
     with _reader(db) as conn:
         if conn is None or (span := _span(conn, "cache_stats", since, until)) is None:
             return empty
         width = max((span[1] - span[0]) / buckets, 1e-3)
-        params = {"since": span[0], "until": span[1], "width": width, "last": buckets - 1}
-        over = _dicts(conn, f"SELECT MIN(CAST((t - :since) / :width AS INTEGER), :last) AS bucket, "
-                            f"{_CACHE_SUMS} FROM cache_stats WHERE t >= :since AND t <= :until "
-                            f"GROUP BY bucket ORDER BY bucket", params)
-        layers = _dicts(conn, f"SELECT layer, {_CACHE_SUMS}, AVG(read_latency_s) AS read_latency_s "
-                              f"FROM cache_stats WHERE t >= :since AND t <= :until GROUP BY layer "
-                              f"ORDER BY layer", params)
-    over_time = [_hit_rate({"t": span[0] + row.pop("bucket") * width, **row}) for row in over]
-    return {"over_time": over_time, "per_layer": [_hit_rate(row) for row in layers]}
+        cells = _dicts(conn, *rollup.sums_query(CACHE_STATS_ROLLUP, span[0], span[1], width, buckets - 1))
+    if not cells:
+        return empty
+    return {"over_time": [_cache_row(group, t=span[0] + b * width) for b, group in _grouped(cells, "bucket").items()],
+            "per_layer": [_cache_row(group, layer=layer) for layer, group in _grouped(cells, "layer").items()],
+            "total": _cache_row(cells)}
 
 
 def activations(db: Db, since: float | None = None, until: float | None = None) -> dict[tuple[int, int], int]:
     """Routing counts per (layer, expert) summed over [since, until] (for the heatmap)."""
-    lo, hi = _window(since, until)
-    rows = _rows(db, "SELECT layer, expert, SUM(count) AS n FROM activations WHERE t >= ? AND t <= ? "
-                     "GROUP BY layer, expert", (lo, hi))
-    return {(r["layer"], r["expert"]): r["n"] for r in rows}
+    with _reader(db) as conn:
+        if conn is None or (span := _span(conn, "activations", since, until)) is None:
+            return {}
+        cells = _dicts(conn, *rollup.sums_query(ACTIVATIONS_ROLLUP, span[0], span[1], max(span[1] - span[0], 1e-3), 0))
+    return {(c["layer"], c["expert"]): c["count"] for c in cells}
 
 
 def _knob_row(row: dict[str, Any]) -> dict[str, Any]:

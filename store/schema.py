@@ -18,7 +18,11 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-SCHEMA_VERSION = 2   # 2: chunks carry a format byte (store.codec.FORMAT)
+from store.rollup import Rollup
+
+# 2: chunks carry a format byte (store.codec.FORMAT). 3: per-minute rollups of cache_stats and
+# activations, cache_stats.prefetches, simulations.capacity a fraction (store.migrations upgrades 2).
+SCHEMA_VERSION = 3
 DEFAULT_RETENTION_S = 7 * 24 * 3600
 KINDS = ("gauge", "counter")
 
@@ -128,41 +132,61 @@ def spec_for(name: str) -> SeriesSpec | None:
 
 
 # Times are Unix seconds (REAL). Chunks hold one series' points encoded by store.codec; the
-# open (still filling) chunk of a writer is rewritten in place until it is full.
-DDL = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS series (
+# open (still filling) chunk of a writer is rewritten in place until it is full. One statement per
+# item (run inside the caller's transaction). cache_stats.prefetches is the last column because
+# upgraded stores gain it by ALTER TABLE ... ADD COLUMN; NULL there means "not recorded" (rows of
+# version 2, or a writer that does not pass it), not "none issued".
+SIMULATIONS = """CREATE TABLE IF NOT EXISTS simulations (
+    t REAL NOT NULL, trace TEXT NOT NULL, policy TEXT NOT NULL,
+    capacity REAL NOT NULL CHECK (capacity > 0 AND capacity <= 1),
+    scope TEXT NOT NULL, hit_rate REAL NOT NULL)"""  # capacity: a fraction of all experts, as `simulate` takes it
+TABLES: tuple[str, ...] = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS series (
     id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, unit TEXT NOT NULL,
-    kind TEXT NOT NULL, precision REAL NOT NULL, description TEXT NOT NULL DEFAULT '');
-CREATE TABLE IF NOT EXISTS chunks (
+    kind TEXT NOT NULL, precision REAL NOT NULL, description TEXT NOT NULL DEFAULT '')""",
+    """CREATE TABLE IF NOT EXISTS chunks (
     id INTEGER PRIMARY KEY, series_id INTEGER NOT NULL REFERENCES series(id),
     t_start REAL NOT NULL, t_end REAL NOT NULL, n_points INTEGER NOT NULL,
-    precision REAL NOT NULL, data BLOB NOT NULL);
-CREATE INDEX IF NOT EXISTS chunks_series_t ON chunks (series_id, t_end);
-CREATE TABLE IF NOT EXISTS requests (
+    precision REAL NOT NULL, data BLOB NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS chunks_series_t ON chunks (series_id, t_end)",
+    """CREATE TABLE IF NOT EXISTS requests (
     t REAL NOT NULL, request_id TEXT NOT NULL, ttft_s REAL, tpot_s REAL, latency_s REAL,
     prompt_tokens INTEGER, completion_tokens INTEGER, hits INTEGER, misses INTEGER,
-    bytes_read INTEGER);
-CREATE INDEX IF NOT EXISTS requests_t ON requests (t);
-CREATE TABLE IF NOT EXISTS cache_stats (
+    bytes_read INTEGER)""",
+    "CREATE INDEX IF NOT EXISTS requests_t ON requests (t)",
+    """CREATE TABLE IF NOT EXISTS cache_stats (
     t REAL NOT NULL, layer INTEGER NOT NULL, hits INTEGER NOT NULL, misses INTEGER NOT NULL,
     evictions INTEGER NOT NULL, prefetch_hits INTEGER NOT NULL, bytes_read INTEGER NOT NULL,
-    read_latency_s REAL);
-CREATE INDEX IF NOT EXISTS cache_stats_t ON cache_stats (t);
-CREATE TABLE IF NOT EXISTS activations (
-    t REAL NOT NULL, layer INTEGER NOT NULL, expert INTEGER NOT NULL, count INTEGER NOT NULL);
-CREATE INDEX IF NOT EXISTS activations_t ON activations (t);
-CREATE TABLE IF NOT EXISTS knob_changes (
+    read_latency_s REAL, prefetches INTEGER)""",
+    "CREATE INDEX IF NOT EXISTS cache_stats_t ON cache_stats (t)",
+    """CREATE TABLE IF NOT EXISTS activations (
+    t REAL NOT NULL, layer INTEGER NOT NULL, expert INTEGER NOT NULL, count INTEGER NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS activations_t ON activations (t)",
+    """CREATE TABLE IF NOT EXISTS knob_changes (
     id INTEGER PRIMARY KEY, t REAL NOT NULL, knob TEXT NOT NULL, old TEXT, new TEXT NOT NULL,
-    source TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS knob_changes_t ON knob_changes (t);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY, t REAL NOT NULL, kind TEXT NOT NULL, message TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS events_t ON events (t);
-CREATE TABLE IF NOT EXISTS simulations (
-    t REAL NOT NULL, trace TEXT NOT NULL, policy TEXT NOT NULL, capacity INTEGER NOT NULL,
-    scope TEXT NOT NULL, hit_rate REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS sweeps (
+    source TEXT NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS knob_changes_t ON knob_changes (t)",
+    """CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY, t REAL NOT NULL, kind TEXT NOT NULL, message TEXT NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS events_t ON events (t)",
+    SIMULATIONS,
+    """CREATE TABLE IF NOT EXISTS sweeps (
     t REAL NOT NULL, cache_cap_bytes INTEGER NOT NULL, tokens_per_s REAL NOT NULL,
-    hit_rate REAL NOT NULL);
-"""
+    hit_rate REAL NOT NULL)""",
+)
+
+# What the dashboard sums over long windows, kept per minute (store.rollup).
+CACHE_STATS_ROLLUP = Rollup("cache_stats", ("layer",), (
+    ("hits", "{row}.hits"), ("misses", "{row}.misses"), ("evictions", "{row}.evictions"),
+    ("prefetches", "COALESCE({row}.prefetches, 0)"), ("prefetch_hits", "{row}.prefetch_hits"),
+    # prefetch hits of the rows that also say how many prefetches were issued: the accuracy's numerator
+    ("counted_prefetch_hits", "CASE WHEN {row}.prefetches IS NULL THEN 0 ELSE {row}.prefetch_hits END"),
+    ("bytes_read", "{row}.bytes_read"),
+    ("latency_sum", "COALESCE({row}.read_latency_s, 0.0)"),
+    ("latency_n", "{row}.read_latency_s IS NOT NULL"),
+))
+ACTIVATIONS_ROLLUP = Rollup("activations", ("layer", "expert"), (("count", "{row}.count"),))
+ROLLUPS = (CACHE_STATS_ROLLUP, ACTIVATIONS_ROLLUP)
+
+DDL: tuple[str, ...] = TABLES + tuple(stmt for rollup in ROLLUPS for stmt in rollup.ddl())

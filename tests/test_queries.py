@@ -58,7 +58,7 @@ def test_missing_file_gives_empty_results(tmp_path):
     assert queries.series(missing, "block.vda.util") == []
     assert queries.series_names(missing) == [] and queries.latest(missing, "x") is None
     assert queries.requests(missing) == [] and queries.latency_quantiles(missing) == []
-    assert queries.cache_stats(missing) == {"over_time": [], "per_layer": []}
+    assert queries.cache_stats(missing) == {"over_time": [], "per_layer": [], "total": None}
     assert queries.activations(missing) == {} and queries.latest_knobs(missing) == {}
     assert queries.knob_history(missing) == [] and queries.events(missing) == []
     assert queries.simulations(missing) == [] and queries.sweeps(missing) == []
@@ -97,20 +97,27 @@ def test_requests_and_latency_quantiles(store_path):
     assert rows[0]["ttft_s"][0.5] == pytest.approx(np.quantile(ttfts, 0.5))
 
 
-def test_cache_stats_over_time_and_per_layer(store_path):
+def test_cache_stats_over_time_per_layer_and_total(store_path):
     with Store(store_path, autoflush_s=0) as store:
         for i in range(10):
             store.record_cache_stats(T0 + i, 0, hits=9, misses=1, evictions=1, prefetch_hits=2,
-                                     bytes_read=100, read_latency_s=0.001)
-            store.record_cache_stats(T0 + i, 1, hits=i, misses=10 - i, evictions=0, prefetch_hits=0,
-                                     bytes_read=1000, read_latency_s=None)
+                                     bytes_read=100, read_latency_s=0.001, prefetches=4)
+            store.record_cache_stats(T0 + i, 1, hits=i, misses=10 - i, evictions=0, prefetch_hits=3,
+                                     bytes_read=1000, read_latency_s=None)      # prefetches not counted
     stats = queries.cache_stats(store_path, T0, T0 + 10, buckets=2)
     assert [b["hits"] for b in stats["over_time"]] == [45 + 10, 45 + 35]
     assert stats["over_time"][0]["hit_rate"] == pytest.approx(55 / 100)
     layer0, layer1 = stats["per_layer"]
-    assert (layer0["layer"], layer0["hit_rate"]) == (0, 0.9)
+    assert (layer0["layer"], layer0["hit_rate"], layer0["prefetch_accuracy"]) == (0, 0.9, 0.5)
     assert layer0["read_latency_s"] == pytest.approx(0.001)
     assert (layer1["hits"], layer1["misses"], layer1["read_latency_s"]) == (45, 55, None)
+    assert (layer1["prefetches"], layer1["prefetch_accuracy"]) == (0, None)    # not counted: no ratio
+    total = stats["total"]
+    assert (total["hits"], total["misses"], total["evictions"], total["prefetches"], total["prefetch_hits"]) == \
+        (135, 65, 10, 40, 50)
+    assert (total["hit_rate"], total["prefetch_accuracy"], total["bytes_read"]) == (135 / 200, 0.5, 11_000)
+    assert total["read_latency_s"] == pytest.approx(0.001)
+    assert queries.cache_stats(store_path, T0 + 100, T0 + 200) == {"over_time": [], "per_layer": [], "total": None}
 
 
 def test_activations_knobs_events_simulations_sweeps(store_path):
@@ -122,7 +129,7 @@ def test_activations_knobs_events_simulations_sweeps(store_path):
         store.record_knob_change(T0 + 2, "policy", "flashmoe", "arc", "dashboard")
         store.record_event(T0, "agent.down", "the agent is not running")
         store.record_event(T0 + 5, "device.hotplug", "add block device sdb")
-        store.record_simulation(T0, "held-out.jsonl", "belady", 64, "layer", 0.81)
+        store.record_simulation(T0, "held-out.jsonl", "belady", 0.25, "layer", 0.81)
         store.record_sweep(T0, 2 << 30, 14.2, 0.7)
         store.record_sweep(T0, 1 << 30, 9.5, 0.55)
     assert queries.activations(store_path) == {(0, 1): 9, (0, 2): 1, (3, 7): 2}
@@ -133,7 +140,7 @@ def test_activations_knobs_events_simulations_sweeps(store_path):
                                                                   ("prefetch", None, {"depth": 2})]
     assert [e["kind"] for e in queries.events(store_path)] == ["agent.down", "device.hotplug"]
     assert [e["kind"] for e in queries.events(store_path, since=T0 + 1)] == ["device.hotplug"]
-    assert queries.simulations(store_path)[0]["hit_rate"] == 0.81
+    assert [(s["capacity"], s["hit_rate"]) for s in queries.simulations(store_path)] == [(0.25, 0.81)]
     assert [s["cache_cap_bytes"] for s in queries.sweeps(store_path)] == [1 << 30, 2 << 30]
 
 

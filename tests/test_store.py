@@ -236,7 +236,7 @@ def test_retention_deletes_old_data_but_keeps_results_and_current_knobs(path):
         store.record_knob_change(old, "policy", None, "lru", "test")
         store.record_knob_change(old, "cache_cap_bytes", None, 100, "test")
         store.record_knob_change(old + 1, "cache_cap_bytes", 100, 200, "test")
-        store.record_simulation(old, "trace", "lru", 64, "layer", 0.5)
+        store.record_simulation(old, "trace", "lru", 0.25, "layer", 0.5)
         store.record_sweep(old, 1 << 30, 12.5, 0.6)
         store.compact(now=new + 60)
     assert queries.points(path, "block.vda.util")[0].tolist() == [new]
@@ -258,3 +258,97 @@ def test_a_file_that_is_not_a_store_is_refused_with_advice(tmp_path):
         conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
     with pytest.raises(StoreError, match="schema version 99.*move the old file aside"):
         Store(newer)
+
+
+def test_a_simulation_capacity_must_be_a_fraction_of_experts(path):
+    with Store(path, autoflush_s=0) as store:
+        for bad in (64, 0, 1.5):
+            with pytest.raises(ValueError, match="fraction of all experts in \\(0, 1\\]"):
+                store.record_simulation(T0, "trace", "lru", bad, "layer", 0.5)
+        store.record_simulation(T0, "trace", "lru", 1, "global", 0.9)
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT capacity, typeof(capacity) FROM simulations").fetchall() == [(1.0, "real")]
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK"):     # the schema holds the line too
+            conn.execute("INSERT INTO simulations VALUES (0, 'x', 'lru', 16, 'layer', 0.5)")
+
+
+# The schema FlashMoE wrote as store version 2 (before rollups, prefetches and fractional capacity).
+SCHEMA_V2 = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE series (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, unit TEXT NOT NULL,
+    kind TEXT NOT NULL, precision REAL NOT NULL, description TEXT NOT NULL DEFAULT '');
+CREATE TABLE chunks (id INTEGER PRIMARY KEY, series_id INTEGER NOT NULL REFERENCES series(id),
+    t_start REAL NOT NULL, t_end REAL NOT NULL, n_points INTEGER NOT NULL,
+    precision REAL NOT NULL, data BLOB NOT NULL);
+CREATE INDEX chunks_series_t ON chunks (series_id, t_end);
+CREATE TABLE requests (t REAL NOT NULL, request_id TEXT NOT NULL, ttft_s REAL, tpot_s REAL, latency_s REAL,
+    prompt_tokens INTEGER, completion_tokens INTEGER, hits INTEGER, misses INTEGER, bytes_read INTEGER);
+CREATE INDEX requests_t ON requests (t);
+CREATE TABLE cache_stats (t REAL NOT NULL, layer INTEGER NOT NULL, hits INTEGER NOT NULL, misses INTEGER NOT NULL,
+    evictions INTEGER NOT NULL, prefetch_hits INTEGER NOT NULL, bytes_read INTEGER NOT NULL, read_latency_s REAL);
+CREATE INDEX cache_stats_t ON cache_stats (t);
+CREATE TABLE activations (t REAL NOT NULL, layer INTEGER NOT NULL, expert INTEGER NOT NULL, count INTEGER NOT NULL);
+CREATE INDEX activations_t ON activations (t);
+CREATE TABLE knob_changes (id INTEGER PRIMARY KEY, t REAL NOT NULL, knob TEXT NOT NULL, old TEXT, new TEXT NOT NULL,
+    source TEXT NOT NULL);
+CREATE INDEX knob_changes_t ON knob_changes (t);
+CREATE TABLE events (id INTEGER PRIMARY KEY, t REAL NOT NULL, kind TEXT NOT NULL, message TEXT NOT NULL);
+CREATE INDEX events_t ON events (t);
+CREATE TABLE simulations (t REAL NOT NULL, trace TEXT NOT NULL, policy TEXT NOT NULL, capacity INTEGER NOT NULL,
+    scope TEXT NOT NULL, hit_rate REAL NOT NULL);
+CREATE TABLE sweeps (t REAL NOT NULL, cache_cap_bytes INTEGER NOT NULL, tokens_per_s REAL NOT NULL,
+    hit_rate REAL NOT NULL);
+INSERT INTO meta VALUES ('schema_version', '2');
+"""
+
+
+def version_2_store(path, capacities=(0.25, 0.5)):
+    """A store as version 2 left it: 5 minutes of cache rows for 2 layers, activations, simulations."""
+    with sqlite3.connect(path) as conn:
+        conn.executescript(SCHEMA_V2)
+        conn.executemany("INSERT INTO cache_stats VALUES (?,?,?,?,?,?,?,?)",
+                         [(T0 + i + 0.25, layer, 3 + layer, 1, layer, 1, 4096, None if i % 4 else 0.002)
+                          for i in range(300) for layer in (0, 1)])
+        conn.executemany("INSERT INTO activations VALUES (?,?,?,?)", [(T0 + i, 0, i % 8, 2) for i in range(300)])
+        conn.executemany("INSERT INTO simulations VALUES (?,?,?,?,?,?)",
+                         [(T0, "trace", "lru", c, "layer", 0.5) for c in capacities])
+    return path
+
+
+def test_a_version_2_store_is_upgraded_in_place_keeping_every_row(path, caplog):
+    version_2_store(path)
+    with sqlite3.connect(path) as conn:
+        before = conn.execute("SELECT * FROM cache_stats ORDER BY rowid").fetchall()
+    with pytest.raises(StoreError, match="schema version 2.*upgrade it in place"):
+        queries.connect_ro(path)                # a reader cannot upgrade: it says who can
+    with caplog.at_level(logging.WARNING, logger="store.db"):
+        Store(path, autoflush_s=0).close()
+    assert "upgraded" in caplog.text and "schema version 3" in caplog.text
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("3",)
+        assert conn.execute("SELECT * FROM cache_stats ORDER BY rowid").fetchall() == [row + (None,) for row in before]
+        assert conn.execute("SELECT capacity, typeof(capacity) FROM simulations").fetchall() == \
+            [(0.25, "real"), (0.5, "real")]
+        assert conn.execute("SELECT SUM(n_rows), SUM(hits) FROM cache_stats_1m").fetchone() == (600, 7 * 300)
+    stats = queries.cache_stats(path, T0, T0 + 300, buckets=5)       # through the rollup built from the old rows
+    assert [r["hits"] for r in stats["per_layer"]] == [3 * 300, 4 * 300]
+    assert [r["hits"] + r["misses"] for r in stats["over_time"]] == [(3 + 4 + 1 + 1) * 60] * 5
+    assert stats["total"]["read_latency_s"] == pytest.approx(0.002)
+    assert stats["total"]["prefetch_accuracy"] is None              # version 2 did not record prefetches
+    assert queries.activations(path) == {(0, e): 2 * (300 // 8 + (e < 300 % 8)) for e in range(8)}
+    with Store(path, autoflush_s=0) as store:                        # and it is written like a new store
+        store.record_cache_stats(T0 + 301, 0, 1, 1, 0, 1, 0, None, prefetches=2)
+    assert queries.cache_stats(path)["total"]["prefetch_accuracy"] == 0.5
+
+
+def test_a_version_2_store_with_slot_count_capacities_is_refused_with_advice_and_left_as_it_was(path):
+    version_2_store(path, capacities=(0.25, 64))
+    with pytest.raises(StoreError, match="1 simulation results whose capacity \\(64\\).*DELETE FROM simulations"):
+        Store(path, autoflush_s=0)
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("2",)
+        assert "prefetches" not in [c[1] for c in conn.execute("PRAGMA table_info(cache_stats)")]
+        assert conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE '%_1m'").fetchone() == (0,)
+        conn.execute("DELETE FROM simulations WHERE NOT (capacity > 0 AND capacity <= 1)")   # the advice
+    Store(path, autoflush_s=0).close()
+    assert [s["capacity"] for s in queries.simulations(path)] == [0.25]

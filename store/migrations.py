@@ -1,0 +1,40 @@
+"""Upgrading a store written by an older FlashMoE in place, inside the opener's transaction.
+
+`UPGRADES[v]` turns a version-v store into version v + 1 and says what it did. A store whose
+version has no upgrade (1: chunks without a format byte) is refused with advice by the opener.
+"""
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+from store.errors import StoreError
+from store.schema import DDL, ROLLUPS, SIMULATIONS
+
+
+def _v2_to_v3(conn: sqlite3.Connection, path: Path) -> str:
+    """Per-minute rollups (built from the rows already there), cache_stats.prefetches (NULL for old
+    rows: prefetches were not recorded), simulations.capacity as a fraction of experts."""
+    counts = conn.execute("SELECT COUNT(*), GROUP_CONCAT(DISTINCT capacity) FROM simulations "
+                          "WHERE NOT (capacity > 0 AND capacity <= 1)").fetchone()
+    if counts[0]:
+        raise StoreError(
+            f"{path} holds {counts[0]} simulation results whose capacity ({counts[1]}) is not a "
+            f"fraction of experts in (0, 1], as `flashmoe-cli simulate` reports it; delete them "
+            f"(sqlite3 {path} \"DELETE FROM simulations WHERE NOT (capacity > 0 AND capacity <= 1)\") "
+            f"and start again, or move the file aside to start a new store")
+    conn.execute("ALTER TABLE cache_stats ADD COLUMN prefetches INTEGER")
+    conn.execute("ALTER TABLE simulations RENAME TO simulations_v2")
+    conn.execute(SIMULATIONS)
+    conn.execute("INSERT INTO simulations SELECT t, trace, policy, CAST(capacity AS REAL), scope, hit_rate "
+                 "FROM simulations_v2")
+    conn.execute("DROP TABLE simulations_v2")
+    for statement in DDL:            # the rollup tables and their triggers
+        conn.execute(statement)
+    for rollup in ROLLUPS:
+        conn.execute(rollup.backfill())
+    return "added per-minute rollups and cache_stats.prefetches; simulations.capacity is now a fraction"
+
+
+UPGRADES: dict[int, Callable[[sqlite3.Connection, Path], str]] = {2: _v2_to_v3}
