@@ -62,7 +62,7 @@ class _Outage:
     dropped_rows: int = 0
 
 
-_ROW_SQL = {
+ROW_SQL = {     # the INSERT behind each row table (bench/queries.py times them as flush runs them)
     "requests": "INSERT INTO requests (t, request_id, ttft_s, tpot_s, latency_s, prompt_tokens, "
                 "completion_tokens, hits, misses, bytes_read) VALUES (?,?,?,?,?,?,?,?,?,?)",
     "cache_stats": "INSERT INTO cache_stats (t, layer, hits, misses, evictions, prefetch_hits, "
@@ -164,7 +164,7 @@ class Store:
         self.max_held_rows = max_held_rows
         self.conn = open_database(self.path, busy_timeout_s)
         self._series: dict[str, _SeriesBuffer] = {}
-        self._rows: dict[str, list[tuple[Any, ...]]] = {table: [] for table in _ROW_SQL}
+        self._rows: dict[str, list[tuple[Any, ...]]] = {table: [] for table in ROW_SQL}
         self._lock = threading.Lock()          # guards the buffers
         self._write_lock = threading.Lock()    # serialises transactions on the one connection
         self._series_ids: dict[SeriesSpec, int] = {}
@@ -314,7 +314,7 @@ class Store:
         conn.execute("BEGIN IMMEDIATE")
         opened: dict[str, tuple[int | None, codec.ChunkEncoder | None]] = {}
         for table, rows in snap.rows.items():
-            conn.executemany(_ROW_SQL[table], rows)
+            conn.executemany(ROW_SQL[table], rows)
         for name, (spec, chunk_id, encoder, new_points) in snap.series.items():
             series_id = self._series_id(spec)
             encoder = encoder.copy() if encoder is not None else codec.ChunkEncoder()
