@@ -1,9 +1,11 @@
 """The dashboard's side of the agent's control API: status, knobs, completions.
 
-Every call carries `X-FlashMoE-Source: dashboard` so the agent records who turned a knob. An
-unreachable agent raises AgentOffline (an AgentError), which pages turn into a plain "agent
-offline" notice. One Agent keeps one connection pool: a new httpx client per call would build a
-TLS context each time (~0.2 s here), more than the page's whole render budget allows.
+Every call carries `X-FlashMoE-Source: dashboard` so the agent records who turned a knob; control
+calls (PUT /v1/knobs) carry the agent's bearer token when the dashboard has one (FLASHMOE_TOKEN,
+the variable `flashmoe-cli serve` reads too). An unreachable agent raises AgentOffline (an
+AgentError), which pages turn into a plain "agent offline" notice. One Agent keeps one connection
+pool: a new httpx client per call would build a TLS context each time (~0.2 s here), more than the
+page's whole render budget allows.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 import httpx
 
 SOURCE_HEADER = {"X-FlashMoE-Source": "dashboard"}
+TOKEN_ENV = "FLASHMOE_TOKEN"
 TIMEOUT_S = 3.0
 COMPLETION_TIMEOUT_S = 120.0
 
@@ -39,9 +42,10 @@ class KnobAnswer:
 class Agent:
     """A client of one agent at `base_url` (thread-safe: the sweep thread shares it)."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(headers=SOURCE_HEADER, timeout=TIMEOUT_S)
+        self._control = {"Authorization": f"Bearer {token}"} if token else {}
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
@@ -66,12 +70,16 @@ class Agent:
 
     def put_knobs(self, changes: dict[str, Any]) -> KnobAnswer:
         """Push `changes`; a 4xx is an answer (the agent's validation error), not an exception."""
-        response = self._request("PUT", "/v1/knobs", json=changes)
+        response = self._request("PUT", "/v1/knobs", json=changes, headers=self._control)
         if response.status_code < 400:
             return KnobAnswer(True, response.status_code, response.json(), "")
         if response.status_code >= 500:
             raise AgentError(f"the agent failed with {response.status_code}: {error_detail(response)}")
-        return KnobAnswer(False, response.status_code, {}, error_detail(response))
+        detail = error_detail(response)
+        if response.status_code == 401:
+            detail += (f"; start the dashboard with {TOKEN_ENV} set to the agent's token" if not self._control
+                       else f"; the dashboard's {TOKEN_ENV} is not the agent's token")
+        return KnobAnswer(False, response.status_code, {}, detail)
 
     def push(self, changes: dict[str, Any]) -> str:
         """Push `changes` and describe the agent's answer in one line, an unreachable agent included."""

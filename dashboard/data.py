@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import streamlit as st
@@ -28,14 +27,15 @@ def window(seconds: float, now: float | None = None) -> tuple[float, float]:
 
 
 def store_problem(db: str) -> str | None:
-    """Why the store cannot be shown (missing, unreadable), or None when it can."""
-    if not Path(db).exists():
-        return (f"No store at `{db}` yet. Start the agent and the collector (`make demo`, or "
-                f"`flashmoe-cli collect --db {db}`), or point FLASHMOE_DB at an existing store.")
+    """Why the store cannot be shown (missing, not yet created, unreadable), or None when it can."""
     try:
-        queries.connect_ro(db).close()
+        conn = queries.connect_ro(db)
     except StoreError as err:
         return str(err)
+    if conn is None:
+        return (f"No store at `{db}` yet. Start the agent and the collector (`make demo`, or "
+                f"`flashmoe-cli collect --db {db}`), or point FLASHMOE_DB at an existing store.")
+    conn.close()
     return None
 
 
@@ -69,52 +69,9 @@ def latency_quantiles(db: str, since: float, until: float, buckets: int) -> list
     return queries.latency_quantiles(db, since, until, buckets)
 
 
-_COUNTERS = ("hits", "misses", "evictions", "prefetch_hits", "bytes_read")
-_CACHE_STATS_SQL = (
-    "SELECT MIN(CAST((t - :since) / :width AS INTEGER), :last) AS bucket, layer, "
-    + ", ".join(f"SUM({c}) AS {c}" for c in _COUNTERS)
-    + ", SUM(read_latency_s) AS latency_sum, COUNT(read_latency_s) AS latency_n "
-    "FROM cache_stats WHERE t >= :since AND t <= :until GROUP BY bucket, layer")
-
-
 @st.cache_data(ttl=TTL, show_spinner=False)
-def cache_stats(db: str, since: float, until: float, buckets: int) -> dict[str, list[dict[str, Any]]]:
-    """What store.queries.cache_stats returns, from one pass of SQLite over the window.
-
-    queries.cache_stats sums row by row in Python: 9 s for 24 h of 4 layers at 1 Hz on this
-    machine, against the 2 s page budget. This loader stays only until the store aggregates in SQL.
-    """
-    conn = queries.connect_ro(db)
-    if conn is None:
-        return {"over_time": [], "per_layer": []}
-    width = max((until - since) / buckets, 1e-3)
-    try:
-        cells = _dicts(conn, _CACHE_STATS_SQL, {"since": since, "until": until, "width": width, "last": buckets - 1})
-    finally:
-        conn.close()
-    over: dict[int, dict[str, Any]] = {}
-    layers: dict[int, dict[str, Any]] = {}
-    for cell in cells:   # one (bucket, layer) cell each: fold into both views
-        slot = over.setdefault(cell["bucket"], {"t": since + cell["bucket"] * width, **dict.fromkeys(_COUNTERS, 0)})
-        layer = layers.setdefault(cell["layer"], {"layer": cell["layer"], **dict.fromkeys(_COUNTERS, 0),
-                                                  "latency_sum": 0.0, "latency_n": 0})
-        for c in _COUNTERS:
-            slot[c] += cell[c]
-            layer[c] += cell[c]
-        layer["latency_sum"] += cell["latency_sum"] or 0.0
-        layer["latency_n"] += cell["latency_n"]
-    for layer in layers.values():
-        total, n = layer.pop("latency_sum"), layer.pop("latency_n")
-        layer["read_latency_s"] = total / n if n else None
-    for row in [*over.values(), *layers.values()]:
-        row["hit_rate"] = row["hits"] / (row["hits"] + row["misses"]) if row["hits"] + row["misses"] else None
-    return {"over_time": [over[k] for k in sorted(over)], "per_layer": [layers[k] for k in sorted(layers)]}
-
-
-def _dicts(conn, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-    cur = conn.execute(sql, params)
-    names = [d[0] for d in cur.description]
-    return [dict(zip(names, row)) for row in cur.fetchall()]
+def cache_stats(db: str, since: float, until: float, buckets: int) -> dict[str, Any]:
+    return queries.cache_stats(db, since, until, buckets)
 
 
 @st.cache_data(ttl=TTL, show_spinner=False)
@@ -148,31 +105,31 @@ def sweeps(db: str) -> list[dict[str, Any]]:
 
 
 @st.cache_resource
-def agent(url: str) -> agent_client.Agent:
-    """One client per agent URL for the whole dashboard process, so connections are reused."""
-    return agent_client.Agent(url)
+def agent(url: str, token: str | None) -> agent_client.Agent:
+    """One client per agent URL and token for the whole dashboard process, so connections are reused."""
+    return agent_client.Agent(url, token)
 
 
-def agent_status(url: str) -> dict[str, Any] | str:
+def agent_status(url: str, token: str | None) -> dict[str, Any] | str:
     """The agent's /v1/status, or the reason it could not be read (never cached: it is live)."""
     try:
-        return agent(url).status()
+        return agent(url, token).status()
     except agent_client.AgentError as err:
         return str(err)
 
 
-def agent_knobs(url: str) -> dict[str, Any] | str:
+def agent_knobs(url: str, token: str | None) -> dict[str, Any] | str:
     """The agent's knobs with bounds, or the reason they could not be read."""
     try:
-        return agent(url).knobs()
+        return agent(url, token).knobs()
     except agent_client.AgentError as err:
         return str(err)
 
 
-def knob_state(url: str, db: str) -> tuple[dict[str, dict[str, Any]], str | None]:
+def knob_state(url: str, token: str | None, db: str) -> tuple[dict[str, dict[str, Any]], str | None]:
     """(knobs as GET /v1/knobs describes them, None) from a live agent; else the last values the
     store holds, without bounds, and the reason the agent could not be reached."""
-    knobs = agent_knobs(url)
+    knobs = agent_knobs(url, token)
     if isinstance(knobs, dict):
         return knobs, None
     stored = latest_knobs(db) if store_problem(db) is None else {}

@@ -74,13 +74,14 @@ def activation_heatmap(counts: Sequence[Sequence[float]], title: str) -> go.Figu
 
 
 def policy_comparison(rows: Sequence[Mapping[str, object]], title: str) -> go.Figure:
-    """Hit rate per policy, one bar group per (trace, capacity) as `simulate --json` reports it."""
+    """Hit rate per policy, one bar group per (trace, capacity) as `simulate --json` reports it
+    (capacity a fraction of all experts)."""
     groups = sorted({(str(r["trace"]), float(r["capacity"])) for r in rows})
     fig = go.Figure()
     for trace, capacity in groups:
         sel = [r for r in rows if (str(r["trace"]), float(r["capacity"])) == (trace, capacity)]
         fig.add_trace(go.Bar(x=[str(r["policy"]) for r in sel], y=[float(r["hit_rate"]) for r in sel],
-                             name=f"{trace} @ {capacity:g}"))
+                             name=f"{trace} @ {capacity * 100:g}% of experts"))
     fig.update_layout(barmode="group")
     return _layout(fig, title, "hit rate", "policy")
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from dashboard.agent_client import TOKEN_ENV
+
 DEFAULT_DB = "data/flashmoe.db"
 DEFAULT_AGENT_URL = "http://127.0.0.1:8600"
 REFRESH_S = 5                 # live pages re-read the store this often
@@ -17,3 +19,8 @@ def db_path() -> str:
 
 def agent_url() -> str:
     return os.environ.get("FLASHMOE_AGENT_URL", DEFAULT_AGENT_URL).rstrip("/")
+
+
+def agent_token() -> str | None:
+    """The bearer token the agent's control calls need (the agent's --token / FLASHMOE_TOKEN), if any."""
+    return os.environ.get(TOKEN_ENV) or None

@@ -18,6 +18,7 @@ CONTROLLER = "nvme0"
 N_LAYERS, N_EXPERTS = 4, 8
 MEM_TOTAL = 8 * GIB
 CACHE_CAP = 4 * GIB
+PREFETCHES = 4            # per layer and sample, 1 of them used: prefetch accuracy 25%
 SMART_REASON = "no NVMe controller on this machine (the disk is virtio)"
 
 
@@ -95,7 +96,8 @@ def _rows(store: Store, i: int, t: float, spec: Spec) -> None:
         store.record_request(t, f"req-{k}", 0.1, 0.05, latency_s(k), 12, 16, 48, 16, 16 * 2**20)
     for layer in range(N_LAYERS):
         store.record_cache_stats(t, layer, hits=10 + layer, misses=10 - layer, evictions=layer,
-                                 prefetch_hits=1, bytes_read=(10 - layer) * 2**20, read_latency_s=0.0005)
+                                 prefetch_hits=1, bytes_read=(10 - layer) * 2**20, read_latency_s=0.0005,
+                                 prefetches=PREFETCHES)
     store.record_activations(t, {(layer, (layer + i) % N_EXPERTS): 1 for layer in range(N_LAYERS)})
 
 
@@ -104,7 +106,7 @@ def _records(store: Store, spec: Spec) -> None:
     store.record_knob_change(spec.start, "cache_cap_bytes", 2 * GIB, CACHE_CAP, "dashboard")
     store.record_knob_change(spec.start + 1, "policy", "lru", "flashmoe", "api")
     for policy, rate in (("lru", 0.55), ("lfu", 0.58), ("flashmoe", 0.71), ("belady", 0.8)):
-        store.record_simulation(end, "olmoe-report", policy, 16, "layer", rate)
+        store.record_simulation(end, "olmoe-report", policy, 0.25, "layer", rate)
     for cap, tps in ((GIB, 8.0), (2 * GIB, 15.0), (4 * GIB, 21.0)):
         store.record_sweep(end, cap, tps, 0.3 + cap / (8 * GIB))
     if not spec.smart:

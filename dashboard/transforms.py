@@ -28,12 +28,9 @@ def latency_lines(rows: Sequence[Mapping[str, Any]], column: str = "latency_s"
     return t, {label: [r[column].get(q) for r in rows] for label, q in QUANTILES.items()}
 
 
-def cache_totals(per_layer: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Hits, misses, evictions and the hit rate summed over the per-layer rows of cache_stats."""
-    hits = sum(r["hits"] for r in per_layer)
-    misses = sum(r["misses"] for r in per_layer)
-    return {"hits": hits, "misses": misses, "evictions": sum(r["evictions"] for r in per_layer),
-            "hit_rate": hits / (hits + misses) if hits + misses else None}
+def percent(fraction: float | None) -> str:
+    """A fraction as a percentage with one decimal, or "–" when there is none."""
+    return f"{fraction:.1%}" if fraction is not None else "–"
 
 
 def heatmap_matrix(counts: Mapping[tuple[int, int], int]) -> list[list[int]]:

@@ -1,8 +1,9 @@
 """The whole product in a real browser: agent, collector and dashboard as processes on loopback,
 Debian's Chromium driven by playwright (never a downloaded browser).
 
-Opens every page and checks its plotly charts render, changes the cache cap on the Tuning page and
-checks that the agent's /v1/knobs and the page both show the new value, and saves a screenshot of
+Opens every page and checks its plotly charts render, changes the cache cap on the Tuning page (the
+agent requires a token; the dashboard has it in FLASHMOE_TOKEN) and checks that the agent's
+/v1/knobs and the page both show the new value, and saves a screenshot of
 each page (to FLASHMOE_SCREENSHOT_DIR if set, e.g. docs/, else the test's tmp dir). The README's
 pictures come from a longer run of the same test:
 
@@ -21,7 +22,7 @@ import httpx
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
-from test_dashboard_agent import CLI, ROOT, free_port, spawn, start_agent, stop, wait_http
+from test_dashboard_agent import CLI, ROOT, TOKEN, free_port, spawn, start_agent, stop, wait_http
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -74,14 +75,14 @@ class Traffic:
 def product(tmp_path_factory) -> Iterator[dict[str, str]]:
     root = tmp_path_factory.mktemp("product")
     db = root / "flashmoe.db"
-    agent, agent_url = start_agent(root, db)
+    agent, agent_url = start_agent(root, db, TOKEN)      # control calls need the token
     collector = spawn([CLI, "collect", "--db", str(db), "--pid-file", str(root / "agent.pid")], root / "collector.log")
     port = free_port()
     dash_log = root / "dashboard.log"
     dashboard = spawn([str(Path(sys.executable).with_name("streamlit")), "run", str(ROOT / "dashboard" / "app.py"),
                        "--server.headless", "true", "--server.port", str(port), "--server.address", "127.0.0.1",
                        "--browser.gatherUsageStats", "false"], dash_log,
-                      env={"FLASHMOE_DB": str(db), "FLASHMOE_AGENT_URL": agent_url})
+                      env={"FLASHMOE_DB": str(db), "FLASHMOE_AGENT_URL": agent_url, "FLASHMOE_TOKEN": TOKEN})
     try:
         dash_url = f"http://127.0.0.1:{port}"
         wait_http(f"{dash_url}/_stcore/health", dashboard, dash_log)

@@ -1,7 +1,9 @@
-"""Dashboard pages against a real agent (`flashmoe-cli serve` on the small demo model, loopback).
+"""Dashboard pages against a real agent (`flashmoe-cli serve --token` on the small demo model, loopback).
 
+The agent requires a bearer token on control calls and the dashboard has it in FLASHMOE_TOKEN.
 The Tuning page applies knobs and shows the agent's answer, the Memory page applies its
-recommendation, the Cache page runs a cap sweep through /v1/completions and restores the cap.
+recommendation, the Cache page runs a cap sweep through /v1/completions and restores the cap;
+a dashboard without the token, or with a wrong one, is refused and says what to set.
 The helpers here also start the processes for tests/test_browser.py.
 """
 from __future__ import annotations
@@ -20,13 +22,14 @@ import httpx
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard import data, sweep, synthetic
+from dashboard import agent_client, data, sweep, synthetic
 from store import queries
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = str(ROOT / "dashboard" / "app.py")
 CLI = str(Path(sys.executable).with_name("flashmoe-cli"))
 START_TIMEOUT_S = 120
+TOKEN = "control-token-for-tests"
 
 
 def free_port() -> int:
@@ -71,11 +74,11 @@ def demo_model(root: Path) -> Path:
     return model
 
 
-def start_agent(root: Path, db: Path) -> tuple[subprocess.Popen, str]:
+def start_agent(root: Path, db: Path, token: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = root / "agent.log"
     proc = spawn([CLI, "serve", "--model", str(demo_model(root)), "--port", str(port), "--db", str(db),
-                  "--pid-file", str(root / "agent.pid")], log)
+                  "--pid-file", str(root / "agent.pid"), "--token", token], log)
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/v1/status", proc, log)
     return proc, url
@@ -85,7 +88,7 @@ def start_agent(root: Path, db: Path) -> tuple[subprocess.Popen, str]:
 def agent(tmp_path_factory) -> Iterator[tuple[str, Path]]:
     root = tmp_path_factory.mktemp("agent")
     db = root / "flashmoe.db"
-    proc, url = start_agent(root, db)
+    proc, url = start_agent(root, db, TOKEN)
     try:
         yield url, db
     finally:
@@ -96,9 +99,13 @@ def knob(url: str, name: str):
     return httpx.get(f"{url}/v1/knobs").json()[name]
 
 
-def open_page(monkeypatch, db: Path, url: str, page: str) -> AppTest:
+def open_page(monkeypatch, db: Path, url: str, page: str, token: str | None = TOKEN) -> AppTest:
     monkeypatch.setenv("FLASHMOE_DB", str(db))
     monkeypatch.setenv("FLASHMOE_AGENT_URL", url)
+    if token is None:
+        monkeypatch.delenv(agent_client.TOKEN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(agent_client.TOKEN_ENV, token)
     at = AppTest.from_file(APP, default_timeout=60).run()
     at.switch_page(f"pages/{page}.py").run()
     assert not at.exception, [e.value for e in at.exception]
@@ -138,6 +145,26 @@ def test_tuning_shows_the_agents_validation_error_and_changes_nothing(monkeypatc
     error = texts(at.error)
     assert "refused (400)" in error and "cache_cap_bytes must be between" in error
     assert knob(url, "cache_cap_bytes")["value"] == before["value"]
+
+
+def test_a_dashboard_without_the_token_is_refused_and_says_what_to_set(monkeypatch, agent):
+    url, db = agent
+    before = knob(url, "cache_cap_bytes")
+    new = before["value"] + (1 << 20) if before["value"] + (1 << 20) <= before["max"] else before["min"]
+    at = open_page(monkeypatch, db, url, "tuning", token=None)
+    assert "Agent online" in texts(at.success)          # reading needs no token
+    number_input(at, "cache_cap_bytes").set_value(new)
+    at.button[0].click().run()
+    error = texts(at.error)
+    assert "refused (401)" in error and "start the dashboard with FLASHMOE_TOKEN set" in error
+    assert knob(url, "cache_cap_bytes")["value"] == before["value"]
+
+
+def test_a_wrong_token_is_refused_by_name(agent):
+    url, _ = agent
+    answer = agent_client.Agent(url, "not-the-token").put_knobs({"prefetch": True})
+    assert (answer.accepted, answer.status_code) == (False, 401)
+    assert "the dashboard's FLASHMOE_TOKEN is not the agent's token" in answer.detail
 
 
 def test_memory_recommendation_is_applied_through_the_knobs_api(monkeypatch, agent, tmp_path):
@@ -180,7 +207,7 @@ def test_a_refused_sweep_says_why_and_still_restores_the_cap(agent):
     url, db = agent
     before = knob(url, "cache_cap_bytes")
     runner = sweep.SweepRunner()
-    runner.start(data.agent(url), str(db), [before["min"] - 1], n_requests=1, max_tokens=1)
+    runner.start(data.agent(url, TOKEN), str(db), [before["min"] - 1], n_requests=1, max_tokens=1)
     runner.join(60)
     assert "refused cache_cap_bytes" in runner.progress.error
     assert runner.progress.status == "failed" and not runner.progress.points

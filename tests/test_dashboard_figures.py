@@ -33,11 +33,11 @@ def test_heatmap_rows_are_layers():
 
 
 def test_policy_comparison_groups_by_trace_and_capacity():
-    rows = [{"trace": "a", "capacity": 0.25, "policy": "lru", "hit_rate": 0.5},
-            {"trace": "a", "capacity": 0.25, "policy": "flashmoe", "hit_rate": 0.7},
+    rows = [{"trace": "a", "capacity": 0.125, "policy": "lru", "hit_rate": 0.5},
+            {"trace": "a", "capacity": 0.125, "policy": "flashmoe", "hit_rate": 0.7},
             {"trace": "a", "capacity": 0.5, "policy": "lru", "hit_rate": 0.8}]
     fig = figures.policy_comparison(rows, "policies")
-    assert [d.name for d in fig.data] == ["a @ 0.25", "a @ 0.5"]
+    assert [d.name for d in fig.data] == ["a @ 12.5% of experts", "a @ 50% of experts"]
     assert list(fig.data[0].y) == [0.5, 0.7]
 
 

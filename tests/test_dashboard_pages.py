@@ -15,6 +15,7 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import synthetic
 from store.db import Store
+from test_store import version_2_store
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 SPAN_S = 600
@@ -87,14 +88,15 @@ def test_cache_page_hit_rates_heatmap_policies_and_sweep(monkeypatch, offline, d
     # per sample: hits 10+11+12+13 = 46, misses 10+9+8+7 = 34, evictions 0+1+2+3 = 6
     assert shown["Hit rate (window)"] == f"{46 / 80:.1%}"
     assert shown["Evictions (window)"] == f"{6 * SPAN_S:,}"
-    assert "agent offline" in shown["Prefetch accuracy (agent)"]
+    # agent offline: from the store, 1 of the PREFETCHES per layer and sample used
+    assert shown["Prefetch accuracy (window)"] == f"{1 / synthetic.PREFETCHES:.1%}"
     figs = figures(at)
     assert figs["Hit rate per layer"]["data"][0]["y"] == [(10 + l) / 20 for l in range(synthetic.N_LAYERS)]
     z = figs["Expert activations (layer × expert)"]["data"][0]["z"]
     assert len(z) == synthetic.N_LAYERS and len(z[0]) == synthetic.N_EXPERTS
     assert sum(map(sum, z)) == synthetic.N_LAYERS * SPAN_S
     bars = figs["Hit rate by policy on recorded traces"]["data"][0]
-    assert dict(zip(bars["x"], bars["y"]))["flashmoe"] == 0.71
+    assert dict(zip(bars["x"], bars["y"]))["flashmoe"] == 0.71 and bars["name"] == "olmoe-report @ 25% of experts"
     curve = figs["Tokens/s by cache cap (latest per cap)"]["data"][0]
     assert curve["x"] == [1024.0, 2048.0, 4096.0] and curve["y"] == [8.0, 15.0, 21.0]
     assert "offline" in texts(at.caption)
@@ -166,6 +168,19 @@ def walk(monkeypatch, db: Path):
 def test_missing_database_is_stated_plainly_on_every_page(monkeypatch, offline, tmp_path):
     for at in walk(monkeypatch, tmp_path / "absent.db"):
         assert "No store at" in texts(at.info)
+
+
+def test_a_store_being_created_reads_as_no_store_yet(monkeypatch, offline, tmp_path):
+    path = tmp_path / "new.db"
+    path.touch()                       # a writer has opened it but not made the schema yet
+    for at in walk(monkeypatch, path):
+        assert "No store at" in texts(at.info)
+
+
+def test_an_older_store_says_how_to_upgrade_it_on_every_page(monkeypatch, offline, tmp_path):
+    path = version_2_store(tmp_path / "v2.db")
+    for at in walk(monkeypatch, path):
+        assert "schema version 2" in texts(at.info) and "upgrade it in place" in texts(at.info)
 
 
 def test_empty_database_renders_every_page_without_charts(monkeypatch, offline, tmp_path):

@@ -1,12 +1,7 @@
-"""Pure shaping of query results, the sweep's cap choice, and the SQL cache-statistics loader."""
+"""Pure shaping of query results and the sweep's cap choice."""
 from __future__ import annotations
 
-import time
-
-import pytest
-
-from dashboard import data, sweep, synthetic, transforms
-from store import queries
+from dashboard import sweep, transforms
 
 
 def test_scaled_multiplies_min_avg_max_not_time():
@@ -76,16 +71,5 @@ def test_default_caps_span_the_expert_bytes_within_bounds():
     assert sweep.default_caps(800, cap_min=10, cap_max=300) == [100, 200, 300]
 
 
-@pytest.mark.parametrize("window_s", [300, 3600])
-def test_sql_cache_stats_loader_matches_the_store_query(tmp_path, window_s):
-    db = str(tmp_path / "s.db")
-    now = time.time()
-    synthetic.write(db, synthetic.Spec(start=now - 600, seconds=600))
-    since, until = now - window_s, now
-    ours, reference = data.cache_stats(db, since, until, 60), queries.cache_stats(db, since, until, 60)
-    for key in ("over_time", "per_layer"):
-        assert len(ours[key]) == len(reference[key]) > 0
-        for mine, theirs in zip(ours[key], reference[key]):
-            assert mine.keys() == theirs.keys()
-            for field, value in theirs.items():
-                assert mine[field] == pytest.approx(value), (key, field)
+def test_percent_of_a_fraction_or_a_dash():
+    assert [transforms.percent(f) for f in (0.25, 1 / 3, 0.0, None)] == ["25.0%", "33.3%", "0.0%", "–"]

@@ -8,7 +8,7 @@ from dashboard import components, data, figures, settings, sweep, transforms
 TIME_BUCKETS = 60
 
 st.title("Expert cache")
-db, url = settings.db_path(), settings.agent_url()
+db, url, token = settings.db_path(), settings.agent_url(), settings.agent_token()
 
 
 @st.fragment(run_every=settings.REFRESH_S)
@@ -17,14 +17,18 @@ def live() -> None:
         return
     since, until = components.window()
     stats = data.cache_stats(db, since, until, TIME_BUCKETS)
-    status = data.agent_status(url)
+    status = data.agent_status(url, token)
+    total = stats["total"] or {}
     c1, c2, c3 = st.columns(3)
-    totals = transforms.cache_totals(stats["per_layer"])
-    c1.metric("Hit rate (window)", f"{totals['hit_rate']:.1%}" if totals["hit_rate"] is not None else "–")
-    c2.metric("Evictions (window)", f"{totals['evictions']:,}")
-    c3.metric("Prefetch accuracy (agent)", f"{status['cache']['prefetch_accuracy']:.1%}"
-              if isinstance(status, dict) else "– (agent offline)",
-              help="prefetched experts later used, over experts prefetched, since the agent started")
+    c1.metric("Hit rate (window)", transforms.percent(total.get("hit_rate")))
+    c2.metric("Evictions (window)", f"{total.get('evictions', 0):,}")
+    if isinstance(status, dict):
+        c3.metric("Prefetch accuracy (agent)", transforms.percent(status["cache"]["prefetch_accuracy"]),
+                  help="prefetched experts later used, over experts prefetched, since the agent started")
+    else:
+        c3.metric("Prefetch accuracy (window)", transforms.percent(total.get("prefetch_accuracy")),
+                  help="from the store while the agent is offline: prefetched experts later used, over "
+                       "experts prefetched, in this window (– when none were prefetched)")
 
     left, right = st.columns(2)
     with left:
@@ -70,8 +74,8 @@ def policies() -> None:
 def cap_sweep() -> None:
     st.subheader("Tokens/s against cache cap")
     runner = data.sweep_runner()
-    knobs = data.agent_knobs(url)
-    status = data.agent_status(url)
+    knobs = data.agent_knobs(url, token)
+    status = data.agent_status(url, token)
     online = isinstance(knobs, dict) and isinstance(status, dict)
     left, right = st.columns(2)
     n_requests = left.number_input("Requests per cap", 1, 20, 2, disabled=runner.running, key="sweep-requests")
@@ -81,7 +85,7 @@ def cap_sweep() -> None:
         caps = sweep.default_caps(status["cache"]["expert_bytes"], cap["min"], cap["max"])
         st.caption("Caps: " + ", ".join(transforms.size(c) for c in caps))
         if st.button("Start sweep", disabled=runner.running, key="start-sweep"):
-            runner.start(data.agent(url), db, caps, int(n_requests), int(max_tokens))
+            runner.start(data.agent(url, token), db, caps, int(n_requests), int(max_tokens))
     else:
         st.caption("The sweep needs the agent; it is offline. Stored sweeps are shown below.")
     progress = runner.progress

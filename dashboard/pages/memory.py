@@ -17,7 +17,7 @@ THRESHOLDS = (
 VERDICT_BOX = {"thrashing": st.error, "under pressure": st.warning, "healthy": st.success, "no data": st.info}
 
 st.title("Memory")
-db, url = settings.db_path(), settings.agent_url()
+db, url, token = settings.db_path(), settings.agent_url(), settings.agent_token()
 
 
 @st.fragment(run_every=settings.REFRESH_S)
@@ -45,7 +45,7 @@ def diagnose(since: float, until: float) -> None:
     st.subheader("Thrash diagnosis")
     samples = {th.signal: transforms.averages(data.series(db, th.signal, since, until, settings.BUCKETS))
                for th in THRESHOLDS}
-    knobs = data.agent_knobs(url)
+    knobs = data.agent_knobs(url, token)
     cap = knobs["cache_cap_bytes"]["value"] if isinstance(knobs, dict) else data.latest_value(db, "agent.cache_cap_bytes")
     verdict = diagnosis.diagnose(samples, THRESHOLDS, FULL, mem_total=data.latest_value(db, "mem.total_bytes"),
                                  mem_available=data.latest_value(db, "mem.available_bytes"), cache_cap=cap)
@@ -62,7 +62,7 @@ def diagnose(since: float, until: float) -> None:
     if st.button(f"Apply cache cap {rec.cache_cap_bytes / MIB:,.0f} MiB", key="apply-recommendation",
                  disabled=not isinstance(knobs, dict),
                  help=None if isinstance(knobs, dict) else f"agent offline: {knobs}"):
-        st.session_state["memory-answer"] = data.agent(url).push({"cache_cap_bytes": rec.cache_cap_bytes})
+        st.session_state["memory-answer"] = data.agent(url, token).push({"cache_cap_bytes": rec.cache_cap_bytes})
     if "memory-answer" in st.session_state:
         st.info(f"Agent: {st.session_state['memory-answer']}")
 

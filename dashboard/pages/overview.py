@@ -17,7 +17,7 @@ st.title("Overview")
 @st.fragment(run_every=settings.REFRESH_S)
 def live() -> None:
     db, url = settings.db_path(), settings.agent_url()
-    status = data.agent_status(url)
+    status = data.agent_status(url, settings.agent_token())
     ready = data.store_problem(db) is None
     heartbeat = data.latest(db, COLLECTOR_HEARTBEAT) if ready else None
     now = time.time()
@@ -46,7 +46,7 @@ def live() -> None:
     whole = data.latency_quantiles(db, since, until, 1)     # one bucket: the window's own quantiles
     c1, c2, c3, c4 = st.columns(4)
     c1.metric("Tokens/s (now)", f"{tokens[1]:.1f}" if tokens else "–")
-    c2.metric("Hit rate (now)", f"{hit[1]:.1%}" if hit else "–")
+    c2.metric("Hit rate (now)", transforms.percent(hit[1] if hit else None))
     c3.metric("Requests", f"{len(rows):,}")
     p99 = whole[0]["latency_s"][0.99] if whole else None
     c4.metric("P99 latency", f"{p99:.2f} s" if p99 is not None else "–")

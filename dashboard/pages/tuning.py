@@ -11,7 +11,7 @@ from dashboard import components, data, settings, transforms
 MIB = 2**20
 
 st.title("Tuning")
-db, url = settings.db_path(), settings.agent_url()
+db, url, token = settings.db_path(), settings.agent_url(), settings.agent_token()
 
 
 def knob_widget(name: str, spec: dict[str, Any], disabled: bool) -> Any:
@@ -38,7 +38,7 @@ def knob_form(knobs: dict[str, dict[str, Any]], online: bool) -> None:
                 edited[name] = knob_widget(name, spec, not online)
         if st.form_submit_button("Apply", type="primary", disabled=not online):
             changes = transforms.changed({k: s["value"] for k, s in knobs.items()}, edited)
-            st.session_state["tuning-answer"] = (data.agent(url).push(changes) if changes
+            st.session_state["tuning-answer"] = (data.agent(url, token).push(changes) if changes
                                                  else "nothing to apply: every knob already has that value")
             data.knob_history.clear()   # show the change just made, not the history cached before it
             st.rerun()
@@ -46,7 +46,7 @@ def knob_form(knobs: dict[str, dict[str, Any]], online: bool) -> None:
 
 @st.fragment(run_every=settings.REFRESH_S)
 def current() -> None:
-    knobs, offline = data.knob_state(url, db)
+    knobs, offline = data.knob_state(url, token, db)
     if offline:
         components.agent_offline_notice(offline)
     else:
@@ -71,7 +71,7 @@ def history() -> None:
 
 
 current()
-knobs, offline = data.knob_state(url, db)
+knobs, offline = data.knob_state(url, token, db)
 if "tuning-answer" in st.session_state:
     answer = st.session_state["tuning-answer"]
     (st.success if answer.startswith("accepted") else st.error)(f"Agent answer: {answer}")
