@@ -250,7 +250,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-batch-size", type=int, default=16)
-    ap.add_argument("--configs", default="a,b,c", help="which of a,b,c to run (c is the reference; keep it last)")
+    ap.add_argument("--configs", default="a,b,c",
+                    help="which of a,b,c to run, in this order (the table's reference is the last one run)")
     args = ap.parse_args()
     if not (args.model / "experts.index.json").exists():
         subprocess.run([*CLI, "init-demo", "--out", str(args.model)], check=True, cwd=ROOT)
@@ -261,7 +262,8 @@ def main() -> int:
     cgroup = MemoryCgroup(cap + HEADROOM)
     print(cgroup.describe())
     mix = request_mix(args.clients, args.requests_per_client)
-    chosen = [c for c in CONFIGS if c.name[0] in args.configs.split(",")]
+    by_letter = {c.name[0]: c for c in CONFIGS}
+    chosen = [by_letter[x] for x in args.configs.split(",")]  # in the order given: the disk may throttle later runs
     results, failed = [], {}
     try:
         logs = RESULTS.parent / "serve-logs"
@@ -292,7 +294,7 @@ def main() -> int:
                            "p95_s": r.p(95), "p99_s": r.p(99), "tokens_per_s": r.tokens_per_s,
                            "latencies_s": r.latencies_s} for r in results]}
     if len(results) == 3:
-        a, b, c = results
+        a, b, c = (next(r for r in results if r.config[0] == x) for x in "abc")
         report["ratios"] = {"p99_a_over_c": a.p(99) / c.p(99), "goal_p99_a_over_c": 0.37,
                             "p99_a_over_b": a.p(99) / b.p(99), "tokens_per_s_a_over_b": a.tokens_per_s / b.tokens_per_s}
         print(f"\nP99(a)/P99(c) = {a.p(99) / c.p(99):.2f} (goal <= 0.37); P99(a)/P99(b) = {a.p(99) / b.p(99):.2f}; "
