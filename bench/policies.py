@@ -1,6 +1,6 @@
 """Policies side by side on the report split: hit rate per trace, mean, share of the LRU->Belady gap.
 
-    .venv/bin/python bench/policies.py [--traces ../shared/traces] [--policies lru,lfu,...]
+    .venv/bin/python bench/policies.py [--traces ../shared/traces] [--policies lru,lfu,...] [--jobs N]
 
 Report split (../shared/traces/README.md): olmoe_math, olmoe_dialogue, qwen_dialogue and prefill
 prompts 801..1000; qwen_math is shown on its own row (a period-2 loop: degenerate, out of means).
@@ -9,7 +9,9 @@ misses count, the cache starts empty, and the gap closed is computed on the mean
 FlashMoE runs when its shipped weights exist. The cross-architecture table applies weights trained
 on one architecture's traces (agent/policies/weights/flashmoe-<arch>.safetensors, if shipped) to
 the other architectures' report traces. Every run is one simulate() call of the same library the
-CLI uses; seconds per run are reported only as the simulator's cost. JSON: bench/results/policies.json.
+CLI uses; seconds per run are reported only as the simulator's cost. `--jobs N` spreads the runs
+over N processes (results are identical: every run is deterministic and independent).
+JSON: bench/results/policies.json.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import json
 import os
 import platform
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,18 +53,45 @@ class Run:
     weights: str | None = None
 
 
-def load_traces(root: Path) -> tuple[list[Trace], Trace]:
+def load_traces(root: Path) -> dict[str, Trace]:
+    """The report traces, then the degenerate one, by name (in that order)."""
     prompts = parse_prompts(PREFILL_PROMPTS)
-    report = [load(root / p, prompts=prompts if p.endswith(".npz") else None) for p in REPORT]
-    return report, load(root / DEGENERATE)
+    traces = [load(root / p, prompts=prompts if p.endswith(".npz") else None) for p in REPORT + [DEGENERATE]]
+    return {t.name: t for t in traces}
 
 
-def run(trace: Trace, policy: str, scope: str, capacity: float, weights: Path | None = None) -> Run:
-    options = {"model_path": str(weights)} if weights else {}
+@dataclass(frozen=True)
+class Task:
+    trace: str
+    policy: str
+    scope: str
+    capacity: float
+    weights: Path | None = None
+
+
+_TRACES: dict[str, Trace] = {}  # per worker process, loaded once by _init
+
+
+def _init(root: Path) -> None:
+    _TRACES.update(load_traces(root))
+
+
+def run(task: Task) -> Run:
+    options = {"model_path": str(task.weights)} if task.weights else {}
     start = time.perf_counter()
-    r = simulate(trace, policy, capacity, scope, **options)
-    return Run(trace.name, policy, scope, capacity, r.hit_rate, r.hits, r.accesses,
-               time.perf_counter() - start, weights.name if weights else None)
+    r = simulate(_TRACES[task.trace], task.policy, task.capacity, task.scope, **options)
+    return Run(task.trace, task.policy, task.scope, task.capacity, r.hit_rate, r.hits, r.accesses,
+               time.perf_counter() - start, task.weights.name if task.weights else None)
+
+
+def run_all(tasks: list[Task], root: Path, jobs: int) -> dict[Task, Run]:
+    """Every task, the longest (prefill) first so that the pool drains evenly."""
+    order = sorted(tasks, key=lambda t: not t.trace.startswith("deepseek"))
+    if jobs <= 1:
+        _init(root)
+        return {t: run(t) for t in order}
+    with ProcessPoolExecutor(jobs, initializer=_init, initargs=(root,)) as pool:
+        return dict(zip(order, pool.map(run, order)))
 
 
 def default_policies() -> list[str]:
@@ -94,26 +124,26 @@ def _pct(g: float | None) -> str:
     return "-" if g is None else f"{g:.1%}"
 
 
-def cross_architecture(report: list[Trace]) -> tuple[str, list[Run]]:
-    """Weights trained on one architecture only, applied to the others' report traces (per layer, 0.25)."""
-    runs, lines = [], []
-    for arch, prefix in ARCHITECTURES.items():
-        weights = WEIGHTS / f"flashmoe-{arch}.safetensors"
-        if not weights.exists():
-            continue
-        for trace in report:
-            if trace.name.startswith(prefix):
-                continue
-            base = {p: run(trace, p, "layer", 0.25) for p in ("lru", "belady")}
-            learned = run(trace, "flashmoe", "layer", 0.25, weights)
-            runs += [*base.values(), learned]
-            gap = gap_closed(learned.hit_rate, base["lru"].hit_rate, base["belady"].hit_rate)
-            lines.append(f"{('trained on ' + arch).ljust(22)}{trace.name.ljust(46)}{base['lru'].hit_rate:10.4f}"
-                         f"{learned.hit_rate:10.4f}{base['belady'].hit_rate:10.4f}{_pct(gap):>10}")
-    if not lines:
-        return "(no single-architecture weights shipped: agent/policies/weights/flashmoe-<arch>.safetensors)", runs
-    header = "weights".ljust(22) + "trace".ljust(46) + "lru".rjust(10) + "flashmoe".rjust(10) + "belady".rjust(10) + "gap".rjust(10)
-    return "\n".join([header, *lines]), runs
+def cross_tasks(report: list[str]) -> list[Task]:
+    """Weights trained on one architecture only, on the other architectures' report traces (per layer, 0.25)."""
+    return [Task(t, "flashmoe", "layer", 0.25, WEIGHTS / f"flashmoe-{arch}.safetensors")
+            for arch, prefix in ARCHITECTURES.items() if (WEIGHTS / f"flashmoe-{arch}.safetensors").exists()
+            for t in report if not t.startswith(prefix)]
+
+
+def cross_table(runs: dict[Task, Run]) -> tuple[str, list[Run]]:
+    cross = [r for t, r in runs.items() if t.weights is not None]
+    if not cross:
+        return "(no single-architecture weights shipped: agent/policies/weights/flashmoe-<arch>.safetensors)", []
+    base = {(r.trace, r.policy): r.hit_rate for t, r in runs.items()
+            if t.weights is None and (t.scope, t.capacity) == ("layer", 0.25)}
+    lines = ["weights".ljust(28) + "trace".ljust(46) + "lru".rjust(10) + "flashmoe".rjust(10)
+             + "belady".rjust(10) + "gap".rjust(10)]
+    for r in cross:
+        lru, belady = base[r.trace, "lru"], base[r.trace, "belady"]
+        lines.append(f"{r.weights.ljust(28)}{r.trace.ljust(46)}{lru:10.4f}{r.hit_rate:10.4f}{belady:10.4f}"
+                     f"{_pct(gap_closed(r.hit_rate, lru, belady)):>10}")
+    return "\n".join(lines), cross
 
 
 def machine() -> dict:
@@ -126,20 +156,26 @@ def main() -> None:
     parser.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "traces",
                         help="the shared traces directory (decode/ and prefill/)")
     parser.add_argument("--policies", help="comma-separated; lru and belady are always added")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     args = parser.parse_args()
     policies = default_policies() if not args.policies else \
         ["lru", *[p for p in args.policies.split(",") if p not in ("lru", "belady")], "belady"]
-    report, degenerate = load_traces(args.traces)
-    names = [t.name for t in report]
-    doc = {"machine": machine(), "cold_misses_counted": True, "prefill_prompts": PREFILL_PROMPTS,
-           "report_traces": names, "degenerate_trace": degenerate.name, "configs": []}
+    names = list(load_traces(args.traces))
+    report, degenerate = names[:-1], names[-1]
+    tasks = [Task(t, p, scope, capacity) for scope, capacity in CONFIGS for t in names for p in policies]
+    tasks += cross_tasks(report) if "flashmoe" in policies else []
+    start = time.perf_counter()
+    runs = run_all(tasks, args.traces, args.jobs)
+    doc = {"machine": machine(), "jobs": args.jobs, "wall_seconds": time.perf_counter() - start,
+           "cold_misses_counted": True, "prefill_prompts": PREFILL_PROMPTS,
+           "report_traces": report, "degenerate_trace": degenerate, "configs": []}
     for scope, capacity in CONFIGS:
-        runs = [run(t, p, scope, capacity) for t in [*report, degenerate] for p in policies]
-        table, summary = config_table(runs, names, degenerate.name, policies)
-        print(f"\n== {scope} scope, capacity {capacity:g} of experts, cold misses counted ==\n{table}", flush=True)
+        config_runs = [runs[Task(t, p, scope, capacity)] for t in names for p in policies]
+        table, summary = config_table(config_runs, report, degenerate, policies)
+        print(f"\n== {scope} scope, capacity {capacity:g} of experts, cold misses counted ==\n{table}")
         doc["configs"].append({"scope": scope, "capacity": capacity, **summary,
-                               "runs": [vars(r) for r in runs]})
-    table, cross = cross_architecture(report) if "flashmoe" in policies else ("(flashmoe not run)", [])
+                               "runs": [vars(r) for r in config_runs]})
+    table, cross = cross_table(runs)
     print(f"\n== cross-architecture: per-layer scope, capacity 0.25 ==\n{table}")
     doc["cross_architecture"] = [vars(r) for r in cross]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
