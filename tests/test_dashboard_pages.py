@@ -6,7 +6,6 @@ against a running agent, and tests/test_browser.py the whole product in Chromium
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -15,16 +14,11 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import synthetic
 from store.db import Store
+from test_dashboard_agent import free_port
 from test_store import version_2_store
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 SPAN_S = 600
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]   # released on close: nothing listens there
 
 
 def fill(path: Path, **options) -> Path:
@@ -34,7 +28,7 @@ def fill(path: Path, **options) -> Path:
 
 @pytest.fixture
 def offline(monkeypatch):
-    monkeypatch.setenv("FLASHMOE_AGENT_URL", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("FLASHMOE_AGENT_URL", f"http://127.0.0.1:{free_port()}")   # nothing listens there
 
 
 def open_page(monkeypatch, db: Path, page: str | None = None) -> AppTest:
