@@ -17,10 +17,10 @@ TRACES = Path(__file__).parent / "data" / "traces"
 
 @pytest.fixture(scope="module")
 def tiny_trace(tmp_path_factory) -> Path:
-    """The first 160 tokens of a real OLMoE decode trace."""
-    path = tmp_path_factory.mktemp("traces") / "olmoe_prose_160.jsonl"
+    """The first 96 tokens of a real OLMoE decode trace."""
+    path = tmp_path_factory.mktemp("traces") / "olmoe_prose_96.jsonl"
     lines = (TRACES / "olmoe_prose.jsonl").read_text().splitlines()
-    path.write_text("\n".join(lines[:161]) + "\n")
+    path.write_text("\n".join(lines[:97]) + "\n")
     return path
 
 
@@ -28,7 +28,7 @@ def tiny_trace(tmp_path_factory) -> Path:
 def trained(tiny_trace, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("weights") / "tiny.safetensors"
     assert main(["train-policy", "--trace", str(tiny_trace), "--out", str(out), "--epochs", "2",
-                 "--seed", "3", "--max-decisions", "600"]) == 0
+                 "--seed", "3", "--max-decisions", "300"]) == 0
     return out
 
 
@@ -47,7 +47,7 @@ def test_training_writes_weights_that_load_and_record_how(trained, tiny_trace):
     net = load(trained)
     assert isinstance(net, RetentionNet)
     info = training_info(trained)
-    assert info["traces"] == ["olmoe_prose_160"] and info["seed"] == 3 and info["decisions"] > 100
+    assert info["traces"] == ["olmoe_prose_96"] and info["seed"] == 3 and info["decisions"] > 100
     assert 0.0 <= info["victim_agreement_train"] <= 1.0
 
 
@@ -60,14 +60,14 @@ def test_trained_weights_change_decisions_against_an_untrained_model(trained, ti
 
 def test_same_seed_gives_the_same_weights(trained, tiny_trace, tmp_path):
     again = tmp_path / "again.safetensors"
-    train_policy([tiny_trace], again, epochs=2, seed=3, max_decisions=600)
+    train_policy([tiny_trace], again, epochs=2, seed=3, max_decisions=300)
     a, b = load(trained).state_dict(), load(again).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_recorded_distances_are_belady_futures(tiny_trace):
-    data = collect(load_trace(tiny_trace), 0.25, "belady", 10_000, np.random.default_rng(0))
-    assert len(data) > 100
+    data = collect(load_trace(tiny_trace), 0.25, "belady", 300, np.random.default_rng(0))
+    assert len(data) > 50
     assert (data.distance[data.mask] > 0).all()          # every candidate's next use lies ahead
     assert data.mask.sum(1).min() >= 1 and not data.distance[~data.mask].any()
 

@@ -149,5 +149,7 @@ def window_histogram(h: LayerHistory) -> np.ndarray:
 
 def tv_distance(p: np.ndarray, q: np.ndarray) -> float:
     """Total-variation distance between two histograms (zero-padded to the same length)."""
+    if len(p) == len(q):
+        return 0.5 * float(np.abs(p - q).sum())
     n = max(len(p), len(q))
     return 0.5 * float(np.abs(np.pad(p, (0, n - len(p))) - np.pad(q, (0, n - len(q)))).sum())

@@ -24,6 +24,7 @@ from agent.policies.base import Key, Policy
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "flashmoe.safetensors"
 DECISIONS = ("score", "lfu")
+FRESH = float("inf")  # the score of an expert brought in since the last scoring: it was just used
 
 
 class FlashMoE(Policy):
@@ -49,6 +50,9 @@ class FlashMoE(Policy):
         self._scored_hist: dict[int, np.ndarray] = {}
         self._series: deque[tuple[float, float]] = deque(maxlen=scorer.SERIES_LEN)
         self._system_changed = False
+        self._keep = FRESH        # the keep_percentile of the scores at the last scoring
+        self._routes = 0          # routing steps seen: the shift is checked once per step at most
+        self._checked = -1
         self.recomputes = 0  # how often the network ran: the event-driven cost, observable
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -62,6 +66,7 @@ class FlashMoE(Policy):
 
     def route(self, layer: int, experts: Collection[int]) -> None:
         self._history(layer).observe(experts)
+        self._routes += 1
 
     def remove(self, key: Key) -> None:
         self._scores.pop(key, None)
@@ -72,13 +77,10 @@ class FlashMoE(Policy):
             raise ValueError("every resident expert is pinned by the current step; nothing can be evicted")
         if self._shifted():
             self._rescore(resident)
-        fresh = float("inf")
-        scores = [self._scores.get(k, fresh) for k in candidates]
-        scored = [s for k in resident if (s := self._scores.get(k)) is not None]
-        keep = np.percentile(scored, self.keep_percentile) if scored else fresh
-        rest = [i for i, s in enumerate(scores) if s < keep] or range(len(candidates))
-        if self.decision == "score":
-            return candidates[min(rest, key=lambda i: scores[i])]
+        scores = [self._scores.get(k, FRESH) for k in candidates]
+        if self.decision == "score":  # the lowest score is below any percentile: keep_percentile is moot
+            return candidates[min(range(len(candidates)), key=scores.__getitem__)]
+        rest = [i for i, s in enumerate(scores) if s < self._keep] or range(len(candidates))
         return candidates[min(rest, key=lambda i: self._frequency(candidates[i]))]
 
     # -- scoring --------------------------------------------------------------------------------
@@ -96,6 +98,9 @@ class FlashMoE(Policy):
     def _shifted(self) -> bool:
         if self._system_changed or not self._scored_hist:
             return True
+        if self._checked == self._routes:  # several evictions in one step: nothing moved in between
+            return False
+        self._checked = self._routes
         tv = [self._f.tv_distance(self._f.window_histogram(h), self._scored_hist.get(layer, np.zeros(0)))
               for layer, h in self.layers.items()]
         return float(np.mean(tv)) > self.recompute_threshold
@@ -111,5 +116,7 @@ class FlashMoE(Policy):
         scores = self.scorer.score((self._history(layer), ids) for layer, ids in groups)
         keys = [(layer, int(e)) for layer, ids in groups for e in ids]
         self._scores = dict(zip(keys, scores.tolist()))
+        if self.decision == "lfu":
+            self._keep = float(np.percentile(scores, self.keep_percentile))
         self._scored_hist = {layer: self._f.window_histogram(h) for layer, h in self.layers.items()}
         self.recomputes += 1
