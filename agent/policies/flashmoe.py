@@ -2,14 +2,21 @@
 
 Every routing step updates the layer's activation history (agent.learned.features: a few vector
 ops). On an eviction the policy rescores the resident experts only if the windowed activation
-histogram moved more than `recompute_threshold` (total-variation distance) since the last scoring,
-or the system state changed; otherwise the cached scores are a dictionary lookup. Experts scoring
-at or above the `keep_percentile` of the resident set are kept; among the rest, `decision="score"`
-evicts the lowest score (the furthest predicted next use), `decision="lfu"` the least frequently
-used one in the last 64 steps, as the original design note had it. Experts brought in since the
-last scoring have no score yet; they were just used, so they count as the freshest.
+histogram (last 16 steps) moved more than `recompute_threshold` (total-variation distance) since
+the last scoring, or a monitoring sample arrived; otherwise the cached scores are a dictionary
+lookup, checked at most once per routing step. Experts brought in since the last scoring have no
+score yet; they were just used, so they count as the freshest.
+
+Decision. `decision="score"` (default) evicts the lowest score, i.e. the furthest predicted next
+use: the network is trained to order candidates by next use, so its lowest is its best guess of
+Belady's victim. `decision="lfu"` is the original design note's rule: keep what scores at or above
+`keep_percentile` of the resident set, evict the least frequently used (last 64 steps) among the
+rest. On the held-out traces "score" is the better of the two, and with it keep_percentile never
+changes the victim (the lowest score is below any percentile of the set).
 
 torch is imported on the first construction (agent.learned.scorer), never by the registry.
+Weights: agent/policies/weights/flashmoe.safetensors (train split, all three architectures);
+flashmoe-olmoe / flashmoe-qwen.safetensors are trained on one architecture's traces only.
 """
 from __future__ import annotations
 
