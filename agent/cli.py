@@ -17,6 +17,7 @@ COMMANDS = {
     "simulate": ("agent.simulator", "replay routing traces through the cache policies"),
     "train-policy": ("agent.learned.train", "train the learned FlashMoE policy by imitating Belady"),
     "serve": ("agent.serve.server", "run the agent: completions, knobs, status and metrics over HTTP"),
+    "traffic": ("agent.traffic", "send demo completions to the agent from a few clients"),
     "warmup": ("agent.warmup", "find the hot experts of a prompt file and preload them into the agent"),
     "collect": ("collector.loop", "sample the SSD, block devices and memory into the store"),
     "store": ("store.cli", "inspect the telemetry store: stats, export"),

@@ -1,0 +1,79 @@
+"""flashmoe-cli traffic: a few clients sending completions to the agent, so the demo has load.
+
+Examples:
+    flashmoe-cli traffic                                   # 2 clients against http://127.0.0.1:8600, forever
+    flashmoe-cli traffic --clients 4 --requests 50 --prompts examples/benchmark_input.json
+
+Prompts come from a warm-up file (see `flashmoe-cli warmup --help` for its format). Each client
+walks the prompts in its own order, so the routed experts drift as a real mix of users would make
+them. It waits for the agent to come up, and rides out restarts: a refused connection is logged
+and retried. It only talks to the URL it is given (loopback by default).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from agent.warmup import DEFAULT_AGENT_URL, WarmupError, load_prompts
+
+log = logging.getLogger(__name__)
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "examples" / "benchmark_input.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--agent-url", default=os.environ.get("FLASHMOE_AGENT_URL", DEFAULT_AGENT_URL))
+    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="warm-up style prompt file")
+    parser.add_argument("--clients", type=int, default=2, help="concurrent clients (default 2)")
+    parser.add_argument("--requests", type=int, default=0, help="requests per client; 0 runs until stopped")
+    parser.add_argument("--pause", type=float, default=0.5, help="seconds a client waits between requests")
+    parser.add_argument("--max-tokens", type=int, help="tokens per completion (default: the file's max_tokens)")
+
+
+def client(url: str, prompts: list, max_tokens: int, requests: int, pause: float, seed: int,
+           stop: threading.Event) -> None:
+    order = random.Random(seed)
+    sent = 0
+    with httpx.Client(base_url=url, timeout=120) as http:
+        while not stop.is_set() and (requests == 0 or sent < requests):
+            body = {"prompt": order.choice(prompts), "max_tokens": max_tokens}
+            try:
+                reply = http.post("/v1/completions", json=body)
+                reply.raise_for_status()
+                sent += 1
+                log.debug("client %d: %s", seed, reply.json()["usage"])
+            except httpx.HTTPError as exc:
+                log.warning("client %d: %s; retrying", seed, exc)
+                stop.wait(2.0)
+            stop.wait(pause)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.clients < 1 or args.requests < 0 or args.pause < 0:
+        log.error("--clients must be >= 1, --requests >= 0 and --pause >= 0")
+        return 2
+    try:
+        prompts = load_prompts(args.prompts)
+    except WarmupError as exc:
+        log.error("%s", exc)
+        return 2
+    max_tokens = args.max_tokens or prompts.max_tokens
+    stop = threading.Event()
+    threads = [threading.Thread(target=client, daemon=True, name=f"client-{i}",
+                                args=(args.agent_url, prompts.prompts, max_tokens, args.requests, args.pause, i, stop))
+               for i in range(args.clients)]
+    log.info("%d clients sending completions to %s", args.clients, args.agent_url)
+    for t in threads:
+        t.start()
+    try:
+        while any(t.is_alive() for t in threads):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        stop.set()
+    return 0

@@ -1,0 +1,34 @@
+"""The demo traffic command against a real agent on loopback."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from store import queries
+from test_serve import CLI, demo_model, start_agent, wait_for
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    a = start_agent(demo_model(tmp_path_factory), tmp_path_factory.mktemp("traffic-agent"), "--cache-cap", "50%")
+    yield a
+    a.stop()
+
+
+def test_clients_send_the_requested_completions(agent):
+    done = subprocess.run([*CLI, "traffic", "--agent-url", agent.url, "--clients", "2", "--requests", "3",
+                           "--pause", "0", "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = wait_for(lambda: len(queries.requests(agent.db)) == 6 and queries.requests(agent.db),
+                    what="six request rows in the store")
+    assert all(1 <= r["completion_tokens"] <= 4 for r in rows)
+
+
+def test_a_bad_prompt_file_is_a_clear_error(tmp_path):
+    bad = tmp_path / "prompts.json"
+    bad.write_text('{"prompts": []}')
+    done = subprocess.run([*CLI, "traffic", "--prompts", str(bad), "--requests", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "at least one prompt" in done.stderr
