@@ -36,6 +36,7 @@ def test_tick_exports_interval_deltas_once_to_prometheus():
     assert second.read_latencies == [0.002] * 4  # only the reads new since the last tick
     assert sample(reg, "flashmoe_expert_cache_hits_total", layer="0") == 7
     assert sample(reg, "flashmoe_expert_cache_misses_total", layer="1") == 3
+    assert sample(reg, "flashmoe_expert_cache_prefetches_total", layer="1") == 2
     assert sample(reg, "flashmoe_expert_read_bytes_total") == 8192 + 4 * 4096
     assert sample(reg, "flashmoe_expert_read_latency_seconds_count") == 6
     assert sample(reg, "flashmoe_batch_size") == 3 and sample(reg, "flashmoe_batch_limit") == 12
@@ -56,13 +57,16 @@ def test_requests_feed_histograms_and_the_store_rows_alike(tmp_path):
     assert sample(reg, "flashmoe_request_ttft_seconds_count") == 1
     assert sample(reg, "flashmoe_request_latency_seconds_sum") == 1.2
     assert sample(reg, "flashmoe_request_tpot_seconds_bucket", le="0.05") == 1
-    tick = m.tick(60.0, cache_stats([LayerStats(hits=5, misses=5)], 4096, 1, [0.004], 1), 1, 0, 16, 21, {(0, 2): 5})
+    tick = m.tick(60.0, cache_stats([LayerStats(hits=5, misses=5, prefetches=4, prefetch_hits=3)], 4096, 1, [0.004], 1),
+                  1, 0, 16, 21, {(0, 2): 5})
     with Store(tmp_path / "s.db", autoflush_s=0) as store:
         Recorder(store).write(tick, m.drain_requests())
     rows = queries.requests(tmp_path / "s.db")
     assert [(r["request_id"], r["completion_tokens"], r["hits"], r["misses"], r["t"]) for r in rows] == \
         [("r1", 21, 10, 3, 51.2)]
     assert queries.activations(tmp_path / "s.db") == {(0, 2): 5}
+    total = queries.cache_stats(tmp_path / "s.db")["total"]
+    assert (total["prefetches"], total["prefetch_hits"]) == (4, 3)
     assert queries.latest(tmp_path / "s.db", "agent.hit_rate") == (60.0, 0.5)
     assert m.drain_requests() == []
     assert "flashmoe_request_latency_seconds_bucket" in generate_latest(reg).decode()

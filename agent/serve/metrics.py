@@ -30,6 +30,7 @@ class LayerDelta:
     misses: int
     evictions: int
     prefetch_hits: int
+    prefetches: int           # blocks prefetch brought in
     bytes_read: int           # this layer's share of the interval's bytes, by its block reads
     read_latency_s: float | None  # mean of the interval's reads (all layers: the cache keeps one series)
 
@@ -90,6 +91,8 @@ class Metrics:
         self.evictions = Counter("flashmoe_expert_cache_evictions", "experts evicted", layer, registry=registry)
         self.prefetch_hits = Counter("flashmoe_expert_cache_prefetch_hits",
                                      "demand hits on experts that prefetch brought in", layer, registry=registry)
+        self.prefetches = Counter("flashmoe_expert_cache_prefetches", "experts that lookahead prefetch brought in",
+                                  layer, registry=registry)
         self.bytes_read = Counter("flashmoe_expert_read_bytes", "expert bytes read from the SSD", registry=registry)
         self.read_latency = Histogram("flashmoe_expert_read_latency_seconds", "latency of one expert block read",
                                       buckets=READ_BUCKETS, registry=registry)
@@ -109,7 +112,7 @@ class Metrics:
         self.hit_ratio = Gauge("flashmoe_expert_cache_hit_ratio",
                                f"expert cache hit ratio over the last {RECENT_TICKS} s", registry=registry)
         for i in range(n_layers):  # export every layer from the start, so rate() has a zero to start from
-            for counter in (self.hits, self.misses, self.evictions, self.prefetch_hits):
+            for counter in (self.hits, self.misses, self.evictions, self.prefetch_hits, self.prefetches):
                 counter.labels(layer=str(i))
         self._prev: _Previous | None = None
         self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=RECENT_TICKS)
@@ -143,7 +146,8 @@ class Metrics:
         loads = [(c.misses - p.misses) + (c.prefetches - p.prefetches) for c, p in zip(cache.layers, prev.layers)]
         total_loads = sum(loads) or 1
         layers = [LayerDelta(i, c.hits - p.hits, c.misses - p.misses, c.evictions - p.evictions,
-                             c.prefetch_hits - p.prefetch_hits, bytes_read * n // total_loads, mean_latency)
+                             c.prefetch_hits - p.prefetch_hits, c.prefetches - p.prefetches,
+                             bytes_read * n // total_loads, mean_latency)
                   for i, (c, p, n) in enumerate(zip(cache.layers, prev.layers, loads))]
         tick = Tick(t, t - prev.t, layers, bytes_read, latencies, batch_size, batch_limit, queue_depth,
                     tokens_total - prev.tokens, cache.resident * cache.slot_bytes, cache.cap_bytes, activations)
@@ -158,6 +162,7 @@ class Metrics:
             self.misses.labels(layer=label).inc(d.misses)
             self.evictions.labels(layer=label).inc(d.evictions)
             self.prefetch_hits.labels(layer=label).inc(d.prefetch_hits)
+            self.prefetches.labels(layer=label).inc(d.prefetches)
         self.bytes_read.inc(tick.bytes_read)
         for s in tick.read_latencies:
             self.read_latency.observe(s)

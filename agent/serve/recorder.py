@@ -20,9 +20,9 @@ class Recorder:
     def write(self, tick: Tick, requests: list[RequestStats]) -> None:
         s, t = self.store, tick.t
         for d in tick.layers:
-            if d.hits or d.misses or d.evictions or d.bytes_read:
+            if d.hits or d.misses or d.evictions or d.bytes_read or d.prefetches:
                 s.record_cache_stats(t, d.layer, d.hits, d.misses, d.evictions, d.prefetch_hits, d.bytes_read,
-                                     d.read_latency_s)
+                                     d.read_latency_s, prefetches=d.prefetches)
         if tick.activations:
             s.record_activations(t, tick.activations)
         for r in requests:
