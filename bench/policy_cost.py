@@ -30,8 +30,8 @@ TRACES = ROOT / "tests" / "data" / "traces"
 RESULTS = ROOT / "bench" / "results" / "policy_cost.json"
 POLICIES = {  # label -> (policy, options)
     "lru": ("lru", {}), "lfu-window": ("lfu-window", {}), "arc": ("arc", {}), "least-stale": ("least-stale", {}),
-    "flashmoe": ("flashmoe", {}),  # shipped defaults: rescore on a 0.03 TV shift
-    "flashmoe tv=0": ("flashmoe", {"recompute_threshold": 0.0}),  # rescore whenever the window moved
+    "flashmoe": ("flashmoe", {}),  # shipped defaults: rescore whenever the 16-step window moved
+    "flashmoe tv=.03": ("flashmoe", {"recompute_threshold": 0.03}),  # rescore on a 0.03 TV shift
 }
 SSD_LATENCY_S = 80e-6
 OLMOE_EXPERT_BYTES = 3 * 2048 * 1024 * 2  # gate, up, down of OLMoE-1B-7B in bf16

@@ -4,8 +4,11 @@ Every routing step updates the layer's activation history (agent.learned.feature
 ops). On an eviction the policy rescores the resident experts only if the windowed activation
 histogram (last 16 steps) moved more than `recompute_threshold` (total-variation distance) since
 the last scoring, or a monitoring sample arrived; otherwise the cached scores are a dictionary
-lookup, checked at most once per routing step. Experts brought in since the last scoring have no
-score yet; they were just used, so they count as the freshest.
+lookup, checked at most once per routing step. The default threshold is 0 (rescore whenever the
+window moved at all): on the decode traces 0.03 skipped only ~2% of the rescorings and lost hit
+rate (olmoe_math 0.8443 -> 0.8426), because one token already moves the 16-step window by up to
+1/16; stationary routing (loops, repeated prompts) still costs no rescoring. Experts brought in
+since the last scoring have no score yet; they were just used, so they count as the freshest.
 
 Decision. `decision="score"` (default) evicts the lowest score, i.e. the furthest predicted next
 use: the network is trained to order candidates by next use, so its lowest is its best guess of
@@ -38,7 +41,7 @@ class FlashMoE(Policy):
     name = "flashmoe"
 
     def __init__(self, model_path: str | Path | None = None, keep_percentile: float = 80.0,
-                 recompute_threshold: float = 0.03, decision: str = "score") -> None:
+                 recompute_threshold: float = 0.0, decision: str = "score") -> None:
         if not 0.0 <= float(keep_percentile) <= 100.0:
             raise ValueError(f"keep_percentile must be within 0..100, got {keep_percentile}")
         if not 0.0 <= float(recompute_threshold) <= 1.0:
