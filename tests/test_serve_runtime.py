@@ -60,3 +60,44 @@ def test_batch_limit_follows_the_collectors_ssd_utilisation(runtime):
         limits.append(runtime.scheduler.limit)
     assert limits == [12, 9, 11]
     assert runtime.status()["ssd_util_source"] == "collector block.testdisk.util"
+
+
+def test_the_model_runs_with_the_engines_thread_count_on_the_scheduler_thread(tmp_path_factory):
+    """OpenMP/MKL keep the intra-op thread count per thread: the engine must set it on the thread that
+    steps, or that thread runs a default-size team (whose idle members spin on a busy machine and made
+    LRU serving ~10x slower than flashmoe, whose construction happened to run torch on the main thread)."""
+    import threading
+
+    import torch
+
+    from agent.experts.cache import ExpertCache
+    from agent.serve.engine import ModelEngine
+    from agent.serve.scheduler import Request
+
+    model = demo_model(tmp_path_factory)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # what an unset thread would otherwise inherit on a multi-core machine
+    cache = ExpertCache(model, 10**9, policy="lru")
+    try:
+        engine = ModelEngine(model, cache, threads=1)
+        seen = []
+        get = cache.get
+
+        def spy(layer, expert):
+            seen.append(torch.get_num_threads())  # on the stepping thread, inside the model's MoE
+            return get(layer, expert)
+
+        cache.get = spy
+        request = Request("r", [1, 2, 3], 1, 0.0, lambda event: None)
+
+        def serve():
+            request.state = engine.begin(request)
+            engine.step([request])
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        thread.join()
+        assert seen and set(seen) == {1}
+    finally:
+        cache.close()
+        torch.set_num_threads(before)

@@ -83,8 +83,23 @@ class RouteWindows:
 
 
 class ModelEngine:
-    def __init__(self, model_dir: Path, cache: ExpertCache, prefetch: bool = True, seed: int = 0) -> None:
-        self.cache = cache
+    """Runs the model on whichever thread calls begin/step (the scheduler's).
+
+    `threads` is torch's intra-op thread count for that thread (default 1, as `flashmoe-cli generate`):
+    a step is many small per-expert matmuls while the cache's reads and CRC checks run on other
+    threads. It is set on the calling thread itself, because OpenMP and MKL keep the count per
+    thread: a thread that never sets it uses one per core whatever the main thread set, and
+    libgomp's idle team members then spin on the cores the reads and the step need. On a busy
+    2-core machine that made every expert matmul ~20x slower, unless some torch op had happened to
+    run on the main thread first (which changes libgomp's spin policy; the learned policy's
+    construction did, LRU's did not)."""
+
+    def __init__(self, model_dir: Path, cache: ExpertCache, prefetch: bool = True, seed: int = 0,
+                 threads: int = 1) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        self.cache, self.threads = cache, threads
+        self._configured = threading.local()
         self.routes = RouteCounter(RouteWindows(cache, cache.stats().scope))
         self.model = Transformer.from_store(model_dir, self.routes, prefetch)
         self.generator = torch.Generator().manual_seed(seed)
@@ -93,11 +108,19 @@ class ModelEngine:
     def config(self) -> MoEConfig:
         return self.model.config
 
+    def _own_thread(self) -> None:
+        """Set the intra-op thread count on the calling thread, once per thread."""
+        if not getattr(self._configured, "done", False):
+            torch.set_num_threads(self.threads)
+            self._configured.done = True
+
     def begin(self, request: Request) -> Sequence_:
+        self._own_thread()
         self.cache.session()
         return self.model.new_sequence(len(request.prompt_ids) + request.max_tokens)
 
     def step(self, batch: list[Request]) -> tuple[list[int], StepIO]:
+        self._own_thread()
         before = self.cache.stats()
         logits = self.model.step([(r.state, torch.tensor(r.pending_tokens)) for r in batch])
         after = self.cache.stats()
