@@ -45,6 +45,7 @@ class ServeOptions:
     backend: str = "direct"
     prefetch: bool | None = None
     max_batch_size: int | None = None
+    threads: int = 1                 # torch intra-op threads of the thread that steps the model
 
 
 class Runtime:
@@ -53,7 +54,7 @@ class Runtime:
         self.recorder = Recorder(store) if store is not None else None
         self.cache = ExpertCache(opts.model_dir, _first_cap(opts), policy="lru", backend=opts.backend)
         try:
-            self.engine = ModelEngine(opts.model_dir, self.cache)
+            self.engine = ModelEngine(opts.model_dir, self.cache, threads=opts.threads)
         except BaseException:
             self.cache.close()
             raise

@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", help="replacement policy (lru, flashmoe, ...)")
     p.add_argument("--backend", choices=BACKENDS, default="direct", help="expert reads: O_DIRECT, buffered or mmap")
     p.add_argument("--max-batch-size", type=int, help="most requests sharing one decode step (default 16)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for the model step (default 1: "
+                   "reads run on other threads, and on a small CPU more threads busy-wait against them)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_const", const=False,
                    help="turn lookahead prefetch off")
 
@@ -165,7 +167,7 @@ def serve(args: argparse.Namespace) -> None:
             except DbError as exc:
                 raise ServeError(str(exc)) from None
         opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
-                            args.max_batch_size)
+                            args.max_batch_size, args.threads)
         try:
             runtime = Runtime(opts, CollectorRegistry(), store)
             runtime.start()
