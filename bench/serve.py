@@ -166,18 +166,23 @@ def start(model: Path, config: Config, cgroup: MemoryCgroup, workdir: Path, max_
                              "--max-batch-size", str(max_batch), *config.args()],
                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     cgroup.add(proc.pid)  # before the model loads: every allocation and page-cache page is charged to it
+    return proc, wait_for_agent(proc, port, f"{config.name}: see {log.name}")
+
+
+def wait_for_agent(proc: subprocess.Popen, port: int, where: str, timeout_s: float = 300) -> str:
+    """The agent's URL once /v1/status answers; SystemExit (naming `where` to look) if it dies or stalls."""
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"{config.name}: the agent exited with {proc.returncode}; see {log.name}")
+            raise SystemExit(f"the agent exited with {proc.returncode}; {where}")
         try:
             httpx.get(url + "/v1/status", timeout=5).raise_for_status()
-            return proc, url
+            return url
         except httpx.HTTPError:
             time.sleep(0.5)
     proc.kill()
-    raise SystemExit(f"{config.name}: the agent did not start within 300 s; see {log.name}")
+    raise SystemExit(f"the agent did not start within {timeout_s:.0f} s; {where}")
 
 
 def peak_rss(pid: int) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import CLI, ROOT, drop_page_cache, free_port  # noqa: E402  (the serving bench's helpers)
+from serve import CLI, ROOT, drop_page_cache, free_port, wait_for_agent  # noqa: E402  (the serving bench's helpers)
 
 RESULTS = ROOT / "bench" / "results" / "warmup.json"
 WARMUP_FILE = ROOT / "examples" / "benchmark_input.json"
@@ -37,18 +37,7 @@ def start(model: Path, policy: str, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), "--cache-cap", "25%",
                              "--policy", policy], stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the agent exited with {proc.returncode}; see {log}")
-        try:
-            httpx.get(url + "/v1/status", timeout=5).raise_for_status()
-            return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the agent did not start within 300 s; see {log}")
+    return proc, wait_for_agent(proc, port, f"see {log}")
 
 
 def measure(model: Path, policy: str, requests: int, max_tokens: int, warm: bool, logs: Path) -> dict:

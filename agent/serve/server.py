@@ -23,6 +23,7 @@ import socket
 from pathlib import Path
 
 from agent.experts.layout import StoreError as ExpertStoreError
+from collector.memory import read_pid_file
 from agent.experts.reader import BACKENDS
 
 log = logging.getLogger(__name__)
@@ -83,27 +84,14 @@ def bind(host: str, port: int) -> socket.socket:
 
 def claim_pid_file(path: Path) -> None:
     """Write our pid; refuse if the file names another live process (a second agent)."""
-    try:
-        other = int(path.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        other = None
-    if other and other != os.getpid() and _alive(other):
+    other = read_pid_file(path)
+    if other and other != os.getpid():
         raise ServeError(f"{path} names a running process ({other}): another agent is up; stop it or pass another "
                          f"--pid-file")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(f"{os.getpid()}\n")
     tmp.replace(path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def release_pid_file(path: Path) -> None:
