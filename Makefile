@@ -12,7 +12,14 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install --no-deps -e .
 	touch $@
 
-demo: $(STAMP)
+# The Cache page's policy comparison: every policy replayed once on held-out real routing traces.
+data/.policies-compared: $(STAMP)
+	mkdir -p data
+	$(BIN)/flashmoe-cli simulate --capacity 0.25 --db data/flashmoe.db --trace \
+	  tests/data/traces/olmoe_math.jsonl tests/data/traces/olmoe_dialogue.jsonl tests/data/traces/qwen_dialogue.jsonl
+	touch $@
+
+demo: $(STAMP) data/.policies-compared
 	$(BIN)/flashmoe-cli init-demo --out data/demo
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/honcho start
 

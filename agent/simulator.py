@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -153,6 +154,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-series", metavar="FILE", help="monitoring series JSON to replay "
                         "(default: a deterministic synthetic one)")
     parser.add_argument("--json", action="store_true", help="print {\"results\": [...]} instead of a table")
+    parser.add_argument("--db", metavar="PATH", help="also record each result in this telemetry store "
+                        "(the dashboard's Cache page compares policies from it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,7 +171,24 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps({"results": [r.as_dict() for r in results]}, indent=1) if args.json
           else format_table(results))
+    if args.db:
+        from store.errors import StoreError
+        try:
+            record(args.db, results)
+        except StoreError as e:
+            print(f"flashmoe-cli simulate: cannot record to {args.db}: {e}", file=sys.stderr)
+            return 2
     return 0
+
+
+def record(db: str, results: Sequence[SimResult]) -> None:
+    """Write results to the telemetry store, one row each, all stamped with the same time."""
+    from store.db import Store
+
+    t = time.time()
+    with Store(db) as store:
+        for r in results:
+            store.record_simulation(t, r.trace, r.policy, r.capacity, r.scope, r.hit_rate)
 
 
 def _policies(text: str) -> list[str]:

@@ -100,6 +100,18 @@ def test_cli_json_and_table(capsys):
     assert lru["olmoe_math"] == pytest.approx(simulate(read_jsonl(OLMOE), "lru", 0.25).hit_rate)
 
 
+def test_results_are_recorded_in_the_store_for_the_dashboard(tmp_path, capsys):
+    from store import queries
+
+    db = tmp_path / "flashmoe.db"
+    assert main(["simulate", "--trace", str(OLMOE), "--policy", "lfu", "--capacity", "0.25", "--json",
+                 "--db", str(db)]) == 0
+    printed = {r["policy"]: r["hit_rate"] for r in json.loads(capsys.readouterr().out)["results"]}
+    stored = queries.simulations(db)
+    assert {r["policy"]: r["hit_rate"] for r in stored} == pytest.approx(printed)
+    assert {(r["trace"], r["capacity"], r["scope"]) for r in stored} == {("olmoe_math", 0.25, "layer")}
+
+
 def test_table_reports_the_gap_of_the_means(olmoe):
     results = [simulate(olmoe, p, 0.5, "global") for p in ("lru", "lfu", "belady")]
     table = format_table(results)
