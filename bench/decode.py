@@ -67,36 +67,37 @@ def in_ram(store: Path, prompt_ids: list[int], tokens: int) -> tuple[float, list
     return gen.decode_tokens_per_s, gen.token_ids
 
 
-def cached(store: Path, prompt_ids: list[int], tokens: int, cap_bytes: int, backend: str, prefetch: bool) -> dict:
+def cached(store: Path, prompt_ids: list[int], tokens: int, cap_bytes: int, backend: str, prefetch: bool,
+           scope: str) -> dict:
     drop_from_page_cache(store, Index.load(store / INDEX))
     result = run_generate(store, prompt_ids=prompt_ids, max_new_tokens=tokens, greedy=True,
-                          cache_cap=str(cap_bytes), backend=backend, prefetch=prefetch)
+                          cache_cap=str(cap_bytes), backend=backend, prefetch=prefetch, scope=scope)
     return {**result.stats, "token_ids": result.token_ids}
 
 
-def cap_for(store: Path, pct: float) -> tuple[int, float, str]:
-    """Cap bytes for pct% of expert bytes, raised to the cache's floor (one token's working set) if below."""
+def cap_for(store: Path, pct: float, scope: str) -> tuple[int, float, str]:
+    """Cap bytes for pct% of expert bytes, raised to the cache's floor (one layer's working set) if below."""
     index = Index.load(store / INDEX)
     total = index.nbytes * len(index.blocks)
     top_k = json.loads((store / "config.json").read_text())["num_experts_per_tok"]
-    floor, _ = cap_bounds(index, top_k)
+    floor, _ = cap_bounds(index, top_k, scope)
     want = int(total * pct / 100)
     if want >= floor:
         return want, pct, ""
-    return floor, 100 * floor / total, f"{pct:g}% is below top-{top_k} per layer; ran at the minimum"
+    return floor, 100 * floor / total, f"{pct:g}% is below the {scope}-scope floor; ran at the minimum"
 
 
 def run(store: Path, caps: list[float], backends: list[str], prefetch: list[bool], tokens: int,
-        repeat: int) -> list[Row]:
+        repeat: int, scope: str) -> list[Row]:
     prompt_ids = load_tokenizer(store).encode(PROMPT)
-    configs = [(b, *cap_for(store, pct), pct, p) for pct in caps for b in backends for p in prefetch]
+    configs = [(b, *cap_for(store, pct, scope), pct, p) for pct in caps for b in backends for p in prefetch]
     ram_speeds, samples = [], {i: [] for i in range(len(configs))}
     in_ram(store, prompt_ids, 4)  # warm-up, not measured: the process's first forward passes are slower
     for _ in range(repeat):
         speed, reference = in_ram(store, prompt_ids, tokens)
         ram_speeds.append(speed)
         for i, (backend, cap_bytes, _, _, pct, pf) in enumerate(configs):
-            samples[i].append(cached(store, prompt_ids, tokens, cap_bytes, backend, pf))
+            samples[i].append(cached(store, prompt_ids, tokens, cap_bytes, backend, pf, scope))
             print(f"  {_name(backend, pct, pf)}: {samples[i][-1]['decode_tokens_per_s']:.2f} tok/s", flush=True)
     ram = statistics.median(ram_speeds)
     rows = [Row("all experts in RAM", "in-memory", None, "", ram, 1.0, 1.0, 0.0, None, True, ram_speeds)]
@@ -138,6 +139,8 @@ def main() -> None:
     parser.add_argument("--backends", default="direct,mmap")
     parser.add_argument("--prefetch", choices=("on", "off", "both"), default="on", help="lookahead prefetch")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as flashmoe-cli generate)")
+    parser.add_argument("--scope", choices=("layer", "global"), default="layer",
+                        help="cache scope (global lets a cap below top-k per layer run)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     store = args.model or init_demo(ROOT / "data" / f"decode-demo-{args.size}", args.size)
@@ -145,11 +148,11 @@ def main() -> None:
     start = time.monotonic()
     prefetch = {"on": [True], "off": [False], "both": [True, False]}[args.prefetch]
     rows = run(store, [float(c) for c in args.caps.split(",")], args.backends.split(","), prefetch, args.tokens,
-               args.repeat)
+               args.repeat, args.scope)
     facts = machine_facts(store)
     print(f"\nstore {store}: {index.n_layers} layers x {index.n_experts} experts, blocks of "
           f"{index.nbytes / 2**20:.2f} MiB ({index.nbytes * len(index.blocks) / 2**30:.2f} GiB); prompt "
-          f"{len(load_tokenizer(store).encode(PROMPT))} tokens, {args.tokens} new tokens, greedy, LRU, layer scope, "
+          f"{len(load_tokenizer(store).encode(PROMPT))} tokens, {args.tokens} new tokens, greedy, LRU, {args.scope} scope, "
           f"prefetch {args.prefetch}; {args.threads} torch thread(s); median of {args.repeat}; {time.monotonic() - start:.0f} s")
     print(f"machine: {facts['cpu']}, {facts['cores']} cores, {facts['ram_bytes'] / 2**30:.1f} GiB RAM, "
           f"{facts['filesystem']}, kernel {facts['kernel']}")
@@ -157,7 +160,7 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"store": str(store), "layers": index.n_layers, "experts": index.n_experts,
                                    "block_bytes": index.nbytes, "tokens": args.tokens, "repeat": args.repeat,
-                                   "threads": args.threads, "prefetch": args.prefetch, "prompt": PROMPT, "machine": facts,
+                                   "threads": args.threads, "prefetch": args.prefetch, "scope": args.scope, "prompt": PROMPT, "machine": facts,
                                    "rows": [asdict(r) for r in rows]}, indent=2))
     print(f"\nwrote {RESULTS}")
 
