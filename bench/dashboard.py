@@ -63,7 +63,7 @@ def render(page: str | None) -> tuple[float, float, int]:
     if page is None:
         at.run()
     else:
-        at.switch_page(f"pages/{page}.py").run()
+        at.switch_page(f"views/{page}.py").run()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     if at.exception:
         raise RuntimeError(f"page {page or 'overview'} failed: {at.exception[0].value}")

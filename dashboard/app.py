@@ -8,11 +8,11 @@ from dashboard import settings
 st.set_page_config(page_title="FlashMoE", page_icon=":material/memory:", layout="wide")
 
 PAGES = [
-    st.Page("pages/overview.py", title="Overview", icon=":material/dashboard:", default=True),
-    st.Page("pages/cache.py", title="Cache", icon=":material/cached:"),
-    st.Page("pages/ssd.py", title="SSD", icon=":material/storage:"),
-    st.Page("pages/memory.py", title="Memory", icon=":material/memory:"),
-    st.Page("pages/tuning.py", title="Tuning", icon=":material/tune:"),
+    st.Page("views/overview.py", title="Overview", icon=":material/dashboard:", default=True),
+    st.Page("views/cache.py", title="Cache", icon=":material/cached:"),
+    st.Page("views/ssd.py", title="SSD", icon=":material/storage:"),
+    st.Page("views/memory.py", title="Memory", icon=":material/memory:"),
+    st.Page("views/tuning.py", title="Tuning", icon=":material/tune:"),
 ]
 
 page = st.navigation(PAGES)

@@ -107,7 +107,7 @@ def open_page(monkeypatch, db: Path, url: str, page: str, token: str | None = TO
     else:
         monkeypatch.setenv(agent_client.TOKEN_ENV, token)
     at = AppTest.from_file(APP, default_timeout=60).run()
-    at.switch_page(f"pages/{page}.py").run()
+    at.switch_page(f"views/{page}.py").run()
     assert not at.exception, [e.value for e in at.exception]
     return at
 

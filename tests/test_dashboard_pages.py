@@ -35,7 +35,7 @@ def open_page(monkeypatch, db: Path, page: str | None = None) -> AppTest:
     monkeypatch.setenv("FLASHMOE_DB", str(db))
     at = AppTest.from_file(APP, default_timeout=60).run()
     if page:
-        at.switch_page(f"pages/{page}.py").run()
+        at.switch_page(f"views/{page}.py").run()
     assert not at.exception, [e.value for e in at.exception]
     return at
 
@@ -154,7 +154,7 @@ def walk(monkeypatch, db: Path):
     at = open_page(monkeypatch, db)
     yield at
     for page in PAGES:
-        at.switch_page(f"pages/{page}.py").run()
+        at.switch_page(f"views/{page}.py").run()
         assert not at.exception, (page, [e.value for e in at.exception])
         yield at
 
