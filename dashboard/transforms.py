@@ -33,6 +33,11 @@ def percent(fraction: float | None) -> str:
     return f"{fraction:.1%}" if fraction is not None else "–"
 
 
+def live_value(point: tuple[float, float] | None, now: float, max_age_s: float) -> float | None:
+    """A series' latest (t, value) read as "now": its value while at most `max_age_s` old, else None."""
+    return point[1] if point is not None and now - point[0] <= max_age_s else None
+
+
 def heatmap_matrix(counts: Mapping[tuple[int, int], int]) -> list[list[int]]:
     """{(layer, expert): n} -> rows of layers, columns of experts, zeros where never routed."""
     if not counts:

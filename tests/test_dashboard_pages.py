@@ -21,8 +21,10 @@ APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 SPAN_S = 600
 
 
-def fill(path: Path, **options) -> Path:
-    synthetic.write(str(path), synthetic.Spec(start=time.time() - SPAN_S, seconds=SPAN_S, **options))
+def fill(path: Path, ended_s_ago: float = 0.0, **options) -> Path:
+    """`SPAN_S` of synthetic telemetry whose last sample is `ended_s_ago` before now."""
+    start = time.time() - ended_s_ago - SPAN_S
+    synthetic.write(str(path), synthetic.Spec(start=start, seconds=SPAN_S, **options))
     return path
 
 
@@ -74,6 +76,19 @@ def test_overview_shows_latest_values_latency_tail_and_processes(monkeypatch, of
     assert max(p50["y"]) < 2.0 < max(p99["y"]) <= 3.0       # the 3 s tails show in P99 only
     assert "Agent down" in texts(at.error)
     assert "Collector up" in texts(at.success)
+
+
+def test_overview_now_metrics_are_a_dash_with_their_age_when_the_agent_stopped_writing(monkeypatch, offline,
+                                                                                        tmp_path):
+    # the last sample is an hour old (outside the 15 min window): "60 min ago" for the next minute
+    at = open_page(monkeypatch, fill(tmp_path / "old.db", ended_s_ago=3570))
+    last = SPAN_S - 1
+    now = {m.label: m for m in at.metric}
+    assert now["Hit rate (now)"].value == "–" and now["Tokens/s (now)"].value == "–"
+    assert now["Hit rate (now)"].delta == f"last {synthetic.hit_rate(last):.1%}, 60 min ago"
+    assert now["Tokens/s (now)"].delta == f"last {synthetic.tokens_per_s(last):.1f}, 60 min ago"
+    assert "no data in this window" in texts(at.caption)
+    assert "Collector down" in texts(at.error)
 
 
 def test_cache_page_hit_rates_heatmap_policies_and_sweep(monkeypatch, offline, db):

@@ -16,6 +16,12 @@ def test_latency_lines_pick_each_quantile_per_bucket():
     assert lines == {"P50": [1.0, 1.5], "P95": [2.0, None], "P99": [3.0, None]}
 
 
+def test_live_value_only_while_the_latest_point_is_recent():
+    assert transforms.live_value((100.0, 0.5), now=110.0, max_age_s=15) == 0.5
+    assert transforms.live_value((100.0, 0.5), now=116.0, max_age_s=15) is None
+    assert transforms.live_value(None, now=100.0, max_age_s=15) is None
+
+
 def test_heatmap_matrix_fills_unrouted_experts_with_zero():
     assert transforms.heatmap_matrix({(0, 2): 5, (1, 0): 1}) == [[0, 0, 5], [1, 0, 0]]
     assert transforms.heatmap_matrix({}) == []

@@ -2,16 +2,30 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import streamlit as st
 
 from dashboard import components, data, figures, settings, transforms
 
-COLLECTOR_STALE_S = 15    # the collector samples every second; three missed flushes and more means down
+LIVE_S = 15               # agent and collector write every second: an older latest point is not "now"
 COLLECTOR_HEARTBEAT = "mem.available_bytes"
 TIME_BUCKETS = 60         # latency and request-count buckets: quantiles need a few requests each
 
 st.title("Overview")
+
+
+def number(value: float | None) -> str:
+    return f"{value:.1f}" if value is not None else "–"
+
+
+def now_metric(column, label: str, point: tuple[float, float] | None, now: float,
+               text: Callable[[float | None], str]) -> None:
+    """A "(now)" metric: the latest point while it is live, else "–" and how old the last one is."""
+    live = transforms.live_value(point, now, LIVE_S)
+    note = (f"last {text(point[1])}, {transforms.age_text(point[0], now)}"
+            if point is not None and live is None else None)
+    column.metric(label, text(live), note, delta_color="off", delta_arrow="off")
 
 
 @st.fragment(run_every=settings.REFRESH_S)
@@ -29,7 +43,7 @@ def live() -> None:
     else:
         agent_col.error(f"Agent down: {status}", icon=":material/cancel:")
     seen = heartbeat[0] if heartbeat else None
-    if seen is not None and now - seen < COLLECTOR_STALE_S:
+    if transforms.live_value(heartbeat, now, LIVE_S) is not None:
         collector_col.success(f"Collector up: last sample {transforms.age_text(seen, now)}",
                               icon=":material/check_circle:")
     else:
@@ -45,8 +59,8 @@ def live() -> None:
     quantiles = data.latency_quantiles(db, since, until, TIME_BUCKETS)
     whole = data.latency_quantiles(db, since, until, 1)     # one bucket: the window's own quantiles
     c1, c2, c3, c4 = st.columns(4)
-    c1.metric("Tokens/s (now)", f"{tokens[1]:.1f}" if tokens else "–")
-    c2.metric("Hit rate (now)", transforms.percent(hit[1] if hit else None))
+    now_metric(c1, "Tokens/s (now)", tokens, now, number)
+    now_metric(c2, "Hit rate (now)", hit, now, transforms.percent)
     c3.metric("Requests", f"{len(rows):,}")
     p99 = whole[0]["latency_s"][0.99] if whole else None
     c4.metric("P99 latency", f"{p99:.2f} s" if p99 is not None else "–")
