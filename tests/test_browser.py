@@ -22,7 +22,8 @@ import httpx
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
-from test_dashboard_agent import CLI, ROOT, TOKEN, free_port, spawn, start_agent, stop, wait_http
+from agents import CLI, ROOT, demo_model, free_port, spawn, start_agent, stop, wait_http
+from test_dashboard_agent import TOKEN
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -74,9 +75,9 @@ class Traffic:
 @pytest.fixture(scope="module")
 def product(tmp_path_factory) -> Iterator[dict[str, str]]:
     root = tmp_path_factory.mktemp("product")
-    db = root / "flashmoe.db"
-    agent, agent_url = start_agent(root, db, TOKEN)      # control calls need the token
-    collector = spawn([CLI, "collect", "--db", str(db), "--pid-file", str(root / "agent.pid")], root / "collector.log")
+    agent = start_agent(demo_model(tmp_path_factory), root, "--token", TOKEN)      # control calls need the token
+    db, agent_url = agent.db, agent.url
+    collector = spawn([*CLI, "collect", "--db", str(db), "--pid-file", str(agent.pid_file)], root / "collector.log")
     port = free_port()
     dash_log = root / "dashboard.log"
     dashboard = spawn([str(Path(sys.executable).with_name("streamlit")), "run", str(ROOT / "dashboard" / "app.py"),
@@ -88,7 +89,7 @@ def product(tmp_path_factory) -> Iterator[dict[str, str]]:
         wait_http(f"{dash_url}/_stcore/health", dashboard, dash_log)
         yield {"agent": agent_url, "dashboard": dash_url, "root": str(root)}
     finally:
-        for proc in (dashboard, collector, agent):
+        for proc in (dashboard, collector, agent.proc):
             stop(proc)
 
 

@@ -4,16 +4,10 @@ The agent requires a bearer token on control calls and the dashboard has it in F
 The Tuning page applies knobs and shows the agent's answer, the Memory page applies its
 recommendation, the Cache page runs a cap sweep through /v1/completions and restores the cap;
 a dashboard without the token, or with a wrong one, is refused and says what to set.
-The helpers here also start the processes for tests/test_browser.py.
 """
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,77 +16,21 @@ import httpx
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from agents import ROOT, demo_model, start_agent
 from dashboard import agent_client, data, sweep, synthetic
 from store import queries
 
-ROOT = Path(__file__).resolve().parents[1]
 APP = str(ROOT / "dashboard" / "app.py")
-CLI = str(Path(sys.executable).with_name("flashmoe-cli"))
-START_TIMEOUT_S = 120
 TOKEN = "control-token-for-tests"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, log: Path) -> None:
-    """Wait until `url` answers 200, failing with the process's log if it exits first."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} did not answer within {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
-
-
-def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def demo_model(root: Path) -> Path:
-    model = root / "demo"
-    subprocess.run([CLI, "init-demo", "--out", str(model), "--size", "small"], check=True, capture_output=True)
-    return model
-
-
-def start_agent(root: Path, db: Path, token: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = root / "agent.log"
-    proc = spawn([CLI, "serve", "--model", str(demo_model(root)), "--port", str(port), "--db", str(db),
-                  "--pid-file", str(root / "agent.pid"), "--token", token], log)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/v1/status", proc, log)
-    return proc, url
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory) -> Iterator[tuple[str, Path]]:
-    root = tmp_path_factory.mktemp("agent")
-    db = root / "flashmoe.db"
-    proc, url = start_agent(root, db, TOKEN)
+    a = start_agent(demo_model(tmp_path_factory), tmp_path_factory.mktemp("agent"), "--token", TOKEN)
     try:
-        yield url, db
+        yield a.url, a.db
     finally:
-        stop(proc)
+        a.stop()
 
 
 def knob(url: str, name: str):

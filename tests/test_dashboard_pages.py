@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from agents import free_port
 from dashboard import synthetic
 from store.db import Store
-from test_dashboard_agent import free_port
 from test_store import version_2_store
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")

@@ -3,77 +3,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import signal
-import socket
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
+from agents import CLI, demo_model, free_port, start_agent
 from store import queries
-
-CLI = [sys.executable, "-m", "agent.cli"]
-START_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def demo_model(tmp_path_factory) -> Path:
-    """The small demo model, written once per test session (init-demo is idempotent)."""
-    out = tmp_path_factory.getbasetemp() / "demo-small"
-    subprocess.run([*CLI, "init-demo", "--out", str(out), "--size", "small"], check=True, capture_output=True)
-    return out
-
-
-@dataclass
-class Agent:
-    proc: subprocess.Popen
-    url: str
-    db: Path
-    pid_file: Path
-    log: Path
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(60)
-
-    def get(self, path: str) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=60)
-
-    def complete(self, **body) -> dict:
-        r = httpx.post(self.url + "/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-
-def start_agent(model: Path, workdir: Path, *args: str) -> Agent:
-    """`flashmoe-cli serve` as a subprocess on a free loopback port; returns once /v1/status answers."""
-    port = free_port()
-    db, pid_file, log = workdir / "flashmoe.db", workdir / "agent.pid", workdir / f"agent-{port}.log"
-    proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), "--db", str(db),
-                             "--pid-file", str(pid_file), *args],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    agent = Agent(proc, f"http://127.0.0.1:{port}", db, pid_file, log)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"agent exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if agent.get("/v1/status").status_code == 200:
-                return agent
-        except httpx.TransportError:
-            time.sleep(0.2)
-    agent.stop()
-    raise AssertionError(f"agent did not answer within {START_TIMEOUT_S} s:\n{log.read_text()}")
 
 
 def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):

@@ -1,0 +1,107 @@
+"""Real processes on loopback for the tests: the small demo model, `flashmoe-cli serve` started and
+waited for, and the spawn / wait / stop that tests/test_browser.py also uses for the collector and
+the dashboard.
+
+    agent = start_agent(demo_model(tmp_path_factory), tmp_path, "--cache-cap", "25%")
+    agent.complete(prompt="Hello", max_tokens=4)
+    assert agent.stop() == 0
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "agent.cli"]
+START_TIMEOUT_S = 120
+STOP_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`args` in its own session (so `stop` reaches its children too), output to `log`."""
+    return subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
+
+
+def wait_http(url: str, proc: subprocess.Popen, log: Path) -> None:
+    """Wait until `url` answers 200, failing with the process's log if it exits or never answers."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{proc.args} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    stop(proc)
+    raise AssertionError(f"{url} did not answer within {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> int:
+    """SIGTERM to the process's session and its exit code; one still running after STOP_TIMEOUT_S is
+    killed (its code is then -SIGKILL), so nothing is left behind."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait()
+
+
+def demo_model(tmp_path_factory) -> Path:
+    """The small demo model, written once per test session (init-demo is idempotent)."""
+    out = tmp_path_factory.getbasetemp() / "demo-small"
+    subprocess.run([*CLI, "init-demo", "--out", str(out), "--size", "small"], check=True, capture_output=True)
+    return out
+
+
+@dataclass
+class Agent:
+    proc: subprocess.Popen
+    url: str
+    db: Path
+    pid_file: Path
+    log: Path
+
+    def stop(self) -> int:
+        """SIGTERM and the exit code; an agent that had to be killed fails the test."""
+        code = stop(self.proc)
+        assert code != -signal.SIGKILL, f"agent ignored SIGTERM for {STOP_TIMEOUT_S} s:\n{self.log.read_text()[-3000:]}"
+        return code
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=60)
+
+    def complete(self, **body) -> dict:
+        r = httpx.post(self.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def start_agent(model: Path, workdir: Path, *args: str) -> Agent:
+    """`flashmoe-cli serve` on a free loopback port with its store and pid file in `workdir`;
+    returns once /v1/status answers."""
+    port = free_port()
+    db, pid_file, log = workdir / "flashmoe.db", workdir / "agent.pid", workdir / f"agent-{port}.log"
+    proc = spawn([*CLI, "serve", "--model", str(model), "--port", str(port), "--db", str(db),
+                  "--pid-file", str(pid_file), *args], log)
+    agent = Agent(proc, f"http://127.0.0.1:{port}", db, pid_file, log)
+    wait_http(agent.url + "/v1/status", proc, log)
+    return agent
