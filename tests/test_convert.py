@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from agent.convert import CheckpointError, convert
 from agent.experts.layout import ALIGN, CONFIG, DENSE, EXPERTS, INDEX, Index, StoreError
 from agent.experts.provider import InMemoryExperts
+from agent.model.model import Transformer
 from hf_models import ARCHS, expert_weights, saved_dense_names, tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,17 +60,38 @@ def test_converted_store_holds_the_checkpoints_weights(tmp_path, arch, layout, s
     assert (index.dtype, index.itemsize, index.alignment) == ("float32", 4, ALIGN)
 
 
+# (arch, config overrides, the decoder layers with routed experts)
+DENSE_LAYER_CASES = [("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[0]), [1, 2]),
+                     ("qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2), [1, 3])]
+
+
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
-def test_dense_mlp_layers_are_skipped_in_the_store(tmp_path, layout):
-    """Qwen's mlp_only_layers: store layer i holds the i-th MoE layer; the dense MLP stays in dense.safetensors."""
-    ckpt = tiny_checkpoint("qwen3_moe", tmp_path / "hf", layout=layout, num_hidden_layers=3, mlp_only_layers=[1])
+@pytest.mark.parametrize("arch,overrides,moe_layers", DENSE_LAYER_CASES)
+def test_dense_mlp_layers_stay_dense_and_the_model_matches_transformers(tmp_path, layout, arch, overrides,
+                                                                       moe_layers):
+    """Qwen's mlp_only_layers / decoder_sparse_step: store layer i holds the experts of the i-th MoE
+    decoder layer; the dense MLPs go to dense.safetensors; the loaded store computes transformers' logits."""
+    ckpt = tiny_checkpoint(arch, tmp_path / "hf", layout=layout, **overrides)
+    hf_layers = ckpt.model.model.layers
+    assert [i for i, layer in enumerate(hf_layers) if hasattr(layer.mlp, "experts")] == moe_layers
     index = convert(ckpt.path, tmp_path / "store")
-    assert index.n_layers == 2
+    assert index.n_layers == len(moe_layers)
     experts = InMemoryExperts(tmp_path / "store")
-    for store_layer, layer in enumerate([0, 2]):
-        for got, want in zip(experts.get(store_layer, 5), expert_weights(ckpt.model, layer, 5)):
-            assert torch.equal(got, want)
-    assert "model.layers.1.mlp.gate_proj.weight" in load_file(tmp_path / "store" / DENSE)
+    for store_layer, layer in enumerate(moe_layers):
+        for e in range(index.n_experts):
+            for got, want in zip(experts.get(store_layer, e), expert_weights(ckpt.model, layer, e)):
+                assert torch.equal(got, want), (layer, e)
+    dense, want = load_file(tmp_path / "store" / DENSE), saved_dense_names(ckpt.model)
+    assert dense.keys() == want.keys() and all(torch.equal(dense[n], t) for n, t in want.items())
+    dense_mlp = set(range(len(hf_layers))) - set(moe_layers)
+    assert {f"model.layers.{i}.mlp.gate_proj.weight" for i in dense_mlp} <= dense.keys()
+    model = Transformer.from_store(tmp_path / "store", experts)
+    ids = [5, 17, 42, 7, 99, 3, 250, 11]
+    with torch.no_grad():
+        ref = ckpt.model(torch.tensor([ids])).logits[0]
+    ours = model.step([(model.new_sequence(len(ids)), torch.tensor(ids))], all_logits=True)[0]
+    assert ref.abs().max() > 1.0    # large enough that a wrong model cannot hide under the tolerance
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
 
 def test_expert_tensors_in_a_layer_the_config_makes_dense(tmp_path):
