@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.experts.layout import ALIGN, CONFIG, DENSE, EXPERTS, INDEX, Block, Index, crc32
+from agent.experts.layout import ALIGN, CONFIG, DENSE, EXPERTS, INDEX, Block, Index, crc32, partial_prefix
 from agent.model.config import ConfigError, MoEConfig
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class StoreWriter:
                            shape.itemsize, alignment=ALIGN, blocks=[])
         self.dst.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_partials(self.dst)
-        self.tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(self.dst), dir=self.dst.parent))
+        self.tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(self.dst), dir=self.dst.parent))
         self._fd = os.open(self.tmp / EXPERTS, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._slot = bytearray(self.index.slot_bytes)  # the padding after the payload stays zero
 
@@ -249,13 +249,9 @@ class StoreWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _partial_prefix(dst: Path) -> str:
-    return f".{dst.name}.partial-"
-
-
 def _remove_stale_partials(dst: Path) -> None:
     """A killed writer leaves its temporary directory behind; the next run of the same dst clears it."""
-    for stale in dst.parent.glob(_partial_prefix(dst) + "*"):
+    for stale in dst.parent.glob(partial_prefix(dst) + "*"):
         log.warning("removing %s, left by an interrupted run", stale)
         shutil.rmtree(stale, ignore_errors=True)
 

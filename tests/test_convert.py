@@ -286,6 +286,26 @@ def test_truncated_expert_file_names_layer_and_expert(tmp_path):
         InMemoryExperts(tmp_path / "store")
 
 
+# ---------------------------------------------------------------- a store that is not there
+
+@pytest.mark.parametrize("make", [lambda d: None, lambda d: d.mkdir()], ids=["no directory", "no index"])
+def test_loading_a_store_that_does_not_exist_says_so_and_what_to_run(tmp_path, make):
+    make(tmp_path / "store")
+    with pytest.raises(StoreError) as err:
+        Index.load(tmp_path / "store" / INDEX)
+    message = str(err.value)
+    assert "does not exist" in message and "incomplete" not in message
+    assert f"flashmoe-cli convert SRC_HF_DIR {tmp_path / 'store'}" in message and "flashmoe-cli init-demo" in message
+
+
+def test_a_store_whose_index_was_never_written_is_incomplete(tmp_path):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    convert(ckpt.path, tmp_path / "store")
+    (tmp_path / "store" / INDEX).unlink()     # as if convert stopped just before its last write
+    with pytest.raises(StoreError, match=r"incomplete \(was convert interrupted\?\)"):
+        Index.load(tmp_path / "store" / INDEX)
+
+
 # ---------------------------------------------------------------- streaming and interruption (real processes)
 
 @pytest.fixture(scope="module")
@@ -340,7 +360,7 @@ def test_killed_convert_leaves_no_store_that_loads(tmp_path, big_checkpoint):
     assert proc.returncode == -9
     partial = list(tmp_path.glob(".store.partial-*"))
     assert len(partial) == 1 and (partial[0] / EXPERTS).stat().st_size > 0, "the kill did not land midway"
-    for candidate in (dst, partial[0]):
+    for candidate in (dst, partial[0]):       # dst itself does not exist: its partial sibling does
         with pytest.raises(StoreError, match="incomplete"):
             Index.load(candidate / INDEX)
     with pytest.raises(StoreError):

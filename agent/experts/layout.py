@@ -6,6 +6,8 @@
                              each block starting at a multiple of ALIGN so one O_DIRECT read fills a slot
     DIR/experts.index.json   the Index below; written last, so a store without it is incomplete
 
+convert writes all of it into a sibling `.DIR.partial-*` directory, renamed to DIR once complete.
+
 gate and up are [intermediate, hidden], down is [hidden, intermediate] (nn.Linear weight order).
 """
 from __future__ import annotations
@@ -75,12 +77,30 @@ class Index:
             data["blocks"] = [Block(*b) for b in data["blocks"]]
             index = cls(**data)
         except FileNotFoundError:
-            raise StoreError(f"{path} is missing: the store is incomplete (was convert interrupted?); re-run flashmoe-cli convert") from None
+            raise _missing_index(Path(path)) from None
         except (ValueError, TypeError, KeyError) as exc:
             raise StoreError(f"{path} is not a valid expert index: {exc}") from None
         if len(index.blocks) != index.n_layers * index.n_experts:
             raise StoreError(f"{path}: {len(index.blocks)} blocks, expected {index.n_layers} x {index.n_experts}")
         return index
+
+
+def partial_prefix(store_dir: Path) -> str:
+    """Name prefix of the temporary directory convert writes beside `store_dir` until it is complete."""
+    return f".{store_dir.name}.partial-"
+
+
+def _missing_index(path: Path) -> StoreError:
+    """No index at `path`: convert stopped before writing it (experts.bin, or its partial directory,
+    is there), or there is no store at all."""
+    store = path.parent
+    if (store / EXPERTS).exists() or any(store.parent.glob(partial_prefix(store) + "*")):
+        return StoreError(f"{path} is missing: the store is incomplete (was convert interrupted?); "
+                          f"re-run flashmoe-cli convert")
+    missing = path if store.is_dir() else store
+    return StoreError(f"{missing} does not exist, so {store} is not an expert store; write one with "
+                      f"`flashmoe-cli convert SRC_HF_DIR {store}` (or `flashmoe-cli init-demo --out {store}` "
+                      f"for the random-weight demo model)")
 
 
 def crc32(buf) -> int:
