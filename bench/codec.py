@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import struct
 import sys
 import zlib
@@ -28,12 +26,12 @@ import numpy as np
 from gorillacompression import PairsEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import machine, write_results  # noqa: E402
 from store import codec, queries  # noqa: E402
 from store.db import to_fixed  # noqa: E402
 from store.schema import SeriesSpec  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "data" / "recorded_series.json"
-RESULTS = Path(__file__).resolve().parent / "results" / "codec.json"
 CHUNKS = (60, 120, 600)
 
 
@@ -100,18 +98,6 @@ def make_fixture(db: Path, out: Path, seconds: float = 600.0) -> None:
                               separators=(",", ":")) + "\n")
 
 
-def machine() -> dict:
-    return {"kernel": platform.release(), "cpu": _cpu_model(), "cores": os.cpu_count(),
-            "python": platform.python_version()}
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def report(rows: list[Row]) -> dict:
     columns = ("raw", "zlib", "gorilla", "ours_60", "ours_120", "ours_600")
     print(f"{'series':36} {'points':>6} " + " ".join(f"{c:>10}" for c in columns) + "   (bytes/point)")
@@ -137,9 +123,7 @@ def main() -> int:
     rows = [measure(name, entry) for name, entry in sorted(fixture["series"].items())]
     result = report(rows) | {"fixture": str(args.fixture), "recorded_on": fixture["machine"],
                              "machine": machine()}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_results("codec", result)
     return 0
 
 

@@ -10,7 +10,6 @@ start and end of the measured window. Side by side: the goal (1% of one core), t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -22,10 +21,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.codec import machine  # noqa: E402
+from bench.common import machine, write_results  # noqa: E402
 from store import queries  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "collector_cost.json"
 GOAL = 0.01
 WARMUP_S = 5.0
 TICK = os.sysconf("SC_CLK_TCK")
@@ -81,9 +79,7 @@ def main() -> int:
         print(f"{'collector.cpu_fraction (own) mean':34} {result['self_reported_mean']:>10.4%}")
     print(f"{'CPU per tick (ms)':34} {result['cpu_ms_per_tick']:>10.2f}")
     print(f"{'collector RSS (MB)':34} {rss_bytes / 1e6:>10.1f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_results("collector_cost", result)
     return 0
 
 

@@ -20,16 +20,17 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, this file would shadow the `dashboard` package it measures: drop bench/ from the path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+ROOT = Path(__file__).resolve().parents[1]
+# Run as a script, this file would shadow the `dashboard` package it measures: the repo, not bench/, goes on the path.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import streamlit as st  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
+from bench.common import machine, write_results  # noqa: E402
 from dashboard import synthetic  # noqa: E402
 from store.db import Store  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 APP = str(ROOT / "dashboard" / "app.py")
 PAGES = {"Overview": None, "Cache": "cache", "SSD": "ssd", "Memory": "memory", "Tuning": "tuning"}
 GOAL_S = 2.0
@@ -92,11 +93,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['page']:<10} {r['first_render_s']:>17.2f} {r['cpu_s']:>8.2f} {r['charts']:>7} "
               f"{'yes' if r['ok'] else 'NO':>12}")
-    out = ROOT / "bench" / "results" / "dashboard.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"store": data, "goal_s": GOAL_S, "load_average": load, "pages": rows},
-                              indent=2))
-    print(f"wrote {out}")
+    write_results("dashboard", {"store": data, "goal_s": GOAL_S, "load_average": load, "pages": rows,
+                                "machine": machine()})
     tmp.cleanup()
 
 

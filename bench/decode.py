@@ -38,11 +38,11 @@ from agent.model.generation import generate
 from agent.model.model import Transformer
 from agent.tokenizer import load_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loader import drop_from_page_cache, machine_facts  # noqa: E402  (bench/loader.py, same directory)
-
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "decode.json"
+sys.path.insert(0, str(ROOT))
+from bench.common import machine, write_results  # noqa: E402
+from bench.loader import drop_from_page_cache  # noqa: E402
+
 PROMPT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
 
 
@@ -149,7 +149,7 @@ def main() -> None:
     prefetch = {"on": [True], "off": [False], "both": [True, False]}[args.prefetch]
     rows = run(store, [float(c) for c in args.caps.split(",")], args.backends.split(","), prefetch, args.tokens,
                args.repeat, args.scope)
-    facts = machine_facts(store)
+    facts = machine(store)
     print(f"\nstore {store}: {index.n_layers} layers x {index.n_experts} experts, blocks of "
           f"{index.nbytes / 2**20:.2f} MiB ({index.nbytes * len(index.blocks) / 2**30:.2f} GiB); prompt "
           f"{len(load_tokenizer(store).encode(PROMPT))} tokens, {args.tokens} new tokens, greedy, LRU, {args.scope} scope, "
@@ -157,12 +157,11 @@ def main() -> None:
     print(f"machine: {facts['cpu']}, {facts['cores']} cores, {facts['ram_bytes'] / 2**30:.1f} GiB RAM, "
           f"{facts['filesystem']}, kernel {facts['kernel']}")
     print_table(rows)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"store": str(store), "layers": index.n_layers, "experts": index.n_experts,
-                                   "block_bytes": index.nbytes, "tokens": args.tokens, "repeat": args.repeat,
-                                   "threads": args.threads, "prefetch": args.prefetch, "scope": args.scope, "prompt": PROMPT, "machine": facts,
-                                   "rows": [asdict(r) for r in rows]}, indent=2))
-    print(f"\nwrote {RESULTS}")
+    print()
+    write_results("decode", {"store": str(store), "layers": index.n_layers, "experts": index.n_experts,
+                             "block_bytes": index.nbytes, "tokens": args.tokens, "repeat": args.repeat,
+                             "threads": args.threads, "prefetch": args.prefetch, "scope": args.scope,
+                             "prompt": PROMPT, "machine": facts, "rows": [asdict(r) for r in rows]})
 
 
 if __name__ == "__main__":

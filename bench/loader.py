@@ -20,9 +20,8 @@ import argparse
 import json
 import mmap
 import os
-import platform
 import statistics
-import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -33,10 +32,12 @@ import numpy as np
 from agent.demo import init_demo
 from agent.experts.cache import ExpertCache, cap_bounds
 from agent.experts.layout import CONFIG, EXPERTS, INDEX, Index
-from agent.experts.reader import MmapReader, dio_alignment
+from agent.experts.reader import MmapReader
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "loader.json"
+sys.path.insert(0, str(ROOT))
+from bench.common import machine, write_results  # noqa: E402
+
 DEMO = ROOT / "data" / "loader-demo"
 
 
@@ -137,18 +138,6 @@ def configurations(store: Path, chunk_bytes: int, io_threads: int) -> dict[str, 
     return configs
 
 
-# -- reporting ----------------------------------------------------------------------------------------------
-def machine_facts(store: Path) -> dict:
-    def sh(cmd: str) -> str:
-        return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
-
-    mem, off = dio_alignment(store / EXPERTS)
-    return {"cpu": sh("lscpu | sed -n 's/^Model name: *//p'"), "cores": os.cpu_count(),
-            "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "kernel": platform.release(),
-            "filesystem": sh(f"df -T {store} | awk 'NR==2 {{print $1, $2}}'"),
-            "dio_alignment": {"memory": mem, "offset": off}}
-
-
 def run(store: Path, repeat: int, chunk_bytes: int, io_threads: int) -> list[Row]:
     """Each configuration is measured right after its own raw read, so a pair shares the machine's load."""
     configs = configurations(store, chunk_bytes, io_threads)
@@ -177,7 +166,7 @@ def main() -> None:
     store = bench_store(args.model)
     index = Index.load(store / INDEX)
     rows = run(store, args.repeat, args.chunk_mb * 2**20, args.io_threads)
-    facts = machine_facts(store)
+    facts = machine(store)
     print(f"\nstore {store}: {len(index.blocks)} blocks of {index.nbytes / 2**20:.2f} MiB, "
           f"{(store / EXPERTS).stat().st_size / 2**30:.2f} GiB; raw chunk {args.chunk_mb} MiB; "
           f"{args.io_threads} io threads; median of {args.repeat}")
@@ -189,12 +178,11 @@ def main() -> None:
         spread = f"{min(r.rounds_mb_s):.0f}-{max(r.rounds_mb_s):.0f}"
         print(f"{r.config:<{width}}  {r.mb_s:>8.0f}  {r.ratio:>6.2f}  {spread:>13}")
     print("\ndirect bypasses the page cache; buffered and mmap start cold (posix_fadvise DONTNEED before each sweep).")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"store": str(store), "blocks": len(index.blocks), "block_bytes": index.nbytes,
-                                   "file_bytes": (store / EXPERTS).stat().st_size, "repeat": args.repeat,
-                                   "chunk_bytes": args.chunk_mb * 2**20, "io_threads": args.io_threads,
-                                   "machine": facts, "rows": [asdict(r) for r in rows]}, indent=2))
-    print(f"\nwrote {RESULTS}")
+    print()
+    write_results("loader", {"store": str(store), "blocks": len(index.blocks), "block_bytes": index.nbytes,
+                             "file_bytes": (store / EXPERTS).stat().st_size, "repeat": args.repeat,
+                             "chunk_bytes": args.chunk_mb * 2**20, "io_threads": args.io_threads,
+                             "machine": facts, "rows": [asdict(r) for r in rows]})
 
 
 if __name__ == "__main__":

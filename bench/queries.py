@@ -17,7 +17,6 @@ answers are checked equal, then timed.
 """
 from __future__ import annotations
 
-import json
 import sqlite3
 import statistics
 import sys
@@ -28,11 +27,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.codec import machine  # noqa: E402
+from bench.common import machine, write_results  # noqa: E402
 from store import queries  # noqa: E402
 from store.db import ROW_SQL, Store  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "queries.json"
 DAY, BUCKETS, REPEATS = 86_400, 500, 5
 LAYERS, EXPERTS, CACHE_BUCKETS = 4, 8, 60
 SERIES = ["block.vda.reads_per_s", "block.vda.read_bytes_per_s", "block.vda.util", "block.vda.r_await_s",
@@ -236,10 +234,8 @@ def main() -> int:
           f"({1e6 * w['ours_s'] / w['rows']:.1f} us/row), plain tables {w['plain_s']:.1f} s "
           f"({1e6 * w['plain_s'] / w['rows']:.1f} us/row); file size ours {cache['ours_bytes'] / 1e6:.1f} MB, "
           f"plain {cache['plain_bytes'] / 1e6:.1f} MB")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": rows, "sizes": sizes, "write_s": write_s, "buckets": BUCKETS,
-                                   "cache_page": cache, "repeats": REPEATS, "machine": machine()}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_results("queries", {"rows": rows, "sizes": sizes, "write_s": write_s, "buckets": BUCKETS,
+                              "cache_page": cache, "repeats": REPEATS, "machine": machine()})
     return 0
 
 
