@@ -17,6 +17,7 @@ answers are checked equal, then timed.
 """
 from __future__ import annotations
 
+import argparse
 import sqlite3
 import statistics
 import sys
@@ -194,6 +195,7 @@ def timed(fn) -> float:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rng = np.random.default_rng(42)
     t = 1_700_000_000.0 + np.arange(DAY, dtype=np.float64)
     day = synthetic_day(rng)
