@@ -3,7 +3,10 @@
 Writes are buffered in memory and committed by `flush()` in one short `BEGIN IMMEDIATE`
 transaction, so a writer never holds the write lock for long and readers (WAL) never block.
 A background thread flushes every `autoflush_s` (default 1 s), so points reach readers within
-about a second even from a writer that never calls `flush()`.
+about a second even from a writer that never calls `flush()`. `close()` writes the rest; a process
+that exits without calling it has it written at interpreter exit (atexit), which a SIGTERM handler
+that ends in a normal exit reaches too. SIGKILL, or a SIGTERM the process leaves to its default
+action, runs no Python at all: up to `autoflush_s` of buffered data is then lost.
 
 Series points: each series has one open chunk in the database that is rewritten in place on every
 flush until it holds `chunk_points` points, then sealed; a new open chunk follows. Its encoder is
@@ -21,6 +24,7 @@ immediately; frequent ones (series points, requests, cache stats, activations) a
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -175,6 +179,7 @@ class Store:
             self._flusher = threading.Thread(target=self._autoflush, args=(autoflush_s,),
                                              name="store-autoflush", daemon=True)
             self._flusher.start()
+        atexit.register(self.close)   # the owner may exit without closing: the buffer still goes out
 
     # --- series -------------------------------------------------------------------------
     def declare(self, name: str, unit: str, kind: str = "gauge", precision: float = 0.01,
@@ -481,6 +486,7 @@ class Store:
         if self._closed.is_set():
             return True
         self._closed.set()
+        atexit.unregister(self.close)
         if self._flusher is not None:
             self._flusher.join()
         ok = self.flush()

@@ -1,6 +1,9 @@
 """The store writer on real SQLite files: buffering, chunks, concurrency, faults, compaction."""
 import logging
+import signal
 import sqlite3
+import subprocess
+import sys
 import time
 
 import pytest
@@ -47,6 +50,37 @@ def test_autoflush_delivers_points_without_an_explicit_flush(path):
         assert queries.latest(path, "mem.free_bytes") == (T0, 40960.0)
     finally:
         store.close()
+
+
+# Buffers points and a request, never calls close(); "sigterm": then waits for a SIGTERM that it
+# handles by exiting normally, as a service does.
+_EXITS_WITHOUT_CLOSE = f"""
+import signal, sys
+from store.db import Store
+path, autoflush_s, how = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+store = Store(path, autoflush_s=autoflush_s)
+for i in range(5):
+    store.append("block.vda.util", {T0} + i, i / 100)
+store.record_request({T0}, "req-1", 0.1, 0.05, 1.0, 12, 16, 48, 16, 1024)
+if how == "sigterm":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print("ready", flush=True)
+    signal.pause()
+"""
+
+
+@pytest.mark.parametrize("how,autoflush_s", [("exit", 0), ("exit", 3600), ("sigterm", 3600)])
+def test_a_process_that_exits_without_close_still_writes_its_buffer(path, how, autoflush_s):
+    """autoflush 0: no flusher thread; 3600: one that would not flush before the exit."""
+    proc = subprocess.Popen([sys.executable, "-c", _EXITS_WITHOUT_CLOSE, str(path), str(autoflush_s), how],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if how == "sigterm":
+        assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert queries.points(path, "block.vda.util")[1].tolist() == [i / 100 for i in range(5)]
+    assert [r["request_id"] for r in queries.requests(path)] == ["req-1"]
 
 
 def test_writing_to_a_closed_store_is_refused(path):
