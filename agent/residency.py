@@ -104,6 +104,11 @@ class Residency:
             self._wasted[key] = None
         self._parts[layer if self.scope == "layer" else 0].policy.route(layer, experts)
 
+    def pin(self, keys: Collection[Key]) -> None:
+        """Narrow the pinned set to `keys`: a step larger than a partition is used in windows, and
+        only the window still to be used must stay (the policy already saw the whole step in route())."""
+        self._pinned = set(keys)
+
     def access(self, key: Key) -> tuple[bool, Key | None]:
         """Demand access. Returns (hit, evicted key or None); on a miss the key becomes resident."""
         part, stats = self._part(key), self.stats[key[0]]
@@ -116,16 +121,18 @@ class Residency:
         stats.misses += 1
         return False, self._admit(part, key)
 
-    def prefetch(self, key: Key) -> tuple[bool, Key | None]:
-        """Speculative admission. Returns (admitted, evicted key); never evicts a pinned expert."""
+    def prefetch(self, key: Key, protect: Collection[Key] = ()) -> tuple[bool, Key | None]:
+        """Speculative admission. Returns (admitted, evicted key); never evicts a pinned expert nor
+        one in `protect` (e.g. resident experts the same guess names: evicting them trades a hit for a read)."""
         part = self._part(key)
         if key in part.resident:
             return False, None
-        if len(part.resident) >= part.capacity and not (part.resident - self._pinned):
+        keep = self._pinned.union(protect)
+        if len(part.resident) >= part.capacity and not (part.resident - keep):
             return False, None
         self.stats[key[0]].prefetches += 1
         self._prefetched[key] = None
-        return True, self._admit(part, key)
+        return True, self._admit(part, key, keep)
 
     def drop(self, key: Key) -> None:
         """Forget a resident key without counting an eviction (e.g. its load failed)."""
@@ -133,16 +140,18 @@ class Residency:
         if key in part.resident:
             self._forget(part, key)
 
-    def _admit(self, part: _Partition, key: Key) -> Key | None:
-        victim = self._evict(part) if len(part.resident) >= part.capacity else None
+    def _admit(self, part: _Partition, key: Key, keep: Collection[Key] | None = None) -> Key | None:
+        victim = self._evict(part, keep) if len(part.resident) >= part.capacity else None
         part.resident.add(key)
         part.policy.insert(key)
         return victim
 
-    def _evict(self, part: _Partition) -> Key:
-        victim = next((k for k in self._wasted if k in part.resident and k not in self._pinned), None)
+    def _evict(self, part: _Partition, keep: Collection[Key] | None = None) -> Key:
+        """The wasted prefetch first, else the policy's victim; never one of `keep` (default: the pinned)."""
+        keep = self._pinned if keep is None else keep
+        victim = next((k for k in self._wasted if k in part.resident and k not in keep), None)
         if victim is None:
-            victim = part.policy.victim(part.resident, self._pinned)
+            victim = part.policy.victim(part.resident, keep)
         self._forget(part, victim)
         self.stats[victim[0]].evictions += 1
         return victim

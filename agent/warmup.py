@@ -79,7 +79,7 @@ def route_counts(model_dir: Path, prompts: Prompts) -> tuple[Counter, int]:
     from agent.model.config import MoEConfig
     from agent.model.generation import generate
     from agent.model.model import Transformer
-    from agent.serve.engine import RouteCounter, RouteWindows
+    from agent.serve.engine import RouteCounter
     from agent.tokenizer import load_tokenizer
 
     index, config = Index.load(model_dir / INDEX), MoEConfig.from_file(model_dir / "config.json")
@@ -89,7 +89,7 @@ def route_counts(model_dir: Path, prompts: Prompts) -> tuple[Counter, int]:
     stop = () if config.eos_token_id is None else (config.eos_token_id,)
     counts, tokens = Counter(), 0
     with ExpertCache(model_dir, cap) as cache:
-        counter = RouteCounter(RouteWindows(cache, "layer"))
+        counter = RouteCounter(cache)
         model = Transformer.from_store(model_dir, counter, prefetch=False)
         for p in prompts.prompts:
             ids = list(tokenizer.encode(p)) if isinstance(p, str) else p

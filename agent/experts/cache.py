@@ -3,7 +3,9 @@
 `ExpertCache` implements the ExpertProvider contract (route / get / prefetch). route() makes the
 step's accesses: every routed expert is looked up once, and each miss takes the evicted expert's
 slot (or a free one) and starts its read on a thread pool at once, so a layer's misses are read
-concurrently while get() hands out the blocks in turn. A block that two callers want at once is
+concurrently while get() hands out the blocks in turn. route() returns the order to ask in
+(resident experts first); a batch's step larger than a partition is accessed in a window that
+slides on with get(), keeping a partition's worth of reads ahead of the model. A block that two callers want at once is
 read once, because both wait on the same in-flight future, and a block that prefetch already
 started is waited for instead of read again. One lock guards all bookkeeping (Residency, slot
 table, in-flight table, counters); reads and CRC checks run outside it, so the service may resize
@@ -22,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from copy import copy
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +32,7 @@ import torch
 
 from agent.experts.layout import CONFIG, EXPERTS, INDEX, Block, Index, StoreError
 from agent.experts.provider import ExpertWeights, block_views
-from agent.experts.reader import MmapReader, open_reader
+from agent.experts.reader import IO_THREADS, MmapReader, open_reader
 from agent.experts.slots import SlotPool
 from agent.policies import Key, policy_factory
 from agent.residency import LayerStats, Residency
@@ -149,11 +152,25 @@ class _Load:
     future: Future = field(default_factory=Future)
 
 
+@dataclass
+class _Step:
+    """One layer's routed experts in the order get() should ask for them, and how far it has come."""
+    order: list[int]
+    at: int = 0                   # get() has asked for order[at]: the experts before it are done
+    loads: dict[int, _Load | None] = field(default_factory=dict)  # accessed so far -> its read, if any
+
+    @cached_property
+    def position(self) -> dict[int, int]:
+        return {e: i for i, e in enumerate(self.order)}
+
+
 # -- the cache -------------------------------------------------------------------------------------------
 class ExpertCache:
     def __init__(self, store_dir: Path | str, cap_bytes: int, policy: str = "lru", scope: str = "layer",
                  backend: str = "direct", verify: bool = True, min_per_layer: int | None = None,
-                 policy_options: dict | None = None, io_threads: int = 4) -> None:
+                 policy_options: dict | None = None, io_threads: int = IO_THREADS) -> None:
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be at least 1, got {io_threads}")
         self.store_dir = Path(store_dir)
         self.index = Index.load(self.store_dir / INDEX)
         self.min_per_layer = min_per_layer or _top_k(self.store_dir)
@@ -174,8 +191,8 @@ class ExpertCache:
         self._slot_of: dict[Key, int] = {}
         self._ready: dict[Key, ExpertWeights] = {}
         self._inflight: dict[Key, _Load] = {}
-        self._step: dict[int, dict[int, _Load | None]] = {}  # per layer: routed expert -> its read, if any
-        self._routed: tuple[int, list[int]] = (0, [])  # the last route(), whose experts Residency pins
+        self._steps: dict[int, _Step] = {}   # per layer: its last route()
+        self._routed: tuple[int, list[int]] = (0, [])  # the window of experts Residency pins
         self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
         self._bytes_read = self._reads = 0
@@ -213,18 +230,40 @@ class ExpertCache:
         with self._lock:
             self._residency.session()
 
-    def route(self, layer: int, experts: Sequence[int]) -> None:
-        """Pin and access the step's experts (each counted once), starting the reads of the misses."""
+    def route(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """Start a layer's step: the policy sees all its experts (each counted once); returns the order
+        in which get() should ask for them. A step that fits a partition is pinned whole, its misses
+        read at once, and keeps the order given (the simulator's). A larger one is used in a window
+        that slides on as get() moves on (see _fill), resident experts first, so none is evicted
+        before its use, then the misses."""
         unique = list(dict.fromkeys(experts))
         with self._lock:
-            room = self._room(self._residency.capacity)
-            if len(unique) > room:
-                raise ValueError(f"{len(unique)} experts routed at layer {layer} but the cache holds {room} per "
-                                 f"{self._residency.scope}; raise the cache cap or route fewer at a time")
             self._residency.route(layer, unique)
-            self._routed = (layer, unique)
-            self._step[layer] = {e: self._access((layer, e)) for e in unique}
+            if len(unique) > self._room(self._residency.capacity):
+                unique.sort(key=lambda e: self._tier((layer, e)))
+            step = self._steps[layer] = _Step(unique)
+            self._fill(layer, step)
             self._maybe_sample_system()
+            return list(step.order)
+
+    def _tier(self, key: Key) -> int:
+        """0 ready, 1 resident but still being read (a prefetch), 2 a miss."""
+        return 0 if key in self._ready else 1 if key in self._residency else 2
+
+    def _fill(self, layer: int, step: "_Step") -> None:
+        """Pin the window of experts from the one in use on (as many as a partition holds, the last
+        window of a step stays to its end) and start reads of those not accessed yet. A step that
+        fits keeps all its experts pinned until the next route(), as the provider contract says; a
+        larger one frees each expert's slot once get() has moved past it, so the reads run ahead of
+        the model by a partition's worth and the device queue never drains inside a step."""
+        room = self._room(self._residency.capacity)
+        start = max(0, min(step.at, len(step.order) - room))
+        window = step.order[start:start + room]
+        self._residency.pin([(layer, e) for e in window])
+        self._routed = (layer, window)
+        for e in window:
+            if e not in step.loads:
+                step.loads[e] = self._access((layer, e))
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         weights = self._get(layer, expert)
@@ -235,10 +274,14 @@ class ExpertCache:
     def _get(self, layer: int, expert: int) -> ExpertWeights:
         key = (layer, expert)
         with self._lock:
-            step = self._step.get(layer, {})
-            if expert in step and key in self._ready:
+            step = self._steps.get(layer)
+            at = step.position.get(expert, -1) if step is not None else -1
+            if step is not None and at > step.at:  # the model moved on: slide the window
+                step.at = at
+                self._fill(layer, step)
+            if at >= 0 and key in self._ready:
                 return self._ready[key]
-            load = step.get(expert)
+            load = step.loads.get(expert) if at >= 0 else None
             if load is None or not (self._inflight.get(key) is load or _failed(load.future)):
                 load = self._access(key)  # not routed, or gone since route() (a shrink): access it now
                 if load is None:
@@ -260,9 +303,13 @@ class ExpertCache:
         return self._inflight.get(key)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Start reads of a guess at `layer`'s next step while room lasts. An expert the guess names is
+        never the victim: under batching a guess names most of the layer, and evicting a block the
+        step will hit only trades that hit for a read."""
         with self._lock:
+            protect = {(layer, e) for e in experts}
             for e in experts:
-                self._prefetch_one((layer, e))
+                self._prefetch_one((layer, e), protect)
 
     def preload(self, keys: Iterable[Key]) -> int:
         """Warm-up: bring `keys` in as prefetches (never evicting the pinned set) and wait for them."""
@@ -272,10 +319,10 @@ class ExpertCache:
             load.future.exception()  # wait; a failed read was already dropped and logged
         return sum(load.future.exception() is None for load in loads)
 
-    def _prefetch_one(self, key: Key) -> _Load | None:
+    def _prefetch_one(self, key: Key, protect: Iterable[Key] = ()) -> _Load | None:
         if key in self._residency:
             return None
-        admitted, victim = self._residency.prefetch(key)
+        admitted, victim = self._residency.prefetch(key, protect)
         return self._start(key, victim) if admitted else None
 
     # -- loading (called under the lock) ---------------------------------------------------------------------
@@ -394,7 +441,7 @@ class ExpertCache:
     def close(self) -> None:
         self._io.shutdown(wait=True, cancel_futures=False)
         with self._lock:  # drop every view first, so an mmap backend can unmap at once
-            for table in (self._ready, self._inflight, self._step, self._busy, self._slot_of):
+            for table in (self._ready, self._inflight, self._steps, self._busy, self._slot_of):
                 table.clear()
             self._reader.close()
             if self._pool is not None:

@@ -25,6 +25,7 @@ from isal.isal_zlib import crc32 as fast_crc32  # the same CRC-32 as layout.crc3
 from agent.experts.layout import ALIGN, Block, Index, StoreError
 
 BACKENDS = ("direct", "buffered", "mmap")
+IO_THREADS = 8  # reads in flight: the demo's virtio disk gives ~510 MB/s with 4 queued 3 MiB reads, ~730 with 8
 
 _STATX_DIOALIGN = 0x2000
 _AT_FDCWD = -100

@@ -6,7 +6,9 @@ D hidden, H / Hkv query / key-value heads, Dh head dim, E experts, k top-k, V vo
 Continuous batching: a `Sequence` owns one request's KV cache. `Transformer.step` takes several
 sequences, each with one or more new tokens (prefill and decode may share a step), runs attention
 per sequence and each MoE layer over all T tokens at once, so the whole batch shares one
-`provider.route(layer, union of chosen experts)` and one load per expert.
+`provider.route(layer, union of chosen experts)` and one load per expert. route() may return the
+order in which the provider wants the experts asked for (a cache: the resident ones first); the
+outputs are summed in the same order whatever it is.
 
 Lookahead prefetch: once layer L has routed, layer L+1's router is applied to L+1's own
 post-attention RMSNorm of the residual stream entering L's MoE (layer L+1's attention and L's
@@ -169,7 +171,7 @@ class Routing:
 
     @property
     def experts(self) -> list[int]:
-        """The union over the step's tokens, ascending: what the provider is routed and loads."""
+        """The union over the step's tokens, ascending: what the provider is routed."""
         return list(self.assignments)
 
 
@@ -189,15 +191,22 @@ class Router(nn.Module):
         return Routing(weights.to(h.dtype), ids)
 
 
-def run_experts(h: Tensor, routing: Routing, provider: ExpertProvider, layer: int) -> Tensor:
-    """Sum over each token's chosen experts of gate weight x SwiGLU(expert weights from the provider)."""
-    out = torch.zeros_like(h)                                          # [T, D]
+def run_experts(h: Tensor, routing: Routing, provider: ExpertProvider, layer: int, order: Seq[int]) -> Tensor:
+    """Sum over each token's chosen experts of gate weight x SwiGLU(expert weights from the provider).
+
+    Experts are fetched in `order` (the provider's choice); their outputs are summed in ascending
+    expert order, so the result does not depend on what the cache held."""
     # index_select / index_put_ rather than h[tok] / index_add_: the latter cost ~1 ms a call on a busy CPU.
-    for e, (tok, rank) in routing.assignments.items():
+    outputs: dict[int, Tensor] = {}
+    for e in order:
+        tok, rank = routing.assignments[e]
         w = provider.get(layer, e)
         x = h.index_select(0, tok)                                     # [t, D]
         y = F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
-        out.index_put_((tok,), y * routing.weights[tok, rank, None], accumulate=True)
+        outputs[e] = y * routing.weights[tok, rank, None]
+    out = torch.zeros_like(h)                                          # [T, D]
+    for e in sorted(outputs):
+        out.index_put_((routing.assignments[e][0],), outputs[e], accumulate=True)
     return out
 
 
@@ -209,8 +218,8 @@ class MoE(nn.Module):
             self.shared_expert = MLP(c.dim, c.shared_expert_dim)
             self.shared_expert_gate = nn.Linear(c.dim, 1, bias=False)
 
-    def forward(self, h: Tensor, routing: Routing, provider: ExpertProvider, layer: int) -> Tensor:
-        out = run_experts(h, routing, provider, layer)
+    def forward(self, h: Tensor, routing: Routing, provider: ExpertProvider, layer: int, order: Seq[int]) -> Tensor:
+        out = run_experts(h, routing, provider, layer, order)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         return out
@@ -299,11 +308,11 @@ class Transformer(nn.Module):
         layer = self.store_layer[i]
         routing = block.mlp.gate(h)
         experts = routing.experts
-        self.provider.route(layer, experts)
+        order = self.provider.route(layer, experts) or experts  # a cache may answer the order it wants
         self.lookahead.score(layer, experts)
         if self.prefetch:
             self._prefetch_next(i, x)
-        return block.mlp(h, routing, self.provider, layer)
+        return block.mlp(h, routing, self.provider, layer, order)
 
     def _prefetch_next(self, i: int, x: Tensor) -> None:
         """Guess layer i+1's experts from the residual stream x entering layer i's MoE (see module doc)."""

@@ -28,10 +28,10 @@ class RouteCounter:
         self._counts: collections.Counter[tuple[int, int]] = collections.Counter()
         self._lock = threading.Lock()
 
-    def route(self, layer: int, experts: Sequence[int]) -> None:
+    def route(self, layer: int, experts: Sequence[int]) -> Sequence[int] | None:
         with self._lock:
             self._counts.update((layer, e) for e in experts)
-        self.inner.route(layer, experts)
+        return self.inner.route(layer, experts)
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.inner.get(layer, expert)
@@ -44,42 +44,6 @@ class RouteCounter:
         with self._lock:
             counts, self._counts = self._counts, collections.Counter()
         return dict(counts)
-
-
-class RouteWindows:
-    """An ExpertProvider in front of the cache that routes it at most one partition's capacity at a time.
-
-    A batch's union of chosen experts at one layer can exceed that layer's share of the cache
-    (16 sequences x top-8 of 64 experts against 16 slots at a 25% cap), while the cache pins all
-    it is routed together. The model asks for experts in the order it routed them, so routing
-    consecutive windows of that order keeps each expert pinned while it is in use."""
-
-    def __init__(self, cache: ExpertCache, scope: str) -> None:
-        self.cache, self.scope = cache, scope
-        self._order: dict[int, list[int]] = {}
-        self._window: dict[int, set[int]] = {}
-
-    def _size(self) -> int:
-        slots = self.cache.cap_bytes // self.cache.index.slot_bytes
-        return slots // self.cache.index.n_layers if self.scope == "layer" else slots
-
-    def _route_from(self, layer: int, start: int) -> None:
-        chunk = self._order[layer][start:start + self._size()]
-        self._window[layer] = set(chunk)
-        self.cache.route(layer, chunk)
-
-    def route(self, layer: int, experts: Sequence[int]) -> None:
-        self._order[layer] = list(experts)
-        self._route_from(layer, 0)
-
-    def get(self, layer: int, expert: int) -> ExpertWeights:
-        if expert not in self._window.get(layer, ()) and expert in self._order.get(layer, ()):
-            self._route_from(layer, self._order[layer].index(expert))
-        return self.cache.get(layer, expert)
-
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Only the first window: more than a partition holds would evict its own prefetches unread."""
-        self.cache.prefetch(layer, list(experts)[:self._size()])
 
 
 class ModelEngine:
@@ -100,7 +64,7 @@ class ModelEngine:
             raise ValueError(f"threads must be at least 1, got {threads}")
         self.cache, self.threads = cache, threads
         self._configured = threading.local()
-        self.routes = RouteCounter(RouteWindows(cache, cache.stats().scope))
+        self.routes = RouteCounter(cache)
         self.model = Transformer.from_store(model_dir, self.routes, prefetch)
         self.generator = torch.Generator().manual_seed(seed)
 

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.experts.cache import ExpertCache, cap_bounds, parse_cap
 from agent.experts.layout import CONFIG, INDEX, Index
+from agent.experts.reader import IO_THREADS
 from agent.model.config import MoEConfig
 from agent.policies import policy_factory, policy_names
 from agent.policies.base import REGISTRY
@@ -46,13 +47,15 @@ class ServeOptions:
     prefetch: bool | None = None
     max_batch_size: int | None = None
     threads: int = 1                 # torch intra-op threads of the thread that steps the model
+    io_threads: int = IO_THREADS     # expert reads in flight at once
 
 
 class Runtime:
     def __init__(self, opts: ServeOptions, registry: CollectorRegistry, store=None) -> None:
         self.opts, self.started = opts, time.time()
         self.recorder = Recorder(store) if store is not None else None
-        self.cache = ExpertCache(opts.model_dir, _first_cap(opts), policy="lru", backend=opts.backend)
+        self.cache = ExpertCache(opts.model_dir, _first_cap(opts), policy="lru", backend=opts.backend,
+                                 io_threads=opts.io_threads)
         try:
             self.engine = ModelEngine(opts.model_dir, self.cache, threads=opts.threads)
         except BaseException:

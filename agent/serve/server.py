@@ -24,7 +24,7 @@ from pathlib import Path
 
 from agent.experts.layout import StoreError as ExpertStoreError
 from collector.memory import read_pid_file
-from agent.experts.reader import BACKENDS
+from agent.experts.reader import BACKENDS, IO_THREADS
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, help="most requests sharing one decode step (default 16)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for the model step (default 1: "
                    "reads run on other threads, and on a small CPU more threads busy-wait against them)")
+    p.add_argument("--io-threads", type=int, default=IO_THREADS, help=f"expert reads in flight at once (default "
+                   f"{IO_THREADS}: an SSD reaches its bandwidth only with several requests queued)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_const", const=False,
                    help="turn lookahead prefetch off")
 
@@ -155,7 +157,7 @@ def serve(args: argparse.Namespace) -> None:
             except DbError as exc:
                 raise ServeError(str(exc)) from None
         opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
-                            args.max_batch_size, args.threads)
+                            args.max_batch_size, args.threads, args.io_threads)
         try:
             runtime = Runtime(opts, CollectorRegistry(), store)
             runtime.start()

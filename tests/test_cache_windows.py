@@ -1,0 +1,97 @@
+"""ExpertCache under batching: a step's union larger than a partition, resident-first order, sliding
+reads, and a lookahead prefetch that never evicts what the step will hit."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hf_models import tiny_checkpoint
+from test_expert_cache import GatedReads, slots, wait_until
+from test_model_parity import one_torch_thread  # noqa: F401  (autouse fixture)
+from test_readers import write_store
+
+from agent.cli import main as cli
+from agent.experts.cache import ExpertCache
+from agent.experts.provider import InMemoryExperts
+from agent.model.model import Transformer
+
+LAYERS, EXPERTS, TOP_K = 3, 8, 2
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    return write_store(tmp_path / "store", LAYERS, EXPERTS, top_k=TOP_K)
+
+
+def resident(cache: ExpertCache, layer: int) -> set[int]:
+    return {e for l, e in cache._residency.resident() if l == layer}
+
+
+def test_a_step_larger_than_a_partition_hits_its_residents_first(store):
+    reference = InMemoryExperts(store)
+    with ExpertCache(store, slots(store, LAYERS * 3)) as cache:
+        for e in cache.route(0, [0, 1, 2]):
+            cache.get(0, e)
+        order = cache.route(0, [0, 1, 3, 4, 5])     # five experts through three slots
+        assert order == [0, 1, 3, 4, 5]             # the residents first, then the misses
+        for e in order:
+            assert torch.equal(cache.get(0, e).up, reference.get(0, e).up)
+        s = cache.stats()
+        assert resident(cache, 0) == {3, 4, 5}      # the last window stays: the most wanted misses
+    assert (s.hits, s.misses, s.reads) == (2, 6, 6)  # neither resident was evicted before its use
+
+
+def test_reads_run_a_partition_ahead_of_get_and_no_further(store):
+    with ExpertCache(store, slots(store, LAYERS * 3), io_threads=8) as cache:
+        gated = GatedReads(cache)
+        order = cache.route(1, [0, 1, 2, 3, 4, 5])
+        wait_until(lambda: len(gated.calls) == 3)
+        assert sorted(gated.calls) == sorted((1, e) for e in order[:3])  # the first window, before any get()
+        gated.gate.set()
+        cache.get(1, order[0])
+        assert len(gated.calls) == 3                # the model still uses order[0]: its slot stays
+        cache.get(1, order[1])                      # order[0] is done: its slot takes order[3]
+        wait_until(lambda: len(gated.calls) == 4)
+        assert gated.calls[3] == (1, order[3])
+        for e in order[2:]:
+            cache.get(1, e)
+        s = cache.stats()
+    assert s.misses == s.reads == 6 and s.hits == 0
+
+
+def test_prefetch_evicts_only_residents_the_guess_does_not_name(store):
+    with ExpertCache(store, slots(store, LAYERS * 3)) as cache:
+        for e in cache.route(0, [0, 1, 2]):
+            cache.get(0, e)
+        cache.route(1, [0])                         # layer 0's step is over: nothing of it is pinned now
+        cache.get(1, 0)
+        cache.prefetch(0, [0, 1, 5, 6])             # 0 and 1 would be hits: only expert 2 may make room
+        s = cache.stats()
+        assert resident(cache, 0) == {0, 1, 5}
+    assert s.prefetches == 1 and s.evictions == 1
+
+
+@pytest.fixture(scope="module")
+def model_store(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("windows")
+    ckpt = tiny_checkpoint("olmoe", tmp / "hf", num_hidden_layers=3, eos_token_id=None)
+    assert cli(["convert", str(ckpt.path), str(tmp / "store")]) == 0
+    return tmp / "store"
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_batch_whose_union_exceeds_the_cache_gives_the_in_memory_logits(model_store, prefetch):
+    prompts = [[5, 17, 42, 7], [99, 3, 250, 11, 8], [1, 2, 3], [60, 61]]
+    reference = Transformer.from_store(model_store, InMemoryExperts(model_store))
+    with ExpertCache(model_store, slots(model_store, LAYERS * TOP_K)) as cache:  # two slots per layer
+        cached = Transformer.from_store(model_store, cache, prefetch=prefetch)
+        for model in (reference, cached):
+            seqs = [model.new_sequence(8) for _ in prompts]
+            first = model.step([(s, torch.tensor(p)) for s, p in zip(seqs, prompts)])
+            second = model.step([(s, torch.tensor([9])) for s in seqs])
+            model.logits = first + second
+        s = cache.stats()
+    for got, want in zip(cached.logits, reference.logits):
+        assert torch.equal(got, want)  # same sums in the same order, whatever the cache held
+    assert s.misses > 2 * LAYERS * TOP_K  # the unions did not fit: experts went through the slots in windows
