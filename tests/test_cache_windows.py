@@ -15,6 +15,7 @@ from agent.cli import main as cli
 from agent.experts.cache import ExpertCache
 from agent.experts.provider import InMemoryExperts
 from agent.model.model import Transformer
+from agent.policies import Policy
 
 LAYERS, EXPERTS, TOP_K = 3, 8, 2
 
@@ -58,6 +59,23 @@ def test_reads_run_a_partition_ahead_of_get_and_no_further(store):
             cache.get(1, e)
         s = cache.stats()
     assert s.misses == s.reads == 6 and s.hits == 0
+
+
+class EvictHighestId(Policy):
+    name = "test-evict-highest-id"
+
+    def victim(self, resident, pinned):
+        return max(k for k in resident if k not in pinned)
+
+
+def test_beyond_the_reads_in_flight_the_partition_is_the_policys_to_keep(store):
+    with ExpertCache(store, slots(store, LAYERS * 4), policy=EvictHighestId.name, io_threads=2) as cache:
+        for e in cache.route(0, [0, 1, 2, 3]):
+            cache.get(0, e)
+        for e in cache.route(0, [4, 5, 6, 7, 8]):  # two reads ahead of get(), through four slots
+            cache.get(0, e)
+        assert resident(cache, 0) == {0, 1, 7, 8}  # the policy kept 0 and 1; only the last window is forced
+    assert cache.stats().misses == 9
 
 
 def test_prefetch_evicts_only_residents_the_guess_does_not_name(store):

@@ -157,6 +157,7 @@ class _Step:
     """One layer's routed experts in the order get() should ask for them, and how far it has come."""
     order: list[int]
     at: int = 0                   # get() has asked for order[at]: the experts before it are done
+    residents: int = 0            # a step larger than a partition: how many it found resident (first in order)
     loads: dict[int, _Load | None] = field(default_factory=dict)  # accessed so far -> its read, if any
 
     @cached_property
@@ -195,6 +196,7 @@ class ExpertCache:
         self._routed: tuple[int, list[int]] = (0, [])  # the window of experts Residency pins
         self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
+        self._ahead = io_threads      # reads a step larger than a partition keeps in flight
         self._bytes_read = self._reads = 0
         self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self._last_sample = time.monotonic()
@@ -239,9 +241,10 @@ class ExpertCache:
         unique = list(dict.fromkeys(experts))
         with self._lock:
             self._residency.route(layer, unique)
+            step = self._steps[layer] = _Step(unique)
             if len(unique) > self._room(self._residency.capacity):
                 unique.sort(key=lambda e: self._tier((layer, e)))
-            step = self._steps[layer] = _Step(unique)
+                step.residents = sum((layer, e) in self._residency for e in unique)
             self._fill(layer, step)
             self._maybe_sample_system()
             return list(step.order)
@@ -251,14 +254,16 @@ class ExpertCache:
         return 0 if key in self._ready else 1 if key in self._residency else 2
 
     def _fill(self, layer: int, step: "_Step") -> None:
-        """Pin the window of experts from the one in use on (as many as a partition holds, the last
-        window of a step stays to its end) and start reads of those not accessed yet. A step that
-        fits keeps all its experts pinned until the next route(), as the provider contract says; a
-        larger one frees each expert's slot once get() has moved past it, so the reads run ahead of
-        the model by a partition's worth and the device queue never drains inside a step."""
+        """Pin the window of experts from the one in use on and start reads of those not accessed yet.
+        A step that fits a partition is one window, pinned until the next route() as the provider
+        contract says. A larger one reads `io_threads` experts ahead of get() (the device queue stays
+        full, and an expert's slot is free once get() has moved past it), and its residents stay
+        pinned until their use; the rest of the partition is the policy's to keep. The last window
+        stays to the step's end."""
         room = self._room(self._residency.capacity)
-        start = max(0, min(step.at, len(step.order) - room))
-        window = step.order[start:start + room]
+        ahead = room if len(step.order) <= room else min(room, self._ahead)
+        start = max(0, min(step.at, len(step.order) - ahead))
+        window = step.order[start:max(start + ahead, step.residents)]
         self._residency.pin([(layer, e) for e in window])
         self._routed = (layer, window)
         for e in window:
