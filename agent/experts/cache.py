@@ -3,11 +3,11 @@
 `ExpertCache` implements the ExpertProvider contract (route / get / prefetch). route() makes the
 step's accesses: every routed expert is looked up once, and each miss takes the evicted expert's
 slot (or a free one) and starts its read on a thread pool at once, so a layer's misses are read
-concurrently while get() hands out the blocks in turn. route() returns the order to ask in
-(resident experts first); a batch's step larger than a partition is accessed in a window that
-slides on with get(), keeping a partition's worth of reads ahead of the model. A block that two callers want at once is
-read once, because both wait on the same in-flight future, and a block that prefetch already
-started is waited for instead of read again. One lock guards all bookkeeping (Residency, slot
+concurrently while get() hands out the blocks in turn. A batch's step larger than a partition is
+taken resident experts first (route() answers the order to ask in), in a window that slides on
+with get(), io_threads reads ahead of the model. A block that two callers want at once is read
+once, because both wait on the same in-flight future, and a block that prefetch already started
+is waited for instead of read again. One lock guards all bookkeeping (Residency, slot
 table, in-flight table, counters); reads and CRC checks run outside it, so the service may resize
 or switch policy from its HTTP threads while decode runs.
 """
@@ -241,10 +241,12 @@ class ExpertCache:
         unique = list(dict.fromkeys(experts))
         with self._lock:
             self._residency.route(layer, unique)
-            step = self._steps[layer] = _Step(unique)
-            if len(unique) > self._room(self._residency.capacity):
-                unique.sort(key=lambda e: self._tier((layer, e)))
-                step.residents = sum((layer, e) in self._residency for e in unique)
+            if len(unique) <= self._room(self._residency.capacity):
+                step = _Step(unique)
+            else:
+                step = _Step(sorted(unique, key=lambda e: self._tier((layer, e))),
+                             residents=sum((layer, e) in self._residency for e in unique))
+            self._steps[layer] = step
             self._fill(layer, step)
             self._maybe_sample_system()
             return list(step.order)
@@ -253,7 +255,7 @@ class ExpertCache:
         """0 ready, 1 resident but still being read (a prefetch), 2 a miss."""
         return 0 if key in self._ready else 1 if key in self._residency else 2
 
-    def _fill(self, layer: int, step: "_Step") -> None:
+    def _fill(self, layer: int, step: _Step) -> None:
         """Pin the window of experts from the one in use on and start reads of those not accessed yet.
         A step that fits a partition is one window, pinned until the next route() as the provider
         contract says. A larger one reads `io_threads` experts ahead of get() (the device queue stays
