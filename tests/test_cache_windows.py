@@ -1,5 +1,6 @@
 """ExpertCache under batching: a step's union larger than a partition, resident-first order, sliding
-reads, and a lookahead prefetch that never evicts what the step will hit."""
+reads, and a lookahead prefetch that waits for the step's own reads and never evicts what the
+step will hit."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -88,6 +89,22 @@ def test_prefetch_evicts_only_residents_the_guess_does_not_name(store):
         s = cache.stats()
         assert resident(cache, 0) == {0, 1, 5}
     assert s.prefetches == 1 and s.evictions == 1
+
+
+def test_a_guess_is_read_once_the_step_has_started_all_its_own_reads(store):
+    with ExpertCache(store, slots(store, LAYERS * 3), io_threads=2) as cache:
+        order = cache.route(0, [0, 1, 2, 3, 4])    # two reads ahead of get()
+        cache.prefetch(1, [5, 6])
+        for e in order[:3]:
+            cache.get(0, e)
+            assert cache.stats().prefetches == 0   # layer 0 still had reads to start: they go first
+        cache.get(0, order[3])                      # the last window: layer 0's last read has started
+        assert cache.stats().prefetches == 2
+        cache.get(0, order[4])
+        for e in cache.route(1, [5, 6]):
+            cache.get(1, e)
+        s = cache.stats()
+    assert s.layers[1].prefetch_hits == 2 and s.reads == 7
 
 
 @pytest.fixture(scope="module")

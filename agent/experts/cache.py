@@ -193,6 +193,8 @@ class ExpertCache:
         self._ready: dict[Key, ExpertWeights] = {}
         self._inflight: dict[Key, _Load] = {}
         self._steps: dict[int, _Step] = {}   # per layer: its last route()
+        self._current: _Step | None = None   # the last route()'s step
+        self._guess: tuple[int, list[int]] | None = None  # a prefetch not started yet (see _start_guess)
         self._routed: tuple[int, list[int]] = (0, [])  # the window of experts Residency pins
         self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
@@ -246,7 +248,8 @@ class ExpertCache:
             else:
                 step = _Step(sorted(unique, key=lambda e: self._tier((layer, e))),
                              residents=sum((layer, e) in self._residency for e in unique))
-            self._steps[layer] = step
+            self._steps[layer] = self._current = step
+            self._guess = None  # a guess still waiting is for a step that has begun, or never will
             self._fill(layer, step)
             self._maybe_sample_system()
             return list(step.order)
@@ -271,6 +274,7 @@ class ExpertCache:
         for e in window:
             if e not in step.loads:
                 step.loads[e] = self._access((layer, e))
+        self._start_guess()
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         weights = self._get(layer, expert)
@@ -310,13 +314,25 @@ class ExpertCache:
         return self._inflight.get(key)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Start reads of a guess at `layer`'s next step while room lasts. An expert the guess names is
-        never the victim: under batching a guess names most of the layer, and evicting a block the
-        step will hit only trades that hit for a read."""
+        """A guess at `layer`'s next step, read once the current step has started all its own reads."""
         with self._lock:
-            protect = {(layer, e) for e in experts}
-            for e in experts:
-                self._prefetch_one((layer, e), protect)
+            self._guess = (layer, list(experts))
+            self._start_guess()
+
+    def _start_guess(self) -> None:
+        """Start the guessed reads while room lasts, if the current step has none left to start:
+        queued behind the step's reads they keep the device busy while the model finishes the step,
+        rather than delaying reads it already waits for. An expert the guess names is never the
+        victim: under batching a guess names most of the layer, and evicting a block the step will
+        hit only trades that hit for a read."""
+        step = self._current
+        if self._guess is None or (step is not None and len(step.loads) < len(step.order)):
+            return
+        layer, experts = self._guess
+        self._guess = None
+        protect = {(layer, e) for e in experts}
+        for e in experts:
+            self._prefetch_one((layer, e), protect)
 
     def preload(self, keys: Iterable[Key]) -> int:
         """Warm-up: bring `keys` in as prefetches (never evicting the pinned set) and wait for them."""
