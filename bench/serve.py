@@ -266,6 +266,7 @@ def main() -> int:
     cap = parse_cap(CAP, index.nbytes * len(index.blocks))
     cgroup = MemoryCgroup(cap + HEADROOM)
     print(cgroup.describe())
+    facts = machine(args.model, cgroup)  # now: its load average is the one at the start
     mix = request_mix(args.clients, args.requests_per_client)
     by_letter = {c.name[0]: c for c in CONFIGS}
     chosen = [by_letter[x] for x in args.configs.split(",")]  # in the order given: the disk may throttle later runs
@@ -294,7 +295,7 @@ def main() -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     report = {"command": " ".join(sys.argv), "cache_cap": CAP, "failed": failed, "clients": args.clients,
               "requests_per_client": args.requests_per_client, "max_batch_size": args.max_batch_size,
-              "machine": machine(args.model, cgroup),
+              "machine": facts,
               "results": [{**{k: v for k, v in asdict(r).items() if k != "latencies_s"}, "p50_s": r.p(50),
                            "p95_s": r.p(95), "p99_s": r.p(99), "tokens_per_s": r.tokens_per_s,
                            "latencies_s": r.latencies_s} for r in results]}
