@@ -1,26 +1,34 @@
 """Serving benchmark: 16 concurrent clients, a fixed request mix, three agent configurations side by side.
 
-    .venv/bin/python bench/serve.py [--model data/demo] [--clients 16] [--requests-per-client 2]
+    .venv/bin/python bench/serve.py --configs b,a,c --rounds 5 [--model data/demo] [--clients 16]
+                                    [--requests-per-client 2] [--admit-window-ms MS]
 
 (a) the learned flashmoe policy with lookahead prefetch, O_DIRECT slots;
 (b) LRU with the same prefetch and slots;
 (c) the mmap backend, no prefetch: the page cache decides what stays (llama.cpp's way).
-Each runs `flashmoe-cli serve` as its own process with the cache cap at 25% of expert bytes,
+Each run starts `flashmoe-cli serve` as its own process with the cache cap at 25% of expert bytes,
 inside a cgroup memory limit when the machine allows one (the same limit for all three), after the
-expert file's pages are dropped from the page cache (posix_fadvise DONTNEED), so every config
-starts cold. Clients measure request latency (send to last byte); tokens/s is all completion
-tokens over the wall time of the whole load. Prints a table, writes bench/results/serve.json.
+expert file's pages are dropped from the page cache (posix_fadvise DONTNEED), so every run starts
+cold. Clients measure request latency (send to last byte); tokens/s is all completion tokens over
+the wall time of the whole load.
+
+One run of a configuration is noisy: which requests share a step depends on when each client's
+next request lands, and a step that admits a prompt reads far more than a decode step; with 32
+requests, a run's P99 is its slowest request or nearly. So the configurations run in rounds,
+interleaved in the order given (b,a,c, b,a,c, ...: each round sees the same machine load), and the
+table gives per configuration the median over rounds of each run's P50/P95/P99, tokens/s and GB
+read, with min–max. Ratios to (c) and (b) are taken within each round and their median reported.
+Prints the table; writes every run's detail and the summary to bench/results/serve.json.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
-import platform
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -31,12 +39,15 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "serve.json"
+sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
+from bench.common import machine, write_results  # noqa: E402
+
 CLI = [sys.executable, "-m", "agent.cli"]
 CAP = "25%"
 HEADROOM = 768 * 2**20   # memory limit = cache cap + this (python, torch, dense weights, KV caches)
 TOPICS = ["the pump log", "SSD latency", "a French translation", "Python code", "the weather", "expert caches",
           "a meeting reply", "unit conversion", "MoE routing", "memory pressure", "a haiku", "SQL queries"]
+GOAL_P99_A_OVER_C = 0.37
 
 
 @dataclass(frozen=True)
@@ -57,16 +68,23 @@ CONFIGS = [Config("a: flashmoe + prefetch", "flashmoe", "direct", True),
 
 @dataclass
 class Result:
+    """One run of one configuration."""
     config: str
+    round: int
     requests: int
     completion_tokens: int
     wall_s: float
     latencies_s: list[float] = field(repr=False)
     hit_rate: float
     bytes_read: int
+    model_steps: int
     peak_rss_bytes: int
     cgroup_peak_bytes: int | None
     load_avg_1m: tuple[float, float] = (0.0, 0.0)   # at start and end: the machine is shared
+
+    @property
+    def letter(self) -> str:
+        return self.config[0]
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,9 +93,15 @@ class Result:
     def p(self, q: float) -> float:
         return float(np.percentile(self.latencies_s, q))
 
+    def metrics(self) -> dict[str, float]:
+        """What the summary takes the median of."""
+        return {"p50_s": self.p(50), "p95_s": self.p(95), "p99_s": self.p(99), "tokens_per_s": self.tokens_per_s,
+                "gb_read": self.bytes_read / 1e9, "hit_rate": self.hit_rate, "model_steps": self.model_steps,
+                "peak_rss_mib": self.peak_rss_bytes / 2**20}
+
 
 def request_mix(clients: int, per_client: int, seed: int = 0) -> list[list[dict]]:
-    """The same prompts and lengths for every config: one list of requests per client."""
+    """The same prompts and lengths for every config and round: one list of requests per client."""
     rng = random.Random(seed)
     mix = []
     for c in range(clients):
@@ -144,7 +168,7 @@ class MemoryCgroup:
         return f"cgroup {self.kind} memory limit {self.limit / 2**20:.0f} MiB at {self.path}"
 
 
-# -- one configuration ------------------------------------------------------------------------------------
+# -- one run of one configuration ---------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -159,14 +183,14 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def start(model: Path, config: Config, cgroup: MemoryCgroup, workdir: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
+def start(model: Path, config: Config, cgroup: MemoryCgroup, log_path: Path, serve_args: list[str]
+          ) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    log = (workdir / f"{config.policy}-{config.backend}.log").open("w")
-    proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), "--cache-cap", CAP,
-                             "--max-batch-size", str(max_batch), *config.args()],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), "--cache-cap", CAP,
+                                 *serve_args, *config.args()], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     cgroup.add(proc.pid)  # before the model loads: every allocation and page-cache page is charged to it
-    return proc, wait_for_agent(proc, port, f"{config.name}: see {log.name}")
+    return proc, wait_for_agent(proc, port, f"{config.name}: see {log_path}")
 
 
 def wait_for_agent(proc: subprocess.Popen, port: int, where: str, timeout_s: float = 300) -> str:
@@ -210,11 +234,12 @@ def drive(url: str, mix: list[list[dict]]) -> tuple[list[float], int, float]:
     return [d[0] for d in done], sum(d[1] for d in done), time.perf_counter() - start
 
 
-def run_config(model: Path, config: Config, mix, cgroup: MemoryCgroup, workdir: Path, max_batch: int) -> Result:
+def run_config(model: Path, config: Config, round_: int, mix, cgroup: MemoryCgroup, logs: Path,
+               serve_args: list[str]) -> Result:
     drop_page_cache(model / "experts.bin")
     if cgroup.path is not None:
         cgroup.reset_peak()
-    proc, url = start(model, config, cgroup, workdir, max_batch)
+    proc, url = start(model, config, cgroup, logs / f"{config.policy}-{config.backend}-round{round_}.log", serve_args)
     load_start = os.getloadavg()[0]
     try:
         latencies, tokens, wall = drive(url, mix)
@@ -224,89 +249,121 @@ def run_config(model: Path, config: Config, mix, cgroup: MemoryCgroup, workdir: 
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     cache = status["cache"]
-    return Result(config.name, len(latencies), tokens, wall, latencies, cache["hit_rate"], cache["bytes_read"],
-                  rss, cgroup.peak(), (load_start, os.getloadavg()[0]))
+    return Result(config.name, round_, len(latencies), tokens, wall, latencies, cache["hit_rate"], cache["bytes_read"],
+                  status["model_steps"], rss, cgroup.peak(), (load_start, os.getloadavg()[0]))
 
 
-# -- report ---------------------------------------------------------------------------------------------
-def machine(model: Path, cgroup: MemoryCgroup) -> dict:
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "kernel": platform.release(), "load_avg_at_start": os.getloadavg(), "memory_limit": cgroup.describe(),
-            "model": str(model), "expert_bytes": (model / "experts.bin").stat().st_size}
+# -- summary over rounds ------------------------------------------------------------------------------------
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def table(results: list[Result]) -> str:
-    ref = results[-1]
-    head = (f"{'config':<26} {'req':>4} {'P50 s':>7} {'P95 s':>7} {'P99 s':>7} {'tok/s':>7} {'hit':>6} "
-            f"{'GB read':>8} {'P99/P99(c)':>10} {'tok/s / (c)':>11} {'peak RSS MiB':>12}")
+def summarize(results: list[Result]) -> dict[str, dict]:
+    """Per configuration: median, min and max over its rounds of each run's metrics, and the P50/P95/P99
+    of all its requests pooled over the rounds."""
+    out = {}
+    for name in dict.fromkeys(r.config for r in results):
+        runs = [r for r in results if r.config == name]
+        pooled = [t for r in runs for t in r.latencies_s]
+        out[name] = {"rounds": len(runs),
+                     **{k: spread([r.metrics()[k] for r in runs]) for k in runs[0].metrics()},
+                     "pooled": {f"p{q}_s": float(np.percentile(pooled, q)) for q in (50, 95, 99)}}
+    return out
+
+
+def round_ratios(results: list[Result]) -> dict[str, dict[str, float]]:
+    """Ratios between configurations within each round that ran all of them, then their spread."""
+    per_round = []
+    for n in sorted({r.round for r in results}):
+        got = {r.letter: r for r in results if r.round == n}
+        if set(got) >= set("abc"):
+            a, b, c = got["a"], got["b"], got["c"]
+            per_round.append({"p99_a_over_c": a.p(99) / c.p(99), "p99_a_over_b": a.p(99) / b.p(99),
+                              "tokens_per_s_a_over_b": a.tokens_per_s / b.tokens_per_s})
+    if not per_round:
+        return {}
+    return {k: {**spread([x[k] for x in per_round]), "per_round": [x[k] for x in per_round]} for k in per_round[0]}
+
+
+def table(summary: dict[str, dict]) -> str:
+    cols = [("P50 s", "p50_s", ".2f"), ("P95 s", "p95_s", ".2f"), ("P99 s", "p99_s", ".2f"),
+            ("tok/s", "tokens_per_s", ".2f"), ("GB read", "gb_read", ".2f"), ("hit", "hit_rate", ".3f")]
+    head = f"{'config (median [min-max])':<26} {'runs':>4} " + " ".join(f"{h:>19}" for h, _, _ in cols)
     rows = [head, "-" * len(head)]
-    for r in results:
-        rows.append(f"{r.config:<26} {r.requests:>4} {r.p(50):>7.2f} {r.p(95):>7.2f} {r.p(99):>7.2f} "
-                    f"{r.tokens_per_s:>7.2f} {r.hit_rate:>6.3f} {r.bytes_read / 1e9:>8.2f} {r.p(99) / ref.p(99):>10.2f} "
-                    f"{r.tokens_per_s / ref.tokens_per_s:>11.2f} {r.peak_rss_bytes / 2**20:>12.0f}")
+    for name, s in summary.items():
+        cells = [f"{s[k]['median']:{f}} [{s[k]['min']:{f}}-{s[k]['max']:{f}}]" for _, k, f in cols]
+        rows.append(f"{name:<26} {s['rounds']:>4} " + " ".join(f"{c:>19}" for c in cells))
     return "\n".join(rows)
 
 
+def describe_ratios(ratios: dict[str, dict]) -> str:
+    r = ratios["p99_a_over_c"], ratios["p99_a_over_b"], ratios["tokens_per_s_a_over_b"]
+    return (f"within-round medians [min-max]: P99(a)/P99(c) = {r[0]['median']:.2f} [{r[0]['min']:.2f}-{r[0]['max']:.2f}] "
+            f"(goal <= {GOAL_P99_A_OVER_C}); P99(a)/P99(b) = {r[1]['median']:.2f} [{r[1]['min']:.2f}-{r[1]['max']:.2f}]; "
+            f"tok/s (a)/(b) = {r[2]['median']:.2f} [{r[2]['min']:.2f}-{r[2]['max']:.2f}]")
+
+
+# -- main -------------------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=ROOT / "data" / "demo")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-batch-size", type=int, default=16)
-    ap.add_argument("--configs", default="a,b,c",
-                    help="which of a,b,c to run, in this order (the table's reference is the last one run)")
+    ap.add_argument("--rounds", type=int, default=5, help="runs of every configuration, interleaved (default 5)")
+    ap.add_argument("--admit-window-ms", type=float,
+                    help="the agent's admission window (serve --admit-window-ms); default: the agent's own")
+    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c to run, in this order within every round")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if not (args.model / "experts.index.json").exists():
         subprocess.run([*CLI, "init-demo", "--out", str(args.model)], check=True, cwd=ROOT)
     from agent.experts.cache import parse_cap
     from agent.experts.layout import INDEX, Index
     index = Index.load(args.model / INDEX)
-    cap = parse_cap(CAP, index.nbytes * len(index.blocks))
-    cgroup = MemoryCgroup(cap + HEADROOM)
+    cgroup = MemoryCgroup(parse_cap(CAP, index.nbytes * len(index.blocks)) + HEADROOM)
     print(cgroup.describe())
-    facts = machine(args.model, cgroup)  # now: its load average is the one at the start
+    facts = {**machine(args.model), "load_avg_at_start": os.getloadavg(), "memory_limit": cgroup.describe(),
+             "model": str(args.model), "expert_bytes": (args.model / "experts.bin").stat().st_size}
+    serve_args = ["--max-batch-size", str(args.max_batch_size)]
+    if args.admit_window_ms is not None:
+        serve_args += ["--admit-window-ms", str(args.admit_window_ms)]
     mix = request_mix(args.clients, args.requests_per_client)
     by_letter = {c.name[0]: c for c in CONFIGS}
-    chosen = [by_letter[x] for x in args.configs.split(",")]  # in the order given: the disk may throttle later runs
-    results, failed = [], {}
+    chosen = [by_letter[x] for x in args.configs.split(",")]
+    results, failed = [], []
+    logs = ROOT / "bench" / "results" / "serve-logs"
+    logs.mkdir(parents=True, exist_ok=True)
     try:
-        logs = RESULTS.parent / "serve-logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        for config in chosen:
-            print(f"running {config.name} ... (agent log in {logs})", flush=True)
-            try:
-                results.append(run_config(args.model, config, mix, cgroup, logs, args.max_batch_size))
-            except (httpx.HTTPError, SystemExit) as exc:  # report it and measure the others
-                failed[config.name] = f"{type(exc).__name__}: {exc}"
-                print(f"  FAILED: {failed[config.name]} (see the agent log)", flush=True)
-                continue
-            r = results[-1]
-            print(f"  {r.requests} requests, P99 {r.p(99):.2f} s, {r.tokens_per_s:.2f} tok/s, hit {r.hit_rate:.3f}",
-                  flush=True)
+        for n in range(args.rounds):
+            for config in chosen:
+                print(f"round {n + 1}/{args.rounds}: {config.name} ... (agent logs in {logs})", flush=True)
+                try:
+                    r = run_config(args.model, config, n, mix, cgroup, logs, serve_args)
+                except (httpx.HTTPError, SystemExit) as exc:  # report it and measure the others
+                    failed.append({"config": config.name, "round": n, "error": f"{type(exc).__name__}: {exc}"})
+                    print(f"  FAILED: {failed[-1]['error']} (see the agent log)", flush=True)
+                    continue
+                results.append(r)
+                print(f"  P50 {r.p(50):.2f} s, P99 {r.p(99):.2f} s, {r.tokens_per_s:.2f} tok/s, "
+                      f"{r.bytes_read / 1e9:.2f} GB read, {r.model_steps} steps, load {r.load_avg_1m[0]:.1f}", flush=True)
     finally:
         cgroup.remove()
+    summary, ratios = (summarize(results), round_ratios(results)) if results else ({}, {})
     print()
-    if results:
-        print(table(results))
-    for name, error in failed.items():
-        print(f"{name}: failed: {error}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    report = {"command": " ".join(sys.argv), "cache_cap": CAP, "failed": failed, "clients": args.clients,
-              "requests_per_client": args.requests_per_client, "max_batch_size": args.max_batch_size,
-              "machine": facts,
-              "results": [{**{k: v for k, v in asdict(r).items() if k != "latencies_s"}, "p50_s": r.p(50),
-                           "p95_s": r.p(95), "p99_s": r.p(99), "tokens_per_s": r.tokens_per_s,
-                           "latencies_s": r.latencies_s} for r in results]}
-    if len(results) == 3:
-        a, b, c = (next(r for r in results if r.config[0] == x) for x in "abc")
-        report["ratios"] = {"p99_a_over_c": a.p(99) / c.p(99), "goal_p99_a_over_c": 0.37,
-                            "p99_a_over_b": a.p(99) / b.p(99), "tokens_per_s_a_over_b": a.tokens_per_s / b.tokens_per_s}
-        print(f"\nP99(a)/P99(c) = {a.p(99) / c.p(99):.2f} (goal <= 0.37); P99(a)/P99(b) = {a.p(99) / b.p(99):.2f}; "
-              f"tok/s (a)/(b) = {a.tokens_per_s / b.tokens_per_s:.2f}")
-    RESULTS.write_text(json.dumps(report, indent=2))
-    print(f"wrote {RESULTS}")
+    if summary:
+        print(table(summary))
+    if ratios:
+        print("\n" + describe_ratios(ratios))
+    for f in failed:
+        print(f"{f['config']} round {f['round'] + 1}: failed: {f['error']}")
+    write_results("serve", {
+        "command": " ".join(sys.argv), "cache_cap": CAP, "clients": args.clients,
+        "requests_per_client": args.requests_per_client, "max_batch_size": args.max_batch_size,
+        "admit_window_ms": args.admit_window_ms, "rounds": args.rounds, "order": args.configs, "machine": facts,
+        "summary": summary, "ratios": {**ratios, "goal_p99_a_over_c": GOAL_P99_A_OVER_C}, "failed": failed,
+        "runs": [{**asdict(r), **r.metrics()} for r in results]})
     return 0
 
 
