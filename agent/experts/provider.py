@@ -1,8 +1,9 @@
 """What the model asks of wherever routed experts live.
 
 The model calls, per MoE layer and decode step: route() once with the experts the router chose
-for the whole batch, then get() for each of them, and prefetch() with its guess for the next
-layer. Tensors returned by get() stay valid until the next route() of the same layer.
+for the whole batch, then get() for each of them, in the order route() returned (None: as routed),
+and prefetch() with its guess for the next layer. Tensors returned by get() stay valid until the
+next route() of the same layer.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class ExpertWeights(NamedTuple):
 
 
 class ExpertProvider(Protocol):
-    def route(self, layer: int, experts: Sequence[int]) -> None: ...
+    def route(self, layer: int, experts: Sequence[int]) -> Sequence[int] | None: ...
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
     def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
 
