@@ -28,7 +28,7 @@ from agent.serve.engine import ModelEngine
 from agent.serve.knobs import KnobError, Knobs, Limits
 from agent.serve.metrics import Metrics, Tick
 from agent.serve.recorder import Recorder
-from agent.serve.scheduler import Request, Scheduler
+from agent.serve.scheduler import ADMIT_WINDOW_S, Request, Scheduler, check_admit_window
 from agent.serve.ssd import SsdUtil
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,10 @@ class ServeOptions:
     max_batch_size: int | None = None
     threads: int = 1                 # torch intra-op threads of the thread that steps the model
     io_threads: int = IO_THREADS     # expert reads in flight at once
+    admit_window_s: float = ADMIT_WINDOW_S  # how long an idle scheduler waits for a burst to share its first step
+
+    def __post_init__(self) -> None:
+        check_admit_window(self.admit_window_s)  # before the model loads, so a bad value fails at once
 
 
 class Runtime:
@@ -65,7 +69,7 @@ class Runtime:
         self.knobs = Knobs(Limits(lo, hi, live_policies(), max_prefetch_depth=1, **policy_defaults()))
         self.knobs.commit({"cache_cap_bytes": self.cache.cap_bytes, "policy": self.cache.policy_name})
         self.metrics = Metrics(registry, self.cache.index.n_layers)
-        self.scheduler = Scheduler(self.engine, self.knobs["max_batch_size"], self.metrics.request)
+        self.scheduler = Scheduler(self.engine, self.knobs["max_batch_size"], self.metrics.request, opts.admit_window_s)
         self.ssd = SsdUtil(opts.model_dir, store)
         self.pressure = guard.PressureSampler()
         self.guard_config, self._guard_streak = guard.GuardConfig(), 0

@@ -25,6 +25,7 @@ from pathlib import Path
 from agent.experts.layout import StoreError as ExpertStoreError
 from collector.memory import read_pid_file
 from agent.experts.reader import BACKENDS, IO_THREADS
+from agent.serve.scheduler import ADMIT_WINDOW_S
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "reads run on other threads, and on a small CPU more threads busy-wait against them)")
     p.add_argument("--io-threads", type=int, default=IO_THREADS, help=f"expert reads in flight at once (default "
                    f"{IO_THREADS}: an SSD reaches its bandwidth only with several requests queued)")
+    p.add_argument("--admit-window-ms", type=float, default=ADMIT_WINDOW_S * 1000,
+                   help=f"when idle, wait this long after a request arrives so a burst shares its first step "
+                        f"(default {ADMIT_WINDOW_S * 1000:g}; 0 steps at once)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_const", const=False,
                    help="turn lookahead prefetch off")
 
@@ -156,9 +160,9 @@ def serve(args: argparse.Namespace) -> None:
                 store = Store(args.db)
             except DbError as exc:
                 raise ServeError(str(exc)) from None
-        opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
-                            args.max_batch_size, args.threads, args.io_threads)
         try:
+            opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
+                                args.max_batch_size, args.threads, args.io_threads, args.admit_window_ms / 1000)
             runtime = Runtime(opts, CollectorRegistry(), store)
             runtime.start()
         except (ValueError, OSError, ExpertStoreError) as exc:

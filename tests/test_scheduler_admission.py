@@ -1,0 +1,126 @@
+"""The scheduler's admission window: a burst that finds it idle shares the first step.
+
+A fake clock decides when the window closes, so no assertion depends on how fast threads run: the
+scheduler cannot step before the test moves the clock past the window (or the batch fills). The
+clock also tells when the scheduler thread has read it, i.e. is holding an idle batch open, so a
+test can send its second request after that point rather than racing the scheduler thread.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from agent.serve.scheduler import Request, Scheduler, StepIO
+
+WINDOW_S = 0.05
+TIMEOUT_S = 30
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.read_by_scheduler = threading.Event()
+
+    def __call__(self) -> float:
+        if threading.current_thread().name == "scheduler":
+            self.read_by_scheduler.set()
+        return self.now
+
+
+class RecordingEngine:
+    """Records each step's batch; `hold` keeps a step from returning until the test releases it."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.stepping = threading.Event()
+        self.hold = threading.Event()
+        self.hold.set()
+
+    def begin(self, request: Request) -> None:
+        return None
+
+    def step(self, batch: list[Request]) -> tuple[list[int], StepIO]:
+        self.batches.append([r.id for r in batch])
+        self.stepping.set()
+        assert self.hold.wait(TIMEOUT_S)
+        return [1] * len(batch), StepIO()
+
+    def end(self, request: Request) -> None:
+        pass
+
+
+def request(rid: str, max_tokens: int = 1) -> tuple[Request, threading.Event]:
+    done = threading.Event()
+    return Request(rid, [1, 2, 3], max_tokens, 0.0, lambda ev: ev.kind == "done" and done.set()), done
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def engine() -> RecordingEngine:
+    return RecordingEngine()
+
+
+def scheduler(engine, clock, max_batch=16, window_s=WINDOW_S) -> Scheduler:
+    s = Scheduler(engine, max_batch, lambda stats: None, admit_window_s=window_s, clock=clock)
+    s.start()
+    return s
+
+
+def test_two_requests_arriving_within_the_window_share_the_first_step(engine, clock):
+    s = scheduler(engine, clock)
+    first, first_done = request("first")
+    second, second_done = request("second")
+    s.submit(first)
+    assert clock.read_by_scheduler.wait(TIMEOUT_S)  # the scheduler holds `first` in its window
+    clock.now = WINDOW_S / 2
+    s.submit(second)
+    clock.now = WINDOW_S  # the window closes
+    assert first_done.wait(TIMEOUT_S) and second_done.wait(TIMEOUT_S)
+    s.stop()
+    assert engine.batches == [["first", "second"]]
+
+
+def test_a_request_arriving_during_a_step_opens_no_window_and_runs_in_the_next(engine, clock):
+    s = scheduler(engine, clock)
+    engine.hold.clear()
+    first, first_done = request("first")
+    s.submit(first)
+    clock.now = WINDOW_S
+    assert engine.stepping.wait(TIMEOUT_S)
+    second, second_done = request("second")
+    s.submit(second)  # a window opened now would never close: the clock stays where it is
+    engine.hold.set()
+    assert first_done.wait(TIMEOUT_S) and second_done.wait(TIMEOUT_S)
+    s.stop()
+    assert engine.batches == [["first"], ["second"]]
+
+
+def test_a_full_batch_ends_the_window_early(engine, clock):
+    s = scheduler(engine, clock, max_batch=2)
+    (first, first_done), (second, second_done) = request("first"), request("second")
+    s.submit(first)
+    assert clock.read_by_scheduler.wait(TIMEOUT_S)
+    s.submit(second)  # the clock never moves: only a full batch lets the step start
+    assert first_done.wait(TIMEOUT_S) and second_done.wait(TIMEOUT_S)
+    s.stop()
+    assert engine.batches == [["first", "second"]]
+
+
+def test_no_window_steps_a_lone_request_at_once(engine, clock):
+    s = scheduler(engine, clock, window_s=0.0)
+    first, first_done = request("first")
+    s.submit(first)  # the clock never moves
+    assert first_done.wait(TIMEOUT_S)
+    s.stop()
+    assert engine.batches == [["first"]]
+
+
+@pytest.mark.parametrize("window_s", [-0.001, 1.5])
+def test_a_window_out_of_bounds_is_refused(engine, clock, window_s):
+    with pytest.raises(ValueError, match="between 0 and 1000 ms"):
+        Scheduler(engine, 16, lambda stats: None, admit_window_s=window_s, clock=clock)
