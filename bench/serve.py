@@ -9,16 +9,18 @@
 Each run starts `flashmoe-cli serve` as its own process with the cache cap at 25% of expert bytes,
 inside a cgroup memory limit when the machine allows one (the same limit for all three), after the
 expert file's pages are dropped from the page cache (posix_fadvise DONTNEED), so every run starts
-cold. Clients measure request latency (send to last byte); tokens/s is all completion tokens over
-the wall time of the whole load.
+cold. The clients are set up first and start together, so their first requests arrive as a burst;
+each measures request latency (send to last byte); tokens/s is all completion tokens over the
+wall time of the whole load.
 
 One run of a configuration is noisy: which requests share a step depends on when each client's
 next request lands, and a step that admits a prompt reads far more than a decode step; with 32
 requests, a run's P99 is its slowest request or nearly. So the configurations run in rounds,
-interleaved in the order given (b,a,c, b,a,c, ...: each round sees the same machine load), and the
-table gives per configuration the median over rounds of each run's P50/P95/P99, tokens/s and GB
-read, with min–max. Ratios to (c) and (b) are taken within each round and their median reported.
-Prints the table; writes every run's detail and the summary to bench/results/serve.json.
+interleaved in the order given (b,a,c, b,a,c, ...: the runs of one round see much the same machine
+load), and the table gives per configuration the median over rounds of each run's P50/P95/P99,
+tokens/s and GB read, with min–max. Ratios to (c) and (b) are taken within each round and their
+median reported. Prints the table; writes every run's detail, the summary and the percentiles of
+all rounds' requests pooled to bench/results/serve.json.
 """
 from __future__ import annotations
 
