@@ -34,7 +34,7 @@ def test_registered_and_shipped_weights_load():
     assert "flashmoe" in policy_names()
     assert DEFAULT_WEIGHTS.is_file()
     policy = policy_factory("flashmoe")()
-    assert policy.keep_percentile == 80.0
+    assert (policy.decision, policy.keep_percentile) == ("lfu", 30.0)
 
 
 def test_victim_is_resident_and_never_pinned(untrained):
@@ -85,6 +85,22 @@ def test_scores_are_recomputed_only_when_the_distribution_shifts(untrained):
     assert shifted > stationary
     assert recomputes(1.0, drifting)[0] == 1  # TV distance never exceeds 1: scored once, then cached
     assert recomputes(0.3, drifting)[0] < shifted
+
+
+def test_a_step_larger_than_its_scored_residents_evicts_the_oldest_arrival_first(untrained):
+    # a batch's step brings in more experts than were resident at the last scoring: once every
+    # scored candidate is gone, the unscored arrivals leave in arrival order, with no rescoring
+    cache = Residency(8, 1, policy_factory("flashmoe", model_path=untrained, recompute_threshold=1.0))
+    drive(cache, periodic(4, 40))
+    policy = cache._parts[0].policy
+    before = policy.recomputes
+    cache.route(0, list(range(100, 116)))
+    evicted = []
+    for e in range(100, 116):
+        cache._pinned = {(0, e)}  # the runtime pins a sliding window of a large union; here one expert
+        evicted.append(cache.access((0, e))[1])
+    assert policy.recomputes == before
+    assert [k[1] for k in evicted[8:]] == list(range(100, 108))
 
 
 def test_system_samples_trigger_one_rescore(untrained):

@@ -47,6 +47,27 @@ def test_coactivation_is_conditional_on_the_experts_chosen_now():
     assert feature(h, 4, "coactivation") == pytest.approx((2 / 3 + 0 / 3) / 2, rel=0.01)
 
 
+def test_successor_is_what_followed_the_experts_chosen_now():
+    # 0 was followed by 4 in two of its three steps and never by 5; the last step chose 0
+    h = history([[0], [4], [0], [4], [1], [5], [0]])
+    assert feature(h, 4, "successor") == pytest.approx(2 / 3, rel=0.01)
+    assert feature(h, 5, "successor") == 0.0
+    assert feature(h, 4, "coactivation") == 0.0  # never chosen together with 0: only successor sees it
+
+
+def test_successor_does_not_cross_a_session_boundary():
+    h = history([[0], [4], [0]], sessions={1})  # 4 opened a new session: it did not follow 0
+    assert feature(h, 4, "successor") == 0.0
+
+
+def test_long_run_rate_outlives_the_windows():
+    # expert 0 was hot for 192 steps, then 1 for 64: the 64-step window has forgotten 0, the long rate has not
+    h = history([[0, 2]] * 192 + [[1, 2]] * 64)
+    assert feature(h, 0, "rate_64") == 0.0
+    assert feature(h, 0, "rate_256") > feature(h, 3, "rate_256") == 0.0
+    assert feature(h, 1, "rate_256") < feature(h, 1, "rate_64")
+
+
 def test_session_persistence_and_session_rate():
     h = history([[0], [1], [0], [2], [1]], sessions={2, 4})  # sessions: [0 1] [0 2] [1]
     assert feature(h, 0, "persistence") == pytest.approx(1.0)   # in both finished sessions
