@@ -43,13 +43,22 @@ class ExpertTowerArrays:
         self.embed = (w["embed.weight"].T.copy(), w["embed.bias"])
         self.layers = [(w[f"mlp.{i}.weight"].T.copy(), w[f"mlp.{i}.bias"]) for i in (0, 2, 4)]
 
-    def __call__(self, signature: np.ndarray, features: np.ndarray) -> np.ndarray:
+    def hidden(self, signature: np.ndarray, features: np.ndarray) -> np.ndarray:
+        """The activations entering the last layer: [N, hidden]."""
         x = np.concatenate([np.maximum(signature @ self.embed[0] + self.embed[1], 0), features], axis=1)
-        for i, (weight, bias) in enumerate(self.layers):
-            x = x @ weight + bias
-            if i < len(self.layers) - 1:
-                x = np.maximum(x, 0)
-        return x  # [N, out]
+        for weight, bias in self.layers[:-1]:
+            x = np.maximum(x @ weight + bias, 0)
+        return x
+
+    def __call__(self, signature: np.ndarray, features: np.ndarray) -> np.ndarray:
+        weight, bias = self.layers[-1]
+        return self.hidden(signature, features) @ weight + bias  # [N, out]
+
+    def readout(self, system: np.ndarray) -> tuple[np.ndarray, float]:
+        """The last layer dotted with a system vector: score = hidden @ w + c. The system vector
+        changes only with a monitoring sample, so this folds one matmul out of every scoring."""
+        weight, bias = self.layers[-1]
+        return weight @ system, float(bias @ system)
 
 
 class SharedNet:
@@ -74,13 +83,15 @@ def shared_net(path: str) -> SharedNet:
 class Scorer:
     def __init__(self, shared: SharedNet) -> None:
         self.shared = shared
-        self._system = shared.system_vector(())
+        self.set_series(())
 
     def set_series(self, series: Sequence[tuple[float, float]]) -> None:
         """New monitoring series: run the system tower once, reused by every scoring until the next."""
-        self._system = self.shared.system_vector(tuple(series))
+        self._readout = self.shared.expert.readout(self.shared.system_vector(tuple(series)))
 
     def score(self, parts: Iterable[tuple[LayerHistory, np.ndarray]]) -> np.ndarray:
         """Retention scores of the given (layer history, expert ids) groups, concatenated in order."""
-        sigs, feats = zip(*(layer_inputs(h, e) for h, e in parts))
-        return self.shared.expert(np.concatenate(sigs), np.concatenate(feats)) @ self._system
+        signature, features = (np.concatenate(a) if len(a) > 1 else a[0]
+                               for a in zip(*(layer_inputs(h, e) for h, e in parts)))
+        weight, bias = self._readout
+        return self.shared.expert.hidden(signature, features) @ weight + bias
