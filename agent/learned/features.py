@@ -30,6 +30,11 @@ HIST_WINDOW = 16           # window of the activation histogram that triggers re
 PAIR_DECAY = 0.5 ** (1 / 256)  # pair counts halve every 256 tokens: routing drifts
 LONG_DECAY = 1 - 1 / 256   # the long-run usage rate: an exponential average over ~256 steps
 NEVER = 1 << 20            # age of an expert never used
+# Rows of LayerHistory.stats, per expert: uses; exponential average of use per step (~256 steps);
+# exponential average of reuse gaps; uses in this session; sessions it was used in; its share of
+# the last (batched) step.
+TOTAL, LONG_RATE, GAP, SESSION_COUNT, SESSIONS_USED, SHARE = range(6)
+N_STATS = 6
 
 FEATURES = ("recency", "rate_4", "rate_16", "rate_64", "rate_256", "rate_all", "gap", "overdue",
             "session_rate", "session_seen", "persistence", "coactivation", "successor", "batch_share", "density")
@@ -43,18 +48,15 @@ class LayerHistory:
     n_seen: int = 1                  # largest expert id seen + 1: the expert count, as far as we know
     bits: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))   # bit i: used i steps ago
     last: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))    # step of last use, -1 never
-    total: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    long_rate: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # EMA of use per step
-    gap: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))   # EMA of reuse gaps
-    session_count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    sessions_used: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    # per-expert counters, one row each (TOTAL, LONG_RATE, ...): one array, so a compiled call
+    # takes one argument for them all (numba checks every argument's type on each call)
+    stats: np.ndarray = field(default_factory=lambda: np.zeros((N_STATS, 0), np.float32))
     # decayed pair counts: pairs[0, e, f] e and f chosen together (the diagonal: f's own count),
     # pairs[1, e, f] e chosen in the step right after f
     pairs: np.ndarray = field(default_factory=lambda: np.zeros((2, 0, 0), np.float32))
     session_t: int = 0               # steps in the current session
     sessions: int = 0                # completed sessions
     current: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the last routed set
-    share: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # its distribution
 
     @property
     def n(self) -> int:
@@ -66,8 +68,7 @@ class LayerHistory:
         pad = size - old
         self.bits = np.concatenate([self.bits, np.zeros(pad, np.uint64)])
         self.last = np.concatenate([self.last, np.full(pad, -1, np.int64)])
-        for name in ("total", "long_rate", "gap", "session_count", "sessions_used", "share"):
-            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(pad, np.float32)]))
+        self.stats = np.concatenate([self.stats, np.zeros((N_STATS, pad), np.float32)], axis=1)
         pairs = np.zeros((2, size, size), np.float32)
         pairs[:, :old, :old] = self.pairs
         self.pairs = pairs
@@ -78,9 +79,8 @@ class LayerHistory:
         ids = np.fromiter(counts, np.int64, len(counts))
         if len(ids) and ids.max() >= self.n:
             self._grow(int(ids.max()) + 1)
-        _observe(self.bits, self.last, self.total, self.long_rate, self.gap, self.session_count, self.pairs,
-                 self.share, self.current, ids, np.fromiter(counts.values(), np.float32, len(counts)),
-                 self.t, self.session_t)
+        _observe(self.bits, self.last, self.stats, self.pairs, self.current, ids,
+                 np.fromiter(counts.values(), np.float32, len(counts)), self.t, self.session_t)
         self.current = ids
         self.top_k = max(self.top_k, len(ids))
         self.n_seen = max(self.n_seen, int(ids.max()) + 1 if len(ids) else 0)
@@ -89,14 +89,16 @@ class LayerHistory:
 
     def new_session(self) -> None:
         if self.session_t:
-            self.sessions_used += self.session_count > 0
+            self.stats[SESSIONS_USED] += self.stats[SESSION_COUNT] > 0
             self.sessions += 1
-        self.session_count[:] = 0
+        self.stats[SESSION_COUNT] = 0
         self.session_t = 0
 
 
 @numba.njit(cache=True)
-def _observe(bits, last, total, long_rate, gap, session_count, pairs, share, current, ids, counts, t, session_t):
+def _observe(bits, last, stats, pairs, current, ids, counts, t, session_t):
+    total, long_rate, gap, session_count, share = (stats[TOTAL], stats[LONG_RATE], stats[GAP], stats[SESSION_COUNT],
+                                                   stats[SHARE])
     for e in range(len(bits)):
         bits[e] <<= np.uint64(1)
         long_rate[e] *= LONG_DECAY
@@ -137,8 +139,8 @@ def expert_features(h: LayerHistory, experts: np.ndarray) -> np.ndarray:
     if len(experts) and experts.max() >= h.n:
         h._grow(int(experts.max()) + 1)
     out = np.empty((len(experts), len(FEATURES)), np.float32)
-    _features(out, experts, h.bits, h.last, h.gap, h.long_rate, h.total, h.session_count, h.sessions_used,
-              h.share, h.pairs, h.current, h.t, h.session_t, h.sessions, uniform_rate(h))
+    _features(out, experts, h.bits, h.last, h.stats, h.pairs, h.current, h.t, h.session_t, h.sessions,
+              uniform_rate(h))
     return out
 
 
@@ -152,8 +154,10 @@ def _popcount(x, width):
 
 
 @numba.njit(cache=True)
-def _features(out, experts, bits, last, gap, long_rate, total, session_count, sessions_used, share, pairs,
-              current, t, session_t, sessions, u):
+def _features(out, experts, bits, last, stats, pairs, current, t, session_t, sessions, u):
+    total, long_rate, gap, session_count, sessions_used, share = (stats[TOTAL], stats[LONG_RATE], stats[GAP],
+                                                                  stats[SESSION_COUNT], stats[SESSIONS_USED],
+                                                                  stats[SHARE])
     steps = max(1, t)
     for i, e in enumerate(experts):
         age = t - last[e] if last[e] >= 0 else NEVER

@@ -119,7 +119,7 @@ class FlashMoE(Policy):
     def _frequency(self, key: Key) -> tuple[float, int]:
         """(long-run usage rate, step of last use): LFU order with LRU to break ties."""
         h = self._history(key[0])
-        return float(h.long_rate[key[1]]), int(h.last[key[1]])
+        return float(h.stats[self._f.LONG_RATE, key[1]]), int(h.last[key[1]])
 
     def _windows(self) -> dict[int, np.ndarray]:
         """Each layer's activation histogram over its last steps, computed once per routing step."""
