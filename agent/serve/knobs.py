@@ -80,8 +80,8 @@ class Limits:
     cap_max: int          # 70% of physical memory or of the cgroup limit
     policies: tuple[str, ...]
     max_prefetch_depth: int  # layers ahead the model can predict (its lookahead is one layer)
-    keep_percentile: float = 80.0      # defaults of the learned policy's options: its own, where it is installed
-    recompute_threshold: float = 0.1
+    keep_percentile: float = 30.0      # defaults of the learned policy's options: its own, where it is installed
+    recompute_threshold: float = 0.0
 
 
 def knob_specs(limits: Limits) -> list[Knob]:
