@@ -7,7 +7,7 @@ the step with the others' single decode tokens.
 
 Admission window: when a request finds the scheduler idle, the first step waits until
 `admit_window_s` after its arrival (or until the batch is full), so a burst of arrivals shares one
-prefill instead of the first prompt running alone and the rest after it. That is worth a few
+prefill instead of the first prompt running alone and the rest after it. That is worth tens of
 milliseconds because a step's experts are the union of its tokens': a prompt of ~50 tokens routes
 nearly every expert of every layer, so two prefill steps read the routed experts twice. A busy
 scheduler needs no window: arrivals wait for the running step anyway and join the next one.
