@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,9 +47,9 @@ class RoutingRecorder:
         self.records: list[dict[str, list[int]]] = []
         self._current: dict[str, list[int]] = {}
 
-    def route(self, layer: int, experts: list[int]) -> None:
+    def route(self, layer: int, experts: list[int]) -> Sequence[int] | None:
         self._current[str(layer)] = sorted(experts)
-        self.inner.route(layer, experts)
+        return self.inner.route(layer, experts)  # the cache's fetch order, for its read-ahead
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.inner.get(layer, expert)
