@@ -124,8 +124,9 @@ def _observe(bits, last, stats, pairs, current, ids, counts, t, session_t):
                 pairs[1, e, f] += 1
     for f in current:
         share[f] = 0.0
+    routed = counts.sum()
     for i in range(len(ids)):
-        share[ids[i]] = counts[i] / counts.sum()
+        share[ids[i]] = counts[i] / routed
 
 
 def uniform_rate(h: LayerHistory) -> float:

@@ -146,13 +146,13 @@ class FlashMoE(Policy):
         for key in candidates:
             by_layer.setdefault(key[0], []).append(key)
         scores = self.scorer.score((self._history(layer), np.array([e for _, e in keys], np.int64))
-                                   for layer, keys in by_layer.items())
+                                   for layer, keys in by_layer.items()).tolist()
         scored = [key for keys in by_layer.values() for key in keys]
-        self._scores.update(zip(scored, scores.tolist()))
+        self._scores.update(zip(scored, scores))
         for key in scored:
             self._arrivals.pop(key, None)
         if self.decision == "lfu":
-            self._keep = percentile(scores.tolist(), self.keep_percentile)
+            self._keep = percentile(scores, self.keep_percentile)
         self._scored_hist = self._windows()
         self.recomputes += 1
 
