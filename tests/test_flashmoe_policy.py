@@ -113,6 +113,27 @@ def test_system_samples_trigger_one_rescore(untrained):
     assert policy.recomputes == before + 1
 
 
+def test_compiled_scoring_equals_the_torch_network():
+    import torch
+
+    from agent.learned.features import LayerHistory
+    from agent.learned.model import load as load_net
+    from agent.learned.scorer import Scorer, layer_inputs, shared_net
+    h = LayerHistory()
+    for experts in load(TRACES / "qwen_dialogue.jsonl").dense()[:100, 3]:
+        h.observe(experts.tolist())
+    experts = np.arange(60)
+    series = [(0.5, 0.2), (1.0, 0.7)]
+    scorer = Scorer(shared_net(str(DEFAULT_WEIGHTS)))
+    scorer.set_series(series)
+    signature, features = layer_inputs(h, experts)
+    with torch.inference_mode():
+        want = load_net(DEFAULT_WEIGHTS)(torch.from_numpy(signature), torch.from_numpy(features),
+                                         torch.tensor([series], dtype=torch.float32)).numpy()
+    assert want.std() > 0.1  # the histories differ, so the scores must
+    np.testing.assert_allclose(scorer.score(h, experts), want, rtol=1e-4, atol=1e-5)
+
+
 def test_runs_on_an_expert_count_it_was_not_trained_on():
     # two OLMoE layers folded into one of 128 experts, top-16: a shape the shipped weights never saw
     trace = load(TRACES / "olmoe_math.jsonl").dense()[:256]

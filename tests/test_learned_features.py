@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from agent.learned.features import (FEATURES, HISTORY_BITS, NEVER, LayerHistory, activation_signature,
-                                    expert_features, tv_distance, window_histogram)
+from agent.learned.features import (FEATURES, HISTORY_BITS, NEVER, TOTAL, LayerHistory, activation_signature,
+                                    expert_features, window_histogram, window_shift)
 
 
 def history(steps, sessions=()):
@@ -80,6 +80,7 @@ def test_batch_share_is_the_distribution_of_the_current_multiset():
     assert feature(h, 3, "batch_share") == pytest.approx(0.75)
     assert feature(h, 2, "batch_share") == pytest.approx(0.25)
     assert feature(h, 0, "batch_share") == 0.0
+    assert h.current.tolist() == [3, 2] and h.stats[TOTAL, 3] == 1  # one use per step, however many tokens
 
 
 def test_activation_signature_is_most_recent_first():
@@ -108,5 +109,6 @@ def test_histogram_and_total_variation():
         h.observe([0, 2])
     p = window_histogram(h)
     assert p[:3].tolist() == pytest.approx([0.5, 0.25, 0.25])
-    assert tv_distance(np.array([0.5, 0.5]), p) == pytest.approx(0.25)
-    assert tv_distance(p, p) == 0.0
+    assert window_shift(h, np.array([0.5, 0.5], np.float32)) == pytest.approx(0.25)  # shorter: zero-padded
+    assert window_shift(h, p) == 0.0
+

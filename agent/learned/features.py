@@ -17,7 +17,6 @@ Qwen (60, top-4) and DeepSeek (64, top-6) alike.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -75,15 +74,12 @@ class LayerHistory:
 
     def observe(self, experts: Collection[int]) -> None:
         """One routing step of this layer chose `experts` (a set, or a batch's multiset)."""
-        counts = Counter(int(e) for e in experts)
-        ids = np.fromiter(counts, np.int64, len(counts))
-        if len(ids) and ids.max() >= self.n:
-            self._grow(int(ids.max()) + 1)
-        _observe(self.bits, self.last, self.stats, self.pairs, self.current, ids,
-                 np.fromiter(counts.values(), np.float32, len(counts)), self.t, self.session_t)
-        self.current = ids
-        self.top_k = max(self.top_k, len(ids))
-        self.n_seen = max(self.n_seen, int(ids.max()) + 1 if len(ids) else 0)
+        if len(experts) and max(experts) >= self.n:
+            self._grow(int(max(experts)) + 1)
+        self.current = _observe(self.bits, self.last, self.stats, self.pairs, self.current,
+                                np.fromiter(experts, np.int64, len(experts)), self.t, self.session_t)
+        self.top_k = max(self.top_k, len(self.current))
+        self.n_seen = max(self.n_seen, int(self.current.max()) + 1 if len(self.current) else 0)
         self.t += 1
         self.session_t += 1
 
@@ -96,9 +92,21 @@ class LayerHistory:
 
 
 @numba.njit(cache=True)
-def _observe(bits, last, stats, pairs, current, ids, counts, t, session_t):
+def _observe(bits, last, stats, pairs, current, routed, t, session_t):
+    """Update every counter for one step that routed `routed` (ids, repeats allowed); returns the
+    distinct ids, in first-seen order: the new `current`."""
     total, long_rate, gap, session_count, share = (stats[TOTAL], stats[LONG_RATE], stats[GAP], stats[SESSION_COUNT],
                                                    stats[SHARE])
+    for f in current:
+        share[f] = 0.0
+    ids = np.empty(len(routed), np.int64)
+    n = 0
+    for e in routed:  # share is zero everywhere now, so a zero share marks an id not seen yet this step
+        if share[e] == 0.0:
+            ids[n] = e
+            n += 1
+        share[e] += 1.0 / len(routed)
+    ids = ids[:n]
     for e in range(len(bits)):
         bits[e] <<= np.uint64(1)
         long_rate[e] *= LONG_DECAY
@@ -122,11 +130,7 @@ def _observe(bits, last, stats, pairs, current, ids, counts, t, session_t):
         if session_t:  # the previous step of this session led to this one
             for f in current:
                 pairs[1, e, f] += 1
-    for f in current:
-        share[f] = 0.0
-    routed = counts.sum()
-    for i in range(len(ids)):
-        share[ids[i]] = counts[i] / routed
+    return ids
 
 
 def uniform_rate(h: LayerHistory) -> float:
@@ -140,7 +144,7 @@ def expert_features(h: LayerHistory, experts: np.ndarray) -> np.ndarray:
     if len(experts) and experts.max() >= h.n:
         h._grow(int(experts.max()) + 1)
     out = np.empty((len(experts), len(FEATURES)), np.float32)
-    _features(out, experts, h.bits, h.last, h.stats, h.pairs, h.current, h.t, h.session_t, h.sessions,
+    fill_features(out, experts, h.bits, h.last, h.stats, h.pairs, h.current, h.t, h.session_t, h.sessions,
               uniform_rate(h))
     return out
 
@@ -155,7 +159,7 @@ def _popcount(x, width):
 
 
 @numba.njit(cache=True)
-def _features(out, experts, bits, last, stats, pairs, current, t, session_t, sessions, u):
+def fill_features(out, experts, bits, last, stats, pairs, current, t, session_t, sessions, u):
     total, long_rate, gap, session_count, sessions_used, share = (stats[TOTAL], stats[LONG_RATE], stats[GAP],
                                                                   stats[SESSION_COUNT], stats[SESSIONS_USED],
                                                                   stats[SHARE])
@@ -205,14 +209,33 @@ def _signature(out, experts, bits):
 
 def window_histogram(h: LayerHistory) -> np.ndarray:
     """Share of the activations of the last HIST_WINDOW steps that went to each expert."""
-    counts = np.bitwise_count(h.bits & np.uint64((1 << HIST_WINDOW) - 1)).astype(np.float32)
-    total = counts.sum()
-    return counts / total if total else counts
+    out = np.empty(h.n, np.float32)
+    _window_histogram(out, h.bits)
+    return out
 
 
-def tv_distance(p: np.ndarray, q: np.ndarray) -> float:
-    """Total-variation distance between two histograms (zero-padded to the same length)."""
-    if len(p) == len(q):
-        return 0.5 * float(np.abs(p - q).sum())
-    n = max(len(p), len(q))
-    return 0.5 * float(np.abs(np.pad(p, (0, n - len(p))) - np.pad(q, (0, n - len(q)))).sum())
+def window_shift(h: LayerHistory, since: np.ndarray) -> float:
+    """Total-variation distance from the histogram `since` (an earlier window_histogram) to now."""
+    return _window_shift(h.bits, since)
+
+
+@numba.njit(cache=True)
+def _window_histogram(out, bits):
+    total = 0.0
+    for e in range(len(bits)):
+        out[e] = _popcount(bits[e], HIST_WINDOW)
+        total += out[e]
+    if total:
+        out /= total
+
+
+@numba.njit(cache=True)
+def _window_shift(bits, since):
+    now = np.empty(len(bits), np.float32)
+    _window_histogram(now, bits)
+    tv = 0.0
+    for e in range(max(len(now), len(since))):  # an expert missing from one side has share 0 there
+        p = now[e] if e < len(now) else 0.0
+        q = since[e] if e < len(since) else 0.0
+        tv += abs(p - q)
+    return 0.5 * tv

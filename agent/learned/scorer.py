@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numba
 import numpy as np
 import torch
 
-from agent.learned.features import LayerHistory, activation_signature, expert_features
+from agent.learned.features import (FEATURES, HISTORY_BITS, LayerHistory, activation_signature,
+                                    fill_features,
+                                    expert_features, uniform_rate)
 from agent.learned.model import RetentionNet, load
 
 SERIES_LEN = 16          # monitoring samples the system tower sees
@@ -34,31 +37,71 @@ def layer_inputs(history: LayerHistory, experts: np.ndarray) -> tuple[np.ndarray
 
 
 class ExpertTowerArrays:
-    """ExpertTower.forward in numpy. Scoring ~16 experts is a few tiny matmuls: torch's per-op
-    overhead and its thread pool (which spins when the cores are busy) would cost ten times the
-    arithmetic. tests/test_flashmoe_policy.py checks this equals the torch module."""
+    """ExpertTower.forward, read out against a system vector, as one compiled loop per layer.
+
+    Scoring ~12 experts is a few tiny matmuls: numpy and torch would spend their time in per-call
+    overhead (and torch's thread pool spins when the cores are busy), not arithmetic. The loop also
+    skips what is zero: the signature is bits (the embedding is a sum of the rows of the bits set)
+    and about half the ReLU outputs are 0. tests/test_flashmoe_policy.py checks it equals the torch
+    module."""
 
     def __init__(self, net: RetentionNet) -> None:
-        w = {k: v.detach().numpy().astype(np.float32) for k, v in net.expert.state_dict().items()}
-        self.embed = (w["embed.weight"].T.copy(), w["embed.bias"])
-        self.layers = [(w[f"mlp.{i}.weight"].T.copy(), w[f"mlp.{i}.bias"]) for i in (0, 2, 4)]
+        w = {k: np.ascontiguousarray(v.detach().numpy().T, np.float32) for k, v in net.expert.state_dict().items()}
+        self.weights = (w["embed.weight"], w["embed.bias"], w["mlp.0.weight"], w["mlp.0.bias"],
+                        w["mlp.2.weight"], w["mlp.2.bias"])
+        self.last = (w["mlp.4.weight"], w["mlp.4.bias"])  # [hidden, out], [out]
 
-    def hidden(self, signature: np.ndarray, features: np.ndarray) -> np.ndarray:
-        """The activations entering the last layer: [N, hidden]."""
-        x = np.concatenate([np.maximum(signature @ self.embed[0] + self.embed[1], 0), features], axis=1)
-        for weight, bias in self.layers[:-1]:
-            x = np.maximum(x @ weight + bias, 0)
-        return x
-
-    def __call__(self, signature: np.ndarray, features: np.ndarray) -> np.ndarray:
-        weight, bias = self.layers[-1]
-        return self.hidden(signature, features) @ weight + bias  # [N, out]
-
-    def readout(self, system: np.ndarray) -> tuple[np.ndarray, float]:
+    def readout(self, system: np.ndarray) -> tuple[np.ndarray, np.float32]:
         """The last layer dotted with a system vector: score = hidden @ w + c. The system vector
         changes only with a monitoring sample, so this folds one matmul out of every scoring."""
-        weight, bias = self.layers[-1]
-        return weight @ system, float(bias @ system)
+        weight, bias = self.last
+        return (weight @ system).astype(np.float32), np.float32(bias @ system)
+
+    def scores(self, h: LayerHistory, experts: np.ndarray, readout: tuple[np.ndarray, np.float32]) -> np.ndarray:
+        """Retention scores of `experts` (ids) of the layer `h` describes."""
+        if len(experts) and experts.max() >= h.n:
+            h._grow(int(experts.max()) + 1)
+        out = np.empty(len(experts), np.float32)
+        _scores(out, experts, h.bits, h.last, h.stats, h.pairs, h.current, h.t, h.session_t, h.sessions,
+                uniform_rate(h), *self.weights, *readout)
+        return out
+
+
+@numba.njit(cache=True, fastmath=True)
+def _scores(out, experts, bits, last, stats, pairs, current, t, session_t, sessions, u,
+            embed_w, embed_b, w0, b0, w1, b1, readout_w, readout_b):
+    features = np.empty((len(experts), len(FEATURES)), np.float32)
+    fill_features(features, experts, bits, last, stats, pairs, current, t, session_t, sessions, u)
+    n_embed = len(embed_b)
+    emb, h0, h1 = np.empty(n_embed, np.float32), np.empty(len(b0), np.float32), np.empty(len(b1), np.float32)
+    for i, e in enumerate(experts):
+        emb[:] = embed_b
+        for j in range(HISTORY_BITS):  # signature @ embed_w: the rows of the bits set
+            if (bits[e] >> np.uint64(j)) & np.uint64(1):
+                for m in range(n_embed):
+                    emb[m] += embed_w[j, m]
+        h0[:] = b0
+        for k in range(n_embed):  # [relu(emb), features] @ w0
+            if emb[k] > 0:
+                _axpy(h0, emb[k], w0[k])
+        for k in range(len(FEATURES)):
+            _axpy(h0, features[i, k], w0[n_embed + k])
+        h1[:] = b1
+        for k in range(len(h0)):
+            if h0[k] > 0:
+                _axpy(h1, h0[k], w1[k])
+        score = readout_b
+        for k in range(len(h1)):
+            if h1[k] > 0:
+                score += h1[k] * readout_w[k]
+        out[i] = score
+
+
+@numba.njit(cache=True, fastmath=True)
+def _axpy(y, a, x):
+    """y += a * x, in place (an array expression would allocate)."""
+    for m in range(len(y)):
+        y[m] += a * x[m]
 
 
 class SharedNet:
@@ -89,9 +132,6 @@ class Scorer:
         """New monitoring series: run the system tower once, reused by every scoring until the next."""
         self._readout = self.shared.expert.readout(self.shared.system_vector(tuple(series)))
 
-    def score(self, parts: Iterable[tuple[LayerHistory, np.ndarray]]) -> np.ndarray:
-        """Retention scores of the given (layer history, expert ids) groups, concatenated in order."""
-        signature, features = (np.concatenate(a) if len(a) > 1 else a[0]
-                               for a in zip(*(layer_inputs(h, e) for h, e in parts)))
-        weight, bias = self._readout
-        return self.shared.expert.hidden(signature, features) @ weight + bias
+    def score(self, h: LayerHistory, experts: np.ndarray) -> np.ndarray:
+        """Retention scores of `experts` (ids) of the layer `h` describes."""
+        return self.shared.expert.scores(h, experts, self._readout)

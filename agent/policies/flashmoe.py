@@ -41,6 +41,7 @@ from agent.policies.base import Key, Policy
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "flashmoe.safetensors"
 DECISIONS = ("score", "lfu")
+NO_HISTOGRAM = np.zeros(0, np.float32)  # a layer not seen at the last scoring
 FRESH = float("inf")  # the score of an expert brought in since the last scoring: it was just used
 
 
@@ -71,7 +72,6 @@ class FlashMoE(Policy):
         self._keep = FRESH        # the keep_percentile of the scores at the last scoring
         self._routes = 0          # routing steps seen: the shift is checked once per step at most
         self._checked = -1
-        self._windows_at, self._windows_now = -1, {}
         self.recomputes = 0  # how often the network ran: the event-driven cost, observable
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -121,22 +121,15 @@ class FlashMoE(Policy):
         h = self._history(key[0])
         return float(h.stats[self._f.LONG_RATE, key[1]]), int(h.last[key[1]])
 
-    def _windows(self) -> dict[int, np.ndarray]:
-        """Each layer's activation histogram over its last steps, computed once per routing step."""
-        if self._windows_at != self._routes:
-            self._windows_now = {layer: self._f.window_histogram(h) for layer, h in self.layers.items()}
-            self._windows_at = self._routes
-        return self._windows_now
-
     def _shifted(self) -> bool:
         if self._system_changed or not self._scored_hist:
             return True
         if self._checked == self._routes:  # several evictions in one step: nothing moved in between
             return False
         self._checked = self._routes
-        tv = [self._f.tv_distance(hist, self._scored_hist.get(layer, np.zeros(0)))
-              for layer, hist in self._windows().items()]
-        return sum(tv) / len(tv) > self.recompute_threshold
+        shift = sum(self._f.window_shift(h, self._scored_hist.get(layer, NO_HISTOGRAM))
+                    for layer, h in self.layers.items())
+        return shift / len(self.layers) > self.recompute_threshold
 
     def _rescore(self, candidates: list[Key]) -> None:
         if self._system_changed:
@@ -145,15 +138,16 @@ class FlashMoE(Policy):
         by_layer: dict[int, list[Key]] = {}
         for key in candidates:
             by_layer.setdefault(key[0], []).append(key)
-        scores = self.scorer.score((self._history(layer), np.array([e for _, e in keys], np.int64))
-                                   for layer, keys in by_layer.items()).tolist()
-        scored = [key for keys in by_layer.values() for key in keys]
-        self._scores.update(zip(scored, scores))
-        for key in scored:
+        scores: list[float] = []
+        for layer, keys in by_layer.items():
+            layer_scores = self.scorer.score(self._history(layer), np.array([e for _, e in keys], np.int64)).tolist()
+            self._scores.update(zip(keys, layer_scores))
+            scores += layer_scores
+        for key in candidates:
             self._arrivals.pop(key, None)
         if self.decision == "lfu":
             self._keep = percentile(scores, self.keep_percentile)
-        self._scored_hist = self._windows()
+        self._scored_hist = {layer: self._f.window_histogram(h) for layer, h in self.layers.items()}
         self.recomputes += 1
 
 
