@@ -103,6 +103,35 @@ def test_a_step_larger_than_its_scored_residents_evicts_the_oldest_arrival_first
     assert [k[1] for k in evicted[8:]] == list(range(100, 108))
 
 
+def test_a_global_cache_rescoring_only_changed_layers_decides_as_rescoring_all(untrained):
+    # a layer's features change only when it routes, so scoring just the changed layers must pick
+    # the same victims as scoring every layer on every step (forced here by a "system change")
+    trace = load(TRACES / "olmoe_dialogue.jsonl")
+    caches = [Residency(trace.n_experts * trace.n_layers // 4, trace.n_layers,
+                        policy_factory("flashmoe", model_path=untrained), "global", trace.max_set) for _ in "ab"]
+    evictions, scored = [[], []], [count_scored(c._parts[0].policy) for c in caches]
+    for i, (_, layer, experts) in enumerate(walk(trace)):
+        if i > 40 * trace.n_layers:
+            break
+        caches[1]._parts[0].policy._system_changed = True
+        for cache, evicted in zip(caches, evictions):
+            cache.route(layer, experts)
+            evicted += [cache.access((layer, e))[1] for e in experts]
+    assert len({k for k in evictions[0] if k}) > 100 and evictions[0] == evictions[1]
+    assert scored[0][0] < scored[1][0] / 5  # one or two layers scored per step, not all 16
+
+
+def count_scored(policy) -> list[int]:
+    """Make the policy's scorer count the experts it scores; returns the one-item counter."""
+    count, score = [0], policy.scorer.score
+
+    def counting(h, experts):
+        count[0] += len(experts)
+        return score(h, experts)
+    policy.scorer.score = counting
+    return count
+
+
 def test_system_samples_trigger_one_rescore(untrained):
     cache = Residency(8, 1, policy_factory("flashmoe", model_path=untrained, recompute_threshold=1.0))
     drive(cache, periodic(4, 40))

@@ -1,18 +1,17 @@
 """FlashMoE: a learned retention score per cached expert, recomputed only when routing drifts.
 
 Every routing step updates the layer's activation history (agent.learned.features: a compiled
-loop over the routed experts). On an eviction the policy rescores the experts it may evict
-(resident and not pinned by the current step; the pinned ones were just used) only if the
-windowed activation histogram (last 16 steps) moved more than `recompute_threshold`
-(total-variation distance) since the last scoring, or a monitoring sample arrived; otherwise the
-cached scores are a dictionary lookup, checked at most once per routing step. The default
-threshold is 0 (rescore whenever the window moved at all): one token already moves the 16-step
-window by up to 1/16, and stale scores cost hit rate (a threshold of 0.1 halved the rescorings
-and lost 1-3 points on the decode report traces); stationary routing (loops, repeated prompts)
-still costs no rescoring. Experts brought in since the last scoring have no score yet; they were
-just used, so they count as the freshest, and when only such arrivals are left to choose from (a
-batch's step can bring in more experts than were scored) the oldest arrival goes first, without
-rescoring.
+loop over the routed experts). On an eviction the policy rescores a layer's resident experts only if that layer's windowed activation histogram
+(last 16 steps) moved more than `recompute_threshold` (total-variation distance) since the layer
+was last scored, or a monitoring sample arrived; otherwise the cached scores are a dictionary
+lookup. Only a layer's own routing changes its experts' features, so a global cache rescores the
+layer that just routed, not the whole model. The default threshold is 0 (rescore whenever the
+window moved at all): one token already moves the 16-step window by up to 1/16, and stale scores
+cost hit rate (a threshold of 0.1 halved the rescorings and lost 1-3 points on the decode report
+traces); stationary routing (loops, repeated prompts) still costs no rescoring. Experts brought in
+since their layer was last scored have no score; they were just used, so they count as the
+freshest, and when only such arrivals are left to choose from (a batch's step can bring in more
+experts than were scored) the oldest arrival goes first, without rescoring.
 
 Decision. `decision="lfu"` (default) is the design's two-stage rule: keep what scores at or above
 `keep_percentile` of the scores of the experts it may evict; among the rest evict the least
@@ -41,7 +40,6 @@ from agent.policies.base import Key, Policy
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "flashmoe.safetensors"
 DECISIONS = ("score", "lfu")
-NO_HISTOGRAM = np.zeros(0, np.float32)  # a layer not seen at the last scoring
 FRESH = float("inf")  # the score of an expert brought in since the last scoring: it was just used
 
 
@@ -65,13 +63,12 @@ class FlashMoE(Policy):
         self.decision = decision
         self.layers: dict[int, features.LayerHistory] = {}
         self._scores: dict[Key, float] = {}
-        self._arrivals: dict[Key, None] = {}  # brought in since the last scoring, oldest first
+        self._arrivals: dict[Key, None] = {}  # brought in since their layer's last scoring, oldest first
         self._scored_hist: dict[int, np.ndarray] = {}
         self._series: deque[tuple[float, float]] = deque(maxlen=scorer.SERIES_LEN)
         self._system_changed = False
         self._keep = FRESH        # the keep_percentile of the scores at the last scoring
-        self._routes = 0          # routing steps seen: the shift is checked once per step at most
-        self._checked = -1
+        self._moved: set[int] = set()  # layers routed since the last shift check
         self.recomputes = 0  # how often the network ran: the event-driven cost, observable
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -85,7 +82,7 @@ class FlashMoE(Policy):
 
     def route(self, layer: int, experts: Collection[int]) -> None:
         self._history(layer).observe(experts)
-        self._routes += 1
+        self._moved.add(layer)
 
     def insert(self, key: Key) -> None:
         self._arrivals[key] = None
@@ -98,8 +95,9 @@ class FlashMoE(Policy):
         candidates = [k for k in resident if k not in pinned]
         if not candidates:
             raise ValueError("every resident expert is pinned by the current step; nothing can be evicted")
-        if self._shifted():
-            self._rescore(candidates)
+        stale = self._stale_layers()
+        if stale:
+            self._rescore(stale, resident, candidates)
         scores = [self._scores.get(k, FRESH) for k in candidates]
         if min(scores) == FRESH:  # nothing scored is left to evict: the oldest arrival goes
             allowed = set(candidates)
@@ -121,33 +119,40 @@ class FlashMoE(Policy):
         h = self._history(key[0])
         return float(h.stats[self._f.LONG_RATE, key[1]]), int(h.last[key[1]])
 
-    def _shifted(self) -> bool:
-        if self._system_changed or not self._scored_hist:
-            return True
-        if self._checked == self._routes:  # several evictions in one step: nothing moved in between
-            return False
-        self._checked = self._routes
-        shift = sum(self._f.window_shift(h, self._scored_hist.get(layer, NO_HISTOGRAM))
-                    for layer, h in self.layers.items())
-        return shift / len(self.layers) > self.recompute_threshold
-
-    def _rescore(self, candidates: list[Key]) -> None:
+    def _stale_layers(self) -> list[int]:
+        """Layers to score now. Every layer after a monitoring sample; else, once per routing step,
+        the layers routed since the last check whose activation window moved past the threshold
+        since they were scored, and the other layers holding unscored arrivals (in a global cache,
+        the layers of earlier steps: their features have not changed since). Only a layer's own
+        routing changes its experts' features, so a global cache never rescores the whole model."""
         if self._system_changed:
             self.scorer.set_series(list(self._series))
             self._system_changed = False
-        by_layer: dict[int, list[Key]] = {}
-        for key in candidates:
-            by_layer.setdefault(key[0], []).append(key)
-        scores: list[float] = []
+            return list(self.layers)
+        moved, self._moved = self._moved, set()
+        if not moved:  # several evictions in one step: nothing moved in between
+            return []
+        waiting = {layer for layer, _ in self._arrivals} - moved
+        return [layer for layer in moved if layer not in self._scored_hist
+                or self._f.window_shift(self.layers[layer], self._scored_hist[layer]) > self.recompute_threshold
+                ] + list(waiting)
+
+    def _rescore(self, stale: list[int], resident: Collection[Key], candidates: list[Key]) -> None:
+        """Score every resident expert of the stale layers, the pinned ones too: in a global cache they
+        are candidates at the next layer's step, and their layer's features will not change till then."""
+        by_layer: dict[int, list[Key]] = {layer: [] for layer in stale}
+        for key in resident:
+            if key[0] in by_layer:
+                by_layer[key[0]].append(key)
         for layer, keys in by_layer.items():
-            layer_scores = self.scorer.score(self._history(layer), np.array([e for _, e in keys], np.int64)).tolist()
-            self._scores.update(zip(keys, layer_scores))
-            scores += layer_scores
-        for key in candidates:
-            self._arrivals.pop(key, None)
-        if self.decision == "lfu":
+            h = self.layers[layer]
+            self._scores.update(zip(keys, self.scorer.score(h, np.array([e for _, e in keys], np.int64)).tolist()))
+            for key in keys:
+                self._arrivals.pop(key, None)
+            self._scored_hist[layer] = self._f.window_histogram(h)
+        scores = [self._scores[k] for k in candidates if k in self._scores]
+        if self.decision == "lfu" and scores:
             self._keep = percentile(scores, self.keep_percentile)
-        self._scored_hist = {layer: self._f.window_histogram(h) for layer, h in self.layers.items()}
         self.recomputes += 1
 
 
