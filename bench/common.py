@@ -24,7 +24,8 @@ def machine(store: Path | None = None) -> dict[str, Any]:
     filesystem it is on and the alignment O_DIRECT needs there."""
     facts: dict[str, Any] = {"cpu": _cpu_model(), "cores": os.cpu_count(),
                              "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                             "kernel": platform.release(), "python": platform.python_version()}
+                             "kernel": platform.release(), "python": platform.python_version(),
+                             "load_avg": os.getloadavg()}  # the machine is shared: what else ran
     if store is not None:
         mem, off = dio_alignment(store / EXPERTS)
         facts |= {"filesystem": _filesystem(store), "dio_alignment": {"memory": mem, "offset": off}}

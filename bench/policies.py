@@ -16,9 +16,7 @@ JSON: bench/results/policies.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -29,7 +27,8 @@ from agent.simulator import gap_closed, simulate
 from agent.traces import Trace, load, parse_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "policies.json"
+sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
+from bench.common import machine, write_results  # noqa: E402
 WEIGHTS = ROOT / "agent" / "policies" / "weights"
 REPORT = ["decode/olmoe_math.jsonl", "decode/olmoe_dialogue.jsonl", "decode/qwen_dialogue.jsonl",
           "prefill/deepseek_v2_lite_puffin_0001-1000.npz"]
@@ -146,11 +145,6 @@ def cross_table(runs: dict[Task, Run]) -> tuple[str, list[Run]]:
     return "\n".join(lines), cross
 
 
-def machine() -> dict:
-    return {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-            "processor": platform.processor() or platform.machine()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "traces",
@@ -178,9 +172,7 @@ def main() -> None:
     table, cross = cross_table(runs)
     print(f"\n== cross-architecture: per-layer scope, capacity 0.25 ==\n{table}")
     doc["cross_architecture"] = [vars(r) for r in cross]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(doc, indent=1))
-    print(f"\nwrote {RESULTS.relative_to(ROOT)}")
+    write_results("policies", doc)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,7 @@ JSON: bench/results/policy_cost.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
+import sys
 import time
 from pathlib import Path
 
@@ -28,8 +26,9 @@ from agent.simulator import SystemReplay, capacity_slots, replay
 from agent.traces import Trace, load
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
+from bench.common import machine, write_results  # noqa: E402
 TRACES = ROOT / "tests" / "data" / "traces"
-RESULTS = ROOT / "bench" / "results" / "policy_cost.json"
 POLICIES = {  # label -> (policy, options)
     "lru": ("lru", {}), "lfu-window": ("lfu-window", {}), "arc": ("arc", {}), "least-stale": ("least-stale", {}),
     "flashmoe": ("flashmoe", {}),  # shipped defaults: rescore whenever the 16-step window moved
@@ -88,12 +87,10 @@ def main() -> None:
         lines += table(name, runs, read_s) + [""]
     lines.append(f"one expert read: {SSD_LATENCY_S * 1e6:.0f} µs + {args.expert_bytes / 1e6:.1f} MB at "
                  f"{args.bandwidth_gbs:g} GB/s = {read_s * 1e6:.0f} µs (nominal); goal: flashmoe <= 50 µs/access")
-    machine = {"cpus": os.cpu_count(), "load_avg": os.getloadavg(), "python": platform.python_version(),
-               "processor": platform.processor() or platform.machine()}
-    lines.append(f"machine: {machine}")
+    facts = machine()
+    lines.append(f"machine: {facts}")
     print("\n".join(lines))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"read_s": read_s, "machine": machine, "results": results}, indent=1))
+    write_results("policy_cost", {"read_s": read_s, "machine": facts, "results": results})
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ Prints a table, writes bench/results/warmup.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,10 +20,10 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import CLI, ROOT, drop_page_cache, free_port, wait_for_agent  # noqa: E402  (the serving bench's helpers)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repo, so `bench` imports
+from bench.common import RESULTS_DIR, machine, write_results  # noqa: E402
+from bench.serve import CLI, ROOT, drop_page_cache, free_port, wait_for_agent  # noqa: E402  (the serving bench's helpers)
 
-RESULTS = ROOT / "bench" / "results" / "warmup.json"
 WARMUP_FILE = ROOT / "examples" / "benchmark_input.json"
 PROMPTS = ["Describe the failure modes of a flash translation layer.", "Write a limerick about a cache miss.",
            "How do I read SMART data from an NVMe drive?", "Give me three tips for writing clear error messages.",
@@ -74,7 +72,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--policy", default="lru")
     args = ap.parse_args()
-    logs = RESULTS.parent / "serve-logs"
+    logs = RESULTS_DIR / "serve-logs"
     logs.mkdir(parents=True, exist_ok=True)
     results = [measure(args.model, args.policy, args.requests, args.max_tokens, warm, logs) for warm in (False, True)]
     cold, warm = results
@@ -85,11 +83,9 @@ def main() -> int:
               f"{r['mean_latency_s']:>10.2f} {r['bytes_read'] / 1e9:>8.2f} {r['warmup_s']:>9.1f}")
     ratio = warm["hit_rate"] / cold["hit_rate"] if cold["hit_rate"] else float("inf")
     print(f"\nhit rate of the first {args.requests} requests: warm / cold = {ratio:.2f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"command": " ".join(sys.argv), "model": str(args.model), "policy": args.policy,
-                                   "cache_cap": "25%", "max_tokens": args.max_tokens, "load_avg": os.getloadavg(),
-                                   "results": results, "warm_over_cold_hit_rate": ratio}, indent=2))
-    print(f"wrote {RESULTS}")
+    write_results("warmup", {"command": " ".join(sys.argv), "model": str(args.model), "policy": args.policy,
+                             "cache_cap": "25%", "max_tokens": args.max_tokens, "machine": machine(args.model),
+                             "results": results, "warm_over_cold_hit_rate": ratio})
     return 0
 
 
