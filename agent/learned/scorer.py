@@ -14,9 +14,8 @@ import numba
 import numpy as np
 import torch
 
-from agent.learned.features import (FEATURES, HISTORY_BITS, LayerHistory, activation_signature,
-                                    fill_features,
-                                    expert_features, uniform_rate)
+from agent.learned.features import (FEATURES, HISTORY_BITS, LayerHistory, activation_signature, expert_features,
+                                    fill_features, uniform_rate)
 from agent.learned.model import RetentionNet, load
 
 SERIES_LEN = 16          # monitoring samples the system tower sees
@@ -70,6 +69,7 @@ class ExpertTowerArrays:
 @numba.njit(cache=True, fastmath=True)
 def _scores(out, experts, bits, last, stats, pairs, current, t, session_t, sessions, u,
             embed_w, embed_b, w0, b0, w1, b1, readout_w, readout_b):
+    """out[i] = the score of experts[i]: its features, then ExpertTower.forward dotted with the readout."""
     features = np.empty((len(experts), len(FEATURES)), np.float32)
     fill_features(features, experts, bits, last, stats, pairs, current, t, session_t, sessions, u)
     n_embed = len(embed_b)

@@ -1,10 +1,10 @@
 """FlashMoE: a learned retention score per cached expert, recomputed only when routing drifts.
 
 Every routing step updates the layer's activation history (agent.learned.features: a compiled
-loop over the routed experts). On an eviction the policy rescores a layer's resident experts only if that layer's windowed activation histogram
-(last 16 steps) moved more than `recompute_threshold` (total-variation distance) since the layer
-was last scored, or a monitoring sample arrived; otherwise the cached scores are a dictionary
-lookup. Only a layer's own routing changes its experts' features, so a global cache rescores the
+loop over the routed experts). On an eviction the policy rescores a layer's resident experts
+only if that layer's windowed activation histogram (last 16 steps) moved more than
+`recompute_threshold` (total-variation distance) since the layer was last scored, or a monitoring
+sample arrived; otherwise the cached scores are a dictionary lookup. Only a layer's own routing changes its experts' features, so a global cache rescores the
 layer that just routed, not the whole model. The default threshold is 0 (rescore whenever the
 window moved at all): one token already moves the 16-step window by up to 1/16, and stale scores
 cost hit rate (a threshold of 0.1 halved the rescorings and lost 1-3 points on the decode report
