@@ -144,7 +144,7 @@ def expert_features(h: LayerHistory, experts: np.ndarray) -> np.ndarray:
     if len(experts) and experts.max() >= h.n:
         h._grow(int(experts.max()) + 1)
     out = np.empty((len(experts), len(FEATURES)), np.float32)
-    fill_features(out, experts, h.bits, h.last, h.stats, h.pairs, h.current, h.t, h.session_t, h.sessions,
+    _features(out, experts, h.bits, h.last, h.stats, h.pairs, h.current, h.t, h.session_t, h.sessions,
               uniform_rate(h))
     return out
 
@@ -159,7 +159,7 @@ def _popcount(x, width):
 
 
 @numba.njit(cache=True)
-def fill_features(out, experts, bits, last, stats, pairs, current, t, session_t, sessions, u):
+def _features(out, experts, bits, last, stats, pairs, current, t, session_t, sessions, u):
     total, long_rate, gap, session_count, sessions_used, share = (stats[TOTAL], stats[LONG_RATE], stats[GAP],
                                                                   stats[SESSION_COUNT], stats[SESSIONS_USED],
                                                                   stats[SHARE])

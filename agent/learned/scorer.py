@@ -14,8 +14,7 @@ import numba
 import numpy as np
 import torch
 
-from agent.learned.features import (FEATURES, HISTORY_BITS, LayerHistory, activation_signature, expert_features,
-                                    fill_features, uniform_rate)
+from agent.learned.features import LayerHistory, activation_signature, expert_features
 from agent.learned.model import RetentionNet, load
 
 SERIES_LEN = 16          # monitoring samples the system tower sees
@@ -36,7 +35,7 @@ def layer_inputs(history: LayerHistory, experts: np.ndarray) -> tuple[np.ndarray
 
 
 class ExpertTowerArrays:
-    """ExpertTower.forward, read out against a system vector, as one compiled loop per layer.
+    """ExpertTower.forward, read out against a system vector, as a compiled loop.
 
     Scoring ~12 experts is a few tiny matmuls: numpy and torch would spend their time in per-call
     overhead (and torch's thread pool spins when the cores are busy), not arithmetic. The loop also
@@ -58,25 +57,23 @@ class ExpertTowerArrays:
 
     def scores(self, h: LayerHistory, experts: np.ndarray, readout: tuple[np.ndarray, np.float32]) -> np.ndarray:
         """Retention scores of `experts` (ids) of the layer `h` describes."""
-        if len(experts) and experts.max() >= h.n:
-            h._grow(int(experts.max()) + 1)
+        features = expert_features(h, experts)  # a compiled call of its own: see _tower
         out = np.empty(len(experts), np.float32)
-        _scores(out, experts, h.bits, h.last, h.stats, h.pairs, h.current, h.t, h.session_t, h.sessions,
-                uniform_rate(h), *self.weights, *readout)
+        _tower(out, experts, features, h.bits, *self.weights, *readout)
         return out
 
 
 @numba.njit(cache=True, fastmath=True)
-def _scores(out, experts, bits, last, stats, pairs, current, t, session_t, sessions, u,
-            embed_w, embed_b, w0, b0, w1, b1, readout_w, readout_b):
-    """out[i] = the score of experts[i]: its features, then ExpertTower.forward dotted with the readout."""
-    features = np.empty((len(experts), len(FEATURES)), np.float32)
-    fill_features(features, experts, bits, last, stats, pairs, current, t, session_t, sessions, u)
-    n_embed = len(embed_b)
+def _tower(out, experts, features, bits, embed_w, embed_b, w0, b0, w1, b1, readout_w, readout_b):
+    """out[i] = ExpertTower.forward(signature of experts[i], features[i]) dotted with the readout.
+    Everything it needs comes in as arguments: numba's on-disk cache is invalidated per source
+    file, so a compiled call or constant from agent.learned.features would keep its old code after
+    that file changed."""
+    n_bits, n_embed = embed_w.shape
     emb, h0, h1 = np.empty(n_embed, np.float32), np.empty(len(b0), np.float32), np.empty(len(b1), np.float32)
     for i, e in enumerate(experts):
         emb[:] = embed_b
-        for j in range(HISTORY_BITS):  # signature @ embed_w: the rows of the bits set
+        for j in range(n_bits):  # signature @ embed_w: the rows of the bits set
             if (bits[e] >> np.uint64(j)) & np.uint64(1):
                 for m in range(n_embed):
                     emb[m] += embed_w[j, m]
@@ -84,7 +81,7 @@ def _scores(out, experts, bits, last, stats, pairs, current, t, session_t, sessi
         for k in range(n_embed):  # [relu(emb), features] @ w0
             if emb[k] > 0:
                 _axpy(h0, emb[k], w0[k])
-        for k in range(len(FEATURES)):
+        for k in range(features.shape[1]):
             _axpy(h0, features[i, k], w0[n_embed + k])
         h1[:] = b1
         for k in range(len(h0)):
