@@ -6,7 +6,7 @@ import pytest
 
 from agent.learned.model import RetentionNet, save
 from agent.policies import policy_factory, policy_names
-from agent.policies.flashmoe import DEFAULT_WEIGHTS
+from agent.policies.flashmoe import DEFAULT_WEIGHTS, FlashMoE
 from agent.residency import Residency
 from agent.simulator import simulate
 from agent.traces import load, walk
@@ -103,17 +103,35 @@ def test_a_step_larger_than_its_scored_residents_evicts_the_oldest_arrival_first
     assert [k[1] for k in evicted[8:]] == list(range(100, 108))
 
 
-def test_a_global_cache_rescoring_only_changed_layers_decides_as_rescoring_all(untrained):
-    # a layer's features change only when it routes, so scoring just the changed layers must pick
-    # the same victims as scoring every layer on every step (forced here by a "system change")
+class RescoreUnchangedToo(FlashMoE):
+    """Whenever it rescores, also rescores every layer whose history has not changed since its last
+    scoring: the work the real policy skips, on the claim that those scores would come out the same."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scored_at: dict[int, int] = {}
+
+    def _stale_layers(self) -> list[int]:
+        stale = super()._stale_layers()
+        return stale + [layer for layer, h in self.layers.items()
+                        if layer not in stale and self.scored_at.get(layer) == h.t] if stale else stale
+
+    def _rescore(self, stale, resident, candidates) -> None:
+        super()._rescore(stale, resident, candidates)
+        self.scored_at.update((layer, self.layers[layer].t) for layer in stale)
+
+
+def test_a_global_cache_rescores_only_the_layers_whose_features_changed(untrained):
+    # a layer's features change only when it routes: scoring the unchanged layers too must pick the
+    # same victims, so skipping them is free
     trace = load(TRACES / "olmoe_dialogue.jsonl")
-    caches = [Residency(trace.n_experts * trace.n_layers // 4, trace.n_layers,
-                        policy_factory("flashmoe", model_path=untrained), "global", trace.max_set) for _ in "ab"]
-    evictions, scored = [[], []], [count_scored(c._parts[0].policy) for c in caches]
+    policies = [FlashMoE(untrained), RescoreUnchangedToo(untrained)]
+    caches = [Residency(trace.n_experts * trace.n_layers // 4, trace.n_layers, lambda p=p: p, "global", trace.max_set)
+              for p in policies]
+    evictions, scored = [[], []], [count_scored(p) for p in policies]
     for i, (_, layer, experts) in enumerate(walk(trace)):
         if i > 40 * trace.n_layers:
             break
-        caches[1]._parts[0].policy._system_changed = True
         for cache, evicted in zip(caches, evictions):
             cache.route(layer, experts)
             evicted += [cache.access((layer, e))[1] for e in experts]

@@ -83,6 +83,14 @@ def test_batch_share_is_the_distribution_of_the_current_multiset():
     assert h.current.tolist() == [3, 2] and h.stats[TOTAL, 3] == 1  # one use per step, however many tokens
 
 
+def test_successor_4_sees_experts_that_follow_within_four_steps_not_just_the_next():
+    # a six-step cycle: after 0 come 9, 1, 8, 7, then 2 (five steps on) and 0 again
+    h = history([[0], [9], [1], [8], [7], [2]] * 5 + [[0]])
+    assert feature(h, 1, "successor") == 0.0 and feature(h, 1, "successor_4") > 0.0
+    assert feature(h, 2, "successor_4") == 0.0
+    assert feature(h, 9, "successor_4") == pytest.approx(feature(h, 1, "successor_4"))  # once each per cycle
+
+
 def test_activation_signature_is_most_recent_first():
     h = history([[0], [1], [0], [1], [1]])
     sig = activation_signature(h, np.array([0, 1]))
@@ -94,9 +102,10 @@ def test_activation_signature_is_most_recent_first():
 def test_features_do_not_depend_on_expert_numbering_or_count():
     a = history([[0, 1], [1, 2], [0, 2]] * 10)
     b = history([[100, 101], [101, 102], [100, 102]] * 10)   # same routing, ids shifted, 103 "experts"
-    # rates are relative to top_k / experts-seen: the density feature differs, nothing else of an expert's history
+    # rates (successor_4 is one) are relative to top_k / experts-seen: they and the density feature
+    # differ, nothing else of an expert's history
     fa, fb = expert_features(a, np.array([0, 1, 2])), expert_features(b, np.array([100, 101, 102]))
-    keep = [i for i, n in enumerate(FEATURES) if n != "density" and "rate" not in n]
+    keep = [i for i, n in enumerate(FEATURES) if n not in ("density", "successor_4") and "rate" not in n]
     np.testing.assert_allclose(fa[:, keep], fb[:, keep], rtol=1e-6)
     np.testing.assert_array_equal(activation_signature(a, np.array([0, 1, 2])),
                                   activation_signature(b, np.array([100, 101, 102])))

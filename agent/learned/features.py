@@ -1,7 +1,7 @@
 """Per-expert features of the learned policy: incremental history per layer, pure extraction.
 
 `LayerHistory` is updated once per routing step of its layer (`observe`) and per session; it keeps
-only O(n_experts) arrays plus two pair-count matrices. Every feature is then a pure function of
+only O(n_experts) arrays plus three pair-count matrices. Every feature is then a pure function of
 that state (`expert_features`, `activation_signature`, `window_histogram`), which is what the
 policy scores and what training records.
 
@@ -28,6 +28,7 @@ WINDOWS = (4, 16, 64)      # sliding windows (in tokens of this layer) for windo
 HIST_WINDOW = 16           # window of the activation histogram that triggers rescoring
 PAIR_DECAY = 0.5 ** (1 / 256)  # pair counts halve every 256 tokens: routing drifts
 LONG_DECAY = 1 - 1 / 256   # the long-run usage rate: an exponential average over ~256 steps
+SOON = 4                   # successor_4 looks this many steps ahead
 NEVER = 1 << 20            # age of an expert never used
 # Rows of LayerHistory.stats, per expert: uses; exponential average of use per step (~256 steps);
 # exponential average of reuse gaps; uses in this session; sessions it was used in; its share of
@@ -36,7 +37,8 @@ TOTAL, LONG_RATE, GAP, SESSION_COUNT, SESSIONS_USED, SHARE = range(6)
 N_STATS = 6
 
 FEATURES = ("recency", "rate_4", "rate_16", "rate_64", "rate_256", "rate_all", "gap", "overdue",
-            "session_rate", "session_seen", "persistence", "coactivation", "successor", "batch_share", "density")
+            "session_rate", "session_seen", "persistence", "coactivation", "successor", "batch_share", "density",
+            "successor_4")
 
 
 @dataclass
@@ -51,8 +53,8 @@ class LayerHistory:
     # takes one argument for them all (numba checks every argument's type on each call)
     stats: np.ndarray = field(default_factory=lambda: np.zeros((N_STATS, 0), np.float32))
     # decayed pair counts: pairs[0, e, f] e and f chosen together (the diagonal: f's own count),
-    # pairs[1, e, f] e chosen in the step right after f
-    pairs: np.ndarray = field(default_factory=lambda: np.zeros((2, 0, 0), np.float32))
+    # pairs[1, e, f] e chosen in the step right after f, pairs[2, e, f] e chosen 1..SOON steps after f
+    pairs: np.ndarray = field(default_factory=lambda: np.zeros((3, 0, 0), np.float32))
     session_t: int = 0               # steps in the current session
     sessions: int = 0                # completed sessions
     current: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the last routed set
@@ -68,7 +70,7 @@ class LayerHistory:
         self.bits = np.concatenate([self.bits, np.zeros(pad, np.uint64)])
         self.last = np.concatenate([self.last, np.full(pad, -1, np.int64)])
         self.stats = np.concatenate([self.stats, np.zeros((N_STATS, pad), np.float32)], axis=1)
-        pairs = np.zeros((2, size, size), np.float32)
+        pairs = np.zeros((3, size, size), np.float32)
         pairs[:, :old, :old] = self.pairs
         self.pairs = pairs
 
@@ -127,9 +129,13 @@ def _observe(bits, last, stats, pairs, current, routed, t, session_t):
     for e in ids:
         for f in ids:
             pairs[0, e, f] += 1
-        if session_t:  # the previous step of this session led to this one
+        if session_t:  # the previous steps of this session led to this one
             for f in current:
                 pairs[1, e, f] += 1
+            soon = np.uint64(((1 << min(SOON, session_t)) - 1) << 1)  # used 1..SOON steps ago, this session
+            for f in range(len(bits)):
+                if bits[f] & soon:
+                    pairs[2, e, f] += 1
     return ids
 
 
@@ -179,15 +185,18 @@ def _features(out, experts, bits, last, stats, pairs, current, t, session_t, ses
         out[i, 9] = 1.0 if session_count[e] > 0 else 0.0
         out[i, 10] = sessions_used[e] / max(1, sessions)
         # P(e used | f used) and P(e used next | f used), averaged over the experts f chosen now
-        together = following = 0.0
+        together = following = soon = 0.0
         for f in current:
             seen = max(pairs[0, f, f], 1e-6)
             together += pairs[0, e, f] / seen
             following += pairs[1, e, f] / seen
+            soon += pairs[2, e, f] / seen / SOON
         out[i, 11] = together / max(1, len(current))
         out[i, 12] = following / max(1, len(current))
         out[i, 13] = share[e]
         out[i, 14] = u
+        # e's usage rate over the SOON steps after the experts chosen now, relative to uniform
+        out[i, 15] = math.log2(1 + soon / max(1, len(current)) / u) / 4
 
 
 def activation_signature(h: LayerHistory, experts: np.ndarray) -> np.ndarray:

@@ -104,7 +104,8 @@ class FlashMoE(Policy):
             return next(k for k in self._arrivals if k in allowed)
         if self.decision == "score":  # the lowest score is below any percentile: keep_percentile is moot
             return candidates[min(range(len(candidates)), key=scores.__getitem__)]
-        rest = [i for i, s in enumerate(scores) if s < self._keep] or range(len(candidates))
+        scored = [i for i, s in enumerate(scores) if s < FRESH]  # arrivals count as the highest scores
+        rest = [i for i in scored if scores[i] < self._keep] or scored  # an empty shortlist: all scored ones
         return candidates[min(rest, key=lambda i: self._frequency(candidates[i]))]
 
     # -- scoring --------------------------------------------------------------------------------
