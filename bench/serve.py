@@ -196,20 +196,32 @@ def start(model: Path, config: Config, cgroup: MemoryCgroup, log_path: Path, ser
     return proc, wait_for_agent(proc, port, f"{config.name}: see {log_path}")
 
 
+def interrupt_on_sigterm() -> None:
+    """Make SIGTERM act like Ctrl-C, so the `finally` blocks stop the agents and remove the cgroup."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def wait_for_agent(proc: subprocess.Popen, port: int, where: str, timeout_s: float = 300) -> str:
-    """The agent's URL once /v1/status answers; SystemExit (naming `where` to look) if it dies or stalls."""
+    """The agent's URL once /v1/status answers; SystemExit (naming `where` to look) if it dies or stalls.
+    The agent is killed if it does not come up, or if we are interrupted while it loads."""
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the agent exited with {proc.returncode}; {where}")
-        try:
-            httpx.get(url + "/v1/status", timeout=5).raise_for_status()
-            return url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the agent did not start within {timeout_s:.0f} s; {where}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"the agent exited with {proc.returncode}; {where}")
+            try:
+                httpx.get(url + "/v1/status", timeout=5).raise_for_status()
+                return url
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise SystemExit(f"the agent did not start within {timeout_s:.0f} s; {where}")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def peak_rss(pid: int) -> int:
@@ -332,6 +344,7 @@ def main() -> int:
         subprocess.run([*CLI, "init-demo", "--out", str(args.model)], check=True, cwd=ROOT)
     from agent.experts.cache import parse_cap
     from agent.experts.layout import INDEX, Index
+    interrupt_on_sigterm()
     index = Index.load(args.model / INDEX)
     cgroup = MemoryCgroup(parse_cap(CAP, index.nbytes * len(index.blocks)) + HEADROOM)
     print(cgroup.describe())

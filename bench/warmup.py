@@ -22,7 +22,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repo, so `bench` imports
 from bench.common import RESULTS_DIR, machine, write_results  # noqa: E402
-from bench.serve import CLI, ROOT, drop_page_cache, free_port, wait_for_agent  # noqa: E402  (the serving bench's helpers)
+from bench.serve import CLI, ROOT, drop_page_cache, free_port, interrupt_on_sigterm, wait_for_agent  # noqa: E402  (the serving bench's helpers)
 
 WARMUP_FILE = ROOT / "examples" / "benchmark_input.json"
 PROMPTS = ["Describe the failure modes of a flash translation layer.", "Write a limerick about a cache miss.",
@@ -72,6 +72,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--policy", default="lru")
     args = ap.parse_args()
+    interrupt_on_sigterm()
     logs = RESULTS_DIR / "serve-logs"
     logs.mkdir(parents=True, exist_ok=True)
     results = [measure(args.model, args.policy, args.requests, args.max_tokens, warm, logs) for warm in (False, True)]

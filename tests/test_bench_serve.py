@@ -1,12 +1,15 @@
 """bench/serve.py's statistics over rounds (pure functions on made-up runs) and its command line."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from agents import ROOT
+from agents import ROOT, demo_model
 
 sys.path.insert(0, str(ROOT))
 from bench.serve import Result, round_ratios, summarize  # noqa: E402
@@ -40,3 +43,34 @@ def test_help_runs_without_an_agent():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "--rounds" in done.stdout and "--admit-window-ms" in done.stdout
+
+
+def test_sigterm_stops_the_agent_it_started_and_removes_its_cgroup(tmp_path_factory):
+    model = demo_model(tmp_path_factory)
+    bench = subprocess.Popen([sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--rounds", "1",
+                              "--configs", "b"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cgroup_line = bench.stdout.readline()      # the memory limit it set up (or why it could not)
+    assert "round 1/1" in bench.stdout.readline()
+    deadline = time.monotonic() + 60
+    while not agents_serving(model) and time.monotonic() < deadline:  # it starts the agent just after
+        time.sleep(0.1)
+    assert agents_serving(model), "the bench started no agent"
+    bench.send_signal(signal.SIGTERM)
+    bench.communicate(timeout=180)
+    assert bench.returncode != 0 and not agents_serving(model)
+    if " at /" in cgroup_line:
+        assert not Path(cgroup_line.rsplit(" at ", 1)[1].strip()).exists()
+
+
+def agents_serving(model: Path) -> list[int]:
+    """Pids of live `flashmoe-cli serve` processes serving `model`."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"serve" in argv and str(model).encode() in argv and state != "Z":
+            pids.append(int(proc.name))
+    return pids
