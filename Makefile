@@ -13,7 +13,7 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $@
 
 # The Cache page's policy comparison: every policy replayed once on held-out real routing traces.
-data/.policies-compared: $(STAMP)
+data/.policies-compared: $(STAMP) agent/policies/weights/flashmoe.safetensors
 	mkdir -p data
 	$(BIN)/flashmoe-cli simulate --capacity 0.25 --db data/flashmoe.db --trace \
 	  tests/data/traces/olmoe_math.jsonl tests/data/traces/olmoe_dialogue.jsonl tests/data/traces/qwen_dialogue.jsonl

@@ -103,6 +103,20 @@ def test_knobs_validate_all_or_nothing_apply_live_and_record_the_source(agent):
     assert spoofed.status_code == 400 and "X-FlashMoE-Source" in spoofed.text
 
 
+def test_the_cap_goes_down_to_its_minimum_between_batched_steps(agent):
+    # a batched step routes more experts per layer than the minimum cap holds; once it is over none
+    # of them is in use, so the cap may go down to the minimum
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: agent.complete(prompt=f"client {i} asks about caches", max_tokens=2), range(8)))
+    cap = agent.get("/v1/knobs").json()["cache_cap_bytes"]
+    r = httpx.put(agent.url + "/v1/knobs", json={"cache_cap_bytes": cap["min"]}, timeout=30)
+    assert r.status_code == 200, r.text
+    status = agent.get("/v1/status").json()["cache"]
+    assert status["cap_bytes"] == cap["min"] and status["resident_experts"] <= status["capacity_experts"]
+    agent.complete(prompt="still serving", max_tokens=2)
+    assert httpx.put(agent.url + "/v1/knobs", json={"cache_cap_bytes": cap["value"]}, timeout=30).status_code == 200
+
+
 def test_preload_brings_experts_in_and_refuses_unknown_ones(agent):
     r = httpx.post(agent.url + "/v1/cache/preload", json={"experts": [[0, 0], [0, 1], [1, 0]]}, timeout=60)
     assert r.status_code == 200 and r.json()["requested"] == 3

@@ -254,6 +254,13 @@ class ExpertCache:
             self._maybe_sample_system()
             return list(step.order)
 
+    def idle(self) -> None:
+        """The forward pass is over: no expert is in use, so none stays pinned, and a resize or
+        policy change between two steps may use every slot."""
+        with self._lock:
+            self._residency.pin(())
+            self._routed = (0, [])
+
     def _tier(self, key: Key) -> int:
         """0 ready, 1 resident but still being read (a prefetch), 2 a miss."""
         return 0 if key in self._ready else 1 if key in self._residency else 2
@@ -444,7 +451,8 @@ class ExpertCache:
             new = Residency(old.capacity, old.n_layers, factory, old.scope, old.min_per_layer)
             for key in old.resident():
                 new.access(key)  # admits without evicting: the capacity is the same
-            new.route(*self._routed)  # the current step's experts stay pinned
+            layer, window = self._routed
+            new.pin([(layer, e) for e in window])  # the current step's experts stay pinned
             new.stats = old.stats
             self._residency, self.policy_name = new, name
         log.info("expert cache policy set to %s %s", name, options or "")

@@ -86,7 +86,10 @@ class ModelEngine:
     def step(self, batch: list[Request]) -> tuple[list[int], StepIO]:
         self._own_thread()
         before = self.cache.stats()
-        logits = self.model.step([(r.state, torch.tensor(r.pending_tokens)) for r in batch])
+        try:
+            logits = self.model.step([(r.state, torch.tensor(r.pending_tokens)) for r in batch])
+        finally:
+            self.cache.idle()  # between steps nothing is pinned: knob changes run there
         after = self.cache.stats()
         tokens = [sample(l, greedy=r.temperature <= 0, temperature=r.temperature, generator=self.generator)
                   for l, r in zip(logits, batch)]

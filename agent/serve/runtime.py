@@ -154,7 +154,10 @@ class Runtime:
     def _apply(self, new: dict[str, Any]) -> None:
         """Runs on the scheduler thread. Commits knob by knob, so a failure leaves the knobs true to the runtime."""
         if "cache_cap_bytes" in new:
-            self.cache.resize(new["cache_cap_bytes"])
+            try:
+                self.cache.resize(new["cache_cap_bytes"])
+            except ValueError as exc:  # e.g. too small for the memory it must lock
+                raise KnobError("cache_cap_bytes", str(exc)) from None
             self.knobs.commit({"cache_cap_bytes": new["cache_cap_bytes"]})
         policy_change = {k: v for k, v in new.items() if k == "policy" or k in POLICY_KNOBS}
         merged = {**self.knobs.values, **policy_change}
