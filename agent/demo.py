@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.convert import StoreShape, StoreWriter
+from agent.convert.store_writer import StoreShape, StoreWriter
 from agent.experts.layout import CONFIG, DENSE, EXPERTS, INDEX, Index, StoreError
 from agent.tokenizer import TOKENIZER_JSON, byte_level_tokenizer_json
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import OlmoeConfig, OlmoeForCausalLM
 
-from agent.convert import StoreShape
+from agent.convert.store_writer import StoreShape
 from agent.demo import N_EXPERTS, SIZES, TOP_K, DemoError, init_demo
 from agent.experts.layout import CONFIG, DENSE, EXPERTS, INDEX, Index
 from agent.experts.provider import InMemoryExperts
@@ -22,7 +22,7 @@ from agent.tokenizer import HFTokenizer, load_tokenizer
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "agent.cli"]
 PROSE = (REPO.parent / "shared" / "DESIGN.md").read_text()[:1200] if (REPO.parent / "shared").exists() else None
-CODE = (REPO / "agent" / "convert.py").read_text()[3000:4200]
+CODE = (REPO / "agent" / "convert" / "safetensors_io.py").read_text()[1653:2853]  # the middle of read_header
 
 
 @pytest.fixture(scope="module")

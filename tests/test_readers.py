@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from agent.convert import StoreShape, StoreWriter
+from agent.convert.store_writer import StoreShape, StoreWriter
 from agent.experts.layout import ALIGN, EXPERTS, INDEX, Index, StoreError, crc32
 from agent.experts.provider import InMemoryExperts, block_views
 from agent.experts import reader as reader_module

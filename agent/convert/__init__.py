@@ -1,0 +1,126 @@
+"""flashmoe-cli convert: a Hugging Face MoE checkpoint -> the expert store of agent/experts/layout.py.
+
+Accepts OLMoE, Qwen3-MoE, Qwen2-MoE and Mixtral checkpoints (config.json plus model.safetensors, or
+shards listed in model.safetensors.index.json) with routed experts either per expert
+(`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`, Mixtral
+`block_sparse_moe.experts.E.{w1,w3,w2}.weight`) or fused as transformers v5 holds them in memory
+(`model.layers.N.mlp.experts.gate_up_proj` [E, 2I, H], gate rows first, and `.down_proj` [E, H, I]).
+
+Every other tensor goes to dense.safetensors byte for byte under the name transformers 5.24's
+save_pretrained gives it (a fused Mixtral router `mlp.gate` becomes `block_sparse_moe.gate`).
+
+The whole checkpoint is validated from the safetensors headers before anything is written. Tensors
+are read with pread straight into one reused block buffer (no mmap, whose touched pages would count
+as resident), so peak memory is one block plus a copy chunk whatever the model size. Output goes to
+a temporary directory beside DST, the index is written last, and the directory is renamed into
+place only when complete.
+
+The parts, in the order convert uses them: checkpoint.py reads and checks the checkpoint into a
+Plan, store_writer.py writes the store, safetensors_io.py reads and writes safetensors files and
+errors.py holds CheckpointError. This module runs them and holds the CLI.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from agent.convert.checkpoint import plan
+from agent.convert.errors import CheckpointError
+from agent.convert.safetensors_io import Span
+from agent.convert.store_writer import StoreWriter
+from agent.experts.layout import Index
+
+log = logging.getLogger(__name__)
+
+
+Progress = Callable[[int, int], None]
+
+
+def convert(src: Path, dst: Path, overwrite: bool = False, progress: Progress | None = None) -> Index:
+    """Convert the checkpoint in `src` into an expert store at `dst`; returns the store's index.
+
+    Raises CheckpointError, before writing anything, if the checkpoint is unusable or `dst` is a
+    non-empty directory and `overwrite` is false. `progress(done, total)` is called after each block.
+    """
+    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    p = plan(src)
+    _check_destination(src, dst, overwrite)
+    with _Readers() as readers, StoreWriter(dst, p.shape, replace=overwrite) as writer:
+        for file in p.files:
+            writer.copy_file(file, file.name)
+        writer.write_dense(p.dense)
+        for done, spans in enumerate(p.blocks, 1):
+            writer.add_block(lambda view, spans=spans: readers.read_into(view, spans))
+            if progress:
+                progress(done, len(p.blocks))
+    return writer.index
+
+
+def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    if dst.resolve() == src.resolve():
+        raise CheckpointError(f"the destination {dst} is the checkpoint itself; choose another directory")
+    if dst.exists() and not dst.is_dir():
+        raise CheckpointError(f"the destination {dst} exists and is not a directory; choose another path")
+    if dst.exists() and any(dst.iterdir()) and not overwrite:
+        raise CheckpointError(f"the destination {dst} already exists and is not empty; choose another directory "
+                              f"or pass --overwrite to replace it")
+
+
+class _Readers:
+    """One open descriptor per checkpoint file, read with pread straight into the block buffer."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+
+    def read_into(self, view: memoryview, spans: Iterable[Span]) -> None:
+        at = 0
+        for span in spans:
+            fd = self._fds.get(span.file)
+            if fd is None:
+                fd = self._fds[span.file] = os.open(span.file, os.O_RDONLY)
+            if os.preadv(fd, [view[at:at + span.nbytes]], span.offset) != span.nbytes:
+                raise CheckpointError(f"{span.file} ended early; was it modified during convert?")
+            at += span.nbytes
+
+    def __enter__(self) -> "_Readers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+
+
+# ---------------------------------------------------------------- CLI
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("example:\n  flashmoe-cli convert ~/models/OLMoE-1B-7B-0924 data/olmoe\n\n"
+                     "SRC_DIR holds config.json and model.safetensors (or shards with "
+                     "model.safetensors.index.json).")
+    parser.add_argument("src", metavar="SRC_DIR", type=Path, help="Hugging Face checkpoint directory")
+    parser.add_argument("dst", metavar="DST_DIR", type=Path, help="where to write the expert store")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST_DIR if it already holds files")
+
+
+def run(args: argparse.Namespace) -> int:
+    start = time.monotonic()
+    try:
+        index = convert(args.src, args.dst, overwrite=args.overwrite, progress=_log_progress)
+    except CheckpointError as exc:
+        log.error("convert failed: %s", exc)
+        return 1
+    except OSError as exc:
+        log.error("convert failed: %s; nothing was written to %s", exc, args.dst)
+        return 1
+    log.info("wrote %s: %d layers x %d experts, %s blocks of %.2f MB (%.1f GB) in %.1f s", args.dst,
+             index.n_layers, index.n_experts, index.dtype, index.nbytes / 1e6,
+             len(index.blocks) * index.slot_bytes / 1e9, time.monotonic() - start)
+    return 0
+
+
+def _log_progress(done: int, total: int) -> None:
+    if done * 10 // total != (done - 1) * 10 // total:
+        log.info("converted %d of %d expert blocks", done, total)

@@ -1,0 +1,139 @@
+"""StoreWriter: writes one expert store (the layout of agent/experts/layout.py) block by block.
+
+Everything goes to a temporary directory beside the destination, the index is written last and the
+directory is renamed into place only when complete, so an interrupted run never leaves something
+that looks like a store. convert and init-demo both write through it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.convert.errors import CheckpointError
+from agent.convert.safetensors_io import DenseSource, write_safetensors
+from agent.experts.layout import ALIGN, CONFIG, DENSE, EXPERTS, INDEX, Block, Index, crc32, partial_prefix
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreShape:
+    n_layers: int
+    n_experts: int
+    hidden: int
+    intermediate: int
+    dtype: str      # torch dtype name
+    itemsize: int
+
+
+class StoreWriter:
+    """Writes one expert store into a temporary directory beside `dst`; renamed into place on success.
+
+    Blocks must come in index order (layer-major). Used as a context manager: a clean exit commits
+    (index written last, everything fsynced, then one rename), an exception deletes the partial
+    directory. `replace` allows an existing `dst` to be swapped out.
+    """
+
+    def __init__(self, dst: Path, shape: StoreShape, replace: bool = False) -> None:
+        self.dst = Path(dst)
+        self.replace = replace
+        self.index = Index(shape.n_layers, shape.n_experts, shape.hidden, shape.intermediate, shape.dtype,
+                           shape.itemsize, alignment=ALIGN, blocks=[])
+        self.dst.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(self.dst)
+        self.tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(self.dst), dir=self.dst.parent))
+        self._fd = os.open(self.tmp / EXPERTS, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._slot = bytearray(self.index.slot_bytes)  # the padding after the payload stays zero
+
+    @property
+    def n_blocks(self) -> int:
+        return self.index.n_layers * self.index.n_experts
+
+    def write_config(self, config: dict) -> None:
+        self.write_text(CONFIG, json.dumps(config, indent=2) + "\n")
+
+    def write_text(self, name: str, text: str) -> None:
+        (self.tmp / name).write_text(text)
+
+    def copy_file(self, src: Path, name: str) -> None:
+        shutil.copyfile(src, self.tmp / name)
+
+    def write_dense(self, tensors: Sequence[tuple[str, DenseSource]]) -> None:
+        write_safetensors(self.tmp / DENSE, tensors)
+
+    def add_block(self, fill: Callable[[memoryview], None]) -> Block:
+        """Append the next (layer, expert) block; `fill` writes gate|up|down into the payload view."""
+        i = len(self.index.blocks)
+        if i >= self.n_blocks:
+            raise ValueError(f"the store already has all {self.n_blocks} blocks")
+        payload = memoryview(self._slot)[: self.index.nbytes]
+        fill(payload)
+        block = Block(i // self.index.n_experts, i % self.index.n_experts,
+                      offset=i * self.index.slot_bytes, crc32=crc32(payload))
+        os.write(self._fd, self._slot)
+        self.index.blocks.append(block)
+        return block
+
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self._commit()
+        else:
+            self._abort()
+
+    def _commit(self) -> None:
+        try:
+            if len(self.index.blocks) != self.n_blocks:
+                raise ValueError(f"only {len(self.index.blocks)} of {self.n_blocks} blocks were written")
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            self.index.save(self.tmp / INDEX)  # last: a directory without it is not a store
+            os.chmod(self.tmp, 0o755)  # mkdtemp made it private; a store is shared like any model directory
+            _fsync_path(self.tmp / INDEX)
+            _fsync_path(self.tmp)
+            self._swap_into_place()
+        except BaseException:
+            self._abort()
+            raise
+
+    def _swap_into_place(self) -> None:
+        old = None
+        if self.dst.exists() and not (self.dst.is_dir() and not any(self.dst.iterdir())):  # rename replaces an empty dir
+            if not self.replace:
+                raise CheckpointError(f"{self.dst} appeared while writing; nothing was replaced")
+            old = Path(tempfile.mkdtemp(prefix=f".{self.dst.name}.old-", dir=self.dst.parent))
+            os.rename(self.dst, old / "store")
+        os.rename(self.tmp, self.dst)
+        _fsync_path(self.dst.parent)
+        if old is not None:
+            shutil.rmtree(old)
+
+    def _abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _remove_stale_partials(dst: Path) -> None:
+    """A killed writer leaves its temporary directory behind; the next run of the same dst clears it."""
+    for stale in dst.parent.glob(partial_prefix(dst) + "*"):
+        log.warning("removing %s, left by an interrupted run", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
