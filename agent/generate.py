@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from agent.experts.cache import CacheStats, ExpertCache, parse_cap
+from agent.experts.cache import CacheStats, ExpertCache
+from agent.experts.cap import parse_cap
 from agent.experts.layout import INDEX, Index, StoreError
 from agent.experts.provider import ExpertProvider, ExpertWeights
 from agent.model.config import ConfigError, MoEConfig

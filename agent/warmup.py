@@ -74,7 +74,8 @@ def load_prompts(path: Path) -> Prompts:
 
 def route_counts(model_dir: Path, prompts: Prompts) -> tuple[Counter, int]:
     """Run every prompt through the model (greedy) and count the routers' choices; returns (counts, tokens)."""
-    from agent.experts.cache import ExpertCache, cap_bounds, parse_cap
+    from agent.experts.cache import ExpertCache
+    from agent.experts.cap import cap_bounds, parse_cap
     from agent.experts.layout import INDEX, Index
     from agent.model.config import MoEConfig
     from agent.model.generation import generate

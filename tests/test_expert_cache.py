@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from agent.experts import cache as cache_module
-from agent.experts.cache import ExpertCache, cap_bounds, memory_limit_bytes, parse_cap
+from agent.experts import cap as cap_module
+from agent.experts.cache import ExpertCache
+from agent.experts.cap import cap_bounds, memory_limit_bytes, parse_cap
 from agent.experts.layout import INDEX, Index, StoreError
 from agent.experts.provider import InMemoryExperts
 from agent.experts.reader import BACKENDS
@@ -188,7 +190,7 @@ def test_cap_below_a_tokens_working_set_is_refused_with_the_range(store):
 
 
 def test_cgroup_limit_lowers_the_ceiling(store, monkeypatch):
-    monkeypatch.setattr(cache_module, "_cgroup_limits", lambda: [10 * 2**20])
+    monkeypatch.setattr(cap_module, "_cgroup_limits", lambda: [10 * 2**20])
     assert memory_limit_bytes() == 10 * 2**20
     with pytest.raises(ValueError, match=rf"{int(7 * 2**20)}\] bytes"):
         ExpertCache(store, 8 * 2**20)
@@ -204,9 +206,9 @@ def test_cgroup_limits_are_read_from_the_process_cgroup_and_its_ancestors(tmp_pa
     own = tmp_path / "cgroup-of-self"
     # the container's cgroup is mounted as the root, /proc/self/cgroup names it from the host's root
     own.write_text("0::/\n4:memory:/process_api/abc/bench/agent\n")
-    assert sorted(cache_module._cgroup_limits(root, own)) == [4000000000, 6000000000]
+    assert sorted(cap_module._cgroup_limits(root, own)) == [4000000000, 6000000000]
     own.write_text("0::/\n4:memory:/\n")
-    assert cache_module._cgroup_limits(root, own) == []
+    assert cap_module._cgroup_limits(root, own) == []
 
 
 def test_resize_shrinks_by_policy_frees_slots_and_grows_again(store):

@@ -17,7 +17,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from agent.experts.cache import ExpertCache, cap_bounds, parse_cap
+from agent.experts.cache import ExpertCache
+from agent.experts.cap import cap_bounds, parse_cap
 from agent.experts.layout import CONFIG, INDEX, Index
 from agent.experts.reader import IO_THREADS
 from agent.model.config import MoEConfig

@@ -1,0 +1,82 @@
+"""The expert cache's cap in bytes: what a user may write for it, and the range a cache accepts.
+
+parse_cap reads "300000000", "300MB", "1.5GiB" or "25%" (of all expert bytes); cap_bounds gives
+the range ExpertCache accepts, from one layer's working set of slots up to MAX_MEMORY_SHARE of the
+memory this process may use: physical memory or the tightest cgroup limit on it and its ancestors.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from agent.experts.layout import Index
+from agent.residency import Residency
+
+MAX_MEMORY_SHARE = 0.7        # of physical memory or of the cgroup limit, whichever is smaller
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_cap(text: str | int, total_expert_bytes: int) -> int:
+    """A cache cap in bytes from "300000000", "300MB", "1.5GiB" or "25%" (of all expert bytes)."""
+    s = str(text).strip().lower().replace(" ", "")
+    if s.endswith("%"):
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            pct = -1.0
+        if not 0 < pct <= 100:
+            raise ValueError(f"cache cap {text!r}: a percentage must be in (0, 100]")
+        return int(total_expert_bytes * pct / 100)
+    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)([a-z]*)", s)
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(f"cache cap {text!r} is not understood; give bytes (300000000), a size (300MB, 1.5GiB) "
+                         f"or a share of expert bytes (25%)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _cgroup_limits(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> list[int]:
+    """Memory limits set on this process's cgroup and its ancestors (v2 memory.max, v1 memory.limit_in_bytes)."""
+    paths = {}
+    try:
+        for line in own.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            paths[controllers] = path
+    except (OSError, ValueError):
+        pass
+    limits = []
+    for mount, key, name in [(root, "", "memory.max"), (root / "memory", "memory", "memory.limit_in_bytes")]:
+        for directory in _cgroup_chain(mount, paths.get(key, "/")):
+            try:
+                value = (directory / name).read_text().strip()
+            except OSError:
+                continue
+            if value.isdigit() and int(value) < 2**60:  # "max" or v1's huge sentinel mean no limit
+                limits.append(int(value))
+    return limits
+
+
+def _cgroup_chain(mount: Path, path: str) -> list[Path]:
+    """The cgroup's directory under mount, then each parent up to mount. A container may mount its
+    own cgroup as the root while /proc/self/cgroup names the full path, so leading parts that do not
+    exist under mount are skipped."""
+    parts = [p for p in path.split("/") if p]
+    here = next((mount.joinpath(*parts[i:]) for i in range(len(parts)) if mount.joinpath(*parts[i:]).is_dir()), mount)
+    chain = [here]
+    while chain[-1] != mount:
+        chain.append(chain[-1].parent)
+    return chain
+
+
+def memory_limit_bytes() -> int:
+    """The smaller of physical memory and the cgroup memory limit."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min([physical, *_cgroup_limits()])
+
+
+def cap_bounds(index: Index, min_per_layer: int, scope: str = "layer") -> tuple[int, int]:
+    """Allowed cache cap in bytes: one layer's working set of slots (Residency.min_capacity), up to
+    70% of available memory."""
+    floor = Residency.min_capacity(index.n_layers, min_per_layer, scope) * index.slot_bytes
+    return floor, int(memory_limit_bytes() * MAX_MEMORY_SHARE)
