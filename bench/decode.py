@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from agent.demo import init_demo
-from agent.experts.cache import cap_bounds
+from agent.experts.cap import cap_bounds
 from agent.experts.layout import INDEX, Index
 from agent.experts.provider import InMemoryExperts
 from agent.generate import run_generate

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from agent.demo import init_demo
-from agent.experts.cache import ExpertCache, cap_bounds
+from agent.experts.cache import ExpertCache
+from agent.experts.cap import cap_bounds
 from agent.experts.layout import CONFIG, EXPERTS, INDEX, Index
 from agent.experts.reader import MmapReader
 

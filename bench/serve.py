@@ -342,7 +342,7 @@ def main() -> int:
         ap.error("--rounds must be at least 1")
     if not (args.model / "experts.index.json").exists():
         subprocess.run([*CLI, "init-demo", "--out", str(args.model)], check=True, cwd=ROOT)
-    from agent.experts.cache import parse_cap
+    from agent.experts.cap import parse_cap
     from agent.experts.layout import INDEX, Index
     interrupt_on_sigterm()
     index = Index.load(args.model / INDEX)

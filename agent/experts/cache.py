@@ -28,16 +28,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agent.experts.cap import MAX_MEMORY_SHARE, cap_bounds, parse_cap
+from agent.experts.cap import MAX_MEMORY_SHARE, cap_bounds
 from agent.experts.layout import CONFIG, EXPERTS, INDEX, Block, Index, StoreError
 from agent.experts.provider import ExpertWeights, block_views
 from agent.experts.reader import IO_THREADS, MmapReader, open_reader
 from agent.experts.slots import SlotPool
 from agent.policies import Key, policy_factory
 from agent.residency import LayerStats, Residency
-
-# The cap's parsing and bounds moved to agent.experts.cap; bench/*.py still import them from here.
-__all__ = ["CacheStats", "ExpertCache", "cap_bounds", "parse_cap"]
 
 log = logging.getLogger(__name__)
 
