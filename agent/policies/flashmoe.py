@@ -1,23 +1,24 @@
 """FlashMoE: a learned retention score per cached expert, recomputed only when routing drifts.
 
-Every routing step updates the layer's activation history (agent.learned.features: a compiled
-loop over the routed experts). On an eviction the policy rescores a layer's resident experts
-only if that layer's windowed activation histogram (last 16 steps) moved more than
-`recompute_threshold` (total-variation distance) since the layer was last scored, or a monitoring
-sample arrived; otherwise the cached scores are a dictionary lookup. Only a layer's own routing changes its experts' features, so a global cache rescores the
-layer that just routed, not the whole model. The default threshold is 0 (rescore whenever the
-window moved at all): one token already moves the 16-step window by up to 1/16, and stale scores
-cost hit rate (a threshold of 0.1 halved the rescorings and lost 1-3 points on the decode report
-traces); stationary routing (loops, repeated prompts) still costs no rescoring. Experts brought in
-since their layer was last scored have no score; they were just used, so they count as the
-freshest, and when only such arrivals are left to choose from (a batch's step can bring in more
-experts than were scored) the oldest arrival goes first, without rescoring.
+Every routing step updates the layer's activation history (agent.learned.features: a compiled loop
+over the routed experts). On an eviction the policy rescores a layer's resident experts only if that
+layer's windowed activation histogram (last 16 steps) moved more than `recompute_threshold`
+(total-variation distance) since the layer was last scored, or a monitoring sample arrived;
+otherwise the cached scores are a dictionary lookup. Only a layer's own routing changes its experts'
+features, so a global cache rescores the layer that just routed, not the whole model. The default
+threshold is 0 (rescore whenever the window moved at all): one token already moves the 16-step
+window by up to 1/16, and stale scores cost hit rate (a threshold of 0.1 halved the rescorings and
+lost 1-3 points on the decode report traces); stationary routing (loops, repeated prompts) still
+costs no rescoring. Experts brought in since their layer was last scored have no score; they were
+just used, so they count as the freshest, and when only such arrivals are left to choose from (a
+batch's step can bring in more experts than were scored) the oldest arrival goes first, without
+rescoring.
 
 Decision. `decision="lfu"` (default) is the design's two-stage rule: keep what scores at or above
 `keep_percentile` of the scores of the experts it may evict; among the rest evict the least
-frequently used over the long run (usage averaged over ~256 steps), least recently used on ties. The network
-shortlists, frequency picks. The default percentile is 30 (the top 70% are kept, frequency decides
-among the lowest 30%): with the design's 80, frequency chooses among most of the set and the
+frequently used over the long run (usage averaged over ~256 steps), least recently used on ties. The
+network shortlists, frequency picks. The default percentile is 30 (the top 70% are kept, frequency
+decides among the lowest 30%): with the design's 80, frequency chooses among most of the set and the
 policy falls behind windowed LFU on olmoe_math; `decision="score"` (evict the lowest score, the
 network's guess of Belady's victim) is best on OLMoE and the DeepSeek prefill but falls behind
 whole-history LFU on qwen_dialogue, whose hot set stays put. BENCHMARKS.md has the numbers; the
