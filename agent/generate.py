@@ -33,6 +33,7 @@ from agent.experts.provider import ExpertProvider, ExpertWeights
 from agent.model.config import ConfigError, MoEConfig
 from agent.model.generation import Generation, generate
 from agent.model.model import Transformer
+from agent.policies import DEFAULT_POLICY
 from agent.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class GenerateResult:
 
 
 def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] | None = None,
-                 max_new_tokens: int = 32, greedy: bool = False, cache_cap: str = "100%", policy: str = "lru",
+                 max_new_tokens: int = 32, greedy: bool = False, cache_cap: str = "100%", policy: str = DEFAULT_POLICY,
                  scope: str = "layer", backend: str = "direct", prefetch: bool = True, prefill: str = "sequential",
                  record_trace: Path | None = None, seed: int = 0) -> GenerateResult:
     """Generate from an expert store; the library function behind the command (same parameter names)."""
@@ -173,7 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--cache-cap", default="100%", help="expert cache size: bytes (300000000, 300MB) or a share "
                         "of all expert bytes (25%%); default 100%%")
-    parser.add_argument("--policy", default="lru", help="replacement policy (default lru)")
+    parser.add_argument("--policy", default=DEFAULT_POLICY, help="replacement policy (default %(default)s)")
     parser.add_argument("--scope", choices=("layer", "global"), default="layer", help="cache partitioning (default layer)")
     parser.add_argument("--backend", choices=("direct", "buffered", "mmap"), default="direct",
                         help="expert reads: O_DIRECT (default), buffered pread, or mmap of the whole file")

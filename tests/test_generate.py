@@ -67,7 +67,7 @@ def test_tokens_do_not_depend_on_cache_size_or_backend(store, reference, capsys,
 def test_recorded_trace_replays_to_the_same_hits(store, capsys, tmp_path):
     trace_path = tmp_path / "run.jsonl"
     out = run_json(capsys, "--model", str(store), "--prompt-ids", PROMPT, "--max-new-tokens", str(N_NEW), "--greedy",
-                   "--cache-cap", slot_cap(store, 3), "--no-prefetch", "--record-trace", str(trace_path))
+                   "--cache-cap", slot_cap(store, 3), "--policy", "lru", "--no-prefetch", "--record-trace", str(trace_path))
     s = out["stats"]
     assert s["prefetches"] == 0 and s["prefetch_accuracy"] is None
     meta = json.loads(trace_path.read_text().splitlines()[0])["meta"]

@@ -5,6 +5,7 @@ import inspect
 
 import pytest
 
+from agent.policies import DEFAULT_POLICY
 from agent.policies.flashmoe import FlashMoE
 from agent.serve.knobs import KnobError, Knobs, Limits
 
@@ -35,7 +36,7 @@ def test_valid_changes_are_converted(knobs):
     got = knobs.validate({"cache_cap_bytes": 2000.0, "keep_percentile": 90, "policy": "lfu", "auto_shrink": True})
     assert got == {"cache_cap_bytes": 2000, "keep_percentile": 90.0, "policy": "lfu", "auto_shrink": True}
     assert isinstance(got["cache_cap_bytes"], int) and isinstance(got["keep_percentile"], float)
-    assert knobs["policy"] == "lru"  # validate never mutates
+    assert knobs["policy"] == DEFAULT_POLICY  # validate never mutates
 
 
 @pytest.mark.parametrize("changes, knob, words", [
@@ -71,7 +72,7 @@ def test_empty_or_non_object_is_refused(knobs):
 
 
 def test_diff_and_commit(knobs):
-    validated = knobs.validate({"policy": "lru", "max_batch_size": 8})
+    validated = knobs.validate({"policy": DEFAULT_POLICY, "max_batch_size": 8})
     assert knobs.diff(validated) == {"max_batch_size": (16, 8)}  # an unchanged value is no change
     knobs.commit(validated)
     assert knobs["max_batch_size"] == 8

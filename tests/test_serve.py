@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agent.policies import DEFAULT_POLICY
 from agents import CLI, demo_model, free_port, start_agent
 from store import queries
 
@@ -39,7 +40,7 @@ def agent(model, tmp_path_factory):
 def test_models_status_and_openapi(agent, model):
     assert agent.get("/v1/models").json()["data"][0]["id"] == model.name
     status = agent.get("/v1/status").json()
-    assert status["model"] == str(model) and status["policy"] == "lru" and status["backend"] == "direct"
+    assert status["model"] == str(model) and status["policy"] == DEFAULT_POLICY and status["backend"] == "direct"
     assert status["cache"]["capacity_experts"] > 0 and 0 <= status["cache"]["occupancy"] <= 1
     assert status["batch_limit"] == 8 and status["uptime_s"] > 0
     paths = agent.get("/openapi.json").json()["paths"]

@@ -8,6 +8,10 @@ from collections.abc import Callable
 
 from agent.policies.base import REGISTRY, Key, Policy
 
+# What serve and generate run unless told otherwise: the learned policy, ahead of LRU in every round
+# of the serving benchmark and on every report trace (BENCHMARKS.md).
+DEFAULT_POLICY = "flashmoe"
+
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
@@ -25,4 +29,4 @@ def policy_factory(name: str, **options) -> Callable[[], Policy]:
     return functools.partial(cls, **options)
 
 
-__all__ = ["Key", "Policy", "policy_factory", "policy_names"]
+__all__ = ["DEFAULT_POLICY", "Key", "Policy", "policy_factory", "policy_names"]

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from agent.policies import DEFAULT_POLICY
+
 SOURCES = ("api", "dashboard", "guard", "restore", "cli")  # who changed a knob; clients may send the first two
 
 
@@ -88,7 +90,7 @@ def knob_specs(limits: Limits) -> list[Knob]:
     return [
         Knob("cache_cap_bytes", int, limits.cap_min, limits.cap_min, limits.cap_max,
              help="the working set of one token up to 70% of physical memory or the cgroup limit"),
-        Knob("policy", str, "lru", choices=limits.policies),
+        Knob("policy", str, DEFAULT_POLICY, choices=limits.policies),
         Knob("keep_percentile", float, limits.keep_percentile, 0.0, 100.0, help="learned policy: keep experts scoring at or above it"),
         Knob("recompute_threshold", float, limits.recompute_threshold, 0.0, 1.0,
              help="learned policy: activation-distribution shift that triggers rescoring"),

@@ -22,7 +22,7 @@ from agent.experts.cap import cap_bounds, parse_cap
 from agent.experts.layout import CONFIG, INDEX, Index
 from agent.experts.reader import IO_THREADS
 from agent.model.config import MoEConfig
-from agent.policies import policy_factory, policy_names
+from agent.policies import DEFAULT_POLICY, policy_factory, policy_names
 from agent.policies.base import REGISTRY
 from agent.serve import batching, guard
 from agent.serve.engine import ModelEngine
@@ -59,7 +59,7 @@ class Runtime:
     def __init__(self, opts: ServeOptions, registry: CollectorRegistry, store=None) -> None:
         self.opts, self.started = opts, time.time()
         self.recorder = Recorder(store) if store is not None else None
-        self.cache = ExpertCache(opts.model_dir, _first_cap(opts), policy="lru", backend=opts.backend,
+        self.cache = ExpertCache(opts.model_dir, _first_cap(opts), policy=opts.policy or DEFAULT_POLICY, backend=opts.backend,
                                  io_threads=opts.io_threads)
         try:
             self.engine = ModelEngine(opts.model_dir, self.cache, threads=opts.threads)
