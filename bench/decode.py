@@ -68,10 +68,10 @@ def in_ram(store: Path, prompt_ids: list[int], tokens: int) -> tuple[float, list
 
 
 def cached(store: Path, prompt_ids: list[int], tokens: int, cap_bytes: int, backend: str, prefetch: bool,
-           scope: str) -> dict:
+           scope: str, policy: str) -> dict:
     drop_from_page_cache(store, Index.load(store / INDEX))
     result = run_generate(store, prompt_ids=prompt_ids, max_new_tokens=tokens, greedy=True,
-                          cache_cap=str(cap_bytes), backend=backend, prefetch=prefetch, scope=scope)
+                          cache_cap=str(cap_bytes), policy=policy, backend=backend, prefetch=prefetch, scope=scope)
     return {**result.stats, "token_ids": result.token_ids}
 
 
@@ -88,7 +88,7 @@ def cap_for(store: Path, pct: float, scope: str) -> tuple[int, float, str]:
 
 
 def run(store: Path, caps: list[float], backends: list[str], prefetch: list[bool], tokens: int,
-        repeat: int, scope: str) -> list[Row]:
+        repeat: int, scope: str, policy: str) -> list[Row]:
     prompt_ids = load_tokenizer(store).encode(PROMPT)
     configs = [(b, *cap_for(store, pct, scope), pct, p) for pct in caps for b in backends for p in prefetch]
     ram_speeds, samples = [], {i: [] for i in range(len(configs))}
@@ -97,7 +97,7 @@ def run(store: Path, caps: list[float], backends: list[str], prefetch: list[bool
         speed, reference = in_ram(store, prompt_ids, tokens)
         ram_speeds.append(speed)
         for i, (backend, cap_bytes, _, _, pct, pf) in enumerate(configs):
-            samples[i].append(cached(store, prompt_ids, tokens, cap_bytes, backend, pf, scope))
+            samples[i].append(cached(store, prompt_ids, tokens, cap_bytes, backend, pf, scope, policy))
             print(f"  {_name(backend, pct, pf)}: {samples[i][-1]['decode_tokens_per_s']:.2f} tok/s", flush=True)
     ram = statistics.median(ram_speeds)
     rows = [Row("all experts in RAM", "in-memory", None, "", ram, 1.0, 1.0, 0.0, None, True, ram_speeds)]
@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as flashmoe-cli generate)")
     parser.add_argument("--scope", choices=("layer", "global"), default="layer",
                         help="cache scope (global lets a cap below top-k per layer run)")
+    parser.add_argument("--policy", default="lru", help="replacement policy (default lru, as BENCHMARKS.md's table)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     store = args.model or init_demo(ROOT / "data" / f"decode-demo-{args.size}", args.size)
@@ -148,11 +149,11 @@ def main() -> None:
     start = time.monotonic()
     prefetch = {"on": [True], "off": [False], "both": [True, False]}[args.prefetch]
     rows = run(store, [float(c) for c in args.caps.split(",")], args.backends.split(","), prefetch, args.tokens,
-               args.repeat, args.scope)
+               args.repeat, args.scope, args.policy)
     facts = machine(store)
     print(f"\nstore {store}: {index.n_layers} layers x {index.n_experts} experts, blocks of "
           f"{index.nbytes / 2**20:.2f} MiB ({index.nbytes * len(index.blocks) / 2**30:.2f} GiB); prompt "
-          f"{len(load_tokenizer(store).encode(PROMPT))} tokens, {args.tokens} new tokens, greedy, LRU, {args.scope} scope, "
+          f"{len(load_tokenizer(store).encode(PROMPT))} tokens, {args.tokens} new tokens, greedy, {args.policy}, {args.scope} scope, "
           f"prefetch {args.prefetch}; {args.threads} torch thread(s); median of {args.repeat}; {time.monotonic() - start:.0f} s")
     print(f"machine: {facts['cpu']}, {facts['cores']} cores, {facts['ram_bytes'] / 2**30:.1f} GiB RAM, "
           f"{facts['filesystem']}, kernel {facts['kernel']}")
@@ -160,7 +161,7 @@ def main() -> None:
     print()
     write_results("decode", {"store": str(store), "layers": index.n_layers, "experts": index.n_experts,
                              "block_bytes": index.nbytes, "tokens": args.tokens, "repeat": args.repeat,
-                             "threads": args.threads, "prefetch": args.prefetch, "scope": args.scope,
+                             "threads": args.threads, "prefetch": args.prefetch, "scope": args.scope, "policy": args.policy,
                              "prompt": PROMPT, "machine": facts, "rows": [asdict(r) for r in rows]})
 
 
