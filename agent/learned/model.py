@@ -91,7 +91,8 @@ def save(net: RetentionNet, path: Path, training: dict) -> None:
 def load(path: Path) -> RetentionNet:
     """Load a weights file written by `save`; a missing or damaged file is a clear ValueError."""
     path = Path(path)
-    hint = "retrain it with `flashmoe-cli train-policy` or pass a valid --policy-model"
+    hint = ("retrain it with `flashmoe-cli train-policy`, give a valid file (simulate --policy-model), "
+            "or run another policy (--policy lru)")
     if not path.is_file():
         raise ValueError(f"FlashMoE policy weights {path} do not exist; {hint}")
     try:
