@@ -9,8 +9,9 @@ The prompt is processed token by token by default (`--prefill sequential`), so e
 routes one token and the recorded trace has one record per token exactly like the decode traces in
 ../shared/traces; `--prefill batched` runs the prompt in one step (one union per layer, recorded as
 one record) and needs a cache that holds that union. `--record-trace` writes what the cache was
-routed, step by step, so replaying it with `flashmoe-cli simulate` under the same cap, policy and
-scope with `--no-prefetch` gives the same hits and misses.
+routed, step by step, and the monitoring samples the cache fed its policy, so replaying it with
+`flashmoe-cli simulate` under the same cap, policy and scope with `--no-prefetch` gives the same
+hits and misses, for the learned policy (which reacts to those samples) too.
 """
 from __future__ import annotations
 
@@ -42,16 +43,24 @@ PREFILL_MODES = ("sequential", "batched")
 
 
 class RoutingRecorder:
-    """An ExpertProvider in front of another: passes every call through and keeps each step's routed sets."""
+    """An ExpertProvider in front of another: passes every call through and keeps each step's routed
+    sets, and the monitoring samples the cache fed its policy at the start of a route (with the
+    layer), so that a replay of the trace feeds them at the same points."""
 
     def __init__(self, inner: ExpertProvider) -> None:
         self.inner = inner
         self.records: list[dict[str, list[int]]] = []
+        self.samples: list[list[dict[str, float]]] = []  # per step: {"layer": L, **sample}
         self._current: dict[str, list[int]] = {}
+        self._samples: list[dict[str, float]] = []
 
     def route(self, layer: int, experts: list[int]) -> Sequence[int] | None:
         self._current[str(layer)] = sorted(experts)
-        return self.inner.route(layer, experts)  # the cache's fetch order, for its read-ahead
+        fed = getattr(self.inner, "system_fed", None)
+        order = self.inner.route(layer, experts)  # the cache's fetch order, for its read-ahead
+        if fed is not None and self.inner.system_fed[0] != fed[0]:
+            self._samples.append({"layer": layer, **self.inner.system_fed[1]})
+        return order
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.inner.get(layer, expert)
@@ -61,7 +70,8 @@ class RoutingRecorder:
 
     def end_step(self) -> None:
         self.records.append(self._current)
-        self._current = {}
+        self.samples.append(self._samples)
+        self._current, self._samples = {}, []
 
 
 @dataclass
@@ -112,7 +122,7 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
                 "layers": len(net.config.moe_layer_ids), "top_k": net.config.top_k, "n_experts": net.config.n_experts,
                 "prompt_tokens": len(ids), "decode": "greedy" if greedy else "sampled", "prefill": prefill,
                 "prefetch": prefetch, "source": "flashmoe-cli generate"}
-        write_trace(Path(record_trace), meta, recorder.records)
+        write_trace(Path(record_trace), meta, recorder.records, recorder.samples)
     return GenerateResult(ids, gen.token_ids, tokenizer.decode(gen.token_ids), stats)
 
 
@@ -147,15 +157,17 @@ def _check_batched_fits(config: MoEConfig, cache_stats: CacheStats, prompt_len: 
                          f"prompt, but the cache holds {room} per layer; use --prefill sequential or a larger --cache-cap")
 
 
-def write_trace(path: Path, meta: dict[str, Any], records: list[dict[str, list[int]]]) -> None:
-    """The decode JSONL layout of ../shared/traces/README.md, written to a temporary file and renamed."""
+def write_trace(path: Path, meta: dict[str, Any], records: list[dict[str, list[int]]],
+                samples: list[list[dict[str, float]]]) -> None:
+    """The decode JSONL layout of ../shared/traces/README.md, written to a temporary file and renamed;
+    a step during which the cache fed its policy monitoring samples also has "system": [...]."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps({"meta": meta}) + "\n")
-            for step, routed in enumerate(records):
-                f.write(json.dumps({"step": step, "routed": routed}) + "\n")
+            for step, (routed, fed) in enumerate(zip(records, samples)):
+                f.write(json.dumps({"step": step, "routed": routed, **({"system": fed} if fed else {})}) + "\n")
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

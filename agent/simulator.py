@@ -108,17 +108,21 @@ def simulate(trace: Trace, policy: str, capacity: float, scope: str = "layer",
 
 
 def replay(trace: Trace, residency: Residency, system: SystemReplay) -> None:
-    """Drive `residency` through every step of `trace`, as the runtime would."""
+    """Drive `residency` through every step of `trace`, as the runtime would. A trace the runtime
+    recorded with monitoring samples gets those, where its cache fed them, instead of `system`."""
     route, access = residency.route, residency.access
+    recorded = trace.system
     token = -1
-    for new_session, layer, experts in walk(trace):
+    for row, (new_session, layer, experts) in enumerate(walk(trace)):
         if layer == 0:
             token += 1
             if new_session:
                 residency.session()
-            sample = system.at(token)
+            sample = None if recorded else system.at(token)
             if sample is not None:
                 residency.system(sample)
+        if row in recorded:
+            residency.system(recorded[row])
         route(layer, experts)
         for e in experts:
             access((layer, e))
@@ -152,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", metavar="A..B", help="prefill NPZ only: prompt numbers to replay")
     parser.add_argument("--window", type=int, metavar="W", help=f"lfu-window: window in accesses of one layer (default {DEFAULT_WINDOW})")
     parser.add_argument("--system-series", metavar="FILE", help="monitoring series JSON to replay "
-                        "(default: a deterministic synthetic one)")
+                        "(default: a deterministic synthetic one; a trace recorded with samples replays its own)")
     parser.add_argument("--json", action="store_true", help="print {\"results\": [...]} instead of a table")
     parser.add_argument("--db", metavar="PATH", help="also record each result in this telemetry store "
                         "(the dashboard's Cache page compares policies from it)")

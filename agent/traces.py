@@ -4,8 +4,10 @@ Layouts (see ../shared/traces/README.md):
 - decode JSONL: line 1 `{"meta": {"model", "layers", "top_k", "n_experts" (may be null), ...}}`,
   then one `{"step": s, "routed": {"0": [ids], ...}}` per token. The runtime's recorder
   (`flashmoe-cli generate --record-trace`) writes this layout too; its records may carry larger
-  per-layer sets (a batched step routes the union of its tokens) and an optional `"session"`
-  field: a change of its value starts a new session. Without it a file is one session.
+  per-layer sets (a batched step routes the union of its tokens), an optional `"session"`
+  field (a change of its value starts a new session; without it a file is one session) and an
+  optional `"system": [{"layer": L, "read_latency_s": x, ...}]`: the monitoring samples the cache
+  fed its policy at the start of that layer's route, which replay feeds at the same point.
 - prefill NPZ: `expert_ids` [tokens, layers, k], `prompt_offsets`, `prompt_numbers`, `layers`,
   `meta`; each prompt read row by row is one session.
 
@@ -14,8 +16,9 @@ and the simulator and `access_sequence()` (Belady's future) both use it.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +42,9 @@ class Trace:
     experts: np.ndarray         # int32 [total]: row r's experts are experts[offsets[r]:offsets[r+1]]
     session_starts: np.ndarray  # int64 [sessions]: first token of each session; starts with 0
     layer_ids: tuple[int, ...]  # the source's own layer numbers (prefill: 1..26), for display
+    # traces the runtime recorded: the monitoring samples its cache fed the policy, by the row whose
+    # route they came just before (replay feeds them there)
+    system: Mapping[int, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
@@ -146,6 +152,7 @@ def read_jsonl(path: str | Path, n_experts: int | None = None) -> Trace:
     limit = n_experts if n_experts is not None else meta.get("n_experts")
     sets: list[list[list[int]]] = []
     starts: list[int] = []
+    system: dict[int, dict[str, float]] = {}
     session = object()  # sentinel: the first record always opens a session
     for number, line in enumerate(lines[1:], start=2):
         if not line.strip():
@@ -154,9 +161,24 @@ def read_jsonl(path: str | Path, n_experts: int | None = None) -> Trace:
         if not starts or record.get("session", session) != session:
             starts.append(len(sets))
             session = record.get("session", session)
+        for sample in _samples(path, number, record.get("system", []), n_layers):
+            system[len(sets) * n_layers + int(sample.pop("layer"))] = sample
         sets.append([_expert_set(path, number, layer, record["routed"][layer], limit) for layer in expected])
-    return _from_sets(path.stem, str(meta.get("model") or "unknown"), sets, n_layers, top_k, limit, starts,
-                      tuple(range(n_layers)), str(path))
+    trace = _from_sets(path.stem, str(meta.get("model") or "unknown"), sets, n_layers, top_k, limit, starts,
+                       tuple(range(n_layers)), str(path))
+    return dataclasses.replace(trace, system=system) if system else trace
+
+
+def _samples(path: Path, number: int, samples, n_layers: int) -> list[dict[str, float]]:
+    """A record's "system" list: [{"layer": L, "read_latency_s": x, ...}], each layer at most once."""
+    def valid(s) -> bool:
+        return (isinstance(s, dict) and isinstance(s.get("layer"), int) and 0 <= s["layer"] < n_layers
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in s.values()))
+    if not isinstance(samples, list) or not all(map(valid, samples)) or \
+            len({s["layer"] for s in samples}) != len(samples):
+        raise TraceError(f'{path}:{number}: "system" must be a list of {{"layer": L (0..{n_layers - 1}, '
+                         f'each once), "read_latency_s": x, ...}} with numeric values')
+    return [{k: float(v) if k != "layer" else v for k, v in s.items()} for s in samples]
 
 
 def _open_text(path: Path) -> str:

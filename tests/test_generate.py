@@ -11,6 +11,7 @@ from hf_models import tiny_checkpoint
 from test_model_parity import one_torch_thread  # noqa: F401  (autouse fixture)
 
 from agent.cli import main as cli
+from agent.experts import cache as cache_module
 from agent.experts.layout import INDEX, Index
 from agent.experts.provider import InMemoryExperts
 from agent.model.generation import generate
@@ -64,10 +65,15 @@ def test_tokens_do_not_depend_on_cache_size_or_backend(store, reference, capsys,
         assert s["misses"] <= 3 * 8
 
 
-def test_recorded_trace_replays_to_the_same_hits(store, capsys, tmp_path):
+@pytest.mark.parametrize("policy", ["lru", "flashmoe"])
+def test_recorded_trace_replays_to_the_same_hits(store, capsys, tmp_path, monkeypatch, policy):
+    # the cache feeds its policy a measured read latency at most once a second; at every route here,
+    # so the learned policy (which reacts to them) sees many, and the trace must carry them all
+    monkeypatch.setattr(cache_module, "SYSTEM_SAMPLE_INTERVAL_S", 0.0)
     trace_path = tmp_path / "run.jsonl"
     out = run_json(capsys, "--model", str(store), "--prompt-ids", PROMPT, "--max-new-tokens", str(N_NEW), "--greedy",
-                   "--cache-cap", slot_cap(store, 3), "--policy", "lru", "--no-prefetch", "--record-trace", str(trace_path))
+                   "--cache-cap", slot_cap(store, 5), "--policy", policy, "--no-prefetch",
+                   "--record-trace", str(trace_path))
     s = out["stats"]
     assert s["prefetches"] == 0 and s["prefetch_accuracy"] is None
     meta = json.loads(trace_path.read_text().splitlines()[0])["meta"]
@@ -76,8 +82,9 @@ def test_recorded_trace_replays_to_the_same_hits(store, capsys, tmp_path):
     # Sequential prefill: one record per prompt token, then one per decode step; each set is one token's top-k.
     assert trace.n_tokens == meta["steps"] == 8 + N_NEW - 1 and trace.max_set == 2
     assert trace.n_accesses == s["hits"] + s["misses"]
-    residency = Residency(s["capacity_slots"], 3, policy_factory("lru"), "layer", min_per_layer=2)
-    replay(trace, residency, SystemReplay.synthetic())  # LRU ignores the monitoring samples
+    assert len(trace.system) > trace.n_tokens  # samples from the first read on, one per route
+    residency = Residency(s["capacity_slots"], 3, policy_factory(policy), "layer", min_per_layer=2)
+    replay(trace, residency, SystemReplay.synthetic())  # the recorded samples, not this series
     assert (sum(x.hits for x in residency.stats), sum(x.misses for x in residency.stats)) == (s["hits"], s["misses"])
 
 

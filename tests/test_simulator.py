@@ -11,7 +11,7 @@ from agent.cli import main
 from agent.policies import policy_factory
 from agent.residency import Residency
 from agent.simulator import SystemReplay, capacity_slots, format_table, gap_closed, replay, simulate
-from agent.traces import from_sets, read_jsonl
+from agent.traces import TraceError, from_sets, read_jsonl
 
 DATA = Path(__file__).parent / "data" / "traces"
 OLMOE, QWEN = DATA / "olmoe_math.jsonl", DATA / "qwen_dialogue.jsonl"
@@ -67,6 +67,40 @@ def test_sessions_and_system_samples_reach_the_policy():
     trace = from_sets([[[t % 4]] for t in range(5)], session_starts=[0, 3])
     replay(trace, Residency(2, 1, Recorder, "layer", 1), SystemReplay(({"read_latency_s": 1.0}, {"read_latency_s": 2.0}), every=2))
     assert seen == ["session", 1.0, 2.0, "session", 1.0]
+
+
+def test_a_recorded_trace_replays_its_own_samples_just_before_their_route(tmp_path):
+    seen = []
+
+    class Recorder:
+        def __init__(self):
+            self.inner = policy_factory("lru")()
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def route(self, layer, experts):
+            seen.append(("route", layer))
+
+        def system(self, sample):
+            seen.append(("system", sample["read_latency_s"]))
+
+    lines = [{"meta": {"layers": 2, "top_k": 1, "n_experts": 4}},
+             {"step": 0, "routed": {"0": [0], "1": [1]}},
+             {"step": 1, "routed": {"0": [2], "1": [3]}, "system": [{"layer": 1, "read_latency_s": 0.5}]},
+             {"step": 2, "routed": {"0": [0], "1": [1]}, "system": [{"layer": 0, "read_latency_s": 0.25,
+                                                                    "mem_pressure": 0.1}]}]
+    path = tmp_path / "recorded.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    trace = read_jsonl(path)
+    assert trace.system == {3: {"read_latency_s": 0.5}, 4: {"read_latency_s": 0.25, "mem_pressure": 0.1}}
+    replay(trace, Residency(4, 2, Recorder, "global", 1), SystemReplay.synthetic())  # not the synthetic series
+    assert seen == [("route", 0), ("route", 1), ("route", 0), ("system", 0.5), ("route", 1),
+                    ("system", 0.25), ("route", 0), ("route", 1)]
+    lines[2]["system"] = [{"layer": 2, "read_latency_s": 0.5}]  # no layer 2 in this trace
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    with pytest.raises(TraceError, match=r"recorded.jsonl:3: \"system\" must be a list"):
+        read_jsonl(path)
 
 
 def test_system_series_file(tmp_path):

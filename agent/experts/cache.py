@@ -134,6 +134,7 @@ class ExpertCache:
         self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self._last_sample = time.monotonic()
         self._system: dict[str, float] = {}  # the latest monitoring values, passed to the policy together
+        self.system_fed: tuple[int, dict[str, float]] = (0, {})  # samples passed to the policy so far, the last
         log.info("expert cache: %d slots of %d bytes (%s scope, %s policy, %s backend)",
                  self._residency.capacity, self.index.slot_bytes, scope, policy, backend)
 
@@ -173,6 +174,7 @@ class ExpertCache:
         before its use, then the misses."""
         unique = list(dict.fromkeys(experts))
         with self._lock:
+            self._maybe_sample_system()  # before the route: a recorded trace replays it at the same point
             self._residency.route(layer, unique)
             if len(unique) <= self._room(self._residency.capacity):
                 step = _Step(unique)
@@ -182,7 +184,6 @@ class ExpertCache:
             self._steps[layer] = self._current = step
             self._guess = None  # a guess still waiting is for a step that has begun, or never will
             self._fill(layer, step)
-            self._maybe_sample_system()
             return list(step.order)
 
     def idle(self) -> None:
@@ -344,14 +345,19 @@ class ExpertCache:
         """A monitoring sample from outside (e.g. {"mem_pressure": ...}); the policy sees it with the read latency."""
         with self._lock:
             self._system.update(sample)
-            self._residency.system(dict(self._system))
+            self._feed_system()
 
     def _maybe_sample_system(self) -> None:
         now = time.monotonic()
         if now - self._last_sample >= SYSTEM_SAMPLE_INTERVAL_S and self._latency:
             self._last_sample = now
             self._system["read_latency_s"] = float(np.mean(list(self._latency)[-64:]))
-            self._residency.system(dict(self._system))
+            self._feed_system()
+
+    def _feed_system(self) -> None:
+        sample = dict(self._system)
+        self._residency.system(sample)
+        self.system_fed = (self.system_fed[0] + 1, sample)
 
     # -- live changes -----------------------------------------------------------------------------------------
     def resize(self, cap_bytes: int) -> list[Key]:
