@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
 import random
 import signal
@@ -192,8 +193,20 @@ def start(model: Path, config: Config, cgroup: MemoryCgroup, log_path: Path, ser
     with log_path.open("w") as log:
         proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), "--cache-cap", CAP,
                                  *serve_args, *config.args()], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    cgroup.add(proc.pid)  # before the model loads: every allocation and page-cache page is charged to it
-    return proc, wait_for_agent(proc, port, f"{config.name}: see {log_path}")
+    with stopped_on_failure(proc):
+        cgroup.add(proc.pid)  # before the model loads: every allocation and page-cache page is charged to it
+        return proc, wait_for_agent(proc, port, f"{config.name}: see {log_path}")
+
+
+@contextlib.contextmanager
+def stopped_on_failure(proc: subprocess.Popen):
+    """Kill the agent if the block fails or we are interrupted in it: it is never left running."""
+    try:
+        yield
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def interrupt_on_sigterm() -> None:
@@ -204,24 +217,18 @@ def interrupt_on_sigterm() -> None:
 
 
 def wait_for_agent(proc: subprocess.Popen, port: int, where: str, timeout_s: float = 300) -> str:
-    """The agent's URL once /v1/status answers; SystemExit (naming `where` to look) if it dies or stalls.
-    The agent is killed if it does not come up, or if we are interrupted while it loads."""
+    """The agent's URL once /v1/status answers; SystemExit (naming `where` to look) if it dies or stalls."""
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"the agent exited with {proc.returncode}; {where}")
-            try:
-                httpx.get(url + "/v1/status", timeout=5).raise_for_status()
-                return url
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        raise SystemExit(f"the agent did not start within {timeout_s:.0f} s; {where}")
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the agent exited with {proc.returncode}; {where}")
+        try:
+            httpx.get(url + "/v1/status", timeout=5).raise_for_status()
+            return url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise SystemExit(f"the agent did not start within {timeout_s:.0f} s; {where}")
 
 
 def peak_rss(pid: int) -> int:

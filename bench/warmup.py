@@ -22,7 +22,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repo, so `bench` imports
 from bench.common import RESULTS_DIR, machine, write_results  # noqa: E402
-from bench.serve import CLI, ROOT, drop_page_cache, free_port, interrupt_on_sigterm, wait_for_agent  # noqa: E402  (the serving bench's helpers)
+from bench.serve import (CLI, ROOT, drop_page_cache, free_port, interrupt_on_sigterm,  # noqa: E402  (its helpers)
+                         stopped_on_failure, wait_for_agent)
 
 WARMUP_FILE = ROOT / "examples" / "benchmark_input.json"
 PROMPTS = ["Describe the failure modes of a flash translation layer.", "Write a limerick about a cache miss.",
@@ -35,7 +36,8 @@ def start(model: Path, policy: str, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), "--cache-cap", "25%",
                              "--policy", policy], stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
-    return proc, wait_for_agent(proc, port, f"see {log}")
+    with stopped_on_failure(proc):
+        return proc, wait_for_agent(proc, port, f"see {log}")
 
 
 def measure(model: Path, policy: str, requests: int, max_tokens: int, warm: bool, logs: Path) -> dict:
