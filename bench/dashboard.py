@@ -28,11 +28,11 @@ import streamlit as st  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from bench.common import machine, write_results  # noqa: E402
-from dashboard import synthetic  # noqa: E402
+from bench import synthetic  # noqa: E402
+from dashboard import pages  # noqa: E402
 from store.db import Store  # noqa: E402
 
 APP = str(ROOT / "dashboard" / "app.py")
-PAGES = {"Overview": None, "Cache": "cache", "SSD": "ssd", "Memory": "memory", "Tuning": "tuning"}
 GOAL_S = 2.0
 
 
@@ -54,20 +54,20 @@ def fill(db: Path, hours: float) -> dict[str, float]:
             "write_s": time.perf_counter() - start, "db_bytes": db.stat().st_size}
 
 
-def render(page: str | None) -> tuple[float, float, int]:
+def render(page: pages.Page) -> tuple[float, float, int]:
     """(wall seconds and CPU seconds of the page's first full render with cold data caches, charts)."""
     at = AppTest.from_file(APP, default_timeout=120)
     at.session_state["window"] = "24 h"
     at.run()                               # imports and the app shell are warm, as in a running server
     st.cache_data.clear()
     start, cpu = time.perf_counter(), time.process_time()   # CPU of every thread: load-independent
-    if page is None:
+    if page.default:
         at.run()
     else:
-        at.switch_page(f"views/{page}.py").run()
+        at.switch_page(page.path).run()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     if at.exception:
-        raise RuntimeError(f"page {page or 'overview'} failed: {at.exception[0].value}")
+        raise RuntimeError(f"page {page.title} failed: {at.exception[0].value}")
     return elapsed, cpu, len(at.get("plotly_chart"))
 
 
@@ -82,9 +82,9 @@ def main() -> None:
     os.environ["FLASHMOE_DB"] = str(db)
     os.environ["FLASHMOE_AGENT_URL"] = f"http://127.0.0.1:{closed_port()}"
     rows = []
-    for name, page in PAGES.items():
+    for page in pages.PAGES:
         seconds, cpu, charts = render(page)
-        rows.append({"page": name, "first_render_s": seconds, "cpu_s": cpu, "charts": charts,
+        rows.append({"page": page.title, "first_render_s": seconds, "cpu_s": cpu, "charts": charts,
                      "ok": seconds <= GOAL_S})
     load = os.getloadavg()[0]
     print(f"store: {json.dumps(data)}")

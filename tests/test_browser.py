@@ -23,13 +23,13 @@ import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
 from agents import CLI, ROOT, demo_model, free_port, spawn, start_agent, stop, wait_http
+from dashboard import pages
 from test_dashboard_agent import TOKEN
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-PAGES = {"": "Overview", "cache": "Expert cache", "ssd": "SSD", "memory": "Memory", "tuning": "Tuning"}
-CHARTS = {"": 4, "cache": 4, "ssd": 5, "memory": 4, "tuning": 0}   # with traffic, before any sweep
+CHARTS = {"overview": 4, "cache": 4, "ssd": 5, "memory": 4, "tuning": 0}   # with traffic, before any sweep
 RENDER_TIMEOUT_MS = 60_000
 
 pytestmark = pytest.mark.browser
@@ -108,25 +108,26 @@ def screenshot_dir(product: dict[str, str]) -> Path:
     return out
 
 
-def open_page(page: Page, product: dict[str, str], path: str) -> None:
-    page.goto(f"{product['dashboard']}/{path}")
-    expect(page.get_by_role("heading", name=PAGES[path]).first).to_be_visible(timeout=RENDER_TIMEOUT_MS)
+def open_page(page: Page, product: dict[str, str], key: str) -> None:
+    shown = pages.page(key)
+    page.goto(f"{product['dashboard']}/{shown.url_path}")
+    expect(page.get_by_role("heading", name=shown.heading).first).to_be_visible(timeout=RENDER_TIMEOUT_MS)
 
 
 def test_every_page_renders_its_charts_with_real_traffic(product, page):
     with Traffic(product["agent"]) as traffic:
         traffic.wait_for(int(os.environ.get("FLASHMOE_TRAFFIC_REQUESTS", 6)))   # requests, cache stats, samples
     # The agent is idle again: its CPU goes to the browser (this machine has two cores).
-    for path in PAGES:
-        open_page(page, product, path)
+    for shown in pages.PAGES:
+        open_page(page, product, shown.key)
         charts = page.locator(".js-plotly-plot")
-        expect(charts).to_have_count(CHARTS[path], timeout=RENDER_TIMEOUT_MS)
-        for i in range(CHARTS[path]):
+        expect(charts).to_have_count(CHARTS[shown.key], timeout=RENDER_TIMEOUT_MS)
+        for i in range(CHARTS[shown.key]):
             expect(charts.nth(i).locator(".main-svg").first).to_be_visible()
-        if path == "ssd":        # SMART values, or the collector's statement of why there are none
+        if shown.key == "ssd":        # SMART values, or the collector's statement of why there are none
             expect(page.get_by_text("Temperature").or_(page.get_by_text("cannot read:")).first).to_be_visible()
         page.wait_for_timeout(1500)  # let the remaining charts finish drawing before the picture
-        name = "dashboard.png" if path == "" else f"dashboard-{path}.png"
+        name = "dashboard.png" if shown.default else f"dashboard-{shown.key}.png"
         page.screenshot(path=str(screenshot_dir(product) / name), full_page=True)
 
 

@@ -17,7 +17,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from agents import ROOT, demo_model, start_agent
-from dashboard import agent_client, data, sweep, synthetic
+from bench import synthetic
+from dashboard import agent_client, data, pages, sweep
 from store import queries
 
 APP = str(ROOT / "dashboard" / "app.py")
@@ -45,7 +46,7 @@ def open_page(monkeypatch, db: Path, url: str, page: str, token: str | None = TO
     else:
         monkeypatch.setenv(agent_client.TOKEN_ENV, token)
     at = AppTest.from_file(APP, default_timeout=60).run()
-    at.switch_page(f"views/{page}.py").run()
+    at.switch_page(pages.page(page).path).run()
     assert not at.exception, [e.value for e in at.exception]
     return at
 

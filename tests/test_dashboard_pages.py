@@ -13,7 +13,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from agents import free_port
-from dashboard import synthetic
+from bench import synthetic
+from dashboard import pages
 from store.db import Store
 from test_store import version_2_store
 
@@ -37,7 +38,7 @@ def open_page(monkeypatch, db: Path, page: str | None = None) -> AppTest:
     monkeypatch.setenv("FLASHMOE_DB", str(db))
     at = AppTest.from_file(APP, default_timeout=60).run()
     if page:
-        at.switch_page(f"views/{page}.py").run()
+        at.switch_page(pages.page(page).path).run()
     assert not at.exception, [e.value for e in at.exception]
     return at
 
@@ -161,15 +162,14 @@ def test_tuning_page_offline_shows_stored_knobs_read_only_and_history(monkeypatc
     assert list(history["source"]) == ["api", "dashboard"]
 
 
-PAGES = ("cache", "ssd", "memory", "tuning")
-
-
 def walk(monkeypatch, db: Path):
-    """The Overview page, then every other page in turn, in one app session."""
+    """The default page, then every other page in turn, in one app session."""
     at = open_page(monkeypatch, db)
     yield at
-    for page in PAGES:
-        at.switch_page(f"views/{page}.py").run()
+    for page in pages.PAGES:
+        if page.default:
+            continue
+        at.switch_page(page.path).run()
         assert not at.exception, (page, [e.value for e in at.exception])
         yield at
 

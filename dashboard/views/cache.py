@@ -7,7 +7,6 @@ from dashboard import components, data, figures, settings, sweep, transforms
 
 TIME_BUCKETS = 60
 
-st.title("Expert cache")
 db, url, token = settings.db_path(), settings.agent_url(), settings.agent_token()
 
 

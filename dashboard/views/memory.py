@@ -16,7 +16,6 @@ THRESHOLDS = (
 )
 VERDICT_BOX = {"thrashing": st.error, "under pressure": st.warning, "healthy": st.success, "no data": st.info}
 
-st.title("Memory")
 db, url, token = settings.db_path(), settings.agent_url(), settings.agent_token()
 
 

@@ -12,7 +12,6 @@ LIVE_S = 15               # agent and collector write every second: an older lat
 COLLECTOR_HEARTBEAT = "mem.available_bytes"
 TIME_BUCKETS = 60         # latency and request-count buckets: quantiles need a few requests each
 
-st.title("Overview")
 
 
 def number(value: float | None) -> str:

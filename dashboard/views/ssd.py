@@ -15,7 +15,6 @@ SMART_FIELDS = {          # series suffix -> (label, format, scale)
     "critical_warning": ("Critical warning bits", "{:.0f}", 1),
 }
 
-st.title("SSD")
 db = settings.db_path()
 
 

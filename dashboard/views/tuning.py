@@ -10,7 +10,6 @@ from dashboard import components, data, settings, transforms
 
 MIB = 2**20
 
-st.title("Tuning")
 db, url, token = settings.db_path(), settings.agent_url(), settings.agent_token()
 
 
