@@ -1,12 +1,12 @@
 """Knob validation: all-or-nothing, errors name the knob and its allowed range."""
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
-from agent.policies import DEFAULT_POLICY
-from agent.policies.flashmoe import FlashMoE
+from agent.knob import Knob
+from agent.policies import DEFAULT_POLICY, live_policies, policy_options
+from agent.policies.base import REGISTRY, Policy
+from agent.policies.flashmoe import KEEP_PERCENTILE, RECOMPUTE_THRESHOLD, FlashMoE
 from agent.serve.knobs import KnobError, Knobs, Limits
 
 LIMITS = Limits(cap_min=1000, cap_max=50_000, policies=("lfu", "lru", "flashmoe"), max_prefetch_depth=1)
@@ -23,10 +23,10 @@ def test_defaults_and_bounds_are_described(knobs):
                       "prefetch", "prefetch_depth", "max_batch_size", "auto_shrink"}
     assert d["ssd_util_threshold"] == {"value": 0.9, "default": 0.9, "type": "float", "min": 0.0, "max": 1.0,
                                        "help": d["ssd_util_threshold"]["help"]}
-    # the fallback defaults are the learned policy's own (the runtime passes those anyway)
-    own = inspect.signature(FlashMoE).parameters
-    assert d["keep_percentile"]["value"] == own["keep_percentile"].default
-    assert d["recompute_threshold"]["value"] == own["recompute_threshold"].default
+    # the learned policy's knobs are the ones its class declares
+    assert FlashMoE.knobs == (KEEP_PERCENTILE, RECOMPUTE_THRESHOLD)
+    assert d["keep_percentile"]["value"] == KEEP_PERCENTILE.default and d["keep_percentile"]["max"] == 100.0
+    assert d["recompute_threshold"]["value"] == RECOMPUTE_THRESHOLD.default
     assert d["cache_cap_bytes"]["min"] == 1000 and d["cache_cap_bytes"]["max"] == 50_000
     assert d["policy"]["choices"] == ["lfu", "lru", "flashmoe"]
     assert d["prefetch"] == {"value": True, "default": True, "type": "bool"}
@@ -50,6 +50,9 @@ def test_valid_changes_are_converted(knobs):
     ({"policy": "fifo"}, "policy", ["lfu, lru, flashmoe", "'fifo'"]),
     ({"keep_percentile": True}, "keep_percentile", ["number"]),
     ({"cache_size": 5}, "cache_size", ["unknown knob", "cache_cap_bytes"]),
+    ({"policy": ["lru"]}, "policy", ["one of"]),
+    ({"policy": "x" * 10_000}, "policy", ["xxx..."]),  # the refused value is quoted short
+    ({"max_batch_size": 10 ** 400}, "max_batch_size", ["between 1 and 256"]),
 ])
 def test_bad_value_names_the_knob_and_the_range(knobs, changes, knob, words):
     with pytest.raises(KnobError) as err:
@@ -76,3 +79,33 @@ def test_diff_and_commit(knobs):
     assert knobs.diff(validated) == {"max_batch_size": (16, 8)}  # an unchanged value is no change
     knobs.commit(validated)
     assert knobs["max_batch_size"] == 8
+
+
+@pytest.mark.parametrize("knob", ["cache_cap_bytes", "max_batch_size", "prefetch_depth", "ssd_util_threshold",
+                                  "keep_percentile", "recompute_threshold"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_numbers_are_refused(knobs, knob, value):
+    """NaN passes every bound check (it compares false) and Infinity has no int: both were accepted or a 500."""
+    with pytest.raises(KnobError, match=f"{knob} must be a finite number") as err:
+        knobs.validate({knob: value})
+    assert err.value.knob == knob
+
+
+class Toy(Policy):  # not registered by name: the test installs it for its own duration
+    knobs = (Knob("toy_depth", int, 2, 1, 8, help="how deep the toy looks"),)
+
+    def __init__(self, toy_depth: int = 2) -> None:
+        self.toy_depth = Toy.knobs[0].check(toy_depth)
+
+
+def test_a_policy_declares_its_own_knobs(monkeypatch):
+    """Adding a policy knob is an edit in the policy's own file: the agent offers it, checks it, passes it on."""
+    monkeypatch.setitem(REGISTRY, "toy", Toy)
+    assert "toy" in live_policies()
+    knobs = Knobs(Limits(1000, 50_000, ("lru", "toy"), max_prefetch_depth=1))
+    assert knobs.describe()["toy_depth"] == {"value": 2, "default": 2, "type": "int", "min": 1, "max": 8,
+                                             "help": "how deep the toy looks"}
+    with pytest.raises(KnobError, match="toy_depth must be between 1 and 8"):
+        knobs.validate({"toy_depth": 9})
+    assert policy_options("toy", {**knobs.values, "toy_depth": 5}) == {"toy_depth": 5}
+    assert policy_options("lru", knobs.values) == {}

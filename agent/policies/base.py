@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import ClassVar
 
+from agent.knob import Knob
+
 Key = tuple[int, int]  # (layer, expert)
 
 REGISTRY: dict[str, type["Policy"]] = {}
@@ -16,6 +18,8 @@ REGISTRY: dict[str, type["Policy"]] = {}
 
 class Policy:
     name: ClassVar[str] = ""
+    # Live settings the constructor takes by the same names; the agent offers each as a knob.
+    knobs: ClassVar[tuple[Knob, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -36,31 +36,34 @@ from pathlib import Path
 
 import numpy as np
 
+from agent.knob import Knob
 from agent.policies.base import Key, Policy
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "flashmoe.safetensors"
 DECISIONS = ("score", "lfu")
 FRESH = float("inf")  # the score of an expert brought in since the last scoring: it was just used
+KEEP_PERCENTILE = Knob("keep_percentile", float, 30.0, 0.0, 100.0,
+                       help="learned policy: keep experts scoring at or above it")
+RECOMPUTE_THRESHOLD = Knob("recompute_threshold", float, 0.0, 0.0, 1.0,
+                           help="learned policy: activation-distribution shift (total variation) that triggers rescoring")
 
 
 class FlashMoE(Policy):
     name = "flashmoe"
+    knobs = (KEEP_PERCENTILE, RECOMPUTE_THRESHOLD)
 
-    def __init__(self, model_path: str | Path | None = None, keep_percentile: float = 30.0,
-                 recompute_threshold: float = 0.0, decision: str = "lfu") -> None:
-        if not 0.0 <= float(keep_percentile) <= 100.0:
-            raise ValueError(f"keep_percentile must be within 0..100, got {keep_percentile}")
-        if not 0.0 <= float(recompute_threshold) <= 1.0:
-            raise ValueError(f"recompute_threshold is a total-variation distance within 0..1, "
-                             f"got {recompute_threshold}")
+    def __init__(self, model_path: str | Path | None = None, keep_percentile: float = KEEP_PERCENTILE.default,
+                 recompute_threshold: float = RECOMPUTE_THRESHOLD.default, decision: str = "lfu") -> None:
+        keep_percentile = KEEP_PERCENTILE.check(keep_percentile)
+        recompute_threshold = RECOMPUTE_THRESHOLD.check(recompute_threshold)
         if decision not in DECISIONS:
             raise ValueError(f"decision must be one of {DECISIONS}, got {decision!r}")
         from agent.learned import features, scorer  # torch loads here, on first use only
 
         self._f, self._s = features, scorer
         self.scorer = scorer.Scorer(scorer.shared_net(str(Path(model_path or DEFAULT_WEIGHTS).resolve())))
-        self.keep_percentile, self.recompute_threshold = float(keep_percentile), float(recompute_threshold)
+        self.keep_percentile, self.recompute_threshold = keep_percentile, recompute_threshold
         self.decision = decision
         self.layers: dict[int, features.LayerHistory] = {}
         self._scores: dict[Key, float] = {}

@@ -7,7 +7,6 @@ never frees a slot the running step still reads.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -22,8 +21,7 @@ from agent.experts.cap import cap_bounds, parse_cap
 from agent.experts.layout import CONFIG, INDEX, Index
 from agent.experts.reader import IO_THREADS
 from agent.model.config import MoEConfig
-from agent.policies import DEFAULT_POLICY, policy_factory, policy_names
-from agent.policies.base import REGISTRY
+from agent.policies import DEFAULT_POLICY, live_policies, policy_factory, policy_knobs, policy_options
 from agent.serve import batching, guard
 from agent.serve.engine import ModelEngine
 from agent.serve.knobs import KnobError, Knobs, Limits
@@ -36,7 +34,7 @@ log = logging.getLogger(__name__)
 
 TICK_S = 1.0
 DEFAULT_CAP = "25%"          # of expert bytes, when neither --cache-cap nor a stored value says otherwise
-POLICY_KNOBS = ("keep_percentile", "recompute_threshold")
+POLICY_KNOBS = frozenset(k.name for k in policy_knobs())
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,7 @@ class Runtime:
             self.cache.close()
             raise
         lo, hi = cap_bounds(self.cache.index, self.cache.min_per_layer)
-        self.knobs = Knobs(Limits(lo, hi, live_policies(), max_prefetch_depth=1, **policy_defaults()))
+        self.knobs = Knobs(Limits(lo, hi, live_policies(), max_prefetch_depth=1))
         self.knobs.commit({"cache_cap_bytes": self.cache.cap_bytes, "policy": self.cache.policy_name})
         self.metrics = Metrics(registry, self.cache.index.n_layers)
         self.scheduler = Scheduler(self.engine, self.knobs["max_batch_size"], self.metrics.request, opts.admit_window_s)
@@ -135,7 +133,7 @@ class Runtime:
     def _check_policy(self, new: dict[str, Any]) -> None:
         """Build the policy a change asks for once before applying anything: a policy that cannot load
         (e.g. the learned one without its weights file) is refused like an out-of-range value."""
-        if "policy" not in new and not new.keys() & set(POLICY_KNOBS):
+        if "policy" not in new and not new.keys() & POLICY_KNOBS:
             return
         merged = {**self.knobs.values, **new}
         try:
@@ -244,29 +242,6 @@ class Runtime:
             if self.recorder is not None:
                 self.recorder.event(time.time(), "memory_guard", shrink.reason)
             self.set_knobs({"cache_cap_bytes": shrink.new_cap}, "guard")
-
-
-def live_policies() -> tuple[str, ...]:
-    """Policies the agent can run: those built from knobs alone (Belady needs the future trace)."""
-    return tuple(name for name in policy_names()
-                 if all(p.default is not p.empty or p.name in POLICY_KNOBS or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-                        for p in inspect.signature(REGISTRY[name]).parameters.values()))
-
-
-def policy_defaults() -> dict[str, Any]:
-    """The policy knobs' defaults as the first installed policy that takes them declares them."""
-    out = {}
-    for name in policy_names():
-        for k, p in inspect.signature(REGISTRY[name]).parameters.items():
-            if k in POLICY_KNOBS and p.default is not p.empty:
-                out.setdefault(k, float(p.default))
-    return out
-
-
-def policy_options(name: str, values: dict[str, Any]) -> dict[str, Any]:
-    """The policy knobs that policy `name`'s constructor takes (LRU takes none, flashmoe both)."""
-    params = inspect.signature(REGISTRY[name]).parameters
-    return {k: values[k] for k in POLICY_KNOBS if k in params}
 
 
 def _first_cap(opts: ServeOptions) -> int:
