@@ -212,8 +212,67 @@ def test_config_with_wrong_vocab_size(tmp_path):
 
 def test_config_with_fewer_layers_than_the_tensors(tmp_path):
     ckpt = tiny_checkpoint("qwen2_moe", tmp_path / "hf")
-    _edit_config(ckpt.path, num_hidden_layers=1)
+    _edit_config(ckpt.path, num_hidden_layers=1, layer_types=["full_attention"])
     _convert_fails(ckpt.path, tmp_path / "store", "num_hidden_layers=1", "layer 1")
+
+
+# A wrong type anywhere in config.json is one line naming the field, never a traceback.
+BAD_CONFIG_FIELDS = [("hidden_size", "32", "a positive integer"), ("hidden_size", True, "a positive integer"),
+                     ("num_hidden_layers", 2.5, "an integer from 1 to 65536"), ("num_hidden_layers", 10**9, "an integer from 1"), ("num_experts", 0, "a positive integer"),
+                     ("num_attention_heads", 0, "a positive integer"), ("num_experts_per_tok", -1, "a positive integer"),
+                     ("rms_norm_eps", "x", "a positive finite number"), ("rms_norm_eps", None, "a positive finite number"),
+                     ("rms_norm_eps", float("nan"), "a positive finite number"),
+                     ("rope_theta", [1], "a positive finite number"), ("norm_topk_prob", "yes", "true or false"),
+                     ("eos_token_id", "x", "a token id"), ("clip_qkv", float("inf"), "a positive finite number"),
+                     ("max_position_embeddings", "x", "a positive integer"), ("rope_parameters", 5, "a JSON object")]
+
+
+@pytest.mark.parametrize("field,value,what", BAD_CONFIG_FIELDS)
+def test_config_field_of_the_wrong_type_is_named(tmp_path, field, value, what):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    _edit_config(ckpt.path, **{field: value})
+    message = _convert_fails(ckpt.path, tmp_path / "store", f"{field}=", f"it must be {what}")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("arch,changes,fragments", [
+    ("olmoe", dict(num_experts_per_tok=9), ["num_experts_per_tok=9", "only 8"]),
+    ("mixtral", dict(num_experts_per_tok=5), ["num_experts_per_tok=5", "only 4"]),
+    ("qwen3_moe", dict(num_key_value_heads=3), ["num_attention_heads=4", "num_key_value_heads=3"]),
+    ("qwen2_moe", dict(layer_types=["full_attention"]), ["1 layer_types", "num_hidden_layers=2"]),
+])
+def test_config_whose_counts_disagree_is_refused(tmp_path, arch, changes, fragments):
+    ckpt = tiny_checkpoint(arch, tmp_path / "hf")
+    _edit_config(ckpt.path, **changes)
+    _convert_fails(ckpt.path, tmp_path / "store", *fragments)
+
+
+def test_rope_theta_inside_rope_parameters_is_checked(tmp_path):
+    ckpt = tiny_checkpoint("qwen3_moe", tmp_path / "hf")
+    _edit_config(ckpt.path, rope_parameters={"rope_type": "default", "rope_theta": "1e6"})
+    _convert_fails(ckpt.path, tmp_path / "store", 'rope_theta="1e6"', "positive finite number")
+
+
+@pytest.mark.parametrize("document,kind", [("[1, 2]", "list"), ('"olmoe"', "string"), ("null", "null"),
+                                           ("42", "number")])
+def test_config_that_is_not_a_json_object(tmp_path, document, kind):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    (ckpt.path / CONFIG).write_text(document)
+    _convert_fails(ckpt.path, tmp_path / "store", f"config.json holds a JSON {kind}, not an object")
+
+
+def test_tensors_whose_bytes_overlap_are_refused(tmp_path):
+    """Two expert tensors pointing at the same bytes would convert into two aliased experts."""
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    file = ckpt.path / "model.safetensors"
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    a, b = "model.layers.0.mlp.experts.0.up_proj.weight", "model.layers.0.mlp.experts.1.up_proj.weight"
+    header[b]["data_offsets"] = header[a]["data_offsets"]
+    text = json.dumps(header).encode()
+    file.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    _convert_fails(ckpt.path, tmp_path / "store", "share bytes", a, b)
 
 
 def test_missing_expert_tensor_is_named(tmp_path):
@@ -389,6 +448,18 @@ def test_cli_converts_and_reports_bad_input(tmp_path):
     assert bad.returncode == 1
     assert "model_type 'gpt2' is not supported" in bad.stderr
     _assert_nothing_written(tmp_path / "other")
+
+
+@pytest.mark.parametrize("changes", [dict(hidden_size="32"), dict(num_experts_per_tok=9)])
+def test_cli_reports_a_bad_config_in_one_line(tmp_path, changes):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    _edit_config(ckpt.path, **changes)
+    bad = subprocess.run(CLI + ["convert", str(ckpt.path), str(tmp_path / "store")], cwd=REPO,
+                         capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert f"{next(iter(changes))}=" in bad.stderr
+    _assert_nothing_written(tmp_path / "store")
 
 
 def test_cli_help_has_an_example():

@@ -94,7 +94,7 @@ def _read_tensors(src: Path) -> dict[str, TensorInfo]:
     for file in files:
         for name, info in read_header(file).items():
             if name in tensors:
-                raise CheckpointError(f"tensor {name} is in both {tensors[name].span.file.name} and {file.name}")
+                raise CheckpointError(f"tensor {name!r} is in both {tensors[name].span.file.name} and {file.name}")
             tensors[name] = info
     for name, fname in weight_map.items():
         if name not in tensors or tensors[name].span.file.name != fname:
@@ -136,7 +136,7 @@ def _split(tensors: dict[str, TensorInfo], arch: Arch, config: MoEConfig,
     for name, info in tensors.items():
         m = layer_of.match(name)
         if m and int(m[1]) >= config.n_layers:
-            raise CheckpointError(f"{src}: tensor {name} is in layer {m[1]}, but config.json says "
+            raise CheckpointError(f"{src}: tensor {name!r} is in layer {m[1]}, but config.json says "
                                   f"num_hidden_layers={config.n_layers}; the config disagrees with the checkpoint")
         if ".experts." not in name:
             dense.append((name, info))
@@ -146,7 +146,7 @@ def _split(tensors: dict[str, TensorInfo], arch: Arch, config: MoEConfig,
         elif m_fused := fused.fullmatch(name):
             layers.setdefault(int(m_fused[1]), LayerTensors({}, {}, m_fused[2])).fused[m_fused[3]] = info
         else:
-            raise CheckpointError(f"{src}: unrecognised expert tensor {name}; expected "
+            raise CheckpointError(f"{src}: unrecognised expert tensor {name!r}; expected "
                                   f"model.layers.N.{arch.moe_modules[0]}.experts.E.{arch.projections[0]}.weight "
                                   f"or the fused model.layers.N.mlp.experts.gate_up_proj")
     return layers, dense

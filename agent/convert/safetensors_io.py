@@ -20,6 +20,9 @@ from agent.convert.errors import CheckpointError
 
 # safetensors dtype code -> (torch dtype name, itemsize); the float types experts come in.
 DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2)}
+# Bytes per element of every whole-byte safetensors dtype, to check a tensor's size against its shape.
+ITEMSIZES = {**{code: size for code, (_, size) in DTYPES.items()}, "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1,
+             "F8_E4M3": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8}
 _NUMPY_CODES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
 _COPY_CHUNK = 8 << 20
 
@@ -41,25 +44,48 @@ class TensorInfo:
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
-    """The tensors of one safetensors file, from its header only; checks the file is long enough."""
+    """The tensors of one safetensors file, from its header only. Checks that every tensor's bytes lie
+    inside the file, match its shape and dtype, and overlap no other tensor's."""
     size = path.stat().st_size
     n, header = _raw_header(path, size)
-    tensors = {}
-    for name, meta in header.items():
-        try:
-            begin, end = meta["data_offsets"]
-            info = TensorInfo(name, str(meta["dtype"]), tuple(int(d) for d in meta["shape"]),
-                              Span(path, 8 + n + int(begin), int(end) - int(begin)))
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: the header entry of {name} is malformed; re-download the file") from None
-        if info.span.offset + info.span.nbytes > size:
-            raise CheckpointError(f"{path} is truncated: tensor {name} needs bytes up to "
-                                  f"{info.span.offset + info.span.nbytes} but the file has {size}; re-download it")
-        if info.dtype in DTYPES and math.prod(info.shape) * DTYPES[info.dtype][1] != info.span.nbytes:
-            raise CheckpointError(f"{path}: tensor {name} has {info.span.nbytes} bytes, not what "
+    tensors = {name: _tensor_info(path, 8 + n, name, meta) for name, meta in header.items()}
+    for info in tensors.values():
+        end = info.span.offset + info.span.nbytes
+        if end > size:
+            raise CheckpointError(f"{path} is truncated: tensor {info.name!r} needs bytes up to {end} but the file "
+                                  f"has {size}; re-download it")
+        itemsize = ITEMSIZES.get(info.dtype)
+        if itemsize is not None and math.prod(info.shape) * itemsize != info.span.nbytes:
+            raise CheckpointError(f"{path}: tensor {info.name!r} has {info.span.nbytes} bytes, not what "
                                   f"shape {list(info.shape)} {info.dtype} needs; the file is corrupt")
-        tensors[name] = info
+    _check_no_overlap(path, tensors.values())
     return tensors
+
+
+def _tensor_info(path: Path, data_start: int, name: str, meta: object) -> TensorInfo:
+    """One header entry: {"dtype": str, "shape": [int >= 0, ...], "data_offsets": [begin, end]}, begin <= end."""
+    try:
+        dtype, shape, (begin, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        dtype = shape = begin = end = None
+    if not (isinstance(dtype, str) and isinstance(shape, list) and all(_is_count(d) for d in shape)
+            and _is_count(begin) and _is_count(end) and begin <= end):
+        raise CheckpointError(f"{path}: the header entry of {name!r} is malformed; re-download the file")
+    return TensorInfo(name, dtype, tuple(shape), Span(path, data_start + begin, end - begin))
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _check_no_overlap(path: Path, tensors) -> None:
+    """Two tensors sharing bytes would alias each other's weights once converted."""
+    last: TensorInfo | None = None
+    for info in sorted((t for t in tensors if t.span.nbytes), key=lambda t: t.span.offset):
+        if last is not None and info.span.offset < last.span.offset + last.span.nbytes:
+            raise CheckpointError(f"{path}: tensors {last.name!r} and {info.name!r} share bytes (their data_offsets "
+                                  f"overlap); the file is corrupt, re-download it")
+        last = info
 
 
 def _raw_header(path: Path, size: int) -> tuple[int, dict]:

@@ -8,6 +8,8 @@ config.json that omits them means what it means to transformers; shape fields ar
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,44 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
+class _Kind:
+    """What a config.json field must be."""
+    what: str                     # for the error: "it must be <what>"
+    ok: Callable[[Any], bool]
+
+
+# The kind of every field we read, so a wrong type is a one-line ConfigError rather than a traceback
+# deep in the model (a field not listed here is not read). null is accepted only where transformers
+# allows it (_NULLABLE); json.loads turns NaN and Infinity into floats, so numbers must be finite.
+_POSITIVE_INT = _Kind("a positive integer", lambda v: type(v) is int and v > 0)
+_LAYER_COUNT = _Kind("an integer from 1 to 65536", lambda v: type(v) is int and 0 < v <= 1 << 16)  # sizes tuples
+_COUNT = _Kind("a non-negative integer", lambda v: type(v) is int and v >= 0)
+_POSITIVE_NUMBER = _Kind("a positive finite number",
+                         lambda v: type(v) in (int, float) and math.isfinite(v) and v > 0)
+_BOOL = _Kind("true or false", lambda v: type(v) is bool)
+_STRING = _Kind("a string", lambda v: type(v) is str)
+_OBJECT = _Kind("a JSON object", lambda v: type(v) is dict)
+_COUNTS = _Kind("a list of non-negative integers", lambda v: type(v) is list and all(_COUNT.ok(x) for x in v))
+_TOKEN_IDS = _Kind("a token id or a list of them", lambda v: _COUNT.ok(v) or _COUNTS.ok(v))
+_STRINGS = _Kind("a list of strings", lambda v: type(v) is list and all(type(x) is str for x in v))
+_FIELDS: dict[str, _Kind] = {
+    "num_hidden_layers": _LAYER_COUNT,
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                     "num_experts", "num_local_experts", "num_experts_per_tok", "decoder_sparse_step",
+                     "max_position_embeddings"), _POSITIVE_INT),
+    **dict.fromkeys(("max_window_layers", "sliding_window"), _COUNT),  # Qwen2-MoE writes sliding_window 0 when off
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "clip_qkv"), _POSITIVE_NUMBER),
+    **dict.fromkeys(("norm_topk_prob", "tie_word_embeddings", "attention_bias", "qkv_bias", "use_sliding_window"),
+                    _BOOL),
+    "hidden_act": _STRING, "mlp_only_layers": _COUNTS, "eos_token_id": _TOKEN_IDS, "layer_types": _STRINGS,
+    "rope_parameters": _OBJECT, "rope_scaling": _OBJECT,
+}
+_NULLABLE = {"num_key_value_heads", "head_dim", "clip_qkv", "sliding_window", "eos_token_id", "mlp_only_layers",
+             "layer_types", "rope_parameters", "rope_scaling", "num_experts", "num_local_experts"}
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     arch: str                       # Hugging Face model_type
     vocab_size: int
@@ -82,6 +122,9 @@ class MoEConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "MoEConfig":
+        if not isinstance(hf, dict):
+            raise ConfigError(f"config.json holds a JSON {_json_kind(hf)}, not an object; pass the checkpoint's own "
+                              "config.json")
         arch = hf.get("model_type")
         if arch not in SUPPORTED:
             raise ConfigError(f"model_type {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")
@@ -92,6 +135,7 @@ class MoEConfig:
             raise ConfigError(f"{arch} config.json is missing {', '.join(missing)}; "
                               "pass the checkpoint's own config.json")
         c = {**_DEFAULTS[arch], **hf}
+        _check_fields(arch, c)
         if c.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {c['hidden_act']!r} is not supported; only silu (SwiGLU experts)")
         n_layers, n_heads = c["num_hidden_layers"], c["num_attention_heads"]
@@ -130,13 +174,45 @@ class MoEConfig:
         return cls.from_hf(PRESETS[name])
 
 
+def _check_fields(arch: str, c: dict[str, Any]) -> None:
+    """Each field has its type, and the counts agree: top-k within the experts, heads in whole KV groups."""
+    for key, kind in _FIELDS.items():
+        value = c.get(key)
+        if key in c and not (kind.ok(value) or (value is None and key in _NULLABLE)):
+            raise ConfigError(f"{arch} config.json has {key}={_show(value)}; it must be {kind.what}")
+    n_experts = c.get("num_experts") or c["num_local_experts"]
+    if c["num_experts_per_tok"] > n_experts:
+        raise ConfigError(f"{arch} config.json routes each token to num_experts_per_tok={c['num_experts_per_tok']} "
+                          f"experts but has only {n_experts}; the config is wrong")
+    n_kv_heads = c["num_key_value_heads"] or c["num_attention_heads"]
+    if c["num_attention_heads"] % n_kv_heads:
+        raise ConfigError(f"{arch} config.json has num_attention_heads={c['num_attention_heads']}, not a multiple "
+                          f"of num_key_value_heads={n_kv_heads}; the config is wrong")
+    if c.get("layer_types") is not None and len(c["layer_types"]) != c["num_hidden_layers"]:
+        raise ConfigError(f"{arch} config.json has {len(c['layer_types'])} layer_types for "
+                          f"num_hidden_layers={c['num_hidden_layers']}; the config is wrong")
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    """A config value as JSON, cut short so the error stays one line."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
+
+
 def _rope_theta(c: dict[str, Any]) -> float:
     """transformers 5 writes rope_parameters; older config.json files have rope_theta / rope_scaling."""
     params = c.get("rope_parameters") or {}
     rope_type = params.get("rope_type") or params.get("type") or (c.get("rope_scaling") or {}).get("type", "default")
     if rope_type != "default":
         raise ConfigError(f"rope_type {rope_type!r} is not supported; only the default RoPE")
-    return float(params.get("rope_theta", c["rope_theta"]))
+    theta = params.get("rope_theta", c["rope_theta"])
+    if not _POSITIVE_NUMBER.ok(theta):
+        raise ConfigError(f"config.json has rope_theta={_show(theta)}; it must be {_POSITIVE_NUMBER.what}")
+    return float(theta)
 
 
 def _moe_layers(arch: str, c: dict[str, Any]) -> tuple[bool, ...]:
