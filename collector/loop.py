@@ -10,136 +10,26 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import pyudev
 
-from collector import block, memory, nvme, pressure
-from collector.devices import BlockDevice, HotplugWatcher, NvmeController, block_devices, disk_holding, nvme_controllers
-from collector.sources import SourceStatus, SourceUnavailable
+from collector.samplers import (AgentSampler, BlockSampler, NvmeSampler, PressureSampler, Sampler, SelfSampler,
+                                SystemMemorySampler)
+from collector.status import SourceStatus
+from machine import pressure
+from machine.devices import BlockDevice, HotplugWatcher, block_devices, disk_holding, nvme_controllers
+from machine.sources import SourceUnavailable
 from store.db import Store
 from store.errors import StoreError
 from store.schema import DEFAULT_RETENTION_S
 
 log = logging.getLogger(__name__)
 COMPACT_EVERY_S = 3600.0
-
-
-class Sampler(Protocol):
-    source: str
-
-    def sample(self, t: float) -> dict[str, float]:
-        """Series values at monotonic time t; raises SourceUnavailable (or OSError) if it cannot."""
-
-
-@dataclass
-class BlockSampler:
-    device: str
-    source: str = ""
-    _previous: block.BlockStat | None = None
-
-    def __post_init__(self) -> None:
-        self.source = f"block statistics of {self.device} (/sys/block/{self.device}/stat)"
-
-    def sample(self, t: float) -> dict[str, float]:
-        current = block.read_stat(self.device, t)
-        previous, self._previous = self._previous, current
-        return block.block_series(self.device, block.block_rates(previous, current)) if previous else {}
-
-
-@dataclass
-class SystemMemorySampler:
-    source: str = "system memory (/proc/meminfo, /proc/vmstat)"
-    _previous: tuple[float, dict[str, int]] | None = None
-
-    def sample(self, t: float) -> dict[str, float]:
-        series = memory.meminfo_series(memory.parse_kib_table(Path("/proc/meminfo").read_text()))
-        vmstat = memory.parse_vmstat(Path("/proc/vmstat").read_text())
-        if self._previous is not None:
-            series |= memory.rates(self._previous[1], vmstat, t - self._previous[0], memory.VMSTAT_RATES)
-        self._previous = (t, vmstat)
-        return series
-
-
-@dataclass
-class AgentSampler:
-    pid_file: Path | None
-    source: str = "the agent process"
-    _pid: int | None = None
-    _previous: memory.Faults | None = None
-
-    def sample(self, t: float) -> dict[str, float]:
-        if self.pid_file is None:
-            raise SourceUnavailable("no --pid-file given, so the agent's memory is not sampled")
-        pid = memory.read_pid_file(self.pid_file)
-        if pid is None:
-            raise SourceUnavailable(f"the agent is not running (no live pid in {self.pid_file})")
-        if pid != self._pid:
-            self._pid, self._previous = pid, None
-        try:
-            status = memory.parse_kib_table(Path(f"/proc/{pid}/status").read_text())
-            faults = memory.parse_proc_stat(Path(f"/proc/{pid}/stat").read_text(), t)
-        except FileNotFoundError:
-            raise SourceUnavailable(f"the agent (pid {pid}) exited") from None
-        series = memory.status_series(status)
-        if self._previous is not None:
-            series |= memory.fault_series(self._previous, faults)
-        self._previous = faults
-        return series
-
-
-@dataclass
-class PressureSampler:
-    resource: str
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        self.source = f"{self.resource} pressure (/proc/pressure/{self.resource})"
-
-    def sample(self, t: float) -> dict[str, float]:
-        try:
-            return pressure.psi_series(self.resource, pressure.read_psi(self.resource))
-        except FileNotFoundError:
-            raise SourceUnavailable("the kernel has no pressure stall information (needs Linux >= 4.20 "
-                                    "with CONFIG_PSI=y, and psi=1 on the command line if it is off)") from None
-
-
-@dataclass
-class NvmeSampler:
-    controller: NvmeController
-    status: SourceStatus
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        self.source = f"NVMe temperature of {self.controller.name}"
-
-    def sample(self, t: float) -> dict[str, float]:
-        smart_source = f"NVMe SMART / Health log of {self.controller.name} ({self.controller.devnode})"
-        try:
-            series = nvme.smart_series(self.controller.name, nvme.read_smart_log(self.controller.devnode))
-            self.status.available(smart_source)
-            return series
-        except SourceUnavailable as e:
-            self.status.unavailable(smart_source, f"{e}; falling back to the hwmon temperature")
-        return {f"nvme.{self.controller.name}.temperature_c": nvme.hwmon_temperature_c(self.controller.sysfs)}
-
-
-@dataclass
-class SelfSampler:
-    source: str = "the collector's own CPU time"
-    _previous: tuple[float, float] | None = None
-
-    def sample(self, t: float) -> dict[str, float]:
-        times = os.times()
-        cpu = times.user + times.system
-        previous, self._previous = self._previous, (t, cpu)
-        return {"collector.cpu_fraction": (cpu - previous[1]) / (t - previous[0])} if previous else {}
 
 
 @dataclass

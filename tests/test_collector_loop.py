@@ -167,9 +167,9 @@ def test_the_collector_waits_for_a_locked_store_instead_of_exiting(tmp_path, cap
 
 
 def test_nvme_without_admin_access_falls_back_to_hwmon_and_says_so_once(tmp_path):
-    from collector.devices import NvmeController
-    from collector.loop import NvmeSampler
-    from collector.sources import SourceStatus
+    from collector.samplers import NvmeSampler
+    from collector.status import SourceStatus
+    from machine.devices import NvmeController
     (tmp_path / "hwmon0").mkdir()
     (tmp_path / "hwmon0" / "temp1_input").write_text("38000\n")
     events = []

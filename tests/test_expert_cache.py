@@ -18,6 +18,7 @@ from agent.experts.cap import cap_bounds, memory_limit_bytes, parse_cap
 from agent.experts.layout import INDEX, Index, StoreError
 from agent.experts.provider import InMemoryExperts
 from agent.experts.reader import BACKENDS
+from agent.monitor import SystemSampler
 from agent.policies import Policy
 from test_readers import fd_flags, flip_byte, write_store
 
@@ -339,15 +340,17 @@ class Recorder(Policy):
         return next(k for k in self.order if k not in pinned)
 
 
-def test_measured_read_latency_and_outside_samples_reach_the_policy(store, monkeypatch):
+def test_measured_read_latency_and_memory_pressure_reach_the_policy(store, monkeypatch, tmp_path):
     monkeypatch.setattr(cache_module, "SYSTEM_SAMPLE_INTERVAL_S", 0.0)
-    with ExpertCache(store, slots(store, LAYERS * 2), policy="test-recorder", scope="global") as cache:
+    (tmp_path / "memory").write_text("some avg10=25.00 avg60=0 avg300=0 total=1\nfull avg10=0 avg60=0 avg300=0 total=0\n")
+    monitor = SystemSampler(psi_root=tmp_path)
+    with ExpertCache(store, slots(store, LAYERS * 2), policy="test-recorder", scope="global", monitor=monitor) as cache:
         step(cache, 0, [0])
         cache.route(1, [1])
-        cache.system({"mem_pressure": 0.25})
         samples = cache._residency._parts[0].policy.samples
-    assert samples[0]["read_latency_s"] > 0 and "mem_pressure" not in samples[0]
-    assert samples[-1] == {"read_latency_s": samples[0]["read_latency_s"], "mem_pressure": 0.25}
+    assert samples[0]["mem_pressure"] == 0.25 and "read_latency_s" not in samples[0]  # no read finished yet
+    assert samples[-1]["read_latency_s"] > 0 and samples[-1]["mem_pressure"] == 0.25
+    assert cache.system_fed == (len(samples), samples[-1])
 
 
 @pytest.mark.parametrize("text,expected", [

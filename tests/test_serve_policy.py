@@ -1,15 +1,14 @@
 """Pure decisions of the service: the dynamic batch limit and the memory guard."""
 from __future__ import annotations
 
-from pathlib import Path
-
+from agent.monitor import SystemSample
 from agent.serve import batching
-from agent.serve.guard import GuardConfig, Pressure, PressureSampler, decide
+from agent.serve.guard import GuardConfig, decide
 
 CFG = GuardConfig(psi_full_avg10=10.0, major_faults_per_s=200.0, intervals=3, step=0.10)
-CALM = Pressure(psi_full_avg10=1.0, major_faults_per_s=5.0)
-PSI_HIGH = Pressure(psi_full_avg10=25.0, major_faults_per_s=5.0)
-FAULTS_HIGH = Pressure(psi_full_avg10=None, major_faults_per_s=900.0)
+CALM = SystemSample(psi_full_avg10=1.0, major_faults_per_s=5.0)
+PSI_HIGH = SystemSample(psi_full_avg10=25.0, major_faults_per_s=5.0)
+FAULTS_HIGH = SystemSample(psi_full_avg10=None, major_faults_per_s=900.0)
 
 
 def test_batch_limit_shrinks_by_a_fifth_while_the_ssd_is_busy_and_recovers():
@@ -52,16 +51,3 @@ def test_guard_reacts_to_major_faults_and_stops_at_the_working_set():
             cap = act.new_cap
             caps.append(cap)
     assert caps == [360, 324, 300]  # 10% steps, clamped at the floor, then nothing more to give
-
-
-def test_pressure_sampler_reads_psi_and_the_fault_rate(tmp_path: Path):
-    psi = tmp_path / "memory"
-    psi.write_text("some avg10=3.10 avg60=1.00 avg300=0.20 total=100\nfull avg10=12.50 avg60=2.00 avg300=0.00 total=50\n")
-    stat = tmp_path / "stat"
-    fields = ["S"] + [str(i) for i in range(4, 12)] + ["1234", "13"]  # majflt is field 12
-    stat.write_text("42 (a name) with) " + " ".join(fields) + "\n")
-    sampler = PressureSampler(stat, psi)
-    assert sampler.sample() == Pressure(12.5, None)  # no rate before a second sample
-    assert sampler.sample().major_faults_per_s == 0.0
-    psi.unlink()
-    assert sampler.sample().psi_full_avg10 is None  # a kernel without PSI: faults alone decide

@@ -6,7 +6,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.serve.guard import GuardConfig, PressureSampler
+from agent.serve.guard import GuardConfig
 from agent.serve.runtime import Runtime, ServeOptions
 from store import queries
 from store.db import Store
@@ -27,7 +27,7 @@ def runtime(tmp_path_factory, tmp_path):
 def test_sustained_memory_pressure_shrinks_the_cache_step_by_step_and_records_why(runtime, tmp_path):
     psi = tmp_path / "memory"
     psi.write_text("some avg10=60.00 avg60=40.00 avg300=10.00 total=1\nfull avg10=42.00 avg60=30.00 avg300=5.00 total=1\n")
-    runtime.pressure = PressureSampler(psi_path=psi)
+    runtime.monitor.psi_root = tmp_path
     runtime.guard_config = GuardConfig(psi_full_avg10=10.0, intervals=3, step=0.10)
     cap = runtime.cache.cap_bytes
     for _ in range(3):
@@ -50,7 +50,7 @@ def test_sustained_memory_pressure_shrinks_the_cache_step_by_step_and_records_wh
 
 
 def test_batch_limit_follows_the_collectors_ssd_utilisation(runtime):
-    runtime.ssd.device = "testdisk"  # read the collector's series for this name from the store
+    runtime.monitor.disk = "testdisk"  # no /sys/block/testdisk: the collector's series for it in the store
     store = runtime.recorder.store
     limits = []
     for util in (0.97, 0.97, 0.2):

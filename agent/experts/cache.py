@@ -18,14 +18,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from copy import copy
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from agent.experts.cap import MAX_MEMORY_SHARE, cap_bounds
@@ -33,13 +32,14 @@ from agent.experts.layout import CONFIG, EXPERTS, INDEX, Block, Index, StoreErro
 from agent.experts.provider import ExpertWeights, block_views
 from agent.experts.reader import IO_THREADS, MmapReader, open_reader
 from agent.experts.slots import SlotPool
+from agent.monitor import SystemSample, SystemSampler
 from agent.policies import Key, policy_factory
 from agent.residency import LayerStats, Residency
 
 log = logging.getLogger(__name__)
 
 LATENCY_SAMPLES = 4096        # recent read latencies kept for stats()
-SYSTEM_SAMPLE_INTERVAL_S = 1.0  # how often measured read latency is passed to the policy
+SYSTEM_SAMPLE_INTERVAL_S = 1.0  # how often a monitoring sample (agent.monitor) is passed to the policy
 
 
 # -- statistics ----------------------------------------------------------------------------------------
@@ -100,7 +100,8 @@ class _Step:
 class ExpertCache:
     def __init__(self, store_dir: Path | str, cap_bytes: int, policy: str = "lru", scope: str = "layer",
                  backend: str = "direct", verify: bool = True, min_per_layer: int | None = None,
-                 policy_options: dict | None = None, io_threads: int = IO_THREADS) -> None:
+                 policy_options: dict | None = None, io_threads: int = IO_THREADS,
+                 monitor: SystemSampler | None = None) -> None:
         if io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, got {io_threads}")
         self.store_dir = Path(store_dir)
@@ -132,8 +133,8 @@ class ExpertCache:
         self._ahead = io_threads      # reads a step larger than a partition keeps in flight
         self._bytes_read = self._reads = 0
         self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
-        self._last_sample = time.monotonic()
-        self._system: dict[str, float] = {}  # the latest monitoring values, passed to the policy together
+        self.monitor = monitor or SystemSampler()  # told of every read; asked for a sample at most every second
+        self._fed_t = -float("inf")  # the monitoring sample last passed to the policy
         self.system_fed: tuple[int, dict[str, float]] = (0, {})  # samples passed to the policy so far, the last
         log.info("expert cache: %d slots of %d bytes (%s scope, %s policy, %s backend)",
                  self._residency.capacity, self.index.slot_bytes, scope, policy, backend)
@@ -173,8 +174,9 @@ class ExpertCache:
         that slides on as get() moves on (see _fill), resident experts first, so none is evicted
         before its use, then the misses."""
         unique = list(dict.fromkeys(experts))
+        sample = self.monitor.sample(SYSTEM_SAMPLE_INTERVAL_S)
         with self._lock:
-            self._maybe_sample_system()  # before the route: a recorded trace replays it at the same point
+            self._feed_system(sample)  # before the route: a recorded trace replays it at the same point
             self._residency.route(layer, unique)
             if len(unique) <= self._room(self._residency.capacity):
                 step = _Step(unique)
@@ -336,28 +338,19 @@ class ExpertCache:
             self._reads += 1
             self._bytes_read += self.index.nbytes - min(before, self.index.nbytes)
             self._latency.append(elapsed)
+            self.monitor.read_done(elapsed)
             if self._inflight.get(load.key) is load:
                 del self._inflight[load.key]
                 self._ready[load.key] = weights
         load.future.set_result(weights)
 
-    def system(self, sample: Mapping[str, float]) -> None:
-        """A monitoring sample from outside (e.g. {"mem_pressure": ...}); the policy sees it with the read latency."""
-        with self._lock:
-            self._system.update(sample)
-            self._feed_system()
-
-    def _maybe_sample_system(self) -> None:
-        now = time.monotonic()
-        if now - self._last_sample >= SYSTEM_SAMPLE_INTERVAL_S and self._latency:
-            self._last_sample = now
-            self._system["read_latency_s"] = float(np.mean(list(self._latency)[-64:]))
-            self._feed_system()
-
-    def _feed_system(self) -> None:
-        sample = dict(self._system)
-        self._residency.system(sample)
-        self.system_fed = (self.system_fed[0] + 1, sample)
+    def _feed_system(self, sample: SystemSample) -> None:
+        """Pass a monitoring sample to the policy once, if it has anything to say."""
+        inputs = sample.policy_inputs()
+        if sample.t > self._fed_t and inputs:
+            self._fed_t = sample.t
+            self._residency.system(inputs)
+            self.system_fed = (self.system_fed[0] + 1, inputs)
 
     # -- live changes -----------------------------------------------------------------------------------------
     def resize(self, cap_bytes: int) -> list[Key]:

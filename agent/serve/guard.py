@@ -3,18 +3,15 @@
 Two signals, either one counts: pressure stall information (/proc/pressure/memory "full avg10", the
 share of the last 10 s in which every task was stalled on memory) and the agent's own major-fault
 rate (/proc/self/stat majflt: pages it had to read back from disk). One interval over a threshold
-is noise; `intervals` consecutive ones are thrash. `decide` is pure so it can be tested exactly.
+is noise; `intervals` consecutive ones are thrash. The signals come from agent.monitor (a value is
+None where it has no source, e.g. a kernel without PSI: the other signal then decides alone).
+`decide` is pure so it can be tested exactly.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from collector.memory import Faults, parse_proc_stat
-from collector.pressure import parse_psi
-
-PSI_MEMORY = Path("/proc/pressure/memory")
+from agent.monitor import SystemSample
 
 
 @dataclass(frozen=True)
@@ -26,18 +23,12 @@ class GuardConfig:
 
 
 @dataclass(frozen=True)
-class Pressure:
-    psi_full_avg10: float | None        # None where the kernel has no PSI
-    major_faults_per_s: float | None    # None on the first sample (no rate yet)
-
-
-@dataclass(frozen=True)
 class Shrink:
     new_cap: int
     reason: str
 
 
-def over_thresholds(p: Pressure, cfg: GuardConfig) -> list[str]:
+def over_thresholds(p: SystemSample, cfg: GuardConfig) -> list[str]:
     """Each signal over its threshold, described as 'signal value > threshold'."""
     out = []
     if p.psi_full_avg10 is not None and p.psi_full_avg10 > cfg.psi_full_avg10:
@@ -47,7 +38,7 @@ def over_thresholds(p: Pressure, cfg: GuardConfig) -> list[str]:
     return out
 
 
-def decide(streak: int, p: Pressure, cap: int, floor: int, cfg: GuardConfig) -> tuple[int, Shrink | None]:
+def decide(streak: int, p: SystemSample, cap: int, floor: int, cfg: GuardConfig) -> tuple[int, Shrink | None]:
     """(new streak, a shrink or None) after one sample. A step resets the streak, so the next one
     again needs `intervals` pressured samples; the cap never goes below `floor` (the working set)."""
     signals = over_thresholds(p, cfg)
@@ -62,25 +53,3 @@ def decide(streak: int, p: Pressure, cap: int, floor: int, cfg: GuardConfig) -> 
     reason = (f"memory pressure for {streak} consecutive intervals: {'; '.join(signals)}; "
               f"cache cap {cap} -> {new_cap} bytes (-{cfg.step:.0%}, floor {floor})")
     return 0, Shrink(new_cap, reason)
-
-
-class PressureSampler:
-    """Reads the two signals (with the collector's parsers); the fault rate is per second between reads."""
-
-    def __init__(self, stat_path: Path = Path("/proc/self/stat"), psi_path: Path = PSI_MEMORY) -> None:
-        self._stat, self._psi = stat_path, psi_path
-        self._last: Faults | None = None
-
-    def sample(self) -> Pressure:
-        faults = parse_proc_stat(self._stat.read_text(), time.monotonic())
-        rate = None
-        if self._last is not None and faults.t > self._last.t:
-            rate = (faults.majflt - self._last.majflt) / (faults.t - self._last.t)
-        self._last = faults
-        return Pressure(self._psi_full_avg10(), rate)
-
-    def _psi_full_avg10(self) -> float | None:
-        try:
-            return parse_psi(self._psi.read_text())["full"]["avg10"]
-        except (OSError, KeyError, ValueError):
-            return None  # no PSI in this kernel: the fault rate alone decides

@@ -67,11 +67,6 @@ class Tick:
     def tokens_per_s(self) -> float:
         return self.tokens / self.interval_s if self.interval_s > 0 else 0.0
 
-    @property
-    def read_busy(self) -> float:
-        """Share of the interval the cache spent waiting on reads (capped at 1): the SSD busy estimate."""
-        return min(1.0, sum(self.read_latencies) / self.interval_s) if self.interval_s > 0 else 0.0
-
 
 @dataclass
 class _Previous:

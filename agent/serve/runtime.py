@@ -1,8 +1,9 @@
 """The agent's one runtime object: model, cache, scheduler, knobs, metrics, store, guard.
 
 The HTTP routes (agent.serve.app) only call the methods here. A one-second ticker thread turns the
-counters into a Tick (metrics, store), adapts the batch limit to SSD utilisation and runs the
-memory guard. Knob changes are applied on the scheduler thread between two steps, so a shrink
+counters into a Tick (metrics, store), takes a monitoring sample (agent.monitor, the one the
+cache's policy sees too), adapts the batch limit to its SSD utilisation and runs the memory guard
+on it. Knob changes are applied on the scheduler thread between two steps, so a shrink
 never frees a slot the running step still reads.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from agent.experts.cache import ExpertCache
 from agent.experts.cap import cap_bounds, parse_cap
 from agent.experts.layout import CONFIG, INDEX, Index
 from agent.experts.reader import IO_THREADS
+from agent.monitor import SystemSample, SystemSampler
 from agent.model.config import MoEConfig
 from agent.policies import DEFAULT_POLICY, live_policies, policy_factory, policy_knobs, policy_options
 from agent.serve import batching, guard
@@ -28,7 +30,6 @@ from agent.serve.knobs import KnobError, Knobs, Limits
 from agent.serve.metrics import Metrics, Tick
 from agent.serve.recorder import Recorder
 from agent.serve.scheduler import ADMIT_WINDOW_S, Request, Scheduler, check_admit_window
-from agent.serve.ssd import SsdUtil
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ class Runtime:
     def __init__(self, opts: ServeOptions, registry: CollectorRegistry, store=None) -> None:
         self.opts, self.started = opts, time.time()
         self.recorder = Recorder(store) if store is not None else None
+        self.monitor = SystemSampler.for_experts(opts.model_dir, store.path if store is not None else None)
         self.cache = ExpertCache(opts.model_dir, _first_cap(opts), policy=opts.policy or DEFAULT_POLICY, backend=opts.backend,
-                                 io_threads=opts.io_threads)
+                                 io_threads=opts.io_threads, monitor=self.monitor)
         try:
             self.engine = ModelEngine(opts.model_dir, self.cache, threads=opts.threads)
         except BaseException:
@@ -69,8 +71,6 @@ class Runtime:
         self.knobs.commit({"cache_cap_bytes": self.cache.cap_bytes, "policy": self.cache.policy_name})
         self.metrics = Metrics(registry, self.cache.index.n_layers)
         self.scheduler = Scheduler(self.engine, self.knobs["max_batch_size"], self.metrics.request, opts.admit_window_s)
-        self.ssd = SsdUtil(opts.model_dir, store)
-        self.pressure = guard.PressureSampler()
         self.guard_config, self._guard_streak = guard.GuardConfig(), 0
         self._knob_lock = threading.Lock()
         self._stop = threading.Event()
@@ -197,7 +197,7 @@ class Runtime:
             "batch_size": self.scheduler.batch_size, "batch_limit": self.scheduler.limit,
             "queue_depth": len(self.scheduler.waiting), "tokens_generated": self.scheduler.tokens_total,
             "model_steps": self.scheduler.steps,
-            "ssd_util": self.ssd.last, "ssd_util_source": self.ssd.source,
+            "ssd_util": self.monitor.last.ssd_util, "ssd_util_source": self.monitor.last.sources.get("ssd_util"),
         }
 
     # -- the one-second tick -----------------------------------------------------------------------------
@@ -217,20 +217,20 @@ class Runtime:
         else:
             self.metrics.drain_requests()
         if not self._stop.is_set():
-            self._adapt_batch(tick)
-            self._guard(tick)
+            sample = self.monitor.sample()
+            self._adapt_batch(sample)
+            self._guard(sample)
         return tick
 
-    def _adapt_batch(self, tick: Tick) -> None:
-        util = self.ssd.read(tick.read_busy)
+    def _adapt_batch(self, sample: SystemSample) -> None:
+        util = sample.ssd_util
         limit = batching.next_limit(self.scheduler.limit, self.scheduler.max_batch, util, self.knobs["ssd_util_threshold"])
         if limit != self.scheduler.limit:
             log.debug("batch limit %d -> %d (SSD utilisation %.2f from %s, threshold %.2f)", self.scheduler.limit,
-                     limit, util or 0.0, self.ssd.source, self.knobs["ssd_util_threshold"])
+                     limit, util or 0.0, sample.sources["ssd_util"], self.knobs["ssd_util_threshold"])
             self.scheduler.limit = limit
 
-    def _guard(self, tick: Tick) -> None:
-        pressure = self.pressure.sample()
+    def _guard(self, pressure: SystemSample) -> None:
         if not self.knobs["auto_shrink"]:
             self._guard_streak = 0
             return

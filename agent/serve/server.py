@@ -23,7 +23,7 @@ import socket
 from pathlib import Path
 
 from agent.experts.layout import StoreError as ExpertStoreError
-from collector.memory import read_pid_file
+from machine.memory import read_pid_file
 from agent.experts.reader import BACKENDS, IO_THREADS
 from agent.serve.scheduler import ADMIT_WINDOW_S
 

@@ -7,11 +7,6 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-
-class SourceUnavailable(Exception):
-    """A data source cannot be read here; the message says what and why (and what would help)."""
-
-
 EventSink = Callable[[str, str], None]     # (kind, message) -> recorded in the store
 
 
@@ -32,6 +27,3 @@ class SourceStatus:
         if self._down.pop(source, None) is not None:
             log.info("%s is readable again", source)
             self.record_event("collector.source_available", f"{source} is readable again")
-
-    def is_down(self, source: str) -> bool:
-        return source in self._down

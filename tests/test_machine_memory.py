@@ -4,7 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from collector import memory, pressure
+import pytest
+
+from collector import series
+from machine import memory, pressure
 
 MEMINFO = """MemTotal:       24684544 kB
 MemFree:        23908352 kB
@@ -20,14 +23,14 @@ STATUS = "Name:\tpython\nVmHWM:\t  204800 kB\nVmRSS:\t  102400 kB\nRssAnon:\t   
 
 
 def test_meminfo_becomes_bytes_and_swap_used():
-    series = memory.meminfo_series(memory.parse_kib_table(MEMINFO))
-    assert series == {"mem.total_bytes": 24684544 * 1024, "mem.available_bytes": 24248320 * 1024,
+    out = series.meminfo_series(memory.parse_kib_table(MEMINFO))
+    assert out == {"mem.total_bytes": 24684544 * 1024, "mem.available_bytes": 24248320 * 1024,
                       "mem.free_bytes": 23908352 * 1024, "mem.cached_bytes": 501248 * 1024,
                       "mem.dirty_bytes": 128 * 1024, "mem.swap_used_bytes": 524288 * 1024}
 
 
 def test_status_fields_of_the_agent():
-    assert memory.status_series(memory.parse_kib_table(STATUS)) == {
+    assert series.status_series(memory.parse_kib_table(STATUS)) == {
         "mem.agent.rss_bytes": 102400 * 1024, "mem.agent.hwm_bytes": 204800 * 1024,
         "mem.agent.rss_anon_bytes": 81920 * 1024, "mem.agent.rss_file_bytes": 20480 * 1024,
         "mem.agent.swap_bytes": 0}
@@ -38,14 +41,14 @@ def test_fault_counters_survive_a_command_name_with_spaces_and_parens():
     faults = memory.parse_proc_stat(line, 5.0)
     assert (faults.minflt, faults.majflt) == (1500, 37)
     later = memory.Faults(7.0, 1700, 41)
-    assert memory.fault_series(faults, later) == {"mem.agent.minflt_per_s": 100.0,
+    assert series.fault_series(faults, later) == {"mem.agent.minflt_per_s": 100.0,
                                                   "mem.agent.majflt_per_s": 2.0}
 
 
 def test_vmstat_rates_per_second():
     before = memory.parse_vmstat("pgmajfault 100\nworkingset_refault_anon 0\nworkingset_refault_file 50\n")
     after = memory.parse_vmstat("pgmajfault 160\nworkingset_refault_anon 4\nworkingset_refault_file 50\n")
-    assert memory.rates(before, after, 2.0, memory.VMSTAT_RATES) == {
+    assert series.rates(before, after, 2.0, series.VMSTAT_RATES) == {
         "vm.pgmajfault_per_s": 30.0, "vm.workingset_refault_anon_per_s": 2.0,
         "vm.workingset_refault_file_per_s": 0.0}
 
@@ -53,7 +56,7 @@ def test_vmstat_rates_per_second():
 def test_real_proc_files_parse():
     own = memory.parse_proc_stat(Path("/proc/self/stat").read_text(), 0.0)
     assert own.minflt > 0
-    assert memory.meminfo_series(memory.parse_kib_table(Path("/proc/meminfo").read_text()))["mem.total_bytes"] > 0
+    assert series.meminfo_series(memory.parse_kib_table(Path("/proc/meminfo").read_text()))["mem.total_bytes"] > 0
     assert "pgmajfault" in memory.parse_vmstat(Path("/proc/vmstat").read_text())
 
 
@@ -74,7 +77,7 @@ PSI = "some avg10=1.50 avg60=0.75 avg300=0.10 total=123456\nfull avg10=0.25 avg6
 
 
 def test_psi_lines_become_series():
-    assert pressure.psi_series("io", pressure.parse_psi(PSI)) == {
+    assert series.psi_series("io", pressure.parse_psi(PSI)) == {
         "psi.io.some_avg10": 1.5, "psi.io.some_total_us": 123456,
         "psi.io.full_avg10": 0.25, "psi.io.full_total_us": 789}
 
@@ -82,3 +85,9 @@ def test_psi_lines_become_series():
 def test_real_pressure_files_parse():
     psi = pressure.read_psi("memory")
     assert {"some", "full"} <= set(psi) and psi["some"]["total"] >= 0
+
+
+def test_a_kernel_without_pressure_files_says_what_it_needs(tmp_path):
+    from machine.sources import SourceUnavailable
+    with pytest.raises(SourceUnavailable, match="CONFIG_PSI=y"):
+        pressure.read_psi("memory", tmp_path)

@@ -87,8 +87,3 @@ def block_rates(previous: BlockStat, current: BlockStat) -> BlockRates:
         avg_request_bytes=(d["sectors_read"] + d["sectors_written"]) * SECTOR / ios if ios else 0.0,
         queue_depth=d["time_in_queue_ms"] / (dt * 1000),
     )
-
-
-def block_series(device: str, rates: BlockRates) -> dict[str, float]:
-    """The store series (block.{dev}.*, see store.schema) of one interval."""
-    return {f"block.{device}.{name}": value for name, value in vars(rates).items()}

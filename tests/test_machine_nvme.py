@@ -4,8 +4,9 @@ import struct
 
 import pytest
 
-from collector import nvme
-from collector.sources import SourceUnavailable
+from collector import series
+from machine import nvme
+from machine.sources import SourceUnavailable
 
 U128 = (1 << 128) - 1
 
@@ -65,13 +66,13 @@ def test_a_healthy_empty_log_has_no_warnings_and_no_sensors():
 
 def test_series_use_the_catalogue_names_and_celsius():
     log = nvme.parse_smart_log(build_log(temperature_k=318, units_written=10, sensors=[320, 0, 0, 0, 0, 0, 0, 0]))
-    series = nvme.smart_series("nvme0", log)
-    assert series["nvme.nvme0.temperature_c"] == 45
-    assert series["nvme.nvme0.data_written_bytes"] == 5_120_000
-    assert series["nvme.nvme0.temp_sensor1_c"] == 47
-    assert "nvme.nvme0.temp_sensor2_c" not in series
+    out = series.smart_series("nvme0", log)
+    assert out["nvme.nvme0.temperature_c"] == 45
+    assert out["nvme.nvme0.data_written_bytes"] == 5_120_000
+    assert out["nvme.nvme0.temp_sensor1_c"] == 47
+    assert "nvme.nvme0.temp_sensor2_c" not in out
     from store.schema import spec_for
-    assert all(spec_for(name) is not None for name in series)
+    assert all(spec_for(name) is not None for name in out)
 
 
 @pytest.mark.parametrize("size", [0, 511, 513, 4096])

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from machine.sources import SourceUnavailable
+
 RESOURCES = ("memory", "io")
 
 
@@ -15,15 +17,10 @@ def parse_psi(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def psi_series(resource: str, psi: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The store series psi.{res}.{some,full}_{avg10,total_us} present in one reading."""
-    series = {}
-    for kind in ("some", "full"):
-        if kind in psi:
-            series[f"psi.{resource}.{kind}_avg10"] = psi[kind]["avg10"]
-            series[f"psi.{resource}.{kind}_total_us"] = int(psi[kind]["total"])
-    return series
-
-
 def read_psi(resource: str, root: Path = Path("/proc/pressure")) -> dict[str, dict[str, float]]:
-    return parse_psi((root / resource).read_text())
+    """One reading of /proc/pressure/<resource>; SourceUnavailable if the kernel keeps none."""
+    try:
+        return parse_psi((root / resource).read_text())
+    except FileNotFoundError:
+        raise SourceUnavailable("the kernel has no pressure stall information (needs Linux >= 4.20 "
+                                "with CONFIG_PSI=y, and psi=1 on the command line if it is off)") from None

@@ -1,7 +1,8 @@
 """iostat -x arithmetic over two /sys/block/*/stat readings, counter wrap and reset."""
 import pytest
 
-from collector import block
+from collector import series
+from machine import block
 
 #          reads merged sectors rd_ms writes merged sectors wr_ms inflight io_ticks in_queue + discard/flush
 BEFORE = "  1000   10   80000   500    2000   20   160000  4000   1   3000    4500   0 0 0 0 0 0"
@@ -56,7 +57,7 @@ def test_reads_the_real_stat_files():
     first = block.read_stat(device, 0.0)
     second = block.read_stat(device, 1.0)
     assert second.reads >= first.reads and second.io_ticks_ms >= first.io_ticks_ms
-    series = block.block_series(device, block.block_rates(first, second))
-    assert set(series) == {f"block.{device}.{m}" for m in (
+    out = series.block_series(device, block.block_rates(first, second))
+    assert set(out) == {f"block.{device}.{m}" for m in (
         "reads_per_s", "writes_per_s", "read_bytes_per_s", "write_bytes_per_s", "util",
         "r_await_s", "w_await_s", "avg_request_bytes", "queue_depth")}

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import pyudev
 
-from collector.devices import HotplugWatcher, block_devices, disk_holding, nvme_controllers
+from machine.devices import HotplugWatcher, block_devices, disk_holding, nvme_controllers
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from collector.sources import SourceUnavailable
+from machine.sources import SourceUnavailable
 
 LOG_SIZE = 512
 KELVIN = 273.15
@@ -159,26 +159,3 @@ def hwmon_temperature_c(controller_sysfs: Path) -> float:
         return int(node.read_text()) / 1000.0
     raise SourceUnavailable(f"{controller_sysfs} has no hwmon temperature (kernel without "
                             f"CONFIG_NVME_HWMON)")
-
-
-def smart_series(ctrl: str, log: SmartLog) -> dict[str, float]:
-    """The store series (see store.schema, nvme.{ctrl}.*) of one parsed log."""
-    series: dict[str, float] = {
-        f"nvme.{ctrl}.temperature_c": round(log.composite_temperature_c),
-        f"nvme.{ctrl}.critical_warning": log.critical_warning,
-        f"nvme.{ctrl}.available_spare_pct": log.available_spare_pct,
-        f"nvme.{ctrl}.percentage_used": log.percentage_used,
-        f"nvme.{ctrl}.data_read_bytes": log.data_read_bytes,
-        f"nvme.{ctrl}.data_written_bytes": log.data_written_bytes,
-        f"nvme.{ctrl}.host_read_commands": log.host_read_commands,
-        f"nvme.{ctrl}.host_write_commands": log.host_write_commands,
-        f"nvme.{ctrl}.busy_time_min": log.controller_busy_time_min,
-        f"nvme.{ctrl}.power_on_hours": log.power_on_hours,
-        f"nvme.{ctrl}.unsafe_shutdowns": log.unsafe_shutdowns,
-        f"nvme.{ctrl}.media_errors": log.media_errors,
-        f"nvme.{ctrl}.error_log_entries": log.error_log_entries,
-    }
-    for i, kelvin in enumerate(log.temperature_sensors_k, start=1):
-        if kelvin is not None:
-            series[f"nvme.{ctrl}.temp_sensor{i}_c"] = round(kelvin - KELVIN)
-    return series

@@ -1,0 +1,121 @@
+"""The collector's samplers: each reads one part of the machine (machine/) and names its store series."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from collector import series
+from collector.status import SourceStatus
+from machine import memory, nvme, pressure
+from machine.block import BlockStat, block_rates, read_stat
+from machine.devices import NvmeController
+from machine.sources import SourceUnavailable
+
+
+class Sampler(Protocol):
+    source: str
+
+    def sample(self, t: float) -> dict[str, float]:
+        """Series values at monotonic time t; raises SourceUnavailable (or OSError) if it cannot."""
+
+
+@dataclass
+class BlockSampler:
+    device: str
+    source: str = ""
+    _previous: BlockStat | None = None
+
+    def __post_init__(self) -> None:
+        self.source = f"block statistics of {self.device} (/sys/block/{self.device}/stat)"
+
+    def sample(self, t: float) -> dict[str, float]:
+        current = read_stat(self.device, t)
+        previous, self._previous = self._previous, current
+        return series.block_series(self.device, block_rates(previous, current)) if previous else {}
+
+
+@dataclass
+class SystemMemorySampler:
+    source: str = "system memory (/proc/meminfo, /proc/vmstat)"
+    _previous: tuple[float, dict[str, int]] | None = None
+
+    def sample(self, t: float) -> dict[str, float]:
+        out = series.meminfo_series(memory.parse_kib_table(Path("/proc/meminfo").read_text()))
+        vmstat = memory.parse_vmstat(Path("/proc/vmstat").read_text())
+        if self._previous is not None:
+            out |= series.rates(self._previous[1], vmstat, t - self._previous[0], series.VMSTAT_RATES)
+        self._previous = (t, vmstat)
+        return out
+
+
+@dataclass
+class AgentSampler:
+    pid_file: Path | None
+    source: str = "the agent process"
+    _pid: int | None = None
+    _previous: memory.Faults | None = None
+
+    def sample(self, t: float) -> dict[str, float]:
+        if self.pid_file is None:
+            raise SourceUnavailable("no --pid-file given, so the agent's memory is not sampled")
+        pid = memory.read_pid_file(self.pid_file)
+        if pid is None:
+            raise SourceUnavailable(f"the agent is not running (no live pid in {self.pid_file})")
+        if pid != self._pid:
+            self._pid, self._previous = pid, None
+        try:
+            status = memory.parse_kib_table(Path(f"/proc/{pid}/status").read_text())
+            faults = memory.parse_proc_stat(Path(f"/proc/{pid}/stat").read_text(), t)
+        except FileNotFoundError:
+            raise SourceUnavailable(f"the agent (pid {pid}) exited") from None
+        out = series.status_series(status)
+        if self._previous is not None:
+            out |= series.fault_series(self._previous, faults)
+        self._previous = faults
+        return out
+
+
+@dataclass
+class PressureSampler:
+    resource: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self.source = f"{self.resource} pressure (/proc/pressure/{self.resource})"
+
+    def sample(self, t: float) -> dict[str, float]:
+        return series.psi_series(self.resource, pressure.read_psi(self.resource))
+
+
+@dataclass
+class NvmeSampler:
+    controller: NvmeController
+    status: SourceStatus
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self.source = f"NVMe temperature of {self.controller.name}"
+
+    def sample(self, t: float) -> dict[str, float]:
+        smart_source = f"NVMe SMART / Health log of {self.controller.name} ({self.controller.devnode})"
+        try:
+            out = series.smart_series(self.controller.name, nvme.read_smart_log(self.controller.devnode))
+            self.status.available(smart_source)
+            return out
+        except SourceUnavailable as e:
+            self.status.unavailable(smart_source, f"{e}; falling back to the hwmon temperature")
+        return {f"nvme.{self.controller.name}.temperature_c": nvme.hwmon_temperature_c(self.controller.sysfs)}
+
+
+@dataclass
+class SelfSampler:
+    source: str = "the collector's own CPU time"
+    _previous: tuple[float, float] | None = None
+
+    def sample(self, t: float) -> dict[str, float]:
+        times = os.times()
+        cpu = times.user + times.system
+        previous, self._previous = self._previous, (t, cpu)
+        return {"collector.cpu_fraction": (cpu - previous[1]) / (t - previous[0])} if previous else {}

@@ -1,0 +1,67 @@
+"""Memory: /proc/meminfo, /proc/vmstat, a process's /proc/<pid>/status and stat, and pid files."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+KIB = 1024
+
+
+def parse_kib_table(text: str) -> dict[str, int]:
+    """`Key:   123 kB` lines (meminfo, /proc/<pid>/status) as bytes; lines without kB are skipped."""
+    out = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB":
+            out[key] = int(parts[0]) * KIB
+    return out
+
+
+def parse_vmstat(text: str) -> dict[str, int]:
+    """/proc/vmstat `name value` lines."""
+    return {name: int(value) for name, value in (line.split() for line in text.splitlines() if line)}
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Cumulative page faults of one process at monotonic time t."""
+    t: float
+    minflt: int
+    majflt: int
+
+
+def parse_proc_stat(text: str, t: float) -> Faults:
+    """/proc/<pid>/stat: fields after the parenthesised comm (which may hold spaces and ')');
+    minflt is field 10 and majflt field 12 (1-based, proc(5))."""
+    rest = text[text.rindex(")") + 2:].split()
+    return Faults(t, int(rest[10 - 3]), int(rest[12 - 3]))
+
+
+
+
+
+
+
+
+
+
+def read_pid_file(path: Path) -> int | None:
+    """The pid in the file if that process is alive, else None (no file, garbage, or gone)."""
+    try:
+        pid = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if pid > 0 and Path(f"/proc/{pid}/stat").exists() and _alive(pid) else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True          # exists, owned by someone else
+    state = Path(f"/proc/{pid}/stat").read_text()
+    return state[state.rindex(")") + 2] != "Z"
