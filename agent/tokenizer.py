@@ -54,7 +54,9 @@ class HFTokenizer:
                                  f"or delete it to use the byte-level fallback") from None
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        # encode_batch releases the GIL (encode does not), so a long prompt tokenized on a worker
+        # thread leaves the agent's event loop free to answer other requests.
+        return self._tok.encode_batch([text])[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -65,6 +65,16 @@ def stop(proc: subprocess.Popen) -> int:
     return proc.wait()
 
 
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    """Poll `predicate` until it returns something true, and return that; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def demo_model(tmp_path_factory) -> Path:
     """The small demo model, written once per test session (init-demo is idempotent)."""
     out = tmp_path_factory.getbasetemp() / "demo-small"

@@ -4,25 +4,14 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from agent.policies import DEFAULT_POLICY
-from agents import CLI, demo_model, free_port, start_agent
+from agents import CLI, demo_model, free_port, start_agent, wait_for
 from store import queries
-
-
-def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -136,6 +136,7 @@ class ExpertCache:
         self.monitor = monitor or SystemSampler()  # told of every read; asked for a sample at most every second
         self._fed_t = -float("inf")  # the monitoring sample last passed to the policy
         self.system_fed: tuple[int, dict[str, float]] = (0, {})  # samples passed to the policy so far, the last
+        self.damaged: dict[Key, str] = {}  # blocks whose read failed its CRC32 or came back short, and why
         log.info("expert cache: %d slots of %d bytes (%s scope, %s policy, %s backend)",
                  self._residency.capacity, self.index.slot_bytes, scope, policy, backend)
 
@@ -325,6 +326,8 @@ class ExpertCache:
             weights = block_views(torch.from_numpy(data), self.index)
         except BaseException as exc:
             with self._lock:  # cleanup and failure are seen together: no get() re-reads in between
+                if isinstance(exc, StoreError):
+                    self.damaged[load.key] = str(exc)
                 current = self._inflight.get(load.key) is load
                 if current:
                     self._residency.drop(load.key)

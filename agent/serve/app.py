@@ -3,6 +3,12 @@
 Routes only translate HTTP to Runtime calls. Control calls (PUT /v1/knobs, POST /v1/cache/preload)
 need the bearer token when the agent has one; the `X-FlashMoE-Source` header says who changed a
 knob ("api" by default, "dashboard" from the dashboard) and goes into the store with the change.
+
+Work per request is bounded before it starts (agent.serve.limits): a body over the limit is refused
+unread (413), a text prompt over `max_prompt_bytes` is refused before it is tokenized (413), and
+tokenizing runs on a worker thread (the tokenizer releases the GIL), so the event loop keeps
+answering /v1/status meanwhile. A client that goes away cancels its request,
+streaming or not.
 """
 from __future__ import annotations
 
@@ -11,17 +17,19 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import Body, Depends, FastAPI, Header, HTTPException
+from fastapi import Body, Depends, FastAPI, Header, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.serve.knobs import SOURCES, KnobError
+from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
 from agent.serve.runtime import Runtime
 from agent.serve.scheduler import Event
 from agent.serve.scheduler import Request as Job
@@ -30,24 +38,39 @@ CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
 
 
 class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (e.g. user)
+    # OpenAI clients send fields we do not use (e.g. user); NaN and Infinity are no sampling settings
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     prompt: str | list[int] = Field(description="text, or token ids")
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1, le=2**31 - 1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     stream: bool = False
     n: int = Field(1, ge=1, le=1, description="one choice per request")
+
+    @field_validator("prompt")
+    @classmethod
+    def _valid_unicode(cls, prompt: str | list[int]) -> str | list[int]:
+        """JSON may carry a lone surrogate (\ud800) that no tokenizer can encode."""
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"the text has a lone surrogate {prompt[exc.start]!r} at character {exc.start}; "
+                                 f"send valid Unicode") from None
+        return prompt
 
 
 class PreloadRequest(BaseModel):
     experts: list[tuple[int, int]] = Field(description="[[layer, expert], ...] to bring into the cache")
 
 
-def create_app(runtime: Runtime, tokenizer, token: str | None = None) -> FastAPI:
+def create_app(runtime: Runtime, tokenizer, token: str | None = None,
+               max_prompt_bytes: int = MAX_PROMPT_BYTES) -> FastAPI:
     app = FastAPI(title="FlashMoE agent", version="0.1.0",
                   description="MoE inference with experts on the SSD behind a learned RAM cache.")
-    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # ours, and FastAPI's own (a body not JSON)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(BodyLimit, limit=body_limit(max_prompt_bytes))
     model_name = runtime.opts.model_dir.name
     config = runtime.engine.config
     stop_ids = frozenset([] if config.eos_token_id is None else [config.eos_token_id])
@@ -99,8 +122,11 @@ def create_app(runtime: Runtime, tokenizer, token: str | None = None) -> FastAPI
         return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
-        prompt_ids = _prompt_ids(body, tokenizer, config)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        if isinstance(body.prompt, str) and len(body.prompt.encode()) > max_prompt_bytes:
+            raise HTTPException(413, f"prompt is {len(body.prompt.encode())} bytes; this agent takes at most "
+                                     f"{max_prompt_bytes} (serve --max-prompt-bytes)")
+        prompt_ids = await asyncio.to_thread(_prompt_ids, body, tokenizer, config)
         queue: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         job = Job(id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=prompt_ids, max_tokens=body.max_tokens,
@@ -111,9 +137,13 @@ def create_app(runtime: Runtime, tokenizer, token: str | None = None) -> FastAPI
         except RuntimeError as exc:
             raise HTTPException(503, str(exc)) from None
         head = {"id": job.id, "object": "text_completion", "created": int(time.time()), "model": model_name}
-        if body.stream:
+        if body.stream:  # Starlette cancels the stream when its client goes away
             return StreamingResponse(_stream(job, queue, head, tokenizer), media_type="text/event-stream")
-        return await _collect(job, queue, head, tokenizer)
+        watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
+        try:
+            return await _collect(job, queue, head, tokenizer)
+        finally:
+            watcher.cancel()
 
     return app
 
@@ -125,17 +155,70 @@ def _error_body(status: int, message: str, detail: Any) -> JSONResponse:
                         status_code=status)
 
 
-async def _http_error(request, exc: HTTPException) -> JSONResponse:
+async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:
     return _error_body(exc.status_code, str(exc.detail), exc.detail)
 
 
 async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in errors)
+    # Not the refused input itself: it may be NaN (no JSON can carry it back) or megabytes long.
+    errors = [{"type": e["type"], "loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
+    message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors)
     return _error_body(422, message, jsonable_encoder(errors))
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is refused with 413 before it is read whole
+    (by its Content-Length when it has one), so no handler parses or tokenizes it. A body within the
+    limit is handed on, and the connection's later messages (a disconnect) too."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                return await self._refuse(send)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send) -> None:
+        message = (f"the request body is over this agent's limit of {self.limit} bytes; shorten the prompt "
+                   f"(serve --max-prompt-bytes sets the limit)")
+        await _error_body(413, message, message)({"type": "http"}, _no_body, send)
+
+
+async def _no_body() -> dict:
+    return {"type": "http.disconnect"}
+
+
+async def _cancel_on_disconnect(receive: Callable[[], Awaitable[dict]], job: Job) -> None:
+    """Once the body is read, the next message is the client's disconnect: its request stops."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled = True
+
+
 def _prompt_ids(body: CompletionRequest, tokenizer, config) -> list[int]:
+    """The prompt as token ids, checked against the vocabulary and the context (runs off the event loop)."""
     ids = list(tokenizer.encode(body.prompt)) if isinstance(body.prompt, str) else list(body.prompt)
     if not ids:
         raise HTTPException(400, "prompt is empty: give text or at least one token id")

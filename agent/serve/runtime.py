@@ -24,7 +24,7 @@ from agent.experts.reader import IO_THREADS
 from agent.monitor import SystemSample, SystemSampler
 from agent.model.config import MoEConfig
 from agent.policies import DEFAULT_POLICY, live_policies, policy_factory, policy_knobs, policy_options
-from agent.serve import batching, guard
+from agent.serve import batching, guard, scrub
 from agent.serve.engine import ModelEngine
 from agent.serve.knobs import KnobError, Knobs, Limits
 from agent.serve.metrics import Metrics, Tick
@@ -49,6 +49,7 @@ class ServeOptions:
     threads: int = 1                 # torch intra-op threads of the thread that steps the model
     io_threads: int = IO_THREADS     # expert reads in flight at once
     admit_window_s: float = ADMIT_WINDOW_S  # how long an idle scheduler waits for a burst to share its first step
+    verify: bool = False             # check every block's CRC32 in the background while idle
 
     def __post_init__(self) -> None:
         check_admit_window(self.admit_window_s)  # before the model loads, so a bad value fails at once
@@ -71,6 +72,11 @@ class Runtime:
         self.knobs.commit({"cache_cap_bytes": self.cache.cap_bytes, "policy": self.cache.policy_name})
         self.metrics = Metrics(registry, self.cache.index.n_layers)
         self.scheduler = Scheduler(self.engine, self.knobs["max_batch_size"], self.metrics.request, opts.admit_window_s)
+        self.truncated = scrub.truncated(opts.model_dir, self.cache.index)
+        if self.truncated:
+            log.error("the expert store is truncated: %d blocks end past the end of its file", len(self.truncated))
+        self.scrub = scrub.Scrub(opts.model_dir, self.cache.index, opts.backend,
+                                 busy=lambda: bool(self.scheduler.running or self.scheduler.waiting))
         self.guard_config, self._guard_streak = guard.GuardConfig(), 0
         self._knob_lock = threading.Lock()
         self._stop = threading.Event()
@@ -83,9 +89,12 @@ class Runtime:
         self.scheduler.start()
         self._initial_knobs()
         self._ticker.start()
+        if self.opts.verify:
+            self.scrub.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self.scrub.stop()
         self.scheduler.stop()
         if self._ticker.is_alive():
             self._ticker.join(5)
@@ -198,7 +207,16 @@ class Runtime:
             "queue_depth": len(self.scheduler.waiting), "tokens_generated": self.scheduler.tokens_total,
             "model_steps": self.scheduler.steps,
             "ssd_util": self.monitor.last.ssd_util, "ssd_util_source": self.monitor.last.sources.get("ssd_util"),
+            "store": self.store_health(),
         }
+
+    def store_health(self) -> dict[str, Any]:
+        """Damaged blocks found by the size check at start, by reads while serving and by the scrub."""
+        damaged = {**self.truncated, **self.scrub.damaged, **self.cache.damaged}
+        return {"blocks": len(self.cache.index.blocks), "damaged": len(damaged),
+                "damaged_blocks": [{"layer": layer, "expert": expert, "reason": reason}
+                                   for (layer, expert), reason in sorted(damaged.items())],
+                "verify": self.scrub.describe() if self.opts.verify else None}
 
     # -- the one-second tick -----------------------------------------------------------------------------
     def _tick_loop(self) -> None:

@@ -188,8 +188,7 @@ class Scheduler:
             try:
                 request.state = self.engine.begin(request)
             except Exception as exc:
-                log.exception("request %s could not start", request.id)
-                request.sink(Event("error", error=str(exc)))
+                self._fail(request, exc)
                 continue
             self.running.append(request)
 
@@ -197,13 +196,32 @@ class Scheduler:
         batch = list(self.running)
         try:
             tokens, io = self.engine.step(batch)
-        except Exception as exc:  # e.g. a corrupt expert block: fail this step's requests, keep serving
-            log.exception("decode step failed for %d requests", len(batch))
-            for r in batch:
-                self.engine.end(r)
-                r.sink(Event("error", error=str(exc)))
-            self.running = []
+        except Exception as exc:  # e.g. a damaged expert block
+            if len(batch) == 1:
+                self.running = self._fail(batch[0], exc)
+                return
+            log.warning("decode step failed for %d requests (%s); retrying each alone", len(batch), exc)
+            self.running = [kept for r in batch for kept in self._step_alone(r)]
             return
+        self.running = self._advance(batch, tokens, io)
+
+    def _step_alone(self, r: Request) -> list[Request]:
+        """A failed batch step run again for one request: only the requests that meet the fault fail, and
+        their batch-mates go on. A step that fails writes no position of a sequence, so it can be rerun."""
+        try:
+            tokens, io = self.engine.step([r])
+        except Exception as exc:
+            return self._fail(r, exc)
+        return self._advance([r], tokens, io)
+
+    def _fail(self, r: Request, exc: Exception) -> list[Request]:
+        log.error("request %s failed: %s", r.id, exc)
+        self.engine.end(r)
+        r.sink(Event("error", error=str(exc)))
+        return []
+
+    def _advance(self, batch: list[Request], tokens: list[int], io: StepIO) -> list[Request]:
+        """Hand out one step's tokens and traffic; returns the requests still running."""
         now = time.time()
         self.steps += 1
         share = [len(r.pending_tokens) for r in batch]
@@ -215,7 +233,7 @@ class Scheduler:
             r.first_token_at = r.first_token_at or now
             self.tokens_total += 1
             r.sink(Event("token", token=token))
-        self.running = [r for r in batch if not self._finished(r) or self._retire(r, self._reason(r))]
+        return [r for r in batch if not self._finished(r) or self._retire(r, self._reason(r))]
 
     def _finished(self, r: Request) -> bool:
         return r.cancelled or len(r.generated) >= r.max_tokens or r.generated[-1] in r.stop_ids

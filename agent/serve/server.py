@@ -4,6 +4,7 @@ Examples:
     flashmoe-cli serve --model data/demo --db data/flashmoe.db --pid-file data/agent.pid
     flashmoe-cli serve --model data/demo --cache-cap 25% --policy flashmoe --backend direct --port 8600
     FLASHMOE_TOKEN=secret flashmoe-cli serve --model data/demo --host 0.0.0.0
+    flashmoe-cli serve --model data/demo --verify --max-prompt-bytes 32768
 
 Loopback only by default. Binding any other address needs a token (--token or FLASHMOE_TOKEN):
 control calls (PUT /v1/knobs, POST /v1/cache/preload) must then send `Authorization: Bearer TOKEN`.
@@ -25,6 +26,7 @@ from pathlib import Path
 from agent.experts.layout import StoreError as ExpertStoreError
 from machine.memory import read_pid_file
 from agent.experts.reader import BACKENDS, IO_THREADS
+from agent.serve.limits import BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES
 from agent.serve.scheduler import ADMIT_WINDOW_S
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {ADMIT_WINDOW_S * 1000:g}; 0 steps at once)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_const", const=False,
                    help="turn lookahead prefetch off")
+    p.add_argument("--verify", action="store_true", help="check every expert block's CRC32 in the background "
+                   "while idle; GET /v1/status reports progress and damaged blocks under \"store\"")
+    p.add_argument("--max-prompt-bytes", type=_positive, default=MAX_PROMPT_BYTES,
+                   help=f"refuse a text prompt longer than this before tokenizing it (default {MAX_PROMPT_BYTES}); "
+                        f"request bodies may be {BODY_BYTES_PER_PROMPT_BYTE}x this")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def is_loopback(host: str) -> bool:
@@ -162,12 +179,13 @@ def serve(args: argparse.Namespace) -> None:
                 raise ServeError(str(exc)) from None
         try:
             opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
-                                args.max_batch_size, args.threads, args.io_threads, args.admit_window_ms / 1000)
+                                args.max_batch_size, args.threads, args.io_threads, args.admit_window_ms / 1000,
+                                args.verify)
             runtime = Runtime(opts, CollectorRegistry(), store)
             runtime.start()
         except (ValueError, OSError, ExpertStoreError) as exc:
             raise ServeError(f"cannot start the agent: {exc}") from None
-        app = create_app(runtime, load_tokenizer(args.model), token)
+        app = create_app(runtime, load_tokenizer(args.model), token, args.max_prompt_bytes)
         host, port = sock.getsockname()[:2]
         log.info("agent serving %s on http://%s:%d (token %s)", args.model, host, port, "required" if token else "off")
         config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=10)

@@ -1,0 +1,176 @@
+"""The agent as a hostile or careless client meets it: every bad input a clean 4xx with a message,
+bounded work per request, a client that leaves stops its request, a damaged block fails alone.
+
+Real processes on loopback (tests/agents.py), raw bodies where a JSON library would refuse to write
+them (NaN, Infinity, lone surrogates)."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent.experts.layout import EXPERTS, INDEX, Index
+from agent.generate import run_generate
+from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
+from agents import demo_model, start_agent, wait_for
+
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return demo_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def agent(model, tmp_path_factory):
+    a = start_agent(model, tmp_path_factory.mktemp("hardening"), "--policy", "lru")
+    yield a
+    a.stop()
+
+
+def post(agent, path: str, raw: str | bytes, method: str = "POST", **headers) -> httpx.Response:
+    return httpx.request(method, agent.url + path, content=raw, headers={**JSON, **headers}, timeout=60)
+
+
+def assert_clean_4xx(r: httpx.Response, status: int, *words: str) -> None:
+    """A 4xx whose body says what was wrong, in both FastAPI's and OpenAI's error shapes."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["error"]["message"] and body["detail"]
+    assert all(w in body["error"]["message"] for w in words), body
+
+
+@pytest.mark.parametrize("raw, words", [
+    ('{"prompt": "hi", "temperature": NaN}', ["temperature", "finite"]),
+    ('{"prompt": "hi", "max_tokens": Infinity}', ["max_tokens", "finite"]),
+    ('{"prompt": "hi", "max_tokens": 1e400}', ["max_tokens", "finite"]),
+    ('{"prompt": [1, 2, NaN]}', ["prompt", "finite"]),
+    ('{"prompt": "a\\ud800b"}', ["prompt", "lone surrogate", "character 1"]),
+    ('{"prompt": "hi", "max_tokens": 1' + "0" * 5000 + "}", ["parsing the body"]),  # past Python's int-parsing limit
+    ('{"prompt": "hi", "max_tokens": 1' + "0" * 40 + "}", ["max_tokens"]),
+    ("[1, 2]", ["body"]),
+    ("{", ["JSON"]),
+])
+def test_bad_completion_bodies_are_a_4xx_that_says_why(agent, raw, words):
+    r = post(agent, "/v1/completions", raw)
+    assert r.status_code in (400, 422), r.text
+    assert_clean_4xx(r, r.status_code, *words)
+
+
+@pytest.mark.parametrize("knob", ["ssd_util_threshold", "max_batch_size", "cache_cap_bytes", "prefetch_depth",
+                                  "keep_percentile"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_non_finite_knobs_are_refused_and_change_nothing(agent, knob, value):
+    before = agent.get("/v1/knobs").json()
+    r = post(agent, "/v1/knobs", f'{{"{knob}": {value}}}', method="PUT")
+    assert_clean_4xx(r, 400, knob, "finite")
+    assert agent.get("/v1/knobs").json() == before
+
+
+def test_a_prompt_over_the_byte_cap_is_refused_before_tokenizing(agent):
+    r = post(agent, "/v1/completions", json.dumps({"prompt": "é" * (MAX_PROMPT_BYTES // 2 + 1)}))  # 2 bytes each
+    assert_clean_4xx(r, 413, f"{MAX_PROMPT_BYTES + 2} bytes", f"at most {MAX_PROMPT_BYTES}", "--max-prompt-bytes")
+    ok = agent.complete(prompt="é" * 8, max_tokens=1)
+    assert ok["usage"]["prompt_tokens"] == 16
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_limit_is_refused_unread(agent, chunked):
+    raw = json.dumps({"prompt": [1] * (body_limit(MAX_PROMPT_BYTES) // 3)}).encode()
+    content = iter([raw[i:i + 65536] for i in range(0, len(raw), 65536)]) if chunked else raw
+    r = httpx.post(agent.url + "/v1/completions", content=content, headers=JSON, timeout=60)
+    assert_clean_4xx(r, 413, f"limit of {body_limit(MAX_PROMPT_BYTES)} bytes")
+
+
+def test_unknown_paths_and_methods_keep_the_error_shape(agent):
+    assert_clean_4xx(httpx.get(agent.url + "/v2/nothing"), 404, "Not Found")
+    assert_clean_4xx(httpx.delete(agent.url + "/v1/knobs"), 405, "Method Not Allowed")
+
+
+def test_a_client_that_leaves_stops_its_non_streaming_request(agent):
+    before = agent.get("/v1/status").json()["tokens_generated"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(agent.url + "/v1/completions", json={"prompt": "go on and on", "max_tokens": 4000}, timeout=1.0)
+    wait_for(lambda: agent.get("/v1/status").json()["batch_size"] == 0, what="the request to stop")
+    generated = agent.get("/v1/status").json()["tokens_generated"] - before
+    assert 0 < generated < 4000  # it ran, and was cancelled long before its end
+
+
+# -- damaged stores ---------------------------------------------------------------------------------------
+def damaged_copy(model: Path, tmp_path: Path, key: tuple[int, int]) -> Path:
+    """A copy of the model with one byte of expert block `key` flipped (its CRC32 no longer matches)."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(model, copy)
+    block = Index.load(copy / INDEX).block(*key)
+    with open(copy / EXPERTS, "r+b") as f:
+        f.seek(block.offset + 100)
+        byte = f.read(1)
+        f.seek(block.offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return copy
+
+
+def first_layer_route(model: Path, token: int, tmp_path: Path) -> tuple[int, set[int]]:
+    """The store layer and experts the first MoE layer routes a one-token prompt to."""
+    trace = tmp_path / f"route-{token}.jsonl"
+    run_generate(model, prompt_ids=[token], max_new_tokens=1, greedy=True, policy="lru", record_trace=trace)
+    routed = json.loads(trace.read_text().splitlines()[1])["routed"]
+    layer = min(routed, key=int)
+    return int(layer), set(routed[layer])
+
+
+def test_a_request_that_hits_a_damaged_block_fails_alone(model, tmp_path):
+    routes = {t: first_layer_route(model, t, tmp_path) for t in range(ord("a"), ord("a") + 12)}
+    victim, (layer, experts) = next(iter(routes.items()))
+    damaged = min(experts)
+    clean = [t for t, (_, e) in routes.items() if damaged not in e][:3]
+    assert len(clean) == 3, "no three tokens avoid the damaged expert"
+    # a batch limit of 4 with a long admission window: the four requests share their first step
+    agent = start_agent(damaged_copy(model, tmp_path, (layer, damaged)), tmp_path, "--policy", "lru",
+                        "--max-batch-size", "4", "--admit-window-ms", "1000")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda t: httpx.post(agent.url + "/v1/completions", timeout=60, json={
+                "prompt": [t], "max_tokens": 1, "temperature": 0}), [victim, *clean]))
+        assert answers[0].status_code == 500 and "CRC32" in answers[0].json()["error"]["message"]
+        assert [a.status_code for a in answers[1:]] == [200, 200, 200], [a.text for a in answers]
+        assert "decode step failed for 4 requests" in agent.log.read_text()  # they did share the failed step
+        store = agent.get("/v1/status").json()["store"]
+        assert store["damaged"] == 1 and store["damaged_blocks"][0]["layer"] == layer
+        assert store["damaged_blocks"][0]["expert"] == damaged and "CRC32" in store["damaged_blocks"][0]["reason"]
+    finally:
+        assert agent.stop() == 0
+
+
+def test_verify_finds_a_damaged_block_no_request_has_read(model, tmp_path):
+    agent = start_agent(damaged_copy(model, tmp_path, (1, 5)), tmp_path, "--policy", "lru", "--verify")
+    try:
+        store = wait_for(lambda: (s := agent.get("/v1/status").json()["store"])["verify"]["state"] == "done" and s,
+                         what="the scrub to finish")
+        assert store["verify"]["checked_blocks"] == store["blocks"] > 0
+        assert [(b["layer"], b["expert"]) for b in store["damaged_blocks"]] == [(1, 5)]
+        assert "store verified" in agent.log.read_text() and "1 damaged" in agent.log.read_text()
+    finally:
+        assert agent.stop() == 0
+
+
+def test_a_truncated_store_is_reported_at_start(model, tmp_path):
+    copy = tmp_path / "truncated"
+    shutil.copytree(model, copy)
+    index = Index.load(copy / INDEX)
+    last = max(index.blocks, key=lambda b: b.offset)
+    with open(copy / EXPERTS, "r+b") as f:
+        f.truncate(last.offset + 10)
+    agent = start_agent(copy, tmp_path, "--policy", "lru")
+    try:
+        store = agent.get("/v1/status").json()["store"]
+        assert store["verify"] is None
+        assert [(b["layer"], b["expert"]) for b in store["damaged_blocks"]] == [(last.layer, last.expert)]
+        assert "truncated" in store["damaged_blocks"][0]["reason"]
+    finally:
+        assert agent.stop() == 0
