@@ -28,7 +28,7 @@ from gorillacompression import PairsEncoder
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import machine, write_results  # noqa: E402
 from store import codec, queries  # noqa: E402
-from store.db import to_fixed  # noqa: E402
+from store.series_writer import to_fixed  # noqa: E402
 from store.schema import SeriesSpec  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "data" / "recorded_series.json"

@@ -30,7 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import machine, write_results  # noqa: E402
 from store import queries  # noqa: E402
-from store.db import ROW_SQL, Store  # noqa: E402
+from store.db import Store  # noqa: E402
+from store.schema import ROW_TABLE  # noqa: E402
 
 DAY, BUCKETS, REPEATS = 86_400, 500, 5
 LAYERS, EXPERTS, CACHE_BUCKETS = 4, 8, 60
@@ -104,14 +105,7 @@ def cache_rows(rng: np.random.Generator, t: np.ndarray) -> tuple[list[tuple], li
     return stats, acts
 
 
-PLAIN_TABLES = (
-    "CREATE TABLE cache_stats (t REAL NOT NULL, layer INTEGER NOT NULL, hits INTEGER NOT NULL, misses INTEGER NOT NULL, "
-    "evictions INTEGER NOT NULL, prefetch_hits INTEGER NOT NULL, bytes_read INTEGER NOT NULL, read_latency_s REAL, "
-    "prefetches INTEGER)",
-    "CREATE INDEX cache_stats_t ON cache_stats (t)",
-    "CREATE TABLE activations (t REAL NOT NULL, layer INTEGER NOT NULL, expert INTEGER NOT NULL, count INTEGER NOT NULL)",
-    "CREATE INDEX activations_t ON activations (t)",
-)
+PLAIN_TABLES = ROW_TABLE["cache_stats"].ddl() + ROW_TABLE["activations"].ddl()  # the store's tables, no rollups
 
 
 def write_rows(path: Path, stats: list[tuple], acts: list[tuple], rollups: bool) -> float:
@@ -127,8 +121,8 @@ def write_rows(path: Path, stats: list[tuple], acts: list[tuple], rollups: bool)
         started = time.perf_counter()
         for start in range(0, len(stats), 600 * LAYERS):
             conn.execute("BEGIN IMMEDIATE")
-            conn.executemany(ROW_SQL["cache_stats"], stats[start:start + 600 * LAYERS])
-            conn.executemany(ROW_SQL["activations"], acts[start:start + 600 * LAYERS])
+            conn.executemany(ROW_TABLE["cache_stats"].insert, stats[start:start + 600 * LAYERS])
+            conn.executemany(ROW_TABLE["activations"].insert, acts[start:start + 600 * LAYERS])
             conn.execute("COMMIT")
         return time.perf_counter() - started
 

@@ -26,7 +26,7 @@ from machine.devices import BlockDevice, HotplugWatcher, block_devices, disk_hol
 from machine.sources import SourceUnavailable
 from store.db import Store
 from store.errors import StoreError
-from store.schema import DEFAULT_RETENTION_S
+from store.schema import DEFAULT_RETENTION_DAYS
 
 log = logging.getLogger(__name__)
 COMPACT_EVERY_S = 3600.0
@@ -139,7 +139,7 @@ def ticks(interval: float, stop: threading.Event, duration: float | None):
 
 
 def collect(collector: Collector, interval: float, stop: threading.Event, duration: float | None,
-            retention_s: float = DEFAULT_RETENTION_S) -> None:
+            retention_days: float = DEFAULT_RETENTION_DAYS) -> None:
     """The sampling loop, with compaction at start and every hour."""
     next_compaction = time.monotonic()
     for t_wall, t_mono in ticks(interval, stop, duration):
@@ -147,7 +147,7 @@ def collect(collector: Collector, interval: float, stop: threading.Event, durati
         if t_mono >= next_compaction:
             next_compaction = t_mono + COMPACT_EVERY_S
             try:
-                collector.store.compact(retention_s)
+                collector.store.compact(retention_days)
             except StoreError as e:
                 log.error("%s", e)
 
@@ -186,7 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pid-file", type=Path, default=None, help="the agent's pid file, for its memory")
     parser.add_argument("--store-path", type=Path, default=None,
                         help="the expert store: its disk is always sampled and named in an event")
-    parser.add_argument("--retention-days", type=_positive, default=DEFAULT_RETENTION_S / 86400,
+    parser.add_argument("--retention-days", type=_positive, default=DEFAULT_RETENTION_DAYS,
                         help="delete data older than this (default 7)")
 
 
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         collector = Collector(store, args.pid_file, args.store_path)
         log.info("collecting every %.3g s into %s", args.interval, args.db)
-        collect(collector, args.interval, stop, args.duration, args.retention_days * 86400)
+        collect(collector, args.interval, stop, args.duration, args.retention_days)
     finally:
         ok = store.close()
     log.info("collector stopped; store %s", "flushed" if ok else "NOT fully written (see errors above)")

@@ -45,7 +45,7 @@ class SystemMemorySampler:
         out = series.meminfo_series(memory.parse_kib_table(Path("/proc/meminfo").read_text()))
         vmstat = memory.parse_vmstat(Path("/proc/vmstat").read_text())
         if self._previous is not None:
-            out |= series.rates(self._previous[1], vmstat, t - self._previous[0], series.VMSTAT_RATES)
+            out |= series.vmstat_series(self._previous[1], vmstat, t - self._previous[0])
         self._previous = (t, vmstat)
         return out
 
@@ -106,7 +106,7 @@ class NvmeSampler:
             return out
         except SourceUnavailable as e:
             self.status.unavailable(smart_source, f"{e}; falling back to the hwmon temperature")
-        return {f"nvme.{self.controller.name}.temperature_c": nvme.hwmon_temperature_c(self.controller.sysfs)}
+        return series.hwmon_series(self.controller.name, nvme.hwmon_temperature_c(self.controller.sysfs))
 
 
 @dataclass
@@ -118,4 +118,4 @@ class SelfSampler:
         times = os.times()
         cpu = times.user + times.system
         previous, self._previous = self._previous, (t, cpu)
-        return {"collector.cpu_fraction": (cpu - previous[1]) / (t - previous[0])} if previous else {}
+        return series.self_series((cpu - previous[1]) / (t - previous[0])) if previous else {}

@@ -1,4 +1,5 @@
-"""`flashmoe-cli store`: inspect the telemetry store. Thin wrappers over store.queries / store.db.
+"""`flashmoe-cli store`: inspect the telemetry store. Each subcommand is a thin wrapper over one
+library call whose parameters its options name: store.queries.stats / export, Store.compact.
 
   flashmoe-cli store stats --db data/flashmoe.db [--json]
   flashmoe-cli store export --db data/flashmoe.db --series block.vda.util [--since T] [--until T] [--csv]
@@ -7,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import sys
@@ -18,10 +18,9 @@ from pathlib import Path
 from store import queries
 from store.db import Store
 from store.errors import StoreError
-from store.schema import DEFAULT_RETENTION_S
+from store.schema import DEFAULT_RETENTION_DAYS
 
 log = logging.getLogger(__name__)
-ROW_TABLES = ("requests", "cache_stats", "activations", "knob_changes", "events", "simulations", "sweeps")
 
 
 def _time(text: str) -> float:
@@ -62,26 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     compact = _subcommand(sub, "compact", "delete data older than the retention and merge small chunks",
                           "flashmoe-cli store compact --db data/flashmoe.db --retention-days 7")
     compact.add_argument("--db", required=True, type=Path)
-    compact.add_argument("--retention-days", type=float, default=DEFAULT_RETENTION_S / 86400)
-
-
-def stats(db: Path) -> dict:
-    """The numbers `store stats` prints: per series and per table."""
-    conn = queries.connect_ro(db)
-    if conn is None:
-        raise StoreError(f"there is no store at {db}; start `flashmoe-cli collect --db {db}` "
-                         f"or the agent to create it")
-    try:
-        series = [asdict(info) | {"bytes_per_point": round(info.bytes_per_point, 3)}
-                  for info in queries.series_info(conn)]
-        rows = {t: conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ROW_TABLES}
-    finally:
-        conn.close()
-    points = sum(s["points"] for s in series)
-    encoded = sum(s["encoded_bytes"] for s in series)
-    return {"db": str(db), "file_bytes": db.stat().st_size, "series": series, "rows": rows,
-            "points": points, "encoded_bytes": encoded,
-            "bytes_per_point": round(encoded / points, 3) if points else 0.0}
+    compact.add_argument("--retention-days", type=float, default=DEFAULT_RETENTION_DAYS,
+                         help=f"delete data older than this (default {DEFAULT_RETENTION_DAYS:g})")
 
 
 def _print_stats(report: dict) -> None:
@@ -96,39 +77,19 @@ def _print_stats(report: dict) -> None:
     out.write(f"file: {report['db']} {report['file_bytes']} bytes\n")
 
 
-def export(db: Path, name: str, since: float | None, until: float | None, as_csv: bool) -> int:
-    """Write the decoded points to stdout; returns how many."""
-    if queries.connect_ro(db) is None:
-        raise StoreError(f"there is no store at {db}; check --db")
-    names = queries.series_names(db)
-    if name not in names:
-        raise StoreError(f"series {name!r} has no points in {db}; series with points: "
-                         f"{', '.join(names) or 'none'}")
-    t, values = queries.points(db, name, since, until)
-    if as_csv:
-        writer = csv.writer(sys.stdout, lineterminator="\n")
-        writer.writerow(["t", "value"])
-        writer.writerows(zip(t.tolist(), values.tolist()))
-    else:
-        sys.stdout.writelines(json.dumps({"t": a, "value": b}) + "\n" for a, b in zip(t.tolist(), values.tolist()))
-    return len(t)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         if args.store_command == "stats":
-            report = stats(args.db)
+            report = queries.stats(args.db)
             if args.json:
                 sys.stdout.write(json.dumps(report, indent=2) + "\n")
             else:
                 _print_stats(report)
         elif args.store_command == "export":
-            export(args.db, args.series, args.since, args.until, args.csv)
+            sys.stdout.writelines(queries.export(args.db, args.series, args.since, args.until, args.csv))
         else:
-            if not args.db.exists():
-                raise StoreError(f"there is no store at {args.db}; check --db")
-            with Store(args.db, autoflush_s=0) as store:
-                report = store.compact(args.retention_days * 86400)
+            with Store(args.db, autoflush_s=0, create=False) as store:
+                report = store.compact(args.retention_days)
             sys.stdout.write(json.dumps(asdict(report)) + "\n")
     except StoreError as e:
         log.error("%s", e)

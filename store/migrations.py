@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from store.errors import StoreError
-from store.schema import DDL, ROLLUPS, SIMULATIONS
+from store.schema import DDL, ROLLUPS, ROW_TABLE
 
 
 def _v2_to_v3(conn: sqlite3.Connection, path: Path) -> str:
@@ -26,7 +26,7 @@ def _v2_to_v3(conn: sqlite3.Connection, path: Path) -> str:
             f"and start again, or move the file aside to start a new store")
     conn.execute("ALTER TABLE cache_stats ADD COLUMN prefetches INTEGER")
     conn.execute("ALTER TABLE simulations RENAME TO simulations_v2")
-    conn.execute(SIMULATIONS)
+    conn.execute(ROW_TABLE["simulations"].ddl()[0])
     conn.execute("INSERT INTO simulations SELECT t, trace, policy, CAST(capacity AS REAL), scope, hit_rate "
                  "FROM simulations_v2")
     conn.execute("DROP TABLE simulations_v2")

@@ -16,7 +16,7 @@ import json
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from store import codec, rollup
 from store.errors import StoreError
-from store.schema import ACTIVATIONS_ROLLUP, CACHE_STATS_ROLLUP, SCHEMA_VERSION
+from store.schema import ACTIVATIONS_ROLLUP, CACHE_STATS_ROLLUP, ROW_TABLES, SCHEMA_VERSION
 
 Db = str | Path | sqlite3.Connection
 Bucket = tuple[float, float, float, float]     # (bucket start t, min, avg, max)
@@ -321,3 +321,43 @@ def simulations(db: Db) -> list[dict[str, Any]]:
 def sweeps(db: Db) -> list[dict[str, Any]]:
     """Cache-cap sweep points, oldest first: {"t", "cache_cap_bytes", "tokens_per_s", "hit_rate"}."""
     return _rows(db, "SELECT * FROM sweeps ORDER BY t, cache_cap_bytes")
+
+
+# --- the store as a whole (flashmoe-cli store) ----------------------------------------------
+def stats(db: str | Path) -> dict[str, Any]:
+    """Per series: points, chunks, encoded bytes and bytes per point; the row count of every row
+    table; totals and the file's size. Raises StoreError if there is no store at `db`."""
+    conn = connect_ro(db)
+    if conn is None:
+        raise StoreError(f"there is no store at {db}; start `flashmoe-cli collect --db {db}` "
+                         f"or the agent to create it")
+    try:
+        series = [asdict(info) | {"bytes_per_point": round(info.bytes_per_point, 3)} for info in series_info(conn)]
+        rows = {t.name: conn.execute(f"SELECT COUNT(*) FROM {t.name}").fetchone()[0] for t in ROW_TABLES}
+    finally:
+        conn.close()
+    points = sum(s["points"] for s in series)
+    encoded = sum(s["encoded_bytes"] for s in series)
+    return {"db": str(db), "file_bytes": Path(db).stat().st_size, "series": series, "rows": rows,
+            "points": points, "encoded_bytes": encoded,
+            "bytes_per_point": round(encoded / points, 3) if points else 0.0}
+
+
+def export(db: str | Path, series: str, since: float | None = None, until: float | None = None,
+           csv: bool = False) -> Iterator[str]:
+    """The decoded points of one series as lines: JSON objects {"t", "value"}, or CSV under a
+    header `t,value`. Raises StoreError if there is no store at `db` or the series has no points."""
+    with _reader(db) as conn:
+        if conn is None:
+            raise StoreError(f"there is no store at {db}; check --db")
+        names = series_names(conn)
+        if series not in names:
+            raise StoreError(f"series {series!r} has no points in {db}; series with points: "
+                             f"{', '.join(names) or 'none'}")
+        t, values = points(conn, series, since, until)
+    pairs = zip(t.tolist(), values.tolist())
+    if csv:
+        yield "t,value\n"
+        yield from (f"{a!r},{b!r}\n" for a, b in pairs)
+    else:
+        yield from (json.dumps({"t": a, "value": b}) + "\n" for a, b in pairs)

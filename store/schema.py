@@ -1,21 +1,28 @@
-"""The telemetry store's schema: SQLite tables and the catalogue of series names.
+"""The telemetry store's schema: every series and every row table, declared once.
 
-Every process uses this one catalogue: the collector writes the `block.*`, `mem.*`, `vm.*`,
-`psi.*` and `nvme.*` series, the agent the `agent.*` series, and the dashboard reads them by the
-same names. Names with `{dev}`, `{ctrl}` or `{n}` are templates: `block.{dev}.util` covers
-`block.vda.util`, `block.nvme0n1.util`... Units are base units (bytes, seconds, fractions 0..1,
-percent only where the kernel reports percent). `precision` is the fixed-point step the codec keeps
-(values are lossless to within half of it); counters use 1 and are exact. Precisions follow what
-the source can resolve: memory is counted in 4 KiB pages (so 4096 is exact), per-second rates are
-counts over a measured interval that jitters by milliseconds (so 0.1/s and 1 KiB/s).
+Series: every process uses this one catalogue. The collector writes the `block.*`, `mem.*`,
+`vm.*`, `psi.*`, `nvme.*` and `collector.*` series, the agent the `agent.*` series, and the
+dashboard reads them by the same names. Names with `{dev}`, `{ctrl}`, `{res}` or `{n}` are
+templates: `block.{dev}.util` covers `block.vda.util`, `block.nvme0n1.util`... Units are base units
+(bytes, seconds, fractions 0..1, percent only where the kernel reports percent). `precision` is the
+fixed-point step the codec keeps (values are lossless to within half of it); counters use 1 and are
+exact. Precisions follow what the source can resolve: memory is counted in 4 KiB pages (so 4096 is
+exact), per-second rates are counts over a measured interval that jitters by milliseconds (so
+0.1/s and 1 KiB/s). Each series also names the `reading` that produces it and that reading's
+`field` (by default the name's last part): the collector and the agent's recorder name what they
+write with `series_of`, so a new metric of an existing reading is one line here (plus its view).
 
 A series not in the catalogue can still be written after `Store.declare(name, unit, kind,
 precision)`.
+
+Row tables: declared as `RowTable`s, from which their DDL, the writer's INSERT, retention and the
+`store stats` row counts are derived.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from store.rollup import Rollup
@@ -23,18 +30,25 @@ from store.rollup import Rollup
 # 2: chunks carry a format byte (store.codec.FORMAT). 3: per-minute rollups of cache_stats and
 # activations, cache_stats.prefetches, simulations.capacity a fraction (store.migrations upgrades 2).
 SCHEMA_VERSION = 3
-DEFAULT_RETENTION_S = 7 * 24 * 3600
+DEFAULT_RETENTION_DAYS = 7.0
 KINDS = ("gauge", "counter")
 
 
 @dataclass(frozen=True)
 class SeriesSpec:
-    """One series (or template of series) with its unit, kind and codec precision."""
+    """One series (or template of series) with its unit, kind and codec precision; in the catalogue
+    also the reading that produces it (not stored, and not part of a spec's identity)."""
     name: str
     unit: str
     kind: str = "gauge"
     precision: float = 0.01
     description: str = ""
+    reading: str = field(default="", compare=False)   # "meminfo", "block", "tick"... (see module docstring)
+    field: str = field(default="", compare=False)     # the reading's field, if not the name's last part
+
+    @property
+    def source_field(self) -> str:
+        return self.field or self.name.rsplit(".", 1)[-1]
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -44,7 +58,26 @@ class SeriesSpec:
 
 
 def _block(metric: str, unit: str, precision: float, description: str) -> SeriesSpec:
-    return SeriesSpec(f"block.{{dev}}.{metric}", unit, "gauge", precision, description)
+    """block.{dev}.<metric>, a field of machine.block.BlockRates."""
+    return SeriesSpec(f"block.{{dev}}.{metric}", unit, "gauge", precision, description, "block")
+
+
+def _meminfo(name: str, key: str, description: str = "") -> SeriesSpec:
+    return SeriesSpec(name, "B", "gauge", 4096.0, description or key, "meminfo", key)
+
+
+def _status(name: str, key: str, description: str = "") -> SeriesSpec:
+    return SeriesSpec(name, "B", "gauge", 4096.0, f"agent {description or key}", "status", key)
+
+
+def _smart(metric: str, unit: str, kind: str, description: str, attribute: str = "") -> SeriesSpec:
+    """nvme.{ctrl}.<metric>, a field of machine.nvme.SmartLog (or the named attribute)."""
+    return SeriesSpec(f"nvme.{{ctrl}}.{metric}", unit, kind, 1.0, description, "smart", attribute)
+
+
+def _agent(metric: str, unit: str, precision: float, description: str, attribute: str = "") -> SeriesSpec:
+    """agent.<metric>, an attribute of the agent's one-second agent.serve.metrics.Tick."""
+    return SeriesSpec(f"agent.{metric}", unit, "gauge", precision, description, "tick", attribute)
 
 
 CATALOGUE: tuple[SeriesSpec, ...] = (
@@ -59,68 +92,73 @@ CATALOGUE: tuple[SeriesSpec, ...] = (
     _block("avg_request_bytes", "B", 512.0, "mean request size (iostat areq-sz x 1024)"),
     _block("queue_depth", "requests", 0.01, "mean requests in flight (iostat aqu-sz)"),
     # System memory, /proc/meminfo (kB there, bytes here).
-    SeriesSpec("mem.total_bytes", "B", "gauge", 4096.0, "MemTotal"),
-    SeriesSpec("mem.available_bytes", "B", "gauge", 4096.0, "MemAvailable"),
-    SeriesSpec("mem.free_bytes", "B", "gauge", 4096.0, "MemFree"),
-    SeriesSpec("mem.cached_bytes", "B", "gauge", 4096.0, "Cached (page cache)"),
-    SeriesSpec("mem.dirty_bytes", "B", "gauge", 4096.0, "Dirty"),
-    SeriesSpec("mem.swap_used_bytes", "B", "gauge", 4096.0, "SwapTotal - SwapFree"),
+    _meminfo("mem.total_bytes", "MemTotal"),
+    _meminfo("mem.available_bytes", "MemAvailable"),
+    _meminfo("mem.free_bytes", "MemFree"),
+    _meminfo("mem.cached_bytes", "Cached", "Cached (page cache)"),
+    _meminfo("mem.dirty_bytes", "Dirty"),
+    _meminfo("mem.swap_used_bytes", "SwapUsed", "SwapTotal - SwapFree"),  # computed by collector.series
     # The agent process, /proc/<pid>/status and /proc/<pid>/stat.
-    SeriesSpec("mem.agent.rss_bytes", "B", "gauge", 4096.0, "agent VmRSS"),
-    SeriesSpec("mem.agent.hwm_bytes", "B", "gauge", 4096.0, "agent VmHWM (peak RSS)"),
-    SeriesSpec("mem.agent.rss_anon_bytes", "B", "gauge", 4096.0, "agent RssAnon"),
-    SeriesSpec("mem.agent.rss_file_bytes", "B", "gauge", 4096.0, "agent RssFile (mapped files)"),
-    SeriesSpec("mem.agent.swap_bytes", "B", "gauge", 4096.0, "agent VmSwap"),
-    SeriesSpec("mem.agent.minflt_per_s", "1/s", "gauge", 0.1, "agent minor page faults per second"),
-    SeriesSpec("mem.agent.majflt_per_s", "1/s", "gauge", 0.1, "agent major page faults per second"),
-    # System paging, /proc/vmstat.
-    SeriesSpec("vm.pgmajfault_per_s", "1/s", "gauge", 0.1, "major faults per second, all processes"),
+    _status("mem.agent.rss_bytes", "VmRSS"),
+    _status("mem.agent.hwm_bytes", "VmHWM", "VmHWM (peak RSS)"),
+    _status("mem.agent.rss_anon_bytes", "RssAnon"),
+    _status("mem.agent.rss_file_bytes", "RssFile", "RssFile (mapped files)"),
+    _status("mem.agent.swap_bytes", "VmSwap"),
+    SeriesSpec("mem.agent.minflt_per_s", "1/s", "gauge", 0.1, "agent minor page faults per second", "faults", "minflt"),
+    SeriesSpec("mem.agent.majflt_per_s", "1/s", "gauge", 0.1, "agent major page faults per second", "faults", "majflt"),
+    # System paging, /proc/vmstat counters as per-second rates.
+    SeriesSpec("vm.pgmajfault_per_s", "1/s", "gauge", 0.1, "major faults per second, all processes",
+               "vmstat", "pgmajfault"),
     SeriesSpec("vm.workingset_refault_anon_per_s", "1/s", "gauge", 0.1,
-               "anon pages refaulted soon after eviction, per second (thrash signal)"),
+               "anon pages refaulted soon after eviction, per second (thrash signal)", "vmstat",
+               "workingset_refault_anon"),
     SeriesSpec("vm.workingset_refault_file_per_s", "1/s", "gauge", 0.1,
-               "file pages refaulted soon after eviction, per second (thrash signal)"),
+               "file pages refaulted soon after eviction, per second (thrash signal)", "vmstat",
+               "workingset_refault_file"),
     # Pressure stall information, /proc/pressure/{memory,io}.
-    SeriesSpec("psi.{res}.some_avg10", "%", "gauge", 0.01, "share of time some task stalled, 10 s avg"),
-    SeriesSpec("psi.{res}.full_avg10", "%", "gauge", 0.01, "share of time all tasks stalled, 10 s avg"),
-    SeriesSpec("psi.{res}.some_total_us", "us", "counter", 1.0, "total some-stall time"),
-    SeriesSpec("psi.{res}.full_total_us", "us", "counter", 1.0, "total full-stall time"),
+    SeriesSpec("psi.{res}.some_avg10", "%", "gauge", 0.01, "share of time some task stalled, 10 s avg", "psi"),
+    SeriesSpec("psi.{res}.full_avg10", "%", "gauge", 0.01, "share of time all tasks stalled, 10 s avg", "psi"),
+    SeriesSpec("psi.{res}.some_total_us", "us", "counter", 1.0, "total some-stall time", "psi"),
+    SeriesSpec("psi.{res}.full_total_us", "us", "counter", 1.0, "total full-stall time", "psi"),
     # NVMe controllers: SMART / Health log (Get Log Page 02h), or hwmon temperature only.
-    SeriesSpec("nvme.{ctrl}.temperature_c", "degC", "gauge", 1.0, "composite temperature"),
-    SeriesSpec("nvme.{ctrl}.temp_sensor{n}_c", "degC", "gauge", 1.0, "temperature sensor n (1..8)"),
-    SeriesSpec("nvme.{ctrl}.critical_warning", "bits", "gauge", 1.0, "critical warning bit field"),
-    SeriesSpec("nvme.{ctrl}.available_spare_pct", "%", "gauge", 1.0, "available spare"),
-    SeriesSpec("nvme.{ctrl}.percentage_used", "%", "gauge", 1.0, "endurance used (may exceed 100)"),
-    SeriesSpec("nvme.{ctrl}.data_read_bytes", "B", "counter", 1.0, "data units read x 512,000"),
-    SeriesSpec("nvme.{ctrl}.data_written_bytes", "B", "counter", 1.0, "data units written x 512,000"),
-    SeriesSpec("nvme.{ctrl}.host_read_commands", "commands", "counter", 1.0, "host read commands"),
-    SeriesSpec("nvme.{ctrl}.host_write_commands", "commands", "counter", 1.0, "host write commands"),
-    SeriesSpec("nvme.{ctrl}.busy_time_min", "min", "counter", 1.0, "controller busy time"),
-    SeriesSpec("nvme.{ctrl}.power_on_hours", "h", "counter", 1.0, "power-on hours"),
-    SeriesSpec("nvme.{ctrl}.unsafe_shutdowns", "count", "counter", 1.0, "unsafe shutdowns"),
-    SeriesSpec("nvme.{ctrl}.media_errors", "count", "counter", 1.0, "media and data integrity errors"),
-    SeriesSpec("nvme.{ctrl}.error_log_entries", "count", "counter", 1.0, "error information log entries"),
+    _smart("temperature_c", "degC", "gauge", "composite temperature", "composite_temperature_c"),
+    _smart("temp_sensor{n}_c", "degC", "gauge", "temperature sensor n (1..8)"),
+    _smart("critical_warning", "bits", "gauge", "critical warning bit field"),
+    _smart("available_spare_pct", "%", "gauge", "available spare"),
+    _smart("percentage_used", "%", "gauge", "endurance used (may exceed 100)"),
+    _smart("data_read_bytes", "B", "counter", "data units read x 512,000"),
+    _smart("data_written_bytes", "B", "counter", "data units written x 512,000"),
+    _smart("host_read_commands", "commands", "counter", "host read commands"),
+    _smart("host_write_commands", "commands", "counter", "host write commands"),
+    _smart("busy_time_min", "min", "counter", "controller busy time", "controller_busy_time_min"),
+    _smart("power_on_hours", "h", "counter", "power-on hours"),
+    _smart("unsafe_shutdowns", "count", "counter", "unsafe shutdowns"),
+    _smart("media_errors", "count", "counter", "media and data integrity errors"),
+    _smart("error_log_entries", "count", "counter", "error information log entries"),
     # The collector's own cost.
-    SeriesSpec("collector.cpu_fraction", "fraction", "gauge", 0.0001, "collector CPU, share of one core"),
+    SeriesSpec("collector.cpu_fraction", "fraction", "gauge", 0.0001, "collector CPU, share of one core", "self"),
     # The agent (written by agent/serve); more agent.* series may be declared at run time.
-    SeriesSpec("agent.tokens_per_s", "1/s", "gauge", 0.01, "generated tokens per second"),
-    SeriesSpec("agent.hit_rate", "fraction", "gauge", 0.0001, "expert cache hit rate, 0..1"),
-    SeriesSpec("agent.batch_size", "requests", "gauge", 1.0, "requests in the current batch"),
-    SeriesSpec("agent.queue_depth", "requests", "gauge", 1.0, "requests waiting"),
-    SeriesSpec("agent.cache_bytes", "B", "gauge", 4096.0, "bytes held in the expert cache"),
-    SeriesSpec("agent.cache_cap_bytes", "B", "gauge", 4096.0, "expert cache cap"),
-    SeriesSpec("agent.read_latency_s", "s", "gauge", 1e-6, "mean expert read latency"),
-    SeriesSpec("agent.read_bytes_per_s", "B/s", "gauge", 512.0, "expert bytes read from the SSD per second"),
+    _agent("tokens_per_s", "1/s", 0.01, "generated tokens per second"),
+    _agent("hit_rate", "fraction", 0.0001, "expert cache hit rate, 0..1"),
+    _agent("batch_size", "requests", 1.0, "requests in the current batch"),
+    _agent("batch_limit", "requests", 1.0, "dynamic batch limit (follows SSD utilisation)"),
+    _agent("queue_depth", "requests", 1.0, "requests waiting"),
+    _agent("cache_bytes", "B", 4096.0, "bytes held in the expert cache"),
+    _agent("cache_cap_bytes", "B", 4096.0, "expert cache cap", "cap_bytes"),
+    _agent("read_latency_s", "s", 1e-6, "mean expert read latency"),
+    _agent("read_bytes_per_s", "B/s", 512.0, "expert bytes read from the SSD per second"),
 )
+
+
+def _template_regex(template: str, part: str = r"[A-Za-z0-9_:\-]+") -> re.Pattern[str]:
+    """A regex matching the names a template covers, each `{label}` a named group."""
+    pieces = re.split(r"(\{\w+\})", template)
+    return re.compile("".join(f"(?P<{p[1:-1]}>{part})" if p.startswith("{") else re.escape(p) for p in pieces) + r"\Z")
 
 
 @lru_cache(maxsize=None)
 def _patterns() -> tuple[tuple[re.Pattern[str], SeriesSpec], ...]:
-    compiled = []
-    for spec in CATALOGUE:
-        parts = re.split(r"(\{\w+\})", spec.name)
-        regex = "".join(r"[A-Za-z0-9_:\-]+" if p.startswith("{") else re.escape(p) for p in parts)
-        compiled.append((re.compile(regex + r"\Z"), spec))
-    return tuple(compiled)
+    return tuple((_template_regex(spec.name), spec) for spec in CATALOGUE)
 
 
 def spec_for(name: str) -> SeriesSpec | None:
@@ -131,15 +169,91 @@ def spec_for(name: str) -> SeriesSpec | None:
     return None
 
 
-# Times are Unix seconds (REAL). Chunks hold one series' points encoded by store.codec; the
-# open (still filling) chunk of a writer is rewritten in place until it is full. One statement per
-# item (run inside the caller's transaction). cache_stats.prefetches is the last column because
-# upgraded stores gain it by ALTER TABLE ... ADD COLUMN; NULL there means "not recorded" (rows of
-# version 2, or a writer that does not pass it), not "none issued".
-SIMULATIONS = """CREATE TABLE IF NOT EXISTS simulations (
-    t REAL NOT NULL, trace TEXT NOT NULL, policy TEXT NOT NULL,
-    capacity REAL NOT NULL CHECK (capacity > 0 AND capacity <= 1),
-    scope TEXT NOT NULL, hit_rate REAL NOT NULL)"""  # capacity: a fraction of all experts, as `simulate` takes it
+@lru_cache(maxsize=None)
+def _produced_by(reading: str) -> tuple[tuple[SeriesSpec, str, re.Pattern[str] | None], ...]:
+    return tuple((spec, spec.source_field, _template_regex(spec.source_field, r"\d+") if "{" in spec.source_field
+                  else None) for spec in CATALOGUE if spec.reading == reading)
+
+
+def fields_of(reading: str) -> tuple[str, ...]:
+    """The fields of a reading that the catalogue stores (templates as written, e.g. temp_sensor{n}_c)."""
+    return tuple(f for _, f, _ in _produced_by(reading))
+
+
+def series_of(reading: str, values: Mapping[str, float | None], **labels: str) -> dict[str, float]:
+    """One reading's values under their series names: each catalogue series of `reading` whose field
+    is in `values` (None is skipped), its name's template filled from `labels` ({dev}, {ctrl},
+    {res}) and from the field's own placeholders ({n} of temp_sensor{n}_c)."""
+    out = {}
+    for spec, name, regex in _produced_by(reading):
+        if regex is None:
+            if values.get(name) is not None:
+                out[spec.name.format(**labels)] = values[name]
+            continue
+        for key, value in values.items():
+            match = regex.match(key)
+            if match and value is not None:
+                out[spec.name.format(**labels, **match.groupdict())] = value
+    return out
+
+
+@dataclass(frozen=True)
+class RowTable:
+    """A table of records (not series), indexed on its time column t (Unix seconds)."""
+    name: str
+    columns: tuple[tuple[str, str], ...]   # (name, SQL type and constraints), in table order
+    buffered: bool = True                  # frequent rows wait for the next flush; rare ones are written through
+    expires: bool = True                   # retention deletes rows older than it...
+    keep_latest_of: str | None = None      # ...except the newest row of each value of this column
+    indexed: bool = True
+
+    @property
+    def inserted(self) -> tuple[str, ...]:
+        """The columns a recorded row gives, in order (an INTEGER PRIMARY KEY numbers itself)."""
+        return tuple(c for c, sql in self.columns if sql != "INTEGER PRIMARY KEY")
+
+    @property
+    def insert(self) -> str:
+        return (f"INSERT INTO {self.name} ({', '.join(self.inserted)}) "
+                f"VALUES ({', '.join('?' * len(self.inserted))})")
+
+    def ddl(self) -> tuple[str, ...]:
+        columns = ", ".join(f"{c} {sql}" for c, sql in self.columns)
+        index = (f"CREATE INDEX IF NOT EXISTS {self.name}_t ON {self.name} (t)",) if self.indexed else ()
+        return (f"CREATE TABLE IF NOT EXISTS {self.name} ({columns})",) + index
+
+
+# cache_stats.prefetches is the last column because upgraded stores gain it by ALTER TABLE ... ADD
+# COLUMN; NULL there means "not recorded" (rows of version 2, or a writer that does not pass it),
+# not "none issued". simulations.capacity is a fraction of all experts, as `simulate` takes it.
+ROW_TABLES: tuple[RowTable, ...] = (
+    RowTable("requests", (("t", "REAL NOT NULL"), ("request_id", "TEXT NOT NULL"), ("ttft_s", "REAL"),
+                          ("tpot_s", "REAL"), ("latency_s", "REAL"), ("prompt_tokens", "INTEGER"),
+                          ("completion_tokens", "INTEGER"), ("hits", "INTEGER"), ("misses", "INTEGER"),
+                          ("bytes_read", "INTEGER"))),
+    RowTable("cache_stats", (("t", "REAL NOT NULL"), ("layer", "INTEGER NOT NULL"), ("hits", "INTEGER NOT NULL"),
+                             ("misses", "INTEGER NOT NULL"), ("evictions", "INTEGER NOT NULL"),
+                             ("prefetch_hits", "INTEGER NOT NULL"), ("bytes_read", "INTEGER NOT NULL"),
+                             ("read_latency_s", "REAL"), ("prefetches", "INTEGER"))),
+    RowTable("activations", (("t", "REAL NOT NULL"), ("layer", "INTEGER NOT NULL"), ("expert", "INTEGER NOT NULL"),
+                             ("count", "INTEGER NOT NULL"))),
+    RowTable("knob_changes", (("id", "INTEGER PRIMARY KEY"), ("t", "REAL NOT NULL"), ("knob", "TEXT NOT NULL"),
+                              ("old", "TEXT"), ("new", "TEXT NOT NULL"), ("source", "TEXT NOT NULL")),
+             buffered=False, keep_latest_of="knob"),
+    RowTable("events", (("id", "INTEGER PRIMARY KEY"), ("t", "REAL NOT NULL"), ("kind", "TEXT NOT NULL"),
+                        ("message", "TEXT NOT NULL")), buffered=False),
+    RowTable("simulations", (("t", "REAL NOT NULL"), ("trace", "TEXT NOT NULL"), ("policy", "TEXT NOT NULL"),
+                             ("capacity", "REAL NOT NULL CHECK (capacity > 0 AND capacity <= 1)"),
+                             ("scope", "TEXT NOT NULL"), ("hit_rate", "REAL NOT NULL")),
+             buffered=False, expires=False, indexed=False),
+    RowTable("sweeps", (("t", "REAL NOT NULL"), ("cache_cap_bytes", "INTEGER NOT NULL"),
+                        ("tokens_per_s", "REAL NOT NULL"), ("hit_rate", "REAL NOT NULL")),
+             buffered=False, expires=False, indexed=False),
+)
+ROW_TABLE = {table.name: table for table in ROW_TABLES}
+
+# Series points live in chunks, each holding one series' points encoded by store.codec; the open
+# (still filling) chunk of a writer is rewritten in place until it is full.
 TABLES: tuple[str, ...] = (
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     """CREATE TABLE IF NOT EXISTS series (
@@ -150,31 +264,7 @@ TABLES: tuple[str, ...] = (
     t_start REAL NOT NULL, t_end REAL NOT NULL, n_points INTEGER NOT NULL,
     precision REAL NOT NULL, data BLOB NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS chunks_series_t ON chunks (series_id, t_end)",
-    """CREATE TABLE IF NOT EXISTS requests (
-    t REAL NOT NULL, request_id TEXT NOT NULL, ttft_s REAL, tpot_s REAL, latency_s REAL,
-    prompt_tokens INTEGER, completion_tokens INTEGER, hits INTEGER, misses INTEGER,
-    bytes_read INTEGER)""",
-    "CREATE INDEX IF NOT EXISTS requests_t ON requests (t)",
-    """CREATE TABLE IF NOT EXISTS cache_stats (
-    t REAL NOT NULL, layer INTEGER NOT NULL, hits INTEGER NOT NULL, misses INTEGER NOT NULL,
-    evictions INTEGER NOT NULL, prefetch_hits INTEGER NOT NULL, bytes_read INTEGER NOT NULL,
-    read_latency_s REAL, prefetches INTEGER)""",
-    "CREATE INDEX IF NOT EXISTS cache_stats_t ON cache_stats (t)",
-    """CREATE TABLE IF NOT EXISTS activations (
-    t REAL NOT NULL, layer INTEGER NOT NULL, expert INTEGER NOT NULL, count INTEGER NOT NULL)""",
-    "CREATE INDEX IF NOT EXISTS activations_t ON activations (t)",
-    """CREATE TABLE IF NOT EXISTS knob_changes (
-    id INTEGER PRIMARY KEY, t REAL NOT NULL, knob TEXT NOT NULL, old TEXT, new TEXT NOT NULL,
-    source TEXT NOT NULL)""",
-    "CREATE INDEX IF NOT EXISTS knob_changes_t ON knob_changes (t)",
-    """CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY, t REAL NOT NULL, kind TEXT NOT NULL, message TEXT NOT NULL)""",
-    "CREATE INDEX IF NOT EXISTS events_t ON events (t)",
-    SIMULATIONS,
-    """CREATE TABLE IF NOT EXISTS sweeps (
-    t REAL NOT NULL, cache_cap_bytes INTEGER NOT NULL, tokens_per_s REAL NOT NULL,
-    hit_rate REAL NOT NULL)""",
-)
+) + tuple(statement for table in ROW_TABLES for statement in table.ddl())
 
 # What the dashboard sums over long windows, kept per minute (store.rollup).
 CACHE_STATS_ROLLUP = Rollup("cache_stats", ("layer",), (

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from store import codec
 from store.codec import CodecError, decode, encode
-from store.db import to_fixed
+from store.series_writer import to_fixed
 from store.schema import SeriesSpec
 
 LIMIT = (1 << 62) - 1

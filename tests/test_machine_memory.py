@@ -48,7 +48,7 @@ def test_fault_counters_survive_a_command_name_with_spaces_and_parens():
 def test_vmstat_rates_per_second():
     before = memory.parse_vmstat("pgmajfault 100\nworkingset_refault_anon 0\nworkingset_refault_file 50\n")
     after = memory.parse_vmstat("pgmajfault 160\nworkingset_refault_anon 4\nworkingset_refault_file 50\n")
-    assert series.rates(before, after, 2.0, series.VMSTAT_RATES) == {
+    assert series.vmstat_series(before, after, 2.0) == {
         "vm.pgmajfault_per_s": 30.0, "vm.workingset_refault_anon_per_s": 2.0,
         "vm.workingset_refault_file_per_s": 0.0}
 

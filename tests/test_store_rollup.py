@@ -168,7 +168,7 @@ def test_retention_and_deletes_keep_the_rollups_equal_to_the_raw_rows(tmp_path):
     path = tmp_path / "flashmoe.db"
     write_rows(path, seed=11)
     with Store(path, autoflush_s=0) as store:
-        store.compact(retention_s=3600.5, now=T0 + SPAN_S - 1234.25)   # the cut lands inside a minute
+        store.compact(retention_days=3600.5 / 86400, now=T0 + SPAN_S - 1234.25)   # the cut lands inside a minute
     with sqlite3.connect(path) as conn:
         conn.execute("DELETE FROM activations WHERE layer = 1 AND t < ?", (T0 + SPAN_S - 600,))
         conn.commit()

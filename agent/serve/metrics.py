@@ -67,6 +67,15 @@ class Tick:
     def tokens_per_s(self) -> float:
         return self.tokens / self.interval_s if self.interval_s > 0 else 0.0
 
+    @property
+    def read_bytes_per_s(self) -> float:
+        return self.bytes_read / self.interval_s if self.interval_s > 0 else 0.0
+
+    @property
+    def read_latency_s(self) -> float | None:
+        """Mean of the interval's expert reads."""
+        return sum(self.read_latencies) / len(self.read_latencies) if self.read_latencies else None
+
 
 @dataclass
 class _Previous:

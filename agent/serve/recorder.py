@@ -6,16 +6,17 @@ from typing import Any
 
 from agent.serve.metrics import Tick
 from agent.serve.scheduler import RequestStats
+from store.schema import fields_of, series_of
 
 log = logging.getLogger(__name__)
 
 
 class Recorder:
-    """The store side of Metrics: the same Tick that fed /metrics becomes rows and series points."""
+    """The store side of Metrics: the same Tick that fed /metrics becomes rows and series points
+    (the agent.* series of store.schema's catalogue, each an attribute of the Tick)."""
 
     def __init__(self, store) -> None:
         self.store = store
-        store.declare("agent.batch_limit", "requests", "gauge", 1.0, "dynamic batch limit (follows SSD utilisation)")
 
     def write(self, tick: Tick, requests: list[RequestStats]) -> None:
         s, t = self.store, tick.t
@@ -35,16 +36,8 @@ class Recorder:
 
     @staticmethod
     def series(tick: Tick) -> dict[str, float]:
-        out = {"agent.tokens_per_s": tick.tokens_per_s, "agent.batch_size": tick.batch_size,
-               "agent.batch_limit": tick.batch_limit,
-               "agent.queue_depth": tick.queue_depth, "agent.cache_bytes": tick.cache_bytes,
-               "agent.cache_cap_bytes": tick.cap_bytes,
-               "agent.read_bytes_per_s": tick.bytes_read / tick.interval_s if tick.interval_s > 0 else 0.0}
-        if tick.hit_rate is not None:
-            out["agent.hit_rate"] = tick.hit_rate
-        if tick.read_latencies:
-            out["agent.read_latency_s"] = sum(tick.read_latencies) / len(tick.read_latencies)
-        return out
+        """The tick's series points (None, e.g. no hit rate in an idle second, is not written)."""
+        return series_of("tick", {name: getattr(tick, name) for name in fields_of("tick")})
 
     def knob_change(self, t: float, knob: str, old: Any, new: Any, source: str) -> None:
         self.store.record_knob_change(t, knob, old, new, source)  # written through, kept as JSON

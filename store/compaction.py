@@ -1,0 +1,98 @@
+"""Retention and compaction: delete what is older than the retention, merge runs of small chunks.
+
+Restarts leave small chunks behind (each writer seals its open chunk when it stops); merging them
+into chunks of up to `target_points` makes reads decode fewer, larger chunks. Only chunks whose
+data is older than `min_age_s` are merged, which is older than any writer's open chunk
+(store.series_writer.STALE_OPEN_S), so no open chunk is ever rewritten by two writers.
+"""
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+
+from store import codec
+from store.schema import ROW_TABLES
+from store.series_writer import write_chunk
+
+COMPACT_MIN_AGE_S = 3600.0  # compaction merges only chunks whose data is older than this (> STALE_OPEN_S)
+COMPACT_POINTS = 7200       # merged chunk size: 2 h at 1 Hz (fewer, larger chunks decode faster)
+
+ChunkRow = tuple[int, float, bytes, int]    # id, precision, data, n_points
+
+
+@dataclass
+class Compaction:
+    """What one compaction did."""
+    chunks_deleted: int = 0
+    rows_deleted: int = 0
+    chunks_merged: int = 0
+    chunks_written: int = 0
+
+
+def compact(conn: sqlite3.Connection, cutoff: float, merge_before: float,
+            target_points: int = COMPACT_POINTS) -> Compaction:
+    """Delete chunks and rows older than `cutoff` (tables that do not expire, and the newest row of
+    each knob, are kept), then merge runs of small chunks whose data ends before `merge_before`.
+    One short transaction for retention and one per series."""
+    report = Compaction()
+    _retain(conn, cutoff, report)
+    for (series_id,) in conn.execute("SELECT id FROM series").fetchall():
+        _merge_series(conn, series_id, merge_before, target_points, report)
+    return report
+
+
+def _retain(conn: sqlite3.Connection, cutoff: float, report: Compaction) -> None:
+    conn.execute("BEGIN IMMEDIATE")
+    report.chunks_deleted = conn.execute("DELETE FROM chunks WHERE t_end < ?", (cutoff,)).rowcount
+    straddling = conn.execute("SELECT id, series_id, precision, data FROM chunks "
+                              "WHERE t_start < ? AND t_end >= ?", (cutoff, cutoff)).fetchall()
+    for chunk_id, series_id, precision, data in straddling:     # keep only the recent points
+        decoded = codec.decode(data)
+        keep = decoded.t_ms >= cutoff * 1000
+        conn.execute("DELETE FROM chunks WHERE id = ?", (chunk_id,))
+        write_chunk(conn, series_id, precision, None, codec.ChunkEncoder.of(
+            decoded.t_ms[keep].tolist(), decoded.q[keep].tolist()))
+    for table in ROW_TABLES:
+        if not table.expires:
+            continue
+        keep = (f" AND id NOT IN (SELECT MAX(id) FROM {table.name} GROUP BY {table.keep_latest_of})"
+                if table.keep_latest_of else "")
+        report.rows_deleted += conn.execute(f"DELETE FROM {table.name} WHERE t < ?{keep}", (cutoff,)).rowcount
+    conn.execute("COMMIT")
+
+
+def _merge_series(conn: sqlite3.Connection, series_id: int, before: float, target_points: int,
+                  report: Compaction) -> None:
+    conn.execute("BEGIN IMMEDIATE")
+    rows = conn.execute(
+        "SELECT id, precision, data, n_points FROM chunks WHERE series_id = ? AND t_end < ? "
+        "AND n_points < ? ORDER BY t_start, id", (series_id, before, target_points)).fetchall()
+    for run in _runs_to_merge(rows, target_points):
+        t_ms, q = [], []
+        for _, _, data, _ in run:
+            decoded = codec.decode(data)
+            t_ms.extend(decoded.t_ms.tolist())
+            q.extend(decoded.q.tolist())
+        order = sorted(range(len(t_ms)), key=t_ms.__getitem__)
+        conn.executemany("DELETE FROM chunks WHERE id = ?", [(r[0],) for r in run])
+        for start in range(0, len(order), target_points):
+            part = order[start:start + target_points]
+            write_chunk(conn, series_id, run[0][1], None,
+                        codec.ChunkEncoder.of([t_ms[i] for i in part], [q[i] for i in part]))
+            report.chunks_written += 1
+        report.chunks_merged += len(run)
+    conn.execute("COMMIT")
+
+
+def _runs_to_merge(rows: list[ChunkRow], target_points: int) -> list[list[ChunkRow]]:
+    """Group time-ordered small chunks into runs of the same precision worth merging (>= 2 chunks;
+    a run is closed at 16 x target_points to bound one transaction's work)."""
+    runs: list[list[ChunkRow]] = []
+    current: list[ChunkRow] = []
+    for row in rows:
+        if current and (row[1] != current[0][1] or sum(r[3] for r in current) >= 16 * target_points):
+            runs.append(current)
+            current = []
+        current.append(row)
+    runs.append(current)
+    return [run for run in runs if len(run) >= 2]
