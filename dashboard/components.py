@@ -1,11 +1,14 @@
-"""Widgets every page shares: the store notice, the history window, a series chart, the agent state."""
+"""Widgets every page shares: the store notice, the history window, a series chart, the agent state, a knob input."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import streamlit as st
 
 from dashboard import data, figures, settings, transforms
+
+MIB = 2**20
 
 
 def store_ready(db: str) -> bool:
@@ -36,3 +39,19 @@ def series_chart(db: str, names: Mapping[str, str], since: float, until: float, 
 def agent_offline_notice(reason: str) -> None:
     st.warning(f"Agent offline: {reason}. Showing stored history; knobs are read-only until it is back.",
                icon=":material/cloud_off:")
+
+
+def knob_widget(name: str, spec: dict[str, Any], disabled: bool) -> Any:
+    """One input per knob, typed by the agent's description; bounds are shown, the agent enforces them."""
+    value, kind = spec["value"], spec["type"]
+    if kind == "bool":
+        return st.toggle(name, value=bool(value), disabled=disabled)
+    if kind == "str":
+        choices = spec["choices"]
+        return st.selectbox(name, choices, index=choices.index(value) if value in choices else 0, disabled=disabled)
+    if kind == "int":
+        step = MIB if name.endswith("_bytes") else 1
+        return st.number_input(name, value=int(value), step=step, disabled=disabled,
+                               help=f"allowed {transforms.bounds_text(spec)}")
+    return st.number_input(name, value=float(value), step=0.05, format="%.3f", disabled=disabled,
+                           help=f"allowed {transforms.bounds_text(spec)}")

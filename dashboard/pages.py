@@ -15,6 +15,7 @@ class Page:
     heading: str              # at the top of the page
     icon: str
     default: bool = False
+    reads_store: bool = True  # False: the page reads elsewhere (Fleet: Prometheus) and says nothing of the store
 
     @property
     def path(self) -> str:
@@ -32,6 +33,7 @@ PAGES: tuple[Page, ...] = (
     Page("ssd", "SSD", "SSD", ":material/storage:"),
     Page("memory", "Memory", "Memory", ":material/memory:"),
     Page("tuning", "Tuning", "Tuning", ":material/tune:"),
+    Page("fleet", "Fleet", "Fleet", ":material/lan:", reads_store=False),
 )
 
 

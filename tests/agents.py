@@ -1,6 +1,6 @@
 """Real processes on loopback for the tests: the small demo model, `flashmoe-cli serve` started and
-waited for, and the spawn / wait / stop that tests/test_browser.py also uses for the collector and
-the dashboard.
+waited for, Debian's Prometheus, and the spawn / wait / stop that tests/test_browser.py also uses
+for the collector and the dashboard.
 
     agent = start_agent(demo_model(tmp_path_factory), tmp_path, "--cache-cap", "25%")
     agent.complete(prompt="Hello", max_tokens=4)
@@ -8,7 +8,9 @@ the dashboard.
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +24,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "agent.cli"]
 START_TIMEOUT_S = 120
+PROMETHEUS = "/usr/bin/prometheus"
 STOP_TIMEOUT_S = 60
 
 
@@ -115,3 +118,31 @@ def start_agent(model: Path, workdir: Path, *args: str) -> Agent:
     agent = Agent(proc, f"http://127.0.0.1:{port}", db, pid_file, log)
     wait_http(agent.url + "/v1/status", proc, log)
     return agent
+
+
+@dataclass
+class Prometheus:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def query(self, expr: str) -> list[dict]:
+        r = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "success", r.text
+        return r.json()["data"]["result"]
+
+    def stop(self) -> int:
+        return stop(self.proc)
+
+
+def start_prometheus(workdir: Path, config: dict) -> Prometheus:
+    """Debian's Prometheus on a free loopback port with `config` (a prometheus.yml as a dict), its data
+    in `workdir`; returns once it is ready."""
+    assert shutil.which(PROMETHEUS), "Debian's prometheus package is a test dependency (.ci/system-packages)"
+    (workdir / "prometheus.yml").write_text(json.dumps(config))  # YAML is a superset of JSON
+    port, log = free_port(), workdir / "prometheus.log"
+    proc = spawn([PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
+                  f"--web.listen-address=127.0.0.1:{port}"], log)
+    prometheus = Prometheus(proc, f"http://127.0.0.1:{port}", log)
+    wait_http(prometheus.url + "/-/ready", proc, log)
+    return prometheus

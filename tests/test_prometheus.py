@@ -1,81 +1,69 @@
-"""A real Prometheus server scrapes the agent's /metrics; the hit-rate series is read back through its query API."""
+"""A real Prometheus server scrapes the agent's /metrics; the hit-rate series, the device name on every
+series and the count of knob changes are read back through its query API."""
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from test_serve import demo_model, free_port, start_agent, wait_for
+from agents import demo_model, start_agent, start_prometheus
+from test_serve import wait_for
 
-PROMETHEUS = "/usr/bin/prometheus"
+DEVICE = "edge-test"
 HIT_RATE = ('sum(flashmoe_expert_cache_hits_total) / '
             '(sum(flashmoe_expert_cache_hits_total) + sum(flashmoe_expert_cache_misses_total))')
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
-    a = start_agent(demo_model(tmp_path_factory), tmp_path_factory.mktemp("prom-agent"), "--cache-cap", "25%")
+    a = start_agent(demo_model(tmp_path_factory), tmp_path_factory.mktemp("prom-agent"), "--cache-cap", "25%",
+                    "--device-name", DEVICE)
     yield a
     a.stop()
 
 
 @pytest.fixture(scope="module")
 def prometheus(agent, tmp_path_factory):
-    assert shutil.which(PROMETHEUS), "Debian's prometheus package is a test dependency (.ci/system-packages)"
-    work: Path = tmp_path_factory.mktemp("prometheus")
-    target = agent.url.removeprefix("http://")
     config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-              "scrape_configs": [{"job_name": "flashmoe", "static_configs": [{"targets": [target]}]}]}
-    (work / "prometheus.yml").write_text(json.dumps(config))  # YAML is a superset of JSON
-    port = free_port()
-    log = (work / "prometheus.log").open("w")
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={work / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def ready():
-        try:
-            return httpx.get(url + "/-/ready", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-    try:
-        wait_for(ready, 60, "prometheus to start")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
-def query(prometheus: str, expr: str) -> list[dict]:
-    r = httpx.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=10)
-    assert r.status_code == 200 and r.json()["status"] == "success", r.text
-    return r.json()["data"]["result"]
+              "scrape_configs": [{"job_name": "flashmoe",
+                                  "static_configs": [{"targets": [agent.url.removeprefix("http://")]}]}]}
+    server = start_prometheus(tmp_path_factory.mktemp("prometheus"), config)
+    yield server
+    server.stop()
 
 
 def test_prometheus_scrapes_the_hit_rate_and_per_layer_counters(agent, prometheus):
-    wait_for(lambda: query(prometheus, 'up{job="flashmoe"} == 1'), 30, "the first successful scrape")
+    wait_for(lambda: prometheus.query('up{job="flashmoe"} == 1'), 30, "the first successful scrape")
     for i in range(3):
         agent.complete(prompt=f"scrape me {i}", max_tokens=4, temperature=0)
     status = wait_for(lambda: (s := agent.get("/v1/status").json()) and s["cache"]["hits"] > 0 and s, 15, "hits")
     expected = status["cache"]["hits"] / (status["cache"]["hits"] + status["cache"]["misses"])
 
     def scraped_rate():
-        rows = query(prometheus, HIT_RATE)
+        rows = prometheus.query(HIT_RATE)
         return rows and abs(float(rows[0]["value"][1]) - expected) < 1e-9 and float(rows[0]["value"][1])
     rate = wait_for(scraped_rate, 30, "Prometheus to hold the agent's hit rate")
     assert 0 < rate < 1
-    layers = query(prometheus, "flashmoe_expert_cache_misses_total")
+    layers = prometheus.query("flashmoe_expert_cache_misses_total")
     assert sorted(r["metric"]["layer"] for r in layers) == ["0", "1"]
-    series = httpx.get(prometheus + "/api/v1/query_range",
+    series = httpx.get(prometheus.url + "/api/v1/query_range",
                        params={"query": "flashmoe_expert_cache_hit_ratio", "start": time.time() - 120,
                                "end": time.time(), "step": "1s"},
                        timeout=10).json()["data"]["result"]
     assert series and len(series[0]["values"]) >= 1
-    latency = query(prometheus, "flashmoe_request_latency_seconds_count")
+    latency = prometheus.query("flashmoe_request_latency_seconds_count")
     assert float(latency[0]["value"][1]) >= 3
+
+
+def test_every_series_carries_the_device_name_and_knob_changes_are_counted(agent, prometheus):
+    wait_for(lambda: prometheus.query('up{job="flashmoe"} == 1'), 30, "the first successful scrape")
+    unlabelled = prometheus.query('{job="flashmoe", device_name="", __name__=~"flashmoe_.*"}')
+    assert unlabelled == []
+    assert [r["metric"]["device_name"] for r in prometheus.query("flashmoe_agent_info")] == [DEVICE]
+    before = float(prometheus.query("flashmoe_knob_changes_total")[0]["value"][1])
+    cap = agent.get("/v1/knobs").json()["cache_cap_bytes"]
+    r = httpx.put(agent.url + "/v1/knobs", json={"cache_cap_bytes": cap["min"], "prefetch": False}, timeout=30)
+    assert r.status_code == 200, r.text
+    wait_for(lambda: float(prometheus.query("flashmoe_knob_changes_total")[0]["value"][1]) == before + 2, 30,
+             "two more knob changes")

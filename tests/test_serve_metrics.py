@@ -70,3 +70,22 @@ def test_requests_feed_histograms_and_the_store_rows_alike(tmp_path):
     assert queries.latest(tmp_path / "s.db", "agent.hit_rate") == (60.0, 0.5)
     assert m.drain_requests() == []
     assert "flashmoe_request_latency_seconds_bucket" in generate_latest(reg).decode()
+
+
+def test_every_exposed_sample_names_the_device():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from agent.serve.metrics import DeviceLabelled
+
+    reg = CollectorRegistry()
+    m = Metrics(reg, n_layers=2)
+    m.tick(1.0, cache_stats([LayerStats(hits=1, misses=1), LayerStats()], 4096, 1, [0.001], 1), 1, 0, 16, 3, {})
+    m.knob_changes.inc()
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(DeviceLabelled(reg, "edge-01")).decode())}
+    samples = [s for f in families.values() for s in f.samples]
+    assert len(samples) > 50 and all(s.labels["device_name"] == "edge-01" for s in samples)
+    assert families["flashmoe_agent_info"].samples[0].value == 1
+    hits = {s.labels["layer"]: s.value for s in families["flashmoe_expert_cache_hits"].samples if s.name.endswith("_total")}
+    assert hits == {"0": 1.0, "1": 0.0}                      # the layer label is kept beside the device's
+    assert families["flashmoe_knob_changes"].samples[0].value == 1
+    assert sample(reg, "flashmoe_expert_cache_hits_total", layer="0") == 1   # the registry itself is unchanged

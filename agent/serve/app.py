@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.serve.knobs import SOURCES, KnobError
 from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
+from agent.serve.metrics import DeviceLabelled
 from agent.serve.runtime import Runtime
 from agent.serve.scheduler import Event
 from agent.serve.scheduler import Request as Job
@@ -64,7 +65,7 @@ class PreloadRequest(BaseModel):
     experts: list[tuple[int, int]] = Field(description="[[layer, expert], ...] to bring into the cache")
 
 
-def create_app(runtime: Runtime, tokenizer, token: str | None = None,
+def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None = None,
                max_prompt_bytes: int = MAX_PROMPT_BYTES) -> FastAPI:
     app = FastAPI(title="FlashMoE agent", version="0.1.0",
                   description="MoE inference with experts on the SSD behind a learned RAM cache.")
@@ -74,6 +75,7 @@ def create_app(runtime: Runtime, tokenizer, token: str | None = None,
     model_name = runtime.opts.model_dir.name
     config = runtime.engine.config
     stop_ids = frozenset([] if config.eos_token_id is None else [config.eos_token_id])
+    exposed = DeviceLabelled(runtime.metrics.registry, device_name)
 
     def control(authorization: str | None = Header(None)) -> None:
         if token is None:
@@ -119,7 +121,7 @@ def create_app(runtime: Runtime, tokenizer, token: str | None = None,
 
     @app.get("/metrics")
     def metrics() -> Response:
-        return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:

@@ -4,14 +4,17 @@ Every second `Metrics.tick` turns the cumulative counters of the cache and the s
 `Tick` of per-interval deltas; the same Tick increments the Prometheus instruments (`/metrics`)
 and is what the recorder writes to the store, so the two outputs cannot disagree. Finished
 requests go through `Metrics.request` the same way. Registry passed in: tests use a fresh one.
+/metrics shows the registry through `DeviceLabelled`, which names the device on every sample.
 """
 from __future__ import annotations
 
 import collections
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from agent.experts.cache import CacheStats
 from agent.residency import LayerStats
@@ -21,6 +24,7 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8)
 READ_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
 RECENT_TICKS = 30  # window of "recent" hit rate: the last 30 one-second ticks
+DEVICE_LABEL = "device_name"  # not "device": node_exporter and smartctl_exporter use that for a disk
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ class Metrics:
         self.cap_bytes = Gauge("flashmoe_cache_cap_bytes", "expert cache cap", registry=registry)
         self.hit_ratio = Gauge("flashmoe_expert_cache_hit_ratio",
                                f"expert cache hit ratio over the last {RECENT_TICKS} s", registry=registry)
+        self.knob_changes = Counter("flashmoe_knob_changes", "knob values changed, by any source",
+                                    registry=registry)
         for i in range(n_layers):  # export every layer from the start, so rate() has a zero to start from
             for counter in (self.hits, self.misses, self.evictions, self.prefetch_hits, self.prefetches):
                 counter.labels(layer=str(i))
@@ -185,3 +191,21 @@ class Metrics:
         hits = sum(h for h, _ in self._recent)
         total = hits + sum(m for _, m in self._recent)
         return hits / total if total else None
+
+
+class DeviceLabelled:
+    """`registry` as a fleet's Prometheus sees it: every sample carries device_name=NAME, and
+    flashmoe_agent_info{device_name=NAME} 1 says which device answers at this address even while
+    the agent has nothing else to report. Pass it to generate_latest in place of the registry."""
+
+    def __init__(self, registry: CollectorRegistry, device_name: str) -> None:
+        self.registry, self.device_name = registry, device_name
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily("flashmoe_agent_info", "the FlashMoE agent of this device", labels=[DEVICE_LABEL])
+        info.add_metric([self.device_name], 1)
+        yield info
+        for family in self.registry.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [s._replace(labels={DEVICE_LABEL: self.device_name, **s.labels}) for s in family.samples]
+            yield labelled

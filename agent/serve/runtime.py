@@ -133,6 +133,7 @@ class Runtime:
             if diff:
                 self.scheduler.call(lambda: self._apply({k: new for k, (_, new) in diff.items()}))
                 t = time.time()
+                self.metrics.knob_changes.inc(len(diff))
                 for knob, (old, new) in diff.items():
                     log.info("knob %s: %r -> %r (%s)", knob, old, new, source)
                     if self.recorder is not None:

@@ -3,13 +3,16 @@
 Examples:
     flashmoe-cli serve --model data/demo --db data/flashmoe.db --pid-file data/agent.pid
     flashmoe-cli serve --model data/demo --cache-cap 25% --policy flashmoe --backend direct --port 8600
+    flashmoe-cli serve --model data/demo --device-name edge-01 --port 8600
     FLASHMOE_TOKEN=secret flashmoe-cli serve --model data/demo --host 0.0.0.0
     flashmoe-cli serve --model data/demo --verify --max-prompt-bytes 32768
 
 Loopback only by default. Binding any other address needs a token (--token or FLASHMOE_TOKEN):
 control calls (PUT /v1/knobs, POST /v1/cache/preload) must then send `Authorization: Bearer TOKEN`.
-The port is bound before the model loads, so a busy port fails at once. SIGTERM or Ctrl-C stops
-gracefully: open requests finish, the last statistics are written and the pid file is removed.
+/metrics labels every series device_name=NAME (--device-name, default this host's name), so a
+fleet's Prometheus tells devices apart by name. The port is bound before the model loads, so a busy
+port fails at once. SIGTERM or Ctrl-C stops gracefully: open requests finish, the last statistics
+are written and the pid file is removed.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import errno
 import ipaddress
 import logging
 import os
+import re
 import signal
 import socket
 from pathlib import Path
@@ -32,6 +36,7 @@ from agent.serve.scheduler import ADMIT_WINDOW_S
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "FLASHMOE_TOKEN"
+DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")
 
 
 class ServeError(Exception):
@@ -46,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", type=Path, help="telemetry store to write statistics and knob changes to, and restore knobs from")
     p.add_argument("--pid-file", type=Path, help="write the agent's pid here (the collector finds the agent by it)")
     p.add_argument("--token", help=f"bearer token control calls must carry (or set {TOKEN_ENV})")
+    p.add_argument("--device-name", type=device_name, default=socket.gethostname(),
+                   help="this device's name in the fleet: the device_name label of every /metrics series "
+                        "(default: the host name)")
     p.add_argument("--cache-cap", help="expert cache cap: bytes, a size (2GiB) or a share of expert bytes (25%%)")
     p.add_argument("--policy", help="replacement policy (lru, flashmoe, ...)")
     p.add_argument("--backend", choices=BACKENDS, default="direct", help="expert reads: O_DIRECT, buffered or mmap")
@@ -74,6 +82,14 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def device_name(text: str) -> str:
+    """--device-name: a name that fits a Prometheus label, a URL and a log line as it is."""
+    if not DEVICE_NAME.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device name: use 1-63 letters, digits, '.', '_' "
+                                         f"or '-', starting with a letter or digit")
+    return text
 
 
 def is_loopback(host: str) -> bool:
@@ -185,9 +201,10 @@ def serve(args: argparse.Namespace) -> None:
             runtime.start()
         except (ValueError, OSError, ExpertStoreError) as exc:
             raise ServeError(f"cannot start the agent: {exc}") from None
-        app = create_app(runtime, load_tokenizer(args.model), token, args.max_prompt_bytes)
+        app = create_app(runtime, load_tokenizer(args.model), args.device_name, token, args.max_prompt_bytes)
         host, port = sock.getsockname()[:2]
-        log.info("agent serving %s on http://%s:%d (token %s)", args.model, host, port, "required" if token else "off")
+        log.info("agent %s serving %s on http://%s:%d (token %s)", args.device_name, args.model, host, port,
+                 "required" if token else "off")
         config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=10)
         _server_class()(config).run(sockets=[sock])
     finally:

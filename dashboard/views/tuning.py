@@ -8,25 +8,7 @@ import streamlit as st
 
 from dashboard import components, data, settings, transforms
 
-MIB = 2**20
-
 db, url, token = settings.db_path(), settings.agent_url(), settings.agent_token()
-
-
-def knob_widget(name: str, spec: dict[str, Any], disabled: bool) -> Any:
-    """One input per knob, typed by the agent's description; bounds are shown, the agent enforces them."""
-    value, kind = spec["value"], spec["type"]
-    if kind == "bool":
-        return st.toggle(name, value=bool(value), disabled=disabled)
-    if kind == "str":
-        choices = spec["choices"]
-        return st.selectbox(name, choices, index=choices.index(value) if value in choices else 0, disabled=disabled)
-    if kind == "int":
-        step = MIB if name.endswith("_bytes") else 1
-        return st.number_input(name, value=int(value), step=step, disabled=disabled,
-                               help=f"allowed {transforms.bounds_text(spec)}")
-    return st.number_input(name, value=float(value), step=0.05, format="%.3f", disabled=disabled,
-                           help=f"allowed {transforms.bounds_text(spec)}")
 
 
 def knob_form(knobs: dict[str, dict[str, Any]], online: bool) -> None:
@@ -34,7 +16,7 @@ def knob_form(knobs: dict[str, dict[str, Any]], online: bool) -> None:
         cols, edited = st.columns(3), {}
         for i, (name, spec) in enumerate(knobs.items()):
             with cols[i % 3]:
-                edited[name] = knob_widget(name, spec, not online)
+                edited[name] = components.knob_widget(name, spec, not online)
         if st.form_submit_button("Apply", type="primary", disabled=not online):
             changes = transforms.changed({k: s["value"] for k, s in knobs.items()}, edited)
             st.session_state["tuning-answer"] = (data.agent(url, token).push(changes) if changes

@@ -1,0 +1,118 @@
+"""Fleet: every device Prometheus scrapes with its figures, memory verdict and alerts; one knob pushed to several."""
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import components, data, fleet, settings, transforms
+
+prometheus_url, tokens_file, default_token = fleet.settings()
+
+
+@st.cache_data(ttl=settings.REFRESH_S, show_spinner=False)
+def snapshot(url: str) -> fleet.Snapshot:
+    return fleet.Prometheus(url).snapshot()
+
+
+def table(rows: list[fleet.Device]) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "device": d.name, "agent": "up" if d.up else "down", "hit rate": d.hit_rate, "tokens/s": d.tokens_per_s,
+        "P99 latency (s)": d.p99_s, "SSD MB/s": None if d.ssd_read_bytes_per_s is None else d.ssd_read_bytes_per_s / 1e6,
+        "SSD utilisation": d.ssd_util, "memory": d.memory, "firing alerts": ", ".join(d.alerts),
+        "dashboard": d.dashboard_url} for d in rows])
+
+
+COLUMNS = {
+    "hit rate": st.column_config.NumberColumn(format="percent", help="expert cache hit rate, last 5 min"),
+    "tokens/s": st.column_config.NumberColumn(format="%.1f", help="generated tokens per second, last 5 min"),
+    "P99 latency (s)": st.column_config.NumberColumn(format="%.2f", help="request latency P99, last 5 min"),
+    "SSD MB/s": st.column_config.NumberColumn(format="%.1f", help="expert bytes read from the SSD, last 5 min"),
+    "SSD utilisation": st.column_config.NumberColumn(format="percent", help="busiest disk (collector), last 5 min"),
+    "memory": st.column_config.TextColumn(help="thrashing / under pressure (FlashMoEAgentThrashing firing / "
+                                               "pending), ok, or no collector reporting"),
+    "dashboard": st.column_config.LinkColumn(display_text="open", help="the device's own dashboard"),
+}
+
+
+@st.fragment(run_every=settings.REFRESH_S)
+def overview(url: str) -> None:
+    try:
+        rows = fleet.devices(snapshot(url))
+    except fleet.FleetError as err:
+        st.error(str(err), icon=":material/cloud_off:")
+        return
+    if not rows:
+        st.info(f"Prometheus at {url} scrapes no agent yet: add each device's agent to the job "
+                f"`{fleet.AGENT_JOB}` (examples/prometheus.yml).")
+        return
+    firing = [(d.name, a) for d in rows for a in d.alerts]
+    c1, c2, c3 = st.columns(3)
+    c1.metric("Devices", len(rows))
+    c2.metric("Agents up", sum(d.up for d in rows))
+    c3.metric("Firing alerts", len(firing))
+    for name in fleet.duplicate_names(rows):
+        st.warning(f"Two agents call themselves {name!r}: their figures are summed; give each its own "
+                   f"`serve --device-name`.", icon=":material/warning:")
+    st.dataframe(table(rows), hide_index=True, width="stretch", column_config=COLUMNS)
+    if all(d.hit_rate is None for d in rows if d.up):
+        st.caption("No recorded figures yet: they appear a few scrapes after traffic starts, once Prometheus "
+                   "evaluates examples/alerts.yml (its `rule_files`).")
+
+
+def push_form(rows: list[fleet.Device], tokens: dict[str, str]) -> None:
+    """Choose devices, a knob and a value; each device's current value and bounds are shown before the push."""
+    online = {d.name: d for d in rows if d.up}
+    chosen = st.multiselect("Devices", list(online), key="fleet-devices",
+                            help="agents Prometheus reaches now; each gets the change with its own token")
+    if not chosen:
+        st.caption("Select one or more devices to push a knob change to.")
+        return
+    targets = [online[name] for name in chosen]
+    described = {d.name: data.agent_knobs(d.agent_url, None) for d in targets}
+    first = described[targets[0].name]
+    if isinstance(first, str):
+        st.error(f"{targets[0].name}: {first}")
+        return
+    name = st.selectbox("Knob", list(first), key="fleet-knob")
+    value = components.knob_widget(name, first[name], disabled=False)
+    st.table(pd.DataFrame([current(device, knobs, name) for device, knobs in described.items()]).set_index("device"))
+    if st.button(f"Push {name} = {transforms.value_text(name, value)} to {len(targets)} device(s)", type="primary"):
+        st.session_state["fleet-push"] = fleet.push(targets, {name: value}, tokens, default_token)
+        st.rerun()
+
+
+def current(device: str, knobs: dict[str, Any] | str, name: str) -> dict[str, str]:
+    if isinstance(knobs, str):
+        return {"device": device, "now": "unknown", "allowed": knobs}
+    spec = knobs.get(name)
+    if spec is None:
+        return {"device": device, "now": "no such knob", "allowed": "–"}
+    return {"device": device, "now": transforms.value_text(name, spec["value"]), "allowed": transforms.bounds_text(spec)}
+
+
+def answers(results: list[fleet.PushResult]) -> None:
+    accepted = sum(r.accepted for r in results)
+    (st.success if accepted == len(results) else st.warning)(
+        f"{accepted} of {len(results)} agents accepted the change; a refusing agent applied nothing.")
+    st.table(pd.DataFrame([{"device": r.device, "answer": r.answer} for r in results]).set_index("device"))
+
+
+if prometheus_url is None:
+    st.info(f"The Fleet page shows every device Prometheus scrapes. Set `{fleet.PROMETHEUS_ENV}` to its address "
+            f"(e.g. http://prometheus.lan:9090) when starting the dashboard; scrape each agent and collector with "
+            f"examples/prometheus.yml and load examples/alerts.yml as its rule file.", icon=":material/lan:")
+    st.stop()
+
+overview(prometheus_url)
+st.subheader("Push a knob change")
+try:
+    fleet_tokens = fleet.load_tokens(tokens_file)
+    fleet_rows = fleet.devices(snapshot(prometheus_url))
+except fleet.FleetError as err:
+    st.error(str(err))
+else:
+    if "fleet-push" in st.session_state:
+        answers(st.session_state["fleet-push"])
+    push_form(fleet_rows, fleet_tokens)

@@ -1,0 +1,230 @@
+"""The fleet through Prometheus: three real agents (three ports, three device names, three tokens)
+and a fourth address where no agent answers, scraped by Debian's Prometheus with examples/alerts.yml
+loaded; the Fleet page in Chromium lists every device and the firing FlashMoEAgentDown alert, and
+pushes a knob change to two agents, which alone change. Under AppTest, a push that one agent
+refuses (a wrong token) changes nothing there and shows that agent's answer. Unit tests cover the
+pure parts of dashboard/fleet.py.
+
+The Fleet page's picture in the README comes from this test:
+
+    FLASHMOE_SCREENSHOT_DIR=docs .venv/bin/pytest -m browser tests/test_fleet.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from playwright.sync_api import expect, sync_playwright
+from streamlit.testing.v1 import AppTest
+
+from agents import ROOT, Agent, Prometheus, demo_model, free_port, spawn, start_agent, start_prometheus, stop, wait_http
+from dashboard import fleet
+from test_browser import CHROMIUM, CHROMIUM_ARGS, RENDER_TIMEOUT_MS
+from test_serve import wait_for
+
+APP = str(ROOT / "dashboard" / "app.py")
+DEVICES = ("edge-a", "edge-b", "edge-c")
+TOKENS = {name: f"token-of-{name}" for name in DEVICES}
+WRONG_TOKENS = {**TOKENS, "edge-c": "not-edge-c's-token"}   # what the dashboard holds: edge-c will refuse it
+ALERT_WAIT_S = 180          # FlashMoEAgentDown needs a minute of failed scrapes
+
+
+@dataclass
+class Fleet:
+    agents: dict[str, Agent]
+    dead: str                   # the scrape address where no agent answers
+    prometheus: Prometheus
+    tokens_file: Path
+
+
+def write_targets(path: Path, addresses: list[str]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([{"targets": addresses}]))
+    tmp.replace(path)           # Prometheus watches the file: never let it read half of one
+
+
+@pytest.fixture(scope="module")
+def real_fleet(tmp_path_factory) -> Iterator[Fleet]:
+    root = tmp_path_factory.mktemp("fleet")
+    model = demo_model(tmp_path_factory)
+    dead, targets = f"127.0.0.1:{free_port()}", root / "targets.json"
+    write_targets(targets, [dead])
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+              "rule_files": [str(ROOT / "examples" / "alerts.yml")],
+              "scrape_configs": [{"job_name": fleet.AGENT_JOB, "file_sd_configs": [{"files": [str(targets)]}]}]}
+    # Prometheus first: the dead target's minute before its alert fires runs while the agents load.
+    prometheus = start_prometheus(root, config)
+    agents: dict[str, Agent] = {}
+    try:
+        for name in DEVICES:
+            (root / name).mkdir()
+            agents[name] = start_agent(model, root / name, "--device-name", name, "--token", TOKENS[name])
+        write_targets(targets, [dead, *(a.url.removeprefix("http://") for a in agents.values())])
+        wait_for(lambda: len(prometheus.query(f'up{{job="{fleet.AGENT_JOB}"}} == 1')) == 3, 60, "three agents up")
+        for i in range(3):      # after the first scrape, so rate() sees the counters rise
+            for agent in agents.values():
+                agent.complete(prompt=f"fleet traffic {i}", max_tokens=8, temperature=0)
+        tokens_file = root / "tokens.json"
+        tokens_file.write_text(json.dumps(WRONG_TOKENS))
+        yield Fleet(agents, dead, prometheus, tokens_file)
+    finally:
+        for agent in agents.values():
+            agent.stop()
+        prometheus.stop()
+
+
+def scraped(f: Fleet) -> None:
+    """Wait until Prometheus has recorded the three agents' figures and fires the dead address's alert."""
+    wait_for(lambda: len(f.prometheus.query("device_name:flashmoe_expert_cache_hit_ratio:rate5m")) == 3, 60,
+             "the recorded hit rate of all three")
+    wait_for(lambda: f.prometheus.query('ALERTS{alertname="FlashMoEAgentDown", alertstate="firing"}'), ALERT_WAIT_S,
+             "FlashMoEAgentDown to fire for the dead address")
+
+
+def knob(agent: Agent, name: str):
+    return httpx.get(f"{agent.url}/v1/knobs", timeout=10).json()[name]["value"]
+
+
+@pytest.mark.browser
+def test_fleet_page_shows_every_device_and_pushes_to_the_two_chosen(real_fleet, tmp_path):
+    scraped(real_fleet)
+    port, log = free_port(), tmp_path / "dashboard.log"
+    dashboard = spawn([str(Path(sys.executable).with_name("streamlit")), "run", APP, "--server.headless", "true",
+                       "--server.port", str(port), "--server.address", "127.0.0.1",
+                       "--browser.gatherUsageStats", "false"], log,
+                      env={"FLASHMOE_PROMETHEUS_URL": real_fleet.prometheus.url,
+                           "FLASHMOE_FLEET_TOKENS": str(real_fleet.tokens_file), "FLASHMOE_DB": str(tmp_path / "none.db")})
+    before = {name: knob(agent, "max_batch_size") for name, agent in real_fleet.agents.items()}
+    new = before["edge-a"] - 1
+    try:
+        wait_http(f"http://127.0.0.1:{port}/_stcore/health", dashboard, log)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            page = browser.new_context(viewport={"width": 1600, "height": 1100}).new_page()
+            page.goto(f"http://127.0.0.1:{port}/fleet")
+            cells = page.get_by_test_id("stDataFrame").locator("td[role=gridcell]")   # the grid's accessible copy
+            for text in (*DEVICES, real_fleet.dead, "FlashMoEAgentDown"):
+                expect(cells.filter(has_text=re.compile(f"^{re.escape(text)}$"))).to_have_count(
+                    1, timeout=RENDER_TIMEOUT_MS)
+            expect(page.get_by_test_id("stMetric").filter(has_text="Firing alerts")).to_contain_text("1")
+
+            devices = page.get_by_test_id("stMultiSelect")
+            for name in ("edge-a", "edge-b"):
+                devices.click()
+                page.get_by_role("option", name=name, exact=True).click()
+            page.get_by_test_id("stSelectbox").filter(has_text="Knob").click()
+            page.get_by_role("option", name="max_batch_size", exact=True).click()
+            field = page.get_by_role("spinbutton", name="max_batch_size", exact=True)
+            field.fill(str(new))
+            field.press("Enter")
+            page.get_by_role("button", name=f"Push max_batch_size = {new} to 2 device(s)").click()
+            expect(page.get_by_text("2 of 2 agents accepted the change")).to_be_visible(timeout=RENDER_TIMEOUT_MS)
+            for name in ("edge-a", "edge-b"):
+                expect(page.get_by_test_id("stTable").first.locator("tr", has_text=name)).to_contain_text(
+                    f"accepted: max_batch_size = {new}")
+            page.wait_for_timeout(1000)
+            out = Path(os.environ.get("FLASHMOE_SCREENSHOT_DIR", tmp_path))
+            page.screenshot(path=str(out / "fleet.png"), full_page=True)
+            browser.close()
+    finally:
+        stop(dashboard)
+    after = {name: knob(agent, "max_batch_size") for name, agent in real_fleet.agents.items()}
+    assert after == {**before, "edge-a": new, "edge-b": new}
+
+
+def test_an_agent_that_refuses_a_push_keeps_its_value_and_its_answer_is_shown(real_fleet, monkeypatch):
+    scraped(real_fleet)
+    monkeypatch.setenv(fleet.PROMETHEUS_ENV, real_fleet.prometheus.url)
+    monkeypatch.setenv(fleet.TOKENS_ENV, str(real_fleet.tokens_file))
+    before = {name: knob(agent, "prefetch_depth") for name, agent in real_fleet.agents.items()}
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    at.switch_page("views/fleet.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    at.multiselect(key="fleet-devices").set_value(["edge-b", "edge-c"]).run()
+    at.selectbox(key="fleet-knob").set_value("prefetch_depth").run()
+    spec = httpx.get(f"{real_fleet.agents['edge-b'].url}/v1/knobs", timeout=10).json()["prefetch_depth"]
+    new = spec["max"] if before["edge-b"] != spec["max"] else spec["min"]
+    next(w for w in at.number_input if w.label == "prefetch_depth").set_value(new).run()
+    next(b for b in at.button if b.label.startswith("Push prefetch_depth")).click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "1 of 2 agents accepted" in " ".join(w.value for w in at.warning)
+    answers = at.table[0].value["answer"].to_dict()
+    assert answers["edge-b"].startswith("accepted")
+    assert answers["edge-c"].startswith("refused (401)") and "token" in answers["edge-c"]
+    assert "not-edge-c" not in at.table[0].value.to_string()    # a token is never shown
+    after = {name: knob(agent, "prefetch_depth") for name, agent in real_fleet.agents.items()}
+    assert after == {**before, "edge-b": new}
+
+
+# -- the pure parts ---------------------------------------------------------------------------------------
+
+def target(instance: str, health: str = "up", **labels: str) -> dict:
+    return {"labels": {"job": fleet.AGENT_JOB, "instance": instance, **labels}, "health": health,
+            "scrapeUrl": f"http://{instance}/metrics"}
+
+
+def result(labels: dict, value: float = 1.0) -> dict:
+    return {"metric": labels, "value": [0, str(value)]}
+
+
+def test_devices_joins_targets_figures_alerts_and_memory_by_device_name():
+    snap = fleet.Snapshot(
+        targets=[target("10.0.0.1:8600"), target("10.0.0.2:8600", dashboard="https://b.lan/dash"),
+                 target("[fd00::3]:8600", health="down")],
+        names=[result({"instance": "10.0.0.1:8600", "device_name": "edge-a"}),
+               result({"instance": "10.0.0.2:8600", "device_name": "edge-b"})],
+        figures=[result({"__name__": fleet.FIGURES["hit_rate"], "device_name": "edge-a"}, 0.75),
+                 result({"__name__": fleet.FIGURES["p99_s"], "device_name": "edge-a"}, float("nan")),
+                 result({"__name__": fleet.FIGURES["ssd_util"], "device_name": "edge-b"}, 0.5),
+                 result({"__name__": fleet.FIGURES["tokens_per_s"], "device_name": "unknown"}, 9)],
+        alerts=[result({"alertname": "FlashMoEAgentDown", "alertstate": "firing", "instance": "[fd00::3]:8600"}),
+                result({"alertname": fleet.THRASH_ALERT, "alertstate": "pending", "device_name": "edge-a"}),
+                result({"alertname": fleet.THRASH_ALERT, "alertstate": "firing", "device_name": "edge-b"})],
+        collected=[result({"device_name": "edge-a"}), result({"device_name": "edge-b"})])
+    down, a, b = fleet.devices(snap)     # by name
+    assert (a.name, a.hit_rate, a.p99_s, a.memory, a.alerts) == ("edge-a", 0.75, None, "under pressure", [])
+    assert (a.agent_url, a.dashboard_url) == ("http://10.0.0.1:8600", "http://10.0.0.1:8501")
+    assert (b.ssd_util, b.memory, b.alerts, b.dashboard_url) == (0.5, "thrashing", [fleet.THRASH_ALERT],
+                                                                 "https://b.lan/dash")
+    assert (down.name, down.up, down.memory, down.alerts) == ("[fd00::3]:8600", False, "no collector",
+                                                              ["FlashMoEAgentDown"])
+    assert down.dashboard_url == "http://[fd00::3]:8501"
+    assert fleet.duplicate_names([a, b, down]) == []
+    assert fleet.duplicate_names([a, a, b]) == ["edge-a"]
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "cannot read the tokens file"), ("{not json", "is not JSON"), ('["edge-a"]', "one JSON object"),
+    ('{"edge-a": 5}', "one JSON object"), ('{"edge-a": ""}', "non-empty")])
+def test_a_bad_tokens_file_is_one_clear_line_that_never_echoes_its_content(tmp_path, content, words):
+    path = tmp_path / "tokens.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(fleet.FleetError) as err:
+        fleet.load_tokens(str(path))
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert "edge-a" not in str(err.value)
+    assert fleet.load_tokens(None) == {}
+
+
+def test_without_prometheus_the_page_says_how_to_enable_it(monkeypatch):
+    monkeypatch.delenv(fleet.PROMETHEUS_ENV, raising=False)
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    at.switch_page("views/fleet.py").run()
+    assert not at.exception
+    assert fleet.PROMETHEUS_ENV in at.info[0].value and "examples/alerts.yml" in at.info[0].value
+
+
+def test_an_unreachable_prometheus_is_one_line_not_a_traceback(monkeypatch):
+    monkeypatch.setenv(fleet.PROMETHEUS_ENV, f"http://127.0.0.1:{free_port()}")
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    at.switch_page("views/fleet.py").run()
+    assert not at.exception
+    assert "did not answer" in at.error[0].value and fleet.PROMETHEUS_ENV in at.error[0].value
