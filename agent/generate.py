@@ -30,7 +30,7 @@ import torch
 from agent.experts.cache import CacheStats, ExpertCache
 from agent.experts.cap import parse_cap
 from agent.experts.layout import INDEX, Index, StoreError
-from agent.experts.provider import ExpertProvider, ExpertWeights
+from agent.experts.provider import Expert, ExpertProvider
 from agent.model.config import ConfigError, MoEConfig
 from agent.model.generation import Generation, generate
 from agent.model.model import Transformer
@@ -62,7 +62,7 @@ class RoutingRecorder:
             self._samples.append({"layer": layer, **self.inner.system_fed[1]})
         return order
 
-    def get(self, layer: int, expert: int) -> ExpertWeights:
+    def get(self, layer: int, expert: int) -> Expert:
         return self.inner.get(layer, expert)
 
     def prefetch(self, layer: int, experts: list[int]) -> None:

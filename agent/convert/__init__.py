@@ -26,13 +26,17 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from agent.convert.checkpoint import plan
 from agent.convert.errors import CheckpointError
 from agent.convert.safetensors_io import Span
 from agent.convert.store_writer import StoreWriter
-from agent.experts.layout import Index
+from agent.experts.layout import QUANTS, Index
+from agent.experts.quant import QuantError, quantize_block
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +44,26 @@ log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
 
 
-def convert(src: Path, dst: Path, overwrite: bool = False, progress: Progress | None = None) -> Index:
+def convert(src: Path, dst: Path, overwrite: bool = False, progress: Progress | None = None,
+            quantize: str | None = None) -> Index:
     """Convert the checkpoint in `src` into an expert store at `dst`; returns the store's index.
 
+    `quantize="int8"` stores the experts as int8 with a scale per output channel (agent/experts/quant.py).
     Raises CheckpointError, before writing anything, if the checkpoint is unusable or `dst` is a
     non-empty directory and `overwrite` is false. `progress(done, total)` is called after each block.
     """
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    if quantize not in (None, *QUANTS):
+        raise CheckpointError(f"cannot quantize to {quantize!r}; choose one of {', '.join(QUANTS)}")
     p = plan(src)
     _check_destination(src, dst, overwrite)
-    with _Readers() as readers, StoreWriter(dst, p.shape, replace=overwrite) as writer:
+    with _Readers() as readers, StoreWriter(dst, replace(p.shape, quant=quantize), replace=overwrite) as writer:
         for file in p.files:
             writer.copy_file(file, file.name)
         writer.write_dense(p.dense)
+        fill = _Quantizer(readers, writer.index) if quantize else readers.read_into
         for done, spans in enumerate(p.blocks, 1):
-            writer.add_block(lambda view, spans=spans: readers.read_into(view, spans))
+            writer.add_block(lambda view, spans=spans: fill(view, spans))
             if progress:
                 progress(done, len(p.blocks))
     return writer.index
@@ -94,6 +103,25 @@ class _Readers:
             os.close(fd)
 
 
+class _Quantizer:
+    """Fills an int8 block: reads gate | up | down in the checkpoint's dtype into a scratch buffer, quantizes."""
+
+    def __init__(self, readers: _Readers, index: Index) -> None:
+        self.readers, self.index = readers, index
+        self.plain = replace(index, quant=None)  # the checkpoint's layout of a block
+        self.raw = torch.empty(self.plain.nbytes, dtype=torch.uint8)
+
+    def __call__(self, payload: memoryview, spans: Iterable[Span]) -> None:
+        self.readers.read_into(memoryview(self.raw.numpy()), spans)
+        weights = {part.name: part.view(self.raw) for part in self.plain.parts}
+        try:
+            quantize_block(weights, self.index, payload)
+        except QuantError as exc:
+            layer, expert = divmod(len(self.index.blocks), self.index.n_experts)
+            raise CheckpointError(f"cannot quantize expert {expert} of MoE layer {layer}: {exc}; "
+                                  f"convert without --quantize") from None
+
+
 # ---------------------------------------------------------------- CLI
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,12 +131,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", metavar="SRC_DIR", type=Path, help="Hugging Face checkpoint directory")
     parser.add_argument("dst", metavar="DST_DIR", type=Path, help="where to write the expert store")
     parser.add_argument("--overwrite", action="store_true", help="replace DST_DIR if it already holds files")
+    parser.add_argument("--quantize", choices=QUANTS, help="store the experts as int8 with a scale per output "
+                        "channel: half the bytes of bf16 per block (default: the checkpoint's dtype)")
 
 
 def run(args: argparse.Namespace) -> int:
     start = time.monotonic()
     try:
-        index = convert(args.src, args.dst, overwrite=args.overwrite, progress=_log_progress)
+        index = convert(args.src, args.dst, overwrite=args.overwrite, progress=_log_progress, quantize=args.quantize)
     except CheckpointError as exc:
         log.error("convert failed: %s", exc)
         return 1
@@ -116,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("convert failed: %s; nothing was written to %s", exc, args.dst)
         return 1
     log.info("wrote %s: %d layers x %d experts, %s blocks of %.2f MB (%.1f GB) in %.1f s", args.dst,
-             index.n_layers, index.n_experts, index.dtype, index.nbytes / 1e6,
+             index.n_layers, index.n_experts, index.quant or index.dtype, index.nbytes / 1e6,
              len(index.blocks) * index.slot_bytes / 1e9, time.monotonic() - start)
     return 0
 

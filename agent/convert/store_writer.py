@@ -30,6 +30,7 @@ class StoreShape:
     intermediate: int
     dtype: str      # torch dtype name
     itemsize: int
+    quant: str | None = None  # None: blocks in dtype; "int8" (agent/experts/quant.py)
 
 
 class StoreWriter:
@@ -44,7 +45,7 @@ class StoreWriter:
         self.dst = Path(dst)
         self.replace = replace
         self.index = Index(shape.n_layers, shape.n_experts, shape.hidden, shape.intermediate, shape.dtype,
-                           shape.itemsize, alignment=ALIGN, blocks=[])
+                           shape.itemsize, alignment=ALIGN, blocks=[], quant=shape.quant)
         self.dst.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_partials(self.dst)
         self.tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(self.dst), dir=self.dst.parent))

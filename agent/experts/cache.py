@@ -29,7 +29,7 @@ import torch
 
 from agent.experts.cap import MAX_MEMORY_SHARE, cap_bounds
 from agent.experts.layout import CONFIG, EXPERTS, INDEX, Block, Index, StoreError
-from agent.experts.provider import ExpertWeights, block_views
+from agent.experts.provider import Expert, block_views
 from agent.experts.reader import IO_THREADS, MmapReader, open_reader
 from agent.experts.slots import SlotPool
 from agent.monitor import SystemSample, SystemSampler
@@ -122,7 +122,7 @@ class ExpertCache:
             raise
         self._lock = threading.Lock()
         self._slot_of: dict[Key, int] = {}
-        self._ready: dict[Key, ExpertWeights] = {}
+        self._ready: dict[Key, Expert] = {}
         self._inflight: dict[Key, _Load] = {}
         self._steps: dict[int, _Step] = {}   # per layer: its last route()
         self._current: _Step | None = None   # the last route()'s step
@@ -218,13 +218,13 @@ class ExpertCache:
                 step.loads[e] = self._access((layer, e))
         self._start_guess()
 
-    def get(self, layer: int, expert: int) -> ExpertWeights:
+    def get(self, layer: int, expert: int) -> Expert:
         weights = self._get(layer, expert)
         if self._mmap is not None:
             self._count_page_faults(self.index.block(layer, expert))
         return weights
 
-    def _get(self, layer: int, expert: int) -> ExpertWeights:
+    def _get(self, layer: int, expert: int) -> Expert:
         key = (layer, expert)
         with self._lock:
             step = self._steps.get(layer)

@@ -2,24 +2,40 @@
 
     DIR/config.json          the checkpoint's Hugging Face config, unchanged
     DIR/dense.safetensors    every non-expert tensor (embeddings, attention, norms, routers, shared experts)
-    DIR/experts.bin          one block per (layer, expert): gate | up | down, contiguous, original dtype,
-                             each block starting at a multiple of ALIGN so one O_DIRECT read fills a slot
+    DIR/experts.bin          one block per (layer, expert), each starting at a multiple of the index's
+                             alignment (ALIGN) so one O_DIRECT read fills a cache slot
     DIR/experts.index.json   the Index below; written last, so a store without it is incomplete
 
 convert writes all of it into a sibling `.DIR.partial-*` directory, renamed to DIR once complete.
 
-gate and up are [intermediate, hidden], down is [hidden, intermediate] (nn.Linear weight order).
+What a block holds, its `parts` (the index lists them, so a reader need not know the rule):
+- quant null: gate | up | down in the checkpoint's dtype, contiguous. gate and up are [intermediate,
+  hidden], down is [hidden, intermediate] (nn.Linear weight order).
+- quant "int8": the same three matrices as int8, then, from the next multiple of 64 bytes, their
+  scales in the checkpoint's dtype (float32 for float16), one per output channel (row): gate_scale,
+  up_scale [intermediate], down_scale [hidden]. A weight is q * scale of its row (agent/experts/quant.py).
+A CRC-32 of each block's parts (its padding excluded) is in the index.
+
+Version 1 stores (before quantization; no quant, no parts) are read as quant null.
 """
 from __future__ import annotations
 
 import json
+import math
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
+import torch
+
 ALIGN = 4096
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+QUANTS = ("int8",)
+PART_ALIGN = 64  # where a block's scales start: a cache line, so vector loads of them are aligned
 CONFIG, DENSE, EXPERTS, INDEX = "config.json", "dense.safetensors", "experts.bin", "experts.index.json"
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 
 
 class StoreError(Exception):
@@ -38,22 +54,63 @@ class Block:
     crc32: int   # of the block's nbytes payload (padding excluded)
 
 
+@dataclass(frozen=True)
+class Part:
+    """One tensor of a block: name, torch dtype name, shape, byte offset from the block's start."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return _ITEMSIZE[self.dtype] * math.prod(self.shape)
+
+    def view(self, block: torch.Tensor) -> torch.Tensor:
+        """This part of a block's bytes (a uint8 tensor), as a tensor of its dtype and shape, without a copy."""
+        return block[self.offset:self.offset + self.nbytes].view(getattr(torch, self.dtype)).view(self.shape)
+
+    def listed(self) -> list:
+        """As the index file lists it."""
+        return [self.name, self.dtype, list(self.shape), self.offset]
+
+
 @dataclass
 class Index:
     n_layers: int
     n_experts: int
     hidden: int
     intermediate: int
-    dtype: str            # torch dtype name, e.g. "float32", "bfloat16"
-    itemsize: int
+    dtype: str            # the checkpoint's torch dtype name, e.g. "float32", "bfloat16": the model computes in it
+    itemsize: int         # of dtype
     alignment: int
     blocks: list[Block]
+    quant: str | None = None  # None: experts in dtype; "int8": int8 with per-output-channel scales in dtype
     version: int = FORMAT_VERSION
+    parts: tuple[Part, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.parts = self._layout()
+
+    def _layout(self) -> tuple[Part, ...]:
+        h, i = self.hidden, self.intermediate
+        weights = [("gate", (i, h)), ("up", (i, h)), ("down", (h, i))]
+        parts = _contiguous([(name, self.quant or self.dtype, shape) for name, shape in weights], 0)
+        if self.quant:  # one scale per output channel (row), after the weights
+            parts += _contiguous([(f"{name}_scale", self.scale_dtype, shape[:1]) for name, shape in weights],
+                                 align_up(_end(parts), PART_ALIGN))
+        return tuple(parts)
 
     @property
+    def scale_dtype(self) -> str:
+        """The dtype of a quantized block's scales: the model's, but float32 for float16, whose range
+        cannot hold the scale of a row of small weights (max |w| / 127 underflows)."""
+        return "float32" if self.dtype == "float16" else self.dtype
+
+    @cached_property
     def nbytes(self) -> int:
-        """Payload bytes of one block: gate, up and down."""
-        return 3 * self.hidden * self.intermediate * self.itemsize
+        """Payload bytes of one block: every part, padding between them included."""
+        return _end(self.parts)
 
     @property
     def slot_bytes(self) -> int:
@@ -66,23 +123,57 @@ class Index:
     def save(self, path: Path) -> None:
         data = asdict(self)
         data["blocks"] = [[b.layer, b.expert, b.offset, b.crc32] for b in self.blocks]
+        data["parts"] = [p.listed() for p in self.parts]
         path.write_text(json.dumps(data))
 
     @classmethod
     def load(cls, path: Path) -> "Index":
         try:
             data = json.loads(Path(path).read_text())
-            if data.get("version") != FORMAT_VERSION:
-                raise StoreError(f"{path}: format version {data.get('version')} is not {FORMAT_VERSION}; re-run flashmoe-cli convert")
+            _check_kind(data, path)
+            parts = data.pop("parts", None)
             data["blocks"] = [Block(*b) for b in data["blocks"]]
             index = cls(**data)
         except FileNotFoundError:
             raise _missing_index(Path(path)) from None
         except (ValueError, TypeError, KeyError) as exc:
             raise StoreError(f"{path} is not a valid expert index: {exc}") from None
-        if len(index.blocks) != index.n_layers * index.n_experts:
-            raise StoreError(f"{path}: {len(index.blocks)} blocks, expected {index.n_layers} x {index.n_experts}")
+        _check_blocks(index, parts, path)
         return index
+
+
+def _contiguous(specs: list[tuple[str, str, tuple[int, ...]]], start: int) -> list[Part]:
+    parts = []
+    for name, dtype, shape in specs:
+        parts.append(Part(name, dtype, shape, _end(parts) if parts else start))
+    return parts
+
+
+def _end(parts) -> int:
+    return parts[-1].offset + parts[-1].nbytes
+
+
+def _check_kind(data: object, path: Path) -> None:
+    """A version this code reads, blocks of a kind it knows, positive sizes (before any are used)."""
+    if not isinstance(data, dict) or data.get("version") not in READABLE_VERSIONS:
+        version = data.get("version") if isinstance(data, dict) else None
+        raise StoreError(f"{path}: format version {version} is not one this flashmoe reads "
+                         f"({', '.join(map(str, READABLE_VERSIONS))}); re-run flashmoe-cli convert")
+    for key, known in (("quant", (None, *QUANTS)), ("dtype", tuple(_ITEMSIZE))):
+        if data.get(key) not in known:
+            raise StoreError(f"{path}: blocks with {key} {data.get(key)!r} are not a kind this flashmoe reads "
+                             f"(it knows {', '.join(map(str, known))}); re-run flashmoe-cli convert")
+    sizes = ("n_layers", "n_experts", "hidden", "intermediate", "itemsize", "alignment")
+    if not all(type(data.get(k)) is int and data[k] > 0 for k in sizes):
+        raise StoreError(f"{path} is not a valid expert index: {', '.join(sizes)} must be positive integers")
+
+
+def _check_blocks(index: Index, parts: list | None, path: Path) -> None:
+    if len(index.blocks) != index.n_layers * index.n_experts:
+        raise StoreError(f"{path}: {len(index.blocks)} blocks, expected {index.n_layers} x {index.n_experts}")
+    if index.version > 1 and parts != [p.listed() for p in index.parts]:
+        raise StoreError(f"{path}: the block layout it lists is not the one this flashmoe reads for "
+                         f"{index.quant or index.dtype} blocks; re-run flashmoe-cli convert")
 
 
 def partial_prefix(store_dir: Path) -> str:

@@ -13,8 +13,10 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from agent.experts.layout import EXPERTS, INDEX, Index, StoreError, crc32
+from agent.experts.quant import Int8Expert
 
 
 class ExpertWeights(NamedTuple):
@@ -22,21 +24,25 @@ class ExpertWeights(NamedTuple):
     up: torch.Tensor    # [I, H]
     down: torch.Tensor  # [H, I]
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The expert's SwiGLU: x [t, H] -> [t, H]."""
+        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+
+
+Expert = ExpertWeights | Int8Expert  # what get() returns: called on the tokens routed to it
+
 
 class ExpertProvider(Protocol):
     def route(self, layer: int, experts: Sequence[int]) -> Sequence[int] | None: ...
-    def get(self, layer: int, expert: int) -> ExpertWeights: ...
+    def get(self, layer: int, expert: int) -> Expert: ...
     def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
 
 
-def block_views(buf: torch.Tensor, index: Index) -> ExpertWeights:
-    """View one block's bytes (a uint8 tensor of at least index.nbytes) as gate, up, down without a copy."""
-    dtype = getattr(torch, index.dtype)
-    flat = buf[: index.nbytes].view(dtype)
-    n = index.hidden * index.intermediate
-    return ExpertWeights(flat[:n].view(index.intermediate, index.hidden),
-                         flat[n:2 * n].view(index.intermediate, index.hidden),
-                         flat[2 * n:].view(index.hidden, index.intermediate))
+def block_views(buf: torch.Tensor, index: Index) -> Expert:
+    """View one block's bytes (a uint8 tensor of at least index.nbytes) as an expert without a copy."""
+    if index.quant == "int8":
+        return Int8Expert.view(buf, index)
+    return ExpertWeights(*(part.view(buf) for part in index.parts))
 
 
 class InMemoryExperts:
@@ -56,7 +62,7 @@ class InMemoryExperts:
     def route(self, layer: int, experts: Sequence[int]) -> None:
         pass
 
-    def get(self, layer: int, expert: int) -> ExpertWeights:
+    def get(self, layer: int, expert: int) -> Expert:
         return self._blocks[layer, expert]
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:

@@ -200,9 +200,8 @@ def run_experts(h: Tensor, routing: Routing, provider: ExpertProvider, layer: in
     outputs: dict[int, Tensor] = {}
     for e in order:
         tok, rank = routing.assignments[e]
-        w = provider.get(layer, e)
-        x = h.index_select(0, tok)                                     # [t, D]
-        y = F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+        expert = provider.get(layer, e)                                # SwiGLU of its weights, plain or int8
+        y = expert(h.index_select(0, tok))                             # [t, D]
         outputs[e] = y * routing.weights[tok, rank, None]
     out = torch.zeros_like(h)                                          # [T, D]
     for e in sorted(outputs):

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from agent.experts.cache import ExpertCache
-from agent.experts.provider import ExpertProvider, ExpertWeights
+from agent.experts.provider import Expert, ExpertProvider
 from agent.model.config import MoEConfig
 from agent.model.generation import sample
 from agent.model.model import Sequence as Sequence_
@@ -33,7 +33,7 @@ class RouteCounter:
             self._counts.update((layer, e) for e in experts)
         return self.inner.route(layer, experts)
 
-    def get(self, layer: int, expert: int) -> ExpertWeights:
+    def get(self, layer: int, expert: int) -> Expert:
         return self.inner.get(layer, expert)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:

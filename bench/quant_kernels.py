@@ -1,0 +1,129 @@
+"""How to compute with int8 experts on this CPU: each choice against the bf16 expert, by tokens per expert.
+
+    .venv/bin/python bench/quant_kernels.py [--tokens 1,2,4,8,16,32,64] [--repeats 7] [--store DIR]
+
+One routed expert's SwiGLU (gate|up [2I, H], down [H, I]) of OLMoE-1B-7B (H 2048, I 1024) and
+Qwen3-30B-A3B (H 2048, I 768) with random weights, one torch thread (as the serving engine runs):
+- bf16: the expert as stored today (F.linear on bf16 weights);
+- int8 kernel: torch's `_weight_int8pack_mm` (x @ (q * scale).T, scale per output channel);
+- int8 converted: q converted to bf16 for the matmul, output channels scaled after;
+- int8 W8A8: the activations quantized too (per token, symmetric) for torch's int8 x int8 matmul
+  (`_int_mm`), which adds their rounding error: measured as an option, not used by the runtime;
+- dequantize on load: what a miss would pay once to turn an int8 block into bf16 in its slot (then the
+  bf16 column applies); with --store, beside the read time that halving the block saves at the raw
+  O_DIRECT rate of that store's experts.bin (one sequential 16 MiB stream), measured in the same run.
+Times are CPU time of the calling thread (the machine is shared: others' bursts inflate wall time,
+not the work done), the minimum over `--repeats` rounds of the mean over a batch of calls; the
+configurations run interleaved. JSON: bench/results/quant_kernels.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from agent.experts.layout import EXPERTS
+from agent.experts.provider import ExpertWeights
+from agent.experts.quant import Int8Expert, linear_int8_converted, linear_int8_kernel, quantize_rows
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
+from bench.common import machine, write_results  # noqa: E402
+from bench.loader import raw_direct_read  # noqa: E402
+
+SHAPES = {"OLMoE-1B-7B": (2048, 1024), "Qwen3-30B-A3B": (2048, 768)}  # hidden, expert intermediate
+CALLS_PER_ROUND = 20
+
+
+def cpu_ms(fn: Callable[[], object], repeats: int, calls: int = CALLS_PER_ROUND) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.thread_time() - start) / calls)
+    return best * 1e3
+
+
+def experts(hidden: int, inter: int) -> tuple[ExpertWeights, Int8Expert]:
+    torch.manual_seed(0)
+    gate, up = (torch.randn(inter, hidden, dtype=torch.bfloat16) * 0.02 for _ in range(2))
+    down = torch.randn(hidden, inter, dtype=torch.bfloat16) * 0.02
+    (q_gu, s_gu), (q_d, s_d) = quantize_rows(torch.cat([gate, up]), torch.bfloat16), quantize_rows(down, torch.bfloat16)
+    return ExpertWeights(gate, up, down), Int8Expert(q_gu, q_d, s_gu, s_d)
+
+
+def swiglu_with(linear: Callable, expert: Int8Expert, x: torch.Tensor) -> torch.Tensor:
+    gate, up = linear(x, expert.gate_up, expert.gate_up_scale).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, expert.down, expert.down_scale)
+
+
+def linear_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    x_scale = x32.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127  # [t, 1]
+    xq = torch.round(x32 / x_scale).to(torch.int8)
+    return (torch._int_mm(xq, q.T) * x_scale * scale.float()).to(x.dtype)
+
+
+def measure(hidden: int, inter: int, tokens: list[int], repeats: int) -> dict:
+    plain, int8 = experts(hidden, inter)
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, hidden, dtype=torch.bfloat16)
+        times = {}
+        for _ in range(2):  # interleaved rounds; keep each configuration's best
+            for name, fn in {"bf16": lambda: plain(x),
+                             "int8 kernel": lambda: swiglu_with(linear_int8_kernel, int8, x),
+                             "int8 converted": lambda: swiglu_with(linear_int8_converted, int8, x),
+                             "int8 W8A8": lambda: swiglu_with(linear_w8a8, int8, x)}.items():
+                times[name] = min(times.get(name, float("inf")), cpu_ms(fn, repeats))
+        rows.append({"tokens": t, **{f"{k} ms": v for k, v in times.items()}})
+    return {"hidden": hidden, "intermediate": inter, "rows": rows,
+            "dequantize on load ms": cpu_ms(lambda: dequantize(int8), repeats, calls=3),
+            "bytes saved per miss": 3 * hidden * inter}  # int8 instead of bf16
+
+
+def raw_rate(store: Path) -> float:
+    """MB/s of one sequential O_DIRECT read of the store's experts.bin."""
+    path = store / EXPERTS
+    return path.stat().st_size / raw_direct_read(path, 16 << 20) / 1e6
+
+
+def dequantize(e: Int8Expert) -> ExpertWeights:
+    gate_up = e.gate_up.to(torch.bfloat16).mul_(e.gate_up_scale[:, None])
+    return ExpertWeights(*gate_up.chunk(2), e.down.to(torch.bfloat16).mul_(e.down_scale[:, None]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64", help="tokens per expert to measure")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--store", type=Path, help="an expert store whose experts.bin gives the raw O_DIRECT rate")
+    args = parser.parse_args(argv)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    torch.set_num_threads(1)
+    raw_mb_s = raw_rate(args.store) if args.store else None
+    results = {name: measure(h, i, tokens, args.repeats) for name, (h, i) in SHAPES.items()}
+    for name, r in results.items():
+        print(f"\n{name} expert (hidden {r['hidden']}, intermediate {r['intermediate']}), CPU ms per call, one thread")
+        print("| tokens | bf16 | int8 kernel | × bf16 | int8 converted | × bf16 | int8 W8A8 | × bf16 |")
+        print("|---|---|---|---|---|---|---|---|")
+        for row in r["rows"]:
+            b, k, c, w = (row[f"{n} ms"] for n in ("bf16", "int8 kernel", "int8 converted", "int8 W8A8"))
+            print(f"| {row['tokens']} | {b:.3f} | {k:.3f} | {k / b:.2f} | {c:.3f} | {c / b:.2f} | {w:.3f} | {w / b:.2f} |")
+        saved = (f", against {r['bytes saved per miss'] / raw_mb_s / 1e3:.2f} ms of reading saved at the raw "
+                 f"{raw_mb_s:.0f} MB/s" if raw_mb_s else "")
+        print(f"dequantize on load: {r['dequantize on load ms']:.2f} ms per block{saved}")
+    write_results("quant_kernels", {"shapes": results, "raw_mb_s": raw_mb_s, "threads": 1,
+                                    "machine": machine(args.store)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
