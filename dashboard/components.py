@@ -36,6 +36,14 @@ def series_chart(db: str, names: Mapping[str, str], since: float, until: float, 
     st.plotly_chart(figures.band_chart(loaded, title, unit), key=f"chart-{title}")
 
 
+def lost_notice(db: str) -> None:
+    """Telemetry the agent and the collector could not write (a full or failing disk), if any."""
+    lost = data.lost(db)
+    if lost["points"] or lost["rows"]:
+        st.warning(f"Telemetry lost to store write failures: {lost['points']:,} points and {lost['rows']:,} "
+                   f"rows (the events say when and why)", icon=":material/report:")
+
+
 def agent_offline_notice(reason: str) -> None:
     st.warning(f"Agent offline: {reason}. Showing stored history; knobs are read-only until it is back.",
                icon=":material/cloud_off:")

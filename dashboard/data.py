@@ -95,6 +95,11 @@ def events(db: str, since: float, kind: str | None) -> list[dict[str, Any]]:
 
 
 @st.cache_data(ttl=TTL, show_spinner=False)
+def lost(db: str) -> dict[str, int]:
+    return queries.lost(db)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
 def simulations(db: str) -> list[dict[str, Any]]:
     return queries.simulations(db)
 

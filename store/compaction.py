@@ -11,6 +11,7 @@ import sqlite3
 from dataclasses import dataclass
 
 from store import codec
+from store.database import transaction
 from store.schema import ROW_TABLES
 from store.series_writer import write_chunk
 
@@ -42,7 +43,11 @@ def compact(conn: sqlite3.Connection, cutoff: float, merge_before: float,
 
 
 def _retain(conn: sqlite3.Connection, cutoff: float, report: Compaction) -> None:
-    conn.execute("BEGIN IMMEDIATE")
+    with transaction(conn):
+        _delete_older(conn, cutoff, report)
+
+
+def _delete_older(conn: sqlite3.Connection, cutoff: float, report: Compaction) -> None:
     report.chunks_deleted = conn.execute("DELETE FROM chunks WHERE t_end < ?", (cutoff,)).rowcount
     straddling = conn.execute("SELECT id, series_id, precision, data FROM chunks "
                               "WHERE t_start < ? AND t_end >= ?", (cutoff, cutoff)).fetchall()
@@ -58,12 +63,16 @@ def _retain(conn: sqlite3.Connection, cutoff: float, report: Compaction) -> None
         keep = (f" AND id NOT IN (SELECT MAX(id) FROM {table.name} GROUP BY {table.keep_latest_of})"
                 if table.keep_latest_of else "")
         report.rows_deleted += conn.execute(f"DELETE FROM {table.name} WHERE t < ?{keep}", (cutoff,)).rowcount
-    conn.execute("COMMIT")
 
 
 def _merge_series(conn: sqlite3.Connection, series_id: int, before: float, target_points: int,
                   report: Compaction) -> None:
-    conn.execute("BEGIN IMMEDIATE")
+    with transaction(conn):
+        _merge_runs(conn, series_id, before, target_points, report)
+
+
+def _merge_runs(conn: sqlite3.Connection, series_id: int, before: float, target_points: int,
+                report: Compaction) -> None:
     rows = conn.execute(
         "SELECT id, precision, data, n_points FROM chunks WHERE series_id = ? AND t_end < ? "
         "AND n_points < ? ORDER BY t_start, id", (series_id, before, target_points)).fetchall()
@@ -81,7 +90,6 @@ def _merge_series(conn: sqlite3.Connection, series_id: int, before: float, targe
                         codec.ChunkEncoder.of([t_ms[i] for i in part], [q[i] for i in part]))
             report.chunks_written += 1
         report.chunks_merged += len(run)
-    conn.execute("COMMIT")
 
 
 def _runs_to_merge(rows: list[ChunkRow], target_points: int) -> list[list[ChunkRow]]:

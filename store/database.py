@@ -1,15 +1,46 @@
-"""Opening the store file: WAL mode, the schema created or upgraded in one transaction."""
+"""Opening the store file: WAL mode, the schema created or upgraded in one transaction.
+
+A FlashMoE store is marked in its SQLite header (`PRAGMA application_id`, APPLICATION_ID); a
+writer refuses an SQLite file that holds tables of another application rather than add its own to
+it. Stores written before the mark (a `meta` and a `chunks` table) are marked when next opened.
+A file that cannot be created or written is explained by where it is (machine.mounts).
+"""
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from machine.mounts import mount_of
 from store.errors import StoreError
 from store.migrations import UPGRADES
 from store.schema import DDL, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
+
+APPLICATION_ID = 0x464D4F45    # "FMOE"
+WAL_CHECKPOINT_PAGES = 256     # checkpoint the write-ahead log once it holds this many pages (1 MiB)...
+WAL_LIMIT_BYTES = 1 << 20      # ...and truncate it to this size when it starts over
+
+
+def place_problem(path: Path) -> str | None:
+    """Why no store can be written at `path`, if its place says so: a kernel filesystem such as
+    /proc or /sys, a read-only mount, a directory this user cannot write, or a directory."""
+    mount = mount_of(path)
+    if mount is not None and mount.is_kernel_interface:
+        return (f"{mount.point} is the kernel's {mount.fstype} filesystem, whose files are kernel "
+                f"interfaces; put --db on a disk, e.g. data/flashmoe.db")
+    if mount is not None and mount.read_only:
+        return f"{mount.point} is mounted read-only; remount it read-write or put --db elsewhere"
+    if path.is_dir():
+        return "it is a directory; name a file in it, e.g. flashmoe.db"
+    existing = path if path.exists() else next(p for p in path.absolute().parents if p.exists())
+    if not os.access(existing, os.W_OK):
+        return f"{existing} is not writable by this user; fix its permissions or put --db elsewhere"
+    return None
 
 
 def advice_for(error: sqlite3.Error, path: Path) -> str:
@@ -20,8 +51,8 @@ def advice_for(error: sqlite3.Error, path: Path) -> str:
                 f"find it with `fuser {path}` and end its long transaction")
     if "full" in text:
         return f"the disk holding {path} is full; free space there or shorten the retention"
-    if "readonly" in text or "read-only" in text:
-        return f"{path} or its directory is not writable by this user; fix the permissions"
+    if "readonly" in text or "read-only" in text or "unable to open" in text:
+        return place_problem(path) or f"{path} or its directory is not writable by this user; fix the permissions"
     return f"check that {path} is a FlashMoE store on a healthy disk"
 
 
@@ -33,23 +64,26 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True) -> sql
     a box whose RAM is for experts."""
     if not create and not path.exists():
         raise StoreError(f"there is no store at {path}; check --db")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None,
-                           check_same_thread=False)
+    problem = place_problem(path)
+    if problem is not None:
+        raise StoreError(f"cannot write the store {path}: {problem}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
+    except (OSError, sqlite3.Error) as e:
+        raise StoreError(f"cannot create the store {path}: {e}") from e
+    try:
+        _refuse_foreign(conn, path)          # before WAL mode, which rewrites the file's header
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
             log.warning("%s stays in %s journal mode (WAL refused, e.g. a network filesystem): "
                         "readers may briefly block writers", path, mode)
         conn.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: a crash loses no committed data
+        conn.execute(f"PRAGMA wal_autocheckpoint = {WAL_CHECKPOINT_PAGES}")  # not 1000: a small disk
+        conn.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")      # must not fill up with log
         # One transaction: a writer killed mid-creation or mid-upgrade leaves no half-made schema behind.
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with transaction(conn):
             _ensure_schema(conn, path)
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.rollback()
-            raise
     except sqlite3.DatabaseError as e:
         conn.close()
         raise StoreError(f"cannot open {path} as a FlashMoE store: {e}; "
@@ -60,8 +94,29 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True) -> sql
     return conn
 
 
+def foreign(conn: sqlite3.Connection) -> str | None:
+    """What makes this SQLite file another application's, or None if it is a FlashMoE store (marked,
+    or from before the mark) or holds no tables yet."""
+    (app_id,) = conn.execute("PRAGMA application_id").fetchone()
+    tables = sorted(name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
+    if app_id == APPLICATION_ID or not tables or (app_id == 0 and {"meta", "chunks"} <= set(tables)):
+        return None
+    mark = f"application_id {app_id:#x}" if app_id else "no FlashMoE mark"
+    shown = ", ".join(tables[:8]) + (f" and {len(tables) - 8} more" if len(tables) > 8 else "")
+    return f"it is an SQLite database of another application ({mark}; tables: {shown})"
+
+
+def _refuse_foreign(conn: sqlite3.Connection, path: Path) -> None:
+    problem = foreign(conn)
+    if problem is not None:
+        raise StoreError(f"{path}: {problem}. FlashMoE adds no tables to it; point --db at a new file "
+                         f"or at a FlashMoE store (e.g. data/flashmoe.db)")
+
+
 def _ensure_schema(conn: sqlite3.Connection, path: Path) -> None:
     """Create the schema in a new file, or upgrade an older store in place (store.migrations)."""
+    if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
+        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")   # new, or written before the mark
     has_meta = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone()
     row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() if has_meta else None
     if row is None:
@@ -78,3 +133,25 @@ def _ensure_schema(conn: sqlite3.Connection, path: Path) -> None:
     if version != SCHEMA_VERSION:
         raise StoreError(f"{path} has store schema version {version}, this FlashMoE uses "
                          f"{SCHEMA_VERSION} and cannot upgrade it; move the old file aside to start a new store")
+
+
+def record_lost(conn: sqlite3.Connection, points: int, rows: int) -> None:
+    """Add to the store's counts of the points and rows its writers lost (store.queries.lost reads
+    them), inside the caller's transaction."""
+    for key, n in (("lost_points", points), ("lost_rows", rows)):
+        if n:
+            conn.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
+                         "value = CAST(value AS INTEGER) + CAST(excluded.value AS INTEGER)", (key, str(n)))
+
+
+@contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE ... COMMIT, rolled back if anything in it fails."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.rollback()
+        raise

@@ -10,9 +10,17 @@ too. SIGKILL, or a SIGTERM the process leaves to its default action, runs no Pyt
 `autoflush_s` of buffered data is then lost.
 
 Failures: if a flush fails (database locked beyond the busy timeout, disk full, read-only file),
-the error is logged once with what to do, every buffered point and row is kept in memory (bounded:
-the oldest are dropped beyond `max_held_points` per series / `max_held_rows` per table, and
-counted) and written by the next flush that succeeds; an event then records the outage.
+the error is logged once with what to do, and every buffered point and row is kept in memory
+(bounded: the oldest are dropped beyond `max_held_points` per series / `max_held_rows` per table)
+and written by the next flush that succeeds; an event then records the outage. While it lasts, a
+flush tries again at most every `retry_s`, and on a full disk only once there is FREE_TO_RETRY of
+space, so a failing store costs the writer no CPU. Points and rows that are lost (dropped from
+the backlog, or still held when the store closes) are counted, logged, and added to the store's
+counters (`meta` keys lost_points, lost_rows; store.queries.lost) by the next write that succeeds.
+
+The write-ahead log stays bounded (store.database.WAL_LIMIT_BYTES), and a write that fails for
+want of space checkpoints it at once, so that the log starts over in its own space rather than
+grow into a full disk.
 
 Rare, operator-visible records (knob changes, events, simulations, sweeps) are written through
 immediately; frequent ones (series points, requests, cache stats, activations) are buffered.
@@ -32,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from store.compaction import COMPACT_MIN_AGE_S, COMPACT_POINTS, Compaction, compact
-from store.database import advice_for, open_database
+from store.database import advice_for, open_database, record_lost, transaction
 from store.errors import StoreError
 from store.row_writer import Row, RowWriter
 from store.schema import DEFAULT_RETENTION_DAYS, ROW_TABLE, SeriesSpec
@@ -40,13 +48,32 @@ from store.series_writer import SeriesWriter
 
 log = logging.getLogger(__name__)
 
+FREE_TO_RETRY = 1 << 20             # on a full disk, try again once this much space is free
+
 
 @dataclass
 class _Outage:
     since: float
     reason: str
+    next_try: float                 # monotonic time of the next attempt
+    disk_full: bool = False
     dropped_points: int = 0
     dropped_rows: int = 0
+
+
+@dataclass
+class Lost:
+    """Points and rows this writer could not write: in all, and not yet counted in the store."""
+    points: int = 0
+    rows: int = 0
+    unrecorded_points: int = 0
+    unrecorded_rows: int = 0
+
+    def add(self, points: int, rows: int) -> None:
+        self.points += points
+        self.rows += rows
+        self.unrecorded_points += points
+        self.unrecorded_rows += rows
 
 
 class Store:
@@ -54,11 +81,14 @@ class Store:
 
     def __init__(self, path: str | os.PathLike[str], *, chunk_points: int = 600,
                  autoflush_s: float = 1.0, busy_timeout_s: float = 2.0,
-                 max_held_points: int = 86_400, max_held_rows: int = 100_000, create: bool = True) -> None:
+                 max_held_points: int = 3_600, max_held_rows: int = 100_000, retry_s: float = 5.0,
+                 create: bool = True) -> None:
         self.path = Path(path)
         self.max_held_points = max_held_points
         self.max_held_rows = max_held_rows
+        self.retry_s = retry_s
         self.conn = open_database(self.path, busy_timeout_s, create)
+        self.lost = Lost()
         self._series = SeriesWriter(chunk_points)
         self._rows = RowWriter()
         self._lock = threading.Lock()          # guards the buffers
@@ -142,22 +172,26 @@ class Store:
             raise StoreError(f"the store {self.path} is closed; open a new Store to write")
 
     # --- flushing -----------------------------------------------------------------------
-    def flush(self) -> bool:
-        """Write everything buffered in one transaction. False (and logged) if the write failed;
-        the data is then still held and goes out with the next successful flush."""
+    def flush(self, force: bool = False) -> bool:
+        """Write everything buffered in one transaction. False (and logged) if the write failed, or
+        if during an outage the next attempt is not due yet (`force` tries anyway); the data is then
+        still held and goes out with the next successful flush."""
         with self._write_lock:
+            if not force and not self._retry_due():
+                with self._lock:
+                    self._drop_excess()
+                return False
             with self._lock:
                 rows, series = self._rows.pending(), self._series.pending()
-            if not rows and not series:
+                lost = (self.lost.unrecorded_points, self.lost.unrecorded_rows)
+            if not rows and not series and not any(lost):
                 return True
             try:
-                self.conn.execute("BEGIN IMMEDIATE")
-                self._rows.write(self.conn, rows)
-                opened = self._series.write(self.conn, series)
-                self.conn.execute("COMMIT")
+                with transaction(self.conn):
+                    self._rows.write(self.conn, rows)
+                    opened = self._series.write(self.conn, series)
+                    record_lost(self.conn, *lost)
             except sqlite3.Error as e:
-                if self.conn.in_transaction:
-                    self.conn.rollback()
                 with self._lock:
                     self._series.failed()
                     self._on_failure(e)
@@ -165,25 +199,51 @@ class Store:
             with self._lock:
                 self._rows.written(rows)
                 self._series.written(series, opened)
+                self.lost.unrecorded_points -= lost[0]
+                self.lost.unrecorded_rows -= lost[1]
                 outage, self._outage = self._outage, None
         if outage is not None:
             self._on_recovery(outage)
         return True
 
+    def _retry_due(self) -> bool:
+        outage = self._outage
+        if outage is None:
+            return True
+        return time.monotonic() >= outage.next_try and (not outage.disk_full or _free_bytes(self.path) >= FREE_TO_RETRY)
+
     def _on_failure(self, error: sqlite3.Error) -> None:
-        dropped_points = self._series.trim(self.max_held_points)
-        dropped_rows = self._rows.trim(self.max_held_rows)
+        disk_full = isinstance(error, sqlite3.OperationalError) and "full" in str(error).lower()
         if self._outage is None:
-            self._outage = _Outage(time.time(), str(error))
+            self._outage = _Outage(time.time(), str(error), 0.0, disk_full)
             log.error("cannot write to the store %s: %s. %s. Holding %d points and %d rows in memory "
-                      "(up to %d points per series, %d rows per table) and retrying on every flush.",
+                      "(up to %d points per series, %d rows per table) and retrying every %g s.",
                       self.path, error, advice_for(error, self.path), self._series.held(),
-                      self._rows.held(), self.max_held_points, self.max_held_rows)
-        self._outage.dropped_points += dropped_points
-        self._outage.dropped_rows += dropped_rows
-        if dropped_points or dropped_rows:
-            log.warning("store %s still failing: dropped the %d oldest held points and %d oldest rows",
-                        self.path, dropped_points, dropped_rows)
+                      self._rows.held(), self.max_held_points, self.max_held_rows, self.retry_s)
+        self._outage.next_try = time.monotonic() + self.retry_s
+        self._drop_excess()
+        if disk_full:
+            self._checkpoint()
+
+    def _drop_excess(self) -> None:
+        """Keep the backlog within its bounds: the oldest points and rows go, counted as lost."""
+        points, rows = self._series.trim(self.max_held_points), self._rows.trim(self.max_held_rows)
+        if not points and not rows:
+            return
+        if not self._outage.dropped_points and not self._outage.dropped_rows:
+            log.warning("store %s still failing and its backlog is full: dropping the oldest points and rows "
+                        "from now on (counted; see store.queries.lost)", self.path)
+        self.lost.add(points, rows)
+        self._outage.dropped_points += points
+        self._outage.dropped_rows += rows
+
+    def _checkpoint(self) -> None:
+        """Move the log's committed pages into the database file, where they fit, so the next write
+        starts the log over in the space it already holds instead of asking the disk for more."""
+        try:
+            self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        except sqlite3.Error as e:
+            log.debug("checkpointing %s failed: %s", self.path, e)
 
     def _on_recovery(self, outage: _Outage) -> None:
         seconds = time.time() - outage.since
@@ -215,8 +275,6 @@ class Store:
             try:
                 report = compact(self.conn, now - retention_days * 86400, now - min_age_s, target_points)
             except sqlite3.Error as e:
-                if self.conn.in_transaction:
-                    self.conn.rollback()
                 raise StoreError(f"compacting {self.path} failed: {e}; {advice_for(e, self.path)}") from e
         log.info("compacted %s: %s", self.path, report)
         return report
@@ -230,16 +288,44 @@ class Store:
         atexit.unregister(self.close)
         if self._flusher is not None:
             self._flusher.join()
-        ok = self.flush()
+        ok = self.flush(force=True)
         if not ok:
-            log.error("closing the store %s with unwritten data: %s", self.path,
-                      self._outage.reason if self._outage else "unknown error")
+            self._count_unwritten()
         with self._write_lock:
             self.conn.close()
         return ok
+
+    def _count_unwritten(self) -> None:
+        """Closing with data that cannot be written: count it lost, say so, and try to record the
+        count alone (a tiny write, into the log's space after a checkpoint)."""
+        with self._lock:
+            points, rows = self._series.held(), self._rows.held()
+            self._series.trim(0)
+            self._rows.trim(0)
+            self.lost.add(points, rows)
+        log.error("closing the store %s with unwritten data (%s): %d points and %d rows lost, %d points "
+                  "and %d rows in all since it opened", self.path,
+                  self._outage.reason if self._outage else "unknown error", points, rows,
+                  self.lost.points, self.lost.rows)
+        with self._write_lock:
+            self._checkpoint()
+            try:
+                with transaction(self.conn):
+                    record_lost(self.conn, self.lost.unrecorded_points, self.lost.unrecorded_rows)
+            except sqlite3.Error as e:
+                log.error("the count of lost data could not be written to %s either: %s", self.path, e)
 
     def __enter__(self) -> "Store":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _free_bytes(path: Path) -> int:
+    """Space left for this user on the filesystem holding `path`."""
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from store import codec, rollup
+from store.database import foreign, place_problem
 from store.errors import StoreError
 from store.schema import ACTIVATIONS_ROLLUP, CACHE_STATS_ROLLUP, ROW_TABLES, SCHEMA_VERSION
 
@@ -35,22 +36,21 @@ def connect_ro(path: str | Path) -> sqlite3.Connection | None:
     path = Path(path)
     if not path.exists():
         return None
-    conn = sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True, timeout=2.0,
-                           check_same_thread=False)
+    advice = "point --db at the file the collector and agent write (e.g. data/flashmoe.db)"
     try:
+        conn = _open_ro(path)
         tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        problem = foreign(conn)
     except sqlite3.DatabaseError as e:
+        raise StoreError(f"{path} is not a readable FlashMoE store ({e}); {advice}") from e
+    if problem is None and tables and not {"meta", "chunks"} <= tables:
+        problem = f"an SQLite file without the store's tables (tables: {', '.join(sorted(tables))})"
+    if problem is not None:
         conn.close()
-        raise StoreError(f"{path} is not a readable FlashMoE store ({e}); point --db at the file "
-                         f"the collector and agent write (e.g. data/flashmoe.db)") from e
+        raise StoreError(f"{path} is not a FlashMoE store: {problem}; {advice}")
     if not tables:            # just created by a writer that has not yet made the schema
         conn.close()
         return None
-    if "meta" not in tables or "chunks" not in tables:
-        conn.close()
-        raise StoreError(f"{path} is an SQLite file but not a FlashMoE store (tables: "
-                         f"{', '.join(sorted(tables))}); point --db at the file the collector and "
-                         f"agent write (e.g. data/flashmoe.db)")
     (version,) = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     if int(version) != SCHEMA_VERSION:
         conn.close()
@@ -59,6 +59,21 @@ def connect_ro(path: str | Path) -> sqlite3.Connection | None:
                             f"--db {path}`, to upgrade it in place" if int(version) < SCHEMA_VERSION
                             else "update this FlashMoE to the version that wrote it"))
     return conn
+
+
+def _open_ro(path: Path) -> sqlite3.Connection:
+    """mode=ro; on a read-only place with no write-ahead log left, immutable=1: a WAL-mode reader must
+    create the -shm file next to the store otherwise, and nothing there can change under it."""
+    uri = f"file:{path.resolve()}?mode=ro"
+    conn = sqlite3.connect(uri, uri=True, timeout=2.0, check_same_thread=False)
+    try:
+        conn.execute("SELECT 1 FROM sqlite_master LIMIT 1")
+        return conn
+    except sqlite3.OperationalError:
+        conn.close()
+        if place_problem(path) is None or Path(f"{path}-wal").exists():
+            raise
+    return sqlite3.connect(uri + "&immutable=1", uri=True, timeout=2.0, check_same_thread=False)
 
 
 @contextmanager
@@ -290,6 +305,14 @@ def activations(db: Db, since: float | None = None, until: float | None = None) 
 def _knob_row(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "old": json.loads(row["old"]) if row["old"] is not None else None,
             "new": json.loads(row["new"])}
+
+
+def lost(db: Db) -> dict[str, int]:
+    """Points and rows the writers lost to write failures (a backlog over its bound, or still
+    unwritten when the writer closed), since the store was created: {"points": n, "rows": m}."""
+    rows = {r["key"]: int(r["value"]) for r in _rows(db, "SELECT key, value FROM meta WHERE key IN "
+                                                         "('lost_points', 'lost_rows')")}
+    return {"points": rows.get("lost_points", 0), "rows": rows.get("lost_rows", 0)}
 
 
 def knob_history(db: Db, limit: int = 100) -> list[dict[str, Any]]:

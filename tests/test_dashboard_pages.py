@@ -6,6 +6,7 @@ against a running agent, and tests/test_browser.py the whole product in Chromium
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from streamlit.testing.v1 import AppTest
 from agents import free_port
 from bench import synthetic
 from dashboard import pages
+from store.database import record_lost
 from store.db import Store
 from test_store import version_2_store
 
@@ -199,3 +201,11 @@ def test_empty_database_renders_every_page_without_charts(monkeypatch, offline, 
         assert not at.get("plotly_chart")
         assert "No store at" not in texts(at.info)
         assert texts(at.caption) or texts(at.info)       # says that there is nothing yet
+
+
+def test_overview_says_how_much_telemetry_was_lost(monkeypatch, offline, db, tmp_path):
+    assert "Telemetry lost" not in texts(open_page(monkeypatch, db).warning)
+    lossy = fill(tmp_path / "lossy.db")
+    with sqlite3.connect(lossy) as conn:         # as a writer counts what a full disk made it drop
+        record_lost(conn, 1234, 5)
+    assert "Telemetry lost to store write failures: 1,234 points and 5 rows" in texts(open_page(monkeypatch, lossy).warning)

@@ -163,7 +163,7 @@ def test_two_writers_and_a_reader_share_the_file(path):
 
 
 def test_a_locked_database_is_reported_held_and_written_when_it_clears(path, caplog):
-    store = Store(path, autoflush_s=0, busy_timeout_s=0.05)
+    store = Store(path, autoflush_s=0, busy_timeout_s=0.05, retry_s=0)
     blocker = sqlite3.connect(path, isolation_level=None)
     try:
         store.append("block.vda.util", T0, 0.5)
@@ -191,7 +191,7 @@ def test_a_locked_database_is_reported_held_and_written_when_it_clears(path, cap
 
 
 def test_held_samples_are_bounded_and_the_drop_is_counted(path, caplog):
-    store = Store(path, autoflush_s=0, busy_timeout_s=0.05, max_held_points=100)
+    store = Store(path, autoflush_s=0, busy_timeout_s=0.05, max_held_points=100, retry_s=0)
     blocker = sqlite3.connect(path, isolation_level=None)
     try:
         blocker.execute("BEGIN IMMEDIATE")
@@ -199,19 +199,21 @@ def test_held_samples_are_bounded_and_the_drop_is_counted(path, caplog):
             store.append("block.vda.util", T0 + i, 0.1)
         with caplog.at_level(logging.WARNING, logger="store.db"):
             assert store.flush() is False
-        assert any("dropped the 150 oldest" in r.getMessage() for r in caplog.records)
+        assert any("backlog is full" in r.getMessage() for r in caplog.records)
+        assert (store.lost.points, queries.lost(path)["points"]) == (150, 0)  # counted, not yet written
         blocker.execute("ROLLBACK")
         assert store.flush()
         t, _ = queries.points(path, "block.vda.util")
         assert t.tolist() == [T0 + i for i in range(150, 250)]
         assert "150 points" in queries.events(path, kind="store.recovered")[0]["message"]
+        assert queries.lost(path) == {"points": 150, "rows": 0}
     finally:
         blocker.close()
         store.close()
 
 
 def test_a_full_disk_is_reported_held_and_written_when_space_returns(path, caplog):
-    store = Store(path, autoflush_s=0)
+    store = Store(path, autoflush_s=0, retry_s=0)
     try:
         store.append("block.vda.util", T0, 0.5)
         store.flush()

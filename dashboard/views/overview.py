@@ -51,6 +51,7 @@ def live() -> None:
 
     if not components.store_ready(db):
         return
+    components.lost_notice(db)
     since, until = components.window()
     rows = data.requests(db, since, until)
     tokens = data.latest(db, "agent.tokens_per_s")

@@ -1,0 +1,183 @@
+"""The store where disks fail: full, read-only, the kernel's filesystems, another application's file.
+
+A real tmpfs of a few MiB stands in for the disk (mounting it needs root, as CI runs)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from agents import CLI, ROOT, spawn, stop, wait_for
+from store import queries
+from store.database import APPLICATION_ID, WAL_LIMIT_BYTES
+from store.db import Store
+from store.errors import StoreError
+
+T0 = 1_700_000_000.0
+SERIES = [f"block.d{k}.reads_per_s" for k in range(30)]   # a collector's worth of series
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size) mounts a tmpfs of that size and returns its directory; unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    point = tmp_path / "disk"
+    point.mkdir()
+
+    def mount(size: str = "4m") -> Path:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], check=True)
+        return point
+    yield mount
+    subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+def fill(disk: Path) -> Path:
+    """Take every free byte of the disk; returns the filler file."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+def wal_bytes(db: Path) -> int:
+    wal = Path(f"{db}-wal")
+    return wal.stat().st_size if wal.exists() else 0
+
+
+def cli_error(*args: str) -> tuple[int, list[str]]:
+    """Exit code and the output lines of a flashmoe-cli command."""
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return done.returncode, (done.stdout + done.stderr).splitlines()
+
+
+def test_a_full_disk_keeps_the_log_bounded_counts_what_it_drops_and_writing_resumes(tmpfs):
+    disk = tmpfs("4m")
+    db = disk / "flashmoe.db"
+    store = Store(db, autoflush_s=0, retry_s=0, max_held_points=40)
+    tick, written, outage_ticks, wal_seen = 0, [], 0, []
+
+    def one_tick() -> bool:
+        nonlocal tick
+        for name in SERIES:
+            store.append(name, T0 + tick, (tick * 7919 + hash(name)) % 100_000 / 10)
+        tick += 1
+        ok = store.flush()
+        wal_seen.append(wal_bytes(db))
+        return ok
+
+    while one_tick():                  # fill the disk once the store has found its size
+        if tick == 150:
+            filler = fill(disk)
+    while outage_ticks < 100:          # 100 ticks without space: 60 more than the backlog holds
+        assert not one_tick()
+        outage_ticks += 1
+    assert store.lost.points == store.lost.unrecorded_points > 0
+    filler.unlink()
+    assert one_tick()                  # space is back: the backlog and the count are written
+    store.close()
+    assert max(wal_seen) <= WAL_LIMIT_BYTES + 256 * 1024   # the limit and one flush, never the whole disk
+    stored = sum(len(queries.points(db, name)[0]) for name in SERIES)
+    assert stored + store.lost.points == tick * len(SERIES)   # every point written or counted
+    assert queries.lost(db) == {"points": store.lost.points, "rows": 0}
+    assert "points and 0 rows dropped" in queries.events(db, kind="store.recovered")[0]["message"]
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    print(f"\nfull disk: {tick} ticks x {len(SERIES)} series, {outage_ticks} without space; largest log "
+          f"{max(wal_seen)} bytes; points stored {stored}, lost and counted {store.lost.points}")
+
+
+def test_sigterm_on_a_full_disk_says_how_many_points_were_lost(tmpfs, tmp_path):
+    disk = tmpfs("4m")
+    db, log = disk / "flashmoe.db", tmp_path / "collector.log"
+    proc = spawn([*CLI, "collect", "--db", str(db), "--interval", "0.05"], log)
+    try:
+        wait_for(lambda: db.exists() and queries.series_names(db), what="the collector's first points")
+        fill(disk)
+        wait_for(lambda: "cannot write to the store" in log.read_text(), what="the outage")
+        time.sleep(0.5)                # ticks that cannot be written
+    finally:
+        code = stop(proc)
+    text = log.read_text()
+    assert code == 1 and "Traceback" not in text
+    [line] = [line for line in text.splitlines() if "closing the store" in line]
+    assert "with unwritten data (database or disk is full)" in line and " points and 0 rows lost" in line
+    assert int(line.split("): ")[1].split()[0]) > 0
+    print("\n" + line)
+
+
+@pytest.mark.parametrize("where", ["/proc/flashmoe.db", "/sys/flashmoe.db", "read-only new", "read-only existing"])
+def test_a_store_where_none_can_be_written_is_one_clear_line(where, tmpfs):
+    disk = tmpfs("4m")
+    Store(disk / "existing.db", autoflush_s=0).close()
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    db = {"read-only new": str(disk / "new.db"), "read-only existing": str(disk / "existing.db")}.get(where, where)
+    code, lines = cli_error("collect", "--db", db, "--duration", "1")
+    assert code == 1 and len(lines) == 1 and "Traceback" not in lines[0], lines
+    reason = "mounted read-only" if where.startswith("read-only") else "filesystem, whose files are kernel interfaces"
+    assert f"cannot write the store {db}" in lines[0] and reason in lines[0]
+
+
+def test_a_store_on_a_read_only_mount_can_still_be_read(tmpfs):
+    disk = tmpfs("4m")
+    db = disk / "flashmoe.db"
+    with Store(db, autoflush_s=0) as store:
+        for i in range(10):
+            store.append("block.vda.util", T0 + i, 0.5)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    code, lines = cli_error("store", "stats", "--db", str(db))
+    assert code == 0 and any(line.startswith("block.vda.util") and " 10 " in line for line in lines), lines
+    assert len(queries.points(db, "block.vda.util")[0]) == 10
+    code, lines = cli_error("store", "compact", "--db", str(db))
+    assert code == 1 and len(lines) == 1 and "mounted read-only" in lines[0]
+
+
+def test_another_applications_sqlite_file_is_refused_and_left_as_it_was(tmp_path):
+    other = tmp_path / "other-app.sqlite"
+    with sqlite3.connect(other) as conn:
+        conn.execute("PRAGMA application_id = 1234")
+        conn.execute("CREATE TABLE notes (body TEXT)")
+        conn.execute("INSERT INTO notes VALUES ('mine')")
+    before = hashlib.sha256(other.read_bytes()).hexdigest()
+    code, lines = cli_error("collect", "--db", str(other), "--duration", "1")
+    assert code == 1 and len(lines) == 1 and "another application (application_id 0x4d2; tables: notes)" in lines[0]
+    code, lines = cli_error("store", "stats", "--db", str(other))
+    assert code == 1 and len(lines) == 1 and "is not a FlashMoE store" in lines[0]
+    assert hashlib.sha256(other.read_bytes()).hexdigest() == before
+    unmarked = tmp_path / "unmarked.sqlite"
+    with sqlite3.connect(unmarked) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    with pytest.raises(StoreError, match="another application \\(no FlashMoE mark; tables: t\\)"):
+        Store(unmarked)
+
+
+def test_stores_are_marked_and_stores_from_before_the_mark_are_adopted(tmp_path):
+    db = tmp_path / "flashmoe.db"
+    with Store(db, autoflush_s=0) as store:
+        store.append("block.vda.util", T0, 0.5)
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA application_id").fetchone() == (APPLICATION_ID,)
+        conn.execute("PRAGMA application_id = 0")          # as every store written before the mark
+    assert queries.series_names(db) == ["block.vda.util"]   # readers take it
+    Store(db, autoflush_s=0).close()                       # a writer marks it
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA application_id").fetchone() == (APPLICATION_ID,)
+
+
+def test_an_empty_file_becomes_a_store(tmp_path):
+    db = tmp_path / "empty.db"
+    db.touch()
+    Store(db, autoflush_s=0).close()
+    assert queries.stats(db)["points"] == 0
+
