@@ -33,8 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
+from agent.convert.errors import CheckpointError
 from agent.convert.store_writer import StoreShape, StoreWriter
 from agent.experts.layout import CONFIG, DENSE, EXPERTS, INDEX, Index, StoreError
+from agent.shapes import SHAPES, ShapeError, init_shape, shape_config
 from agent.tokenizer import TOKENIZER_JSON, byte_level_tokenizer_json
 
 log = logging.getLogger(__name__)
@@ -222,16 +224,29 @@ def _expert_block(rng: np.random.Generator, s: DemoSize, payload: memoryview) ->
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("example:\n  flashmoe-cli init-demo --out data/demo\n"
-                     "  flashmoe-cli init-demo --out /tmp/demo-small --size small\n\n"
-                     "default: 8 layers x 64 experts (top-8), 1.5 GiB of float32 experts; small: 3 MiB.")
+                     "  flashmoe-cli init-demo --out /tmp/demo-small --size small\n"
+                     "  flashmoe-cli init-demo --shape olmoe-1b-7b --out /work/models/olmoe-1b-7b --drop-hf\n\n"
+                     "default: 8 layers x 64 experts (top-8), 1.5 GiB of float32 experts; small: 3 MiB.\n"
+                     "--shape: a random-weight Hugging Face checkpoint with that model's real shapes and tensor\n"
+                     "names in OUT/hf (bfloat16; olmoe-1b-7b 13 GB, qwen3-30b-a3b 1.2 GB per layer), converted\n"
+                     "by flashmoe-cli convert into OUT/store.")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"model directory (default {DEFAULT_OUT})")
     parser.add_argument("--size", choices=list(SIZES), default="default", help="default (1.5 GiB) or small (tests)")
+    parser.add_argument("--shape", choices=list(SHAPES), help="a real model's shapes instead of the demo's")
+    parser.add_argument("--layers", type=int, help="with --shape: keep only the first N decoder layers (disk)")
+    parser.add_argument("--drop-hf", action="store_true",
+                        help="with --shape: delete OUT/hf once every block of OUT/store passed its CRC check")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        init_demo(args.out, args.size)
-    except (DemoError, OSError) as exc:
+        if args.shape:
+            init_shape(shape_config(args.shape, args.layers), args.out, args.drop_hf)
+        elif args.layers is not None or args.drop_hf:
+            raise DemoError("--layers and --drop-hf apply only with --shape")
+        else:
+            init_demo(args.out, args.size)
+    except (DemoError, ShapeError, CheckpointError, StoreError, OSError) as exc:
         log.error("init-demo failed: %s", exc)
         return 1
     return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,7 +105,16 @@ def _raw_header(path: Path, size: int) -> tuple[int, dict]:
     return n, header
 
 
-DenseSource = TensorInfo | np.ndarray
+@dataclass(frozen=True)
+class Lazy:
+    """A tensor made only when its turn to be written comes: `make()` returns its bytes as an array
+    (e.g. bfloat16 bits as uint16, which numpy lacks), so a file of many tensors is never in RAM whole."""
+    dtype: str             # safetensors code
+    shape: tuple[int, ...]
+    make: Callable[[], np.ndarray]
+
+
+DenseSource = TensorInfo | np.ndarray | Lazy
 
 
 def write_safetensors(path: Path, tensors: Sequence[tuple[str, DenseSource]]) -> None:
@@ -121,16 +130,25 @@ def write_safetensors(path: Path, tensors: Sequence[tuple[str, DenseSource]]) ->
     with open(path, "wb") as out:
         out.write(len(raw).to_bytes(8, "little") + raw)
         for _, src in tensors:
-            if isinstance(src, np.ndarray):
-                out.write(np.ascontiguousarray(src).data)
-            else:
+            if isinstance(src, TensorInfo):
                 _copy_span(src.span, out)
+            else:
+                out.write(_data(src))
 
 
 def _describe(src: DenseSource) -> tuple[str, tuple[int, ...], int]:
     if isinstance(src, np.ndarray):
         return _NUMPY_CODES[src.dtype], src.shape, src.nbytes
+    if isinstance(src, Lazy):
+        return src.dtype, src.shape, math.prod(src.shape) * DTYPES[src.dtype][1]
     return src.dtype, src.shape, src.span.nbytes
+
+
+def _data(src: np.ndarray | Lazy) -> memoryview:
+    data = np.ascontiguousarray(src if isinstance(src, np.ndarray) else src.make())
+    if isinstance(src, Lazy) and data.nbytes != _describe(src)[2]:
+        raise ValueError(f"a lazy {src.dtype} tensor of shape {list(src.shape)} made {data.nbytes} bytes")
+    return data.data
 
 
 def _copy_span(span: Span, out) -> None:

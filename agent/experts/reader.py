@@ -22,7 +22,8 @@ from typing import ClassVar
 import numpy as np
 from isal.isal_zlib import crc32 as fast_crc32  # the same CRC-32 as layout.crc32 (zlib), SIMD, GIL released
 
-from agent.experts.layout import ALIGN, Block, Index, StoreError
+from agent.experts.layout import ALIGN, EXPERTS, INDEX, Block, Index, StoreError
+from agent.experts.slots import SlotPool
 
 BACKENDS = ("direct", "buffered", "mmap")
 IO_THREADS = 8  # reads in flight: the demo's virtio disk gives ~510 MB/s with 4 queued 3 MiB reads, ~730 with 8
@@ -184,3 +185,17 @@ def open_reader(backend: str, path: Path, index: Index, verify: bool = True) -> 
         return cls(path, index, verify)
     except FileNotFoundError:
         raise StoreError(f"{path} is missing: the store is incomplete; re-run flashmoe-cli convert") from None
+
+
+def check_blocks(store_dir: Path) -> int:
+    """Read every expert block of a store with O_DIRECT and check its CRC32 (StoreError on the first
+    bad one); returns the number checked. Used before deleting the checkpoint a store came from."""
+    index = Index.load(Path(store_dir) / INDEX)
+    reader, pool = DirectReader(Path(store_dir) / EXPERTS, index), SlotPool(1, index.slot_bytes)
+    try:
+        for block in index.blocks:
+            reader.load(block, pool.buffer(0))
+    finally:
+        reader.close()
+        pool.close()
+    return len(index.blocks)

@@ -167,12 +167,6 @@ class MoEConfig:
             raise ConfigError(f"{path} is not valid JSON: {exc}") from None
         return cls.from_hf(hf)
 
-    @classmethod
-    def from_name(cls, name: str) -> "MoEConfig":
-        if name not in PRESETS:
-            raise ConfigError(f"no preset {name!r}; presets: {', '.join(PRESETS)}")
-        return cls.from_hf(PRESETS[name])
-
 
 def _check_fields(arch: str, c: dict[str, Any]) -> None:
     """Each field has its type, and the counts agree: top-k within the experts, heads in whole KV groups."""
@@ -242,25 +236,3 @@ def _first(token_id: int | list[int] | None) -> int | None:
     if isinstance(token_id, list):
         return token_id[0] if token_id else None
     return token_id
-
-
-# Named presets (the shapes of the published checkpoints' config.json), as in gpt-fast.
-PRESETS: dict[str, dict[str, Any]] = {
-    "OLMoE-1B-7B": dict(model_type="olmoe", vocab_size=50304, hidden_size=2048, num_hidden_layers=16,
-                        num_attention_heads=16, num_key_value_heads=16, intermediate_size=1024, num_experts=64,
-                        num_experts_per_tok=8, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
-                        eos_token_id=50279),
-    "Qwen3-30B-A3B": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
-                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-                          rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960, eos_token_id=151645),
-    "Qwen1.5-MoE-A2.7B": dict(model_type="qwen2_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=24,
-                              num_attention_heads=16, num_key_value_heads=16, intermediate_size=5632,
-                              moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
-                              num_experts_per_tok=4, rope_theta=1e6, rms_norm_eps=1e-6,
-                              max_position_embeddings=8192, eos_token_id=151643),
-    "Mixtral-8x7B": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-                         num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6, rms_norm_eps=1e-5,
-                         max_position_embeddings=32768, eos_token_id=2),
-}

@@ -1,0 +1,160 @@
+"""Random-weight Hugging Face checkpoints with the real shapes and hub tensor names of published MoE models.
+
+No weights can be downloaded here, so real size is reached with the published config.json of each
+model (SHAPES) and random bfloat16 tensors under the names the hub checkpoint uses: sharded
+safetensors plus model.safetensors.index.json, exactly what `flashmoe-cli convert` reads. The tensor
+names and shapes come from our own model built on the meta device (no memory), so they are the
+ones convert checks. `layers` may cut a model's depth to fit the disk; the config.json then says so.
+
+Weights are N(0, 0.02) (transformers' initializer_range), norms 1. Drawing 13 GB of normals would
+take minutes, so each tensor is a slice, at a random offset, of one pool of normals drawn once;
+tensors are made one at a time as their turn to be written comes, so memory stays at one tensor.
+Random weights route almost every token to the same experts: real locality comes from a routing
+trace (see agent/route_trace.py), not from these weights.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from agent.convert.safetensors_io import Lazy, write_safetensors
+from agent.experts.layout import CONFIG, INDEX, Index, StoreError
+from agent.model.config import MoEConfig
+
+log = logging.getLogger(__name__)
+
+# The published config.json of each model (the fields our model reads), as the hub has them.
+SHAPES: dict[str, dict[str, Any]] = {
+    "olmoe-1b-7b": dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], vocab_size=50304,
+                        hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                        intermediate_size=1024, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                        rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096, clip_qkv=None,
+                        tie_word_embeddings=False, eos_token_id=50279, pad_token_id=1, hidden_act="silu"),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
+                          hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                          tie_word_embeddings=False, eos_token_id=151645, hidden_act="silu"),
+}
+SEED = 0
+STD = 0.02                 # transformers' initializer_range
+POOL_VALUES = 1 << 24      # 32 MiB of bfloat16 normals, sliced for every tensor
+LAYERS_PER_SHARD = 4
+
+
+class ShapeError(ValueError):
+    """An unknown shape name or a layer count the model does not have; the message lists what is allowed."""
+
+
+def shape_config(name: str, layers: int | None = None) -> dict[str, Any]:
+    """The config.json of shape `name`, cut to `layers` decoder layers if given."""
+    if name not in SHAPES:
+        raise ShapeError(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+    config = {**SHAPES[name], "torch_dtype": "bfloat16"}
+    full = config["num_hidden_layers"]
+    if layers is not None:
+        if not 1 <= layers <= full:
+            raise ShapeError(f"{name} has {full} layers; --layers must be between 1 and {full}, got {layers}")
+        config |= {"num_hidden_layers": layers, "flashmoe_cut": f"{layers} of {full} layers"}
+    return config
+
+
+def checkpoint_tensors(config: MoEConfig) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(hub name, shape, decoder layer or None) of every tensor, in the order save_pretrained writes them.
+    Dense names and shapes come from our own model on the meta device; experts are named per expert."""
+    from agent.model.model import Transformer  # the model imports the expert store; keep this module light
+    with torch.device("meta"):
+        model = Transformer(config, provider=None)
+    tensors = []
+    for name, t in model.state_dict().items():
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+        tensors.append((name if name == "lm_head.weight" else f"model.{name}", tuple(t.shape), layer))
+    expert = {"gate_proj": (config.expert_dim, config.dim), "up_proj": (config.expert_dim, config.dim),
+              "down_proj": (config.dim, config.expert_dim)}
+    for layer in config.moe_layer_ids:
+        tensors += [(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", shape, layer)
+                    for e in range(config.n_experts) for proj, shape in expert.items()]
+    return tensors
+
+
+def _shard(hub: str, layer: int | None, n_shards: int) -> int:
+    """Layers in groups of LAYERS_PER_SHARD; the embedding in the first shard, final norm and head in the last."""
+    if layer is not None:
+        return layer // LAYERS_PER_SHARD
+    return 0 if hub == "model.embed_tokens.weight" else n_shards - 1
+
+
+class _Pool:
+    """bfloat16 N(0, STD) bits (uint16) drawn once; each tensor is a slice at a random offset."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        normals = rng.standard_normal(POOL_VALUES, dtype=np.float32) * np.float32(STD)
+        self.bits = (normals.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16: the top half of a float32
+
+    def tensor(self, shape: tuple[int, ...], name: str) -> Lazy:
+        n = int(np.prod(shape))
+        if name.endswith("norm.weight"):
+            return Lazy("BF16", shape, lambda: np.full(n, 0x3F80, np.uint16))  # 1.0 in bfloat16
+        offset = int(self.rng.integers(0, POOL_VALUES))  # drawn now: the file does not depend on write order
+
+        def make() -> np.ndarray:
+            reps = -(-(offset + n) // POOL_VALUES)
+            return np.tile(self.bits, reps)[offset:offset + n] if reps > 1 else self.bits[offset:offset + n]
+        return Lazy("BF16", shape, make)
+
+
+def write_checkpoint(config_json: dict[str, Any], out: Path) -> Path:
+    """Write a random-weight sharded bfloat16 checkpoint of this config.json in `out`; returns `out`."""
+    config = MoEConfig.from_hf(config_json)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pool = _Pool(np.random.default_rng(SEED))
+    tensors = [(hub, pool.tensor(shape, hub), layer) for hub, shape, layer in checkpoint_tensors(config)]
+    n_shards = -(-config.n_layers // LAYERS_PER_SHARD)
+    weight_map, total = {}, 0
+    for shard in range(n_shards):
+        file = f"model-{shard + 1:05d}-of-{n_shards:05d}.safetensors"
+        mine = [(hub, t) for hub, t, layer in tensors if _shard(hub, layer, n_shards) == shard]
+        write_safetensors(out / file, mine)
+        weight_map |= {hub: file for hub, _ in mine}
+        total += sum(int(np.prod(t.shape)) * 2 for _, t in mine)
+        log.info("wrote %s (%d tensors)", out / file, len(mine))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / "config.json").write_text(json.dumps(config_json, indent=2))
+    return out
+
+
+def init_shape(config: dict[str, Any], out: Path, drop_hf: bool = False) -> Path:
+    """Write a checkpoint of `config` (e.g. shape_config(name)) to out/hf and convert it with the real
+    converter into out/store; returns the store. With `drop_hf` the checkpoint is deleted once every
+    block of the store passed its CRC check. A store converted from the same config.json is left alone."""
+    from agent.convert import convert
+    from agent.experts.reader import check_blocks
+    out = Path(out)
+    hf, store = out / "hf", out / "store"
+    if _converted(store, config):
+        log.info("%s already holds this model; nothing to do", store)
+        return store
+    write_checkpoint(config, hf)
+    convert(hf, store, overwrite=True)
+    if drop_hf:
+        log.info("checked %d blocks of %s; deleting %s", check_blocks(store), store, hf)
+        shutil.rmtree(hf)
+    return store
+
+
+def _converted(store: Path, config: dict[str, Any]) -> bool:
+    try:
+        Index.load(store / INDEX)
+        return json.loads((store / CONFIG).read_text()) == config
+    except (OSError, ValueError, StoreError):
+        return False

@@ -1,0 +1,119 @@
+"""Real-shaped random checkpoints: the published shapes and hub names, written streaming, read by
+transformers and by our converter. The 13 GB models are benches; here each shape's config is cut to
+a few kilobytes of weights and run through the same code."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_model_parity import one_torch_thread  # noqa: F401  (autouse fixture)
+
+from agent.cli import main as cli
+from agent.convert import convert
+from agent.experts.cache import ExpertCache
+from agent.experts.layout import INDEX, Index
+from agent.experts.provider import InMemoryExperts
+from agent.model.config import MoEConfig
+from agent.model.generation import generate
+from agent.model.model import Transformer
+from agent.shapes import SHAPES, ShapeError, checkpoint_tensors, init_shape, shape_config, write_checkpoint
+
+GB = 1e9
+
+
+def tiny(name: str) -> dict:
+    """Shape `name` with its widths cut: the same architecture switches, a few hundred KB of weights."""
+    small = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_experts=16,
+                 intermediate_size=32, moe_intermediate_size=32)
+    if "head_dim" in SHAPES[name]:
+        small |= dict(head_dim=16, num_key_value_heads=2)
+    else:
+        small |= dict(num_key_value_heads=4)
+    return {**shape_config(name), **small}
+
+
+def expert_bytes(config: dict) -> float:
+    c = MoEConfig.from_hf(config)
+    return sum(2 * torch.Size(shape).numel() for name, shape, _ in checkpoint_tensors(c) if ".experts." in name)
+
+
+def test_the_real_shapes_have_the_published_sizes():
+    olmoe = MoEConfig.from_hf(shape_config("olmoe-1b-7b"))
+    assert (olmoe.n_layers, olmoe.n_experts, olmoe.top_k, olmoe.dim, olmoe.expert_dim) == (16, 64, 8, 2048, 1024)
+    assert expert_bytes(shape_config("olmoe-1b-7b")) / GB == pytest.approx(12.88, abs=0.01)  # 1024 blocks of 12.58 MB
+    qwen = MoEConfig.from_hf(shape_config("qwen3-30b-a3b"))
+    assert (qwen.n_layers, qwen.n_experts, qwen.top_k, qwen.expert_dim, qwen.head_dim, qwen.qk_norm) == \
+        (48, 128, 8, 768, 128, "head")
+    assert expert_bytes(shape_config("qwen3-30b-a3b")) / GB == pytest.approx(57.98, abs=0.01)
+    assert expert_bytes(shape_config("qwen3-30b-a3b", layers=12)) / GB == pytest.approx(57.98 / 4, abs=0.01)
+
+
+def test_hub_names_and_shapes():
+    names = {n: s for n, s, _ in checkpoint_tensors(MoEConfig.from_hf(shape_config("qwen3-30b-a3b", layers=1)))}
+    assert names["model.layers.0.mlp.experts.127.down_proj.weight"] == (2048, 768)
+    assert names["model.layers.0.self_attn.q_norm.weight"] == (128,)      # Qwen3: per head
+    assert names["model.layers.0.self_attn.k_proj.weight"] == (512, 2048)  # 4 kv heads x 128
+    assert names["model.layers.0.mlp.gate.weight"] == (128, 2048)
+    assert names["lm_head.weight"] == (151936, 2048)
+    olmoe = {n: s for n, s, _ in checkpoint_tensors(MoEConfig.from_hf(shape_config("olmoe-1b-7b", layers=1)))}
+    assert olmoe["model.layers.0.self_attn.q_norm.weight"] == (2048,)      # OLMoE: over the whole projection
+    assert olmoe["model.embed_tokens.weight"] == (50304, 2048)
+
+
+def test_layers_cut_is_stated_and_bounded():
+    assert shape_config("qwen3-30b-a3b", layers=12)["flashmoe_cut"] == "12 of 48 layers"
+    assert "flashmoe_cut" not in shape_config("olmoe-1b-7b")
+    for bad in (0, 49):
+        with pytest.raises(ShapeError, match="between 1 and 48"):
+            shape_config("qwen3-30b-a3b", layers=bad)
+    with pytest.raises(ShapeError, match="olmoe-1b-7b"):
+        shape_config("mixtral")
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_a_written_checkpoint_loads_in_transformers_with_every_tensor(tmp_path, name):
+    from transformers import AutoModelForCausalLM
+    hf = write_checkpoint(tiny(name), tmp_path / "hf")
+    assert len(json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]) > 0
+    model, info = AutoModelForCausalLM.from_pretrained(hf, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert model.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_converted_store_generates_as_the_in_memory_reference(tmp_path, name):
+    store = convert(write_checkpoint(tiny(name), tmp_path / "hf"), tmp_path / "store")
+    assert store.dtype == "bfloat16" and store.n_experts == 16
+    reference = generate(Transformer.from_store(tmp_path / "store", InMemoryExperts(tmp_path / "store")), [1, 2, 3], 5)
+    with ExpertCache(tmp_path / "store", 12 * store.slot_bytes * store.n_layers, policy="lru") as cache:  # 12 of 16
+        cached = generate(Transformer.from_store(tmp_path / "store", cache), [1, 2, 3], 5)
+        assert cache.stats().misses > 0
+    assert cached.token_ids == reference.token_ids
+
+
+def test_init_shape_converts_once_and_drops_the_checkpoint_only_when_asked(tmp_path):
+    config = tiny("olmoe-1b-7b")
+    store = init_shape(config, tmp_path / "m")
+    assert (tmp_path / "m" / "hf" / "config.json").exists()
+    written = (store / "experts.bin").stat().st_mtime_ns
+    assert init_shape(config, tmp_path / "m", drop_hf=True) == store          # already converted: nothing to do
+    assert (store / "experts.bin").stat().st_mtime_ns == written and (tmp_path / "m" / "hf").exists()
+    init_shape({**config, "num_hidden_layers": 1}, tmp_path / "m", drop_hf=True)  # another config: rebuilt
+    assert Index.load(store / INDEX).n_layers == 1 and not (tmp_path / "m" / "hf").exists()
+
+
+def test_cli_refuses_shape_options_without_a_shape(tmp_path, caplog):
+    assert cli(["init-demo", "--out", str(tmp_path / "d"), "--layers", "2"]) == 1
+    assert "only with --shape" in caplog.text
+    assert cli(["init-demo", "--shape", "qwen3-30b-a3b", "--layers", "99", "--out", str(tmp_path / "q")]) == 1
+    assert "between 1 and 48" in caplog.text and not (tmp_path / "q").exists()
+
+
+def test_a_lazy_tensor_of_the_wrong_size_is_refused(tmp_path):
+    import numpy as np
+
+    from agent.convert.safetensors_io import Lazy, write_safetensors
+    with pytest.raises(ValueError, match="made 6 bytes"):
+        write_safetensors(tmp_path / "x.safetensors", [("w", Lazy("BF16", (2, 2), lambda: np.zeros(3, np.uint16)))])
