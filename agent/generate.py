@@ -33,6 +33,7 @@ from agent.experts.layout import INDEX, Index, StoreError
 from agent.experts.provider import Expert, ExpertProvider
 from agent.model.config import ConfigError, MoEConfig
 from agent.model.generation import Generation, generate
+from agent.model.loading import load_model
 from agent.model.model import Transformer
 from agent.policies import DEFAULT_POLICY
 from agent.tokenizer import load_tokenizer
@@ -102,7 +103,7 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
     with ExpertCache(model, parse_cap(cache_cap, index.nbytes * len(index.blocks)), policy=policy, scope=scope,
                      backend=backend) as cache:
         recorder = RoutingRecorder(cache)
-        net = Transformer.from_store(model, recorder, prefetch=prefetch)
+        net = load_model(model, recorder, prefetch=prefetch)
         if prefill == "batched":
             _check_batched_fits(net.config, cache.stats(), len(ids))
         prefill_steps, after_prefill = (1 if prefill == "batched" else len(ids)), []

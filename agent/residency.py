@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from agent.policies.base import Key, Policy
+from agent.prefetch_ledger import PrefetchLedger
 
 SCOPES = ("layer", "global")
 
@@ -41,10 +42,7 @@ class Residency:
         self._factory = policy_factory
         self.stats = [LayerStats() for _ in range(n_layers)]
         self._pinned: set[Key] = set()
-        self._prefetched: dict[Key, None] = {}  # brought in by prefetch, not yet used (oldest first)
-        # Prefetched for a layer whose routing then chose otherwise: the first to go, so a wrong
-        # guess displaces other wrong guesses rather than a block the policy chose to keep.
-        self._wasted: dict[Key, None] = {}
+        self._ledger = PrefetchLedger()
         self._parts = [_Partition(c, policy_factory()) for c in self._split(capacity)]
 
     # -- capacity -------------------------------------------------------------------------------
@@ -99,9 +97,7 @@ class Residency:
     def route(self, layer: int, experts: Collection[int]) -> None:
         """Start a layer's step: its chosen experts are pinned until the next route()."""
         self._pinned = {(layer, e) for e in experts}
-        for key in [k for k in self._prefetched if k[0] == layer and k[1] not in experts]:
-            del self._prefetched[key]
-            self._wasted[key] = None
+        self._ledger.routed(layer, experts)
         self._parts[layer if self.scope == "layer" else 0].policy.route(layer, experts)
 
     def pin(self, keys: Collection[Key]) -> None:
@@ -114,7 +110,7 @@ class Residency:
         part, stats = self._part(key), self.stats[key[0]]
         if key in part.resident:
             stats.hits += 1
-            if self._unmark(key):
+            if self._ledger.clear(key):
                 stats.prefetch_hits += 1
             part.policy.hit(key)
             return True, None
@@ -131,7 +127,7 @@ class Residency:
         if len(part.resident) >= part.capacity and not (part.resident - keep):
             return False, None
         self.stats[key[0]].prefetches += 1
-        self._prefetched[key] = None
+        self._ledger.admitted(key)
         return True, self._admit(part, key, keep)
 
     def drop(self, key: Key) -> None:
@@ -149,7 +145,7 @@ class Residency:
     def _evict(self, part: _Partition, keep: Collection[Key] | None = None) -> Key:
         """The wasted prefetch first, else the policy's victim; never one of `keep` (default: the pinned)."""
         keep = self._pinned if keep is None else keep
-        victim = next((k for k in self._wasted if k in part.resident and k not in keep), None)
+        victim = self._ledger.wasted(part.resident, keep)
         if victim is None:
             victim = part.policy.victim(part.resident, keep)
         self._forget(part, victim)
@@ -158,12 +154,5 @@ class Residency:
 
     def _forget(self, part: _Partition, key: Key) -> None:
         part.resident.discard(key)
-        self._unmark(key)
+        self._ledger.clear(key)
         part.policy.remove(key)
-
-    def _unmark(self, key: Key) -> bool:
-        """Clear `key`'s prefetch marks; True if prefetch had brought it in."""
-        marked = key in self._prefetched or key in self._wasted
-        self._prefetched.pop(key, None)
-        self._wasted.pop(key, None)
-        return marked

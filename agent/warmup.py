@@ -79,7 +79,7 @@ def route_counts(model_dir: Path, prompts: Prompts) -> tuple[Counter, int]:
     from agent.experts.layout import INDEX, Index
     from agent.model.config import MoEConfig
     from agent.model.generation import generate
-    from agent.model.model import Transformer
+    from agent.model.loading import load_model
     from agent.serve.engine import RouteCounter
     from agent.tokenizer import load_tokenizer
 
@@ -91,7 +91,7 @@ def route_counts(model_dir: Path, prompts: Prompts) -> tuple[Counter, int]:
     counts, tokens = Counter(), 0
     with ExpertCache(model_dir, cap) as cache:
         counter = RouteCounter(cache)
-        model = Transformer.from_store(model_dir, counter, prefetch=False)
+        model = load_model(model_dir, counter, prefetch=False)
         for p in prompts.prompts:
             ids = list(tokenizer.encode(p)) if isinstance(p, str) else p
             tokens += len(generate(model, ids, prompts.max_tokens, greedy=True, stop_ids=stop).token_ids)

@@ -35,7 +35,7 @@ from agent.experts.layout import INDEX, Index
 from agent.experts.provider import InMemoryExperts
 from agent.generate import run_generate
 from agent.model.generation import generate
-from agent.model.model import Transformer
+from agent.model.loading import load_model
 from agent.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +62,7 @@ class Row:
 
 
 def in_ram(store: Path, prompt_ids: list[int], tokens: int) -> tuple[float, list[int]]:
-    model = Transformer.from_store(store, InMemoryExperts(store))
+    model = load_model(store, InMemoryExperts(store))
     gen = generate(model, prompt_ids, tokens, greedy=True)
     return gen.decode_tokens_per_s, gen.token_ids
 

@@ -27,7 +27,7 @@ from agent.experts.cap import parse_cap
 from agent.experts.layout import CONFIG, INDEX, Index
 from agent.experts.provider import ExpertProvider, InMemoryExperts
 from agent.model.config import MoEConfig
-from agent.model.model import Transformer
+from agent.model.loading import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
@@ -59,7 +59,7 @@ def compare(ref: torch.Tensor, got: torch.Tensor, model: str) -> Error:
 
 def sequence_logits(store: Path, provider: ExpertProvider, ids: list[int]) -> torch.Tensor:
     """[len(ids), V]: the first half as one prefill step, then one token per step."""
-    model = Transformer.from_store(store, provider)
+    model = load_model(store, provider)
     seq, half = model.new_sequence(len(ids)), len(ids) // 2
     out = [model.step([(seq, torch.tensor(ids[:half]))], all_logits=True)[0]]
     out += [model.step([(seq, torch.tensor([t]))], all_logits=True)[0] for t in ids[half:]]

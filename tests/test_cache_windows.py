@@ -15,7 +15,7 @@ from test_readers import write_store
 from agent.cli import main as cli
 from agent.experts.cache import ExpertCache
 from agent.experts.provider import InMemoryExperts
-from agent.model.model import Transformer
+from agent.model.loading import load_model
 from agent.policies import Policy
 
 LAYERS, EXPERTS, TOP_K = 3, 8, 2
@@ -118,9 +118,9 @@ def model_store(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_a_batch_whose_union_exceeds_the_cache_gives_the_in_memory_logits(model_store, prefetch):
     prompts = [[5, 17, 42, 7], [99, 3, 250, 11, 8], [1, 2, 3], [60, 61]]
-    reference = Transformer.from_store(model_store, InMemoryExperts(model_store))
+    reference = load_model(model_store, InMemoryExperts(model_store))
     with ExpertCache(model_store, slots(model_store, LAYERS * TOP_K)) as cache:  # two slots per layer
-        cached = Transformer.from_store(model_store, cache, prefetch=prefetch)
+        cached = load_model(model_store, cache, prefetch=prefetch)
         for model in (reference, cached):
             seqs = [model.new_sequence(8) for _ in prompts]
             first = model.step([(s, torch.tensor(p)) for s, p in zip(seqs, prompts)])

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from agent.convert import CheckpointError, convert
 from agent.experts.layout import ALIGN, CONFIG, DENSE, EXPERTS, INDEX, Index, StoreError
 from agent.experts.provider import InMemoryExperts
-from agent.model.model import Transformer
+from agent.model.loading import load_model
 from hf_models import ARCHS, expert_weights, saved_dense_names, tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def test_dense_mlp_layers_stay_dense_and_the_model_matches_transformers(tmp_path
     dense = _assert_dense_matches(tmp_path / "store", ckpt)
     dense_mlp = set(range(len(hf_layers))) - set(moe_layers)
     assert {f"model.layers.{i}.mlp.gate_proj.weight" for i in dense_mlp} <= dense.keys()
-    model = Transformer.from_store(tmp_path / "store", experts)
+    model = load_model(tmp_path / "store", experts)
     ids = [5, 17, 42, 7, 99, 3, 250, 11]
     with torch.no_grad():
         ref = ckpt.model(torch.tensor([ids])).logits[0]

@@ -150,9 +150,9 @@ def test_greedy_text_is_printable(hf_demo):
 
 
 def test_our_model_runs_the_demo_like_transformers(demo, hf_demo):
-    from agent.model.model import Transformer
+    from agent.model.loading import load_model
     ids = list(b"def f(x): return x")
-    model = Transformer.from_store(demo, InMemoryExperts(demo))
+    model = load_model(demo, InMemoryExperts(demo))
     ours = model.step([(model.new_sequence(len(ids)), torch.tensor(ids))], all_logits=True)[0]
     with torch.no_grad():
         ref = hf_demo(torch.tensor([ids])).logits[0]

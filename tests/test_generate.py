@@ -15,7 +15,7 @@ from agent.experts import cache as cache_module
 from agent.experts.layout import INDEX, Index
 from agent.experts.provider import InMemoryExperts
 from agent.model.generation import generate
-from agent.model.model import Transformer
+from agent.model.loading import load_model
 from agent.policies import policy_factory
 from agent.residency import Residency
 from agent.simulator import SystemReplay, replay
@@ -37,7 +37,7 @@ def store(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(store) -> list[int]:
     """Greedy tokens with every expert in RAM."""
-    model = Transformer.from_store(store, InMemoryExperts(store))
+    model = load_model(store, InMemoryExperts(store))
     return generate(model, [int(t) for t in PROMPT.split(",")], N_NEW, greedy=True).token_ids
 
 

@@ -1,7 +1,7 @@
 """Our decoder against transformers: tiny random checkpoints, converted to an expert store, loaded from disk.
 
 Each checkpoint is built with transformers (`from_config`, seeded, fp32), saved, converted with
-`flashmoe-cli convert`, and loaded by `Transformer.from_store` with experts read from experts.bin.
+`flashmoe-cli convert`, and loaded by `load_model` with experts read from experts.bin.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from agent.experts.layout import CONFIG, DENSE, StoreError
 from agent.experts.provider import InMemoryExperts
 from agent.model.config import ConfigError
 from agent.model.generation import generate
+from agent.model.loading import load_model
 from agent.model.model import Transformer
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 120, 33]
@@ -41,7 +42,7 @@ def converted(tmp: Path, arch: str, layout: str = "per_expert", **overrides):
 
 
 def load(store: Path, prefetch: bool = True) -> Transformer:
-    return Transformer.from_store(store, InMemoryExperts(store), prefetch=prefetch)
+    return load_model(store, InMemoryExperts(store), prefetch=prefetch)
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -128,12 +129,12 @@ def test_batched_step_equals_sequences_run_alone(tmp_path):
         return [model.step([(seq, torch.tensor(ids))])[0], model.step([(seq, torch.tensor([extra]))])[0]]
 
     a, b, c = model.new_sequence(16), model.new_sequence(16), model.new_sequence(16)
-    model.provider = rec = Recording(model.provider)
+    model.experts.provider = rec = Recording(model.experts.provider)
     first = model.step([(a, torch.tensor(a_ids)), (b, torch.tensor(b_ids))])      # two prefills
     first_calls = list(rec.calls)
     second = model.step([(a, torch.tensor([1])), (c, torch.tensor(c_ids))])       # a decode beside a prefill
     third = model.step([(b, torch.tensor([2]))])
-    model.provider = rec.inner
+    model.experts.provider = rec.inner
     ref_a, ref_b, ref_c = alone(a_ids, 1), alone(b_ids, 2), alone(c_ids, 0)
     for got, want in [(first[0], ref_a[0]), (first[1], ref_b[0]), (second[0], ref_a[1]), (second[1], ref_c[0]),
                       (third[0], ref_b[1])]:
@@ -148,7 +149,7 @@ def test_batched_step_equals_sequences_run_alone(tmp_path):
 def test_lookahead_prefetches_the_next_layer_and_counts_accuracy(tmp_path):
     _, store = converted(tmp_path, "olmoe", num_hidden_layers=3)
     model = load(store, prefetch=True)
-    model.provider = rec = Recording(model.provider)
+    model.experts.provider = rec = Recording(model.experts.provider)
     generate(model, PROMPT, 6, greedy=True)
     predicted = correct = 0
     pending: dict[int, set[int]] = {}
@@ -165,7 +166,7 @@ def test_lookahead_prefetches_the_next_layer_and_counts_accuracy(tmp_path):
     assert model.lookahead.accuracy == correct / predicted
 
     quiet = load(store, prefetch=False)
-    quiet.provider = rec = Recording(quiet.provider)
+    quiet.experts.provider = rec = Recording(quiet.experts.provider)
     generate(quiet, PROMPT, 6, greedy=True)
     assert not [c for c in rec.calls if c[0] == "prefetch"] and quiet.lookahead.accuracy is None
 

@@ -19,7 +19,7 @@ from agent.experts.layout import ALIGN, INDEX, Index, StoreError
 from agent.experts.provider import InMemoryExperts
 from agent.experts.quant import QMAX, Int8Expert, linear_int8, quantize_rows
 from agent.model.generation import generate
-from agent.model.model import Transformer
+from agent.model.loading import load_model
 from hf_models import ARCHS, tiny_checkpoint
 from test_convert import CLI, REPO, _assert_nothing_written, _assert_store_matches
 
@@ -27,7 +27,7 @@ PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 120, 33]
 
 
 def logits(store, ids: list[int], provider=None) -> torch.Tensor:
-    model = Transformer.from_store(store, provider or InMemoryExperts(store))
+    model = load_model(store, provider or InMemoryExperts(store))
     return model.step([(model.new_sequence(len(ids)), torch.tensor(ids))], all_logits=True)[0]
 
 
@@ -109,7 +109,7 @@ def test_a_version_1_store_still_loads(tmp_path):
     index = Index.load(tmp_path / "store" / INDEX)
     assert index.quant is None and index.nbytes == 3 * 32 * 24 * 4
     _assert_store_matches(tmp_path / "store", ckpt)
-    assert generate(Transformer.from_store(tmp_path / "store", InMemoryExperts(tmp_path / "store")), PROMPT, 4,
+    assert generate(load_model(tmp_path / "store", InMemoryExperts(tmp_path / "store")), PROMPT, 4,
                     greedy=True).token_ids
 
 

@@ -17,7 +17,7 @@ from agent.experts.layout import INDEX, Index
 from agent.experts.provider import InMemoryExperts
 from agent.model.config import MoEConfig
 from agent.model.generation import generate
-from agent.model.model import Transformer
+from agent.model.loading import load_model
 from agent.shapes import SHAPES, ShapeError, checkpoint_tensors, init_shape, shape_config, write_checkpoint
 
 GB = 1e9
@@ -86,9 +86,9 @@ def test_a_written_checkpoint_loads_in_transformers_with_every_tensor(tmp_path, 
 def test_converted_store_generates_as_the_in_memory_reference(tmp_path, name):
     store = convert(write_checkpoint(tiny(name), tmp_path / "hf"), tmp_path / "store")
     assert store.dtype == "bfloat16" and store.n_experts == 16
-    reference = generate(Transformer.from_store(tmp_path / "store", InMemoryExperts(tmp_path / "store")), [1, 2, 3], 5)
+    reference = generate(load_model(tmp_path / "store", InMemoryExperts(tmp_path / "store")), [1, 2, 3], 5)
     with ExpertCache(tmp_path / "store", 12 * store.slot_bytes * store.n_layers, policy="lru") as cache:  # 12 of 16
-        cached = generate(Transformer.from_store(tmp_path / "store", cache), [1, 2, 3], 5)
+        cached = generate(load_model(tmp_path / "store", cache), [1, 2, 3], 5)
         assert cache.stats().misses > 0
     assert cached.token_ids == reference.token_ids
 

@@ -6,31 +6,23 @@ D hidden, H / Hkv query / key-value heads, Dh head dim, E experts, k top-k, V vo
 Continuous batching: a `Sequence` owns one request's KV cache. `Transformer.step` takes several
 sequences, each with one or more new tokens (prefill and decode may share a step), runs attention
 per sequence and each MoE layer over all T tokens at once, so the whole batch shares one
-`provider.route(layer, union of chosen experts)` and one load per expert. route() may return the
-order in which the provider wants the experts asked for (a cache: the resident ones first); the
-outputs are summed in the same order whatever it is.
-
-Lookahead prefetch: once layer L has routed, layer L+1's router is applied to L+1's own
-post-attention RMSNorm of the residual stream entering L's MoE (layer L+1's attention and L's
-expert output are not known yet, so this is the best guess available before L's experts run),
-and the union of its top-k choices is passed to `provider.prefetch`. The residual stream changes
-little from one layer to the next, which is what makes the guess useful.
+`provider.route(layer, union of chosen experts)` and one load per expert (agent/model/routed.py).
+Lookahead prefetch is its own part (agent/model/lookahead.py); loading a model from an expert
+store and checking it is agent/model/loading.py.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
-from functools import cached_property
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from agent.experts.layout import CONFIG, DENSE, INDEX, Index, StoreError
 from agent.experts.provider import ExpertProvider
-from agent.model.config import ConfigError, MoEConfig
+from agent.model.config import MoEConfig
+from agent.model.lookahead import Lookahead
+from agent.model.routed import RoutedExperts, Routing
 
 
 class RMSNorm(nn.Module):
@@ -154,27 +146,6 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-@dataclass
-class Routing:
-    weights: Tensor  # [T, k] gate weight of each chosen expert
-    ids: Tensor      # [T, k] chosen expert ids
-
-    @cached_property
-    def assignments(self) -> dict[int, tuple[Tensor, Tensor]]:
-        """expert -> (tokens that chose it, at which of their k ranks), experts ascending."""
-        groups: dict[int, tuple[list[int], list[int]]] = {}
-        for t, row in enumerate(self.ids.tolist()):
-            for rank, e in enumerate(row):
-                groups.setdefault(e, ([], []))[0].append(t)
-                groups[e][1].append(rank)
-        return {e: (torch.tensor(groups[e][0]), torch.tensor(groups[e][1])) for e in sorted(groups)}
-
-    @property
-    def experts(self) -> list[int]:
-        """The union over the step's tokens, ascending: what the provider is routed."""
-        return list(self.assignments)
-
-
 class Router(nn.Module):
     """Softmax over all experts, then top-k, then (if the architecture says so) renormalise to sum 1."""
 
@@ -191,77 +162,63 @@ class Router(nn.Module):
         return Routing(weights.to(h.dtype), ids)
 
 
-def run_experts(h: Tensor, routing: Routing, provider: ExpertProvider, layer: int, order: Seq[int]) -> Tensor:
-    """Sum over each token's chosen experts of gate weight x SwiGLU(expert weights from the provider).
-
-    Experts are fetched in `order` (the provider's choice); their outputs are summed in ascending
-    expert order, so the result does not depend on what the cache held."""
-    # index_select / index_put_ rather than h[tok] / index_add_: the latter cost ~1 ms a call on a busy CPU.
-    outputs: dict[int, Tensor] = {}
-    for e in order:
-        tok, rank = routing.assignments[e]
-        expert = provider.get(layer, e)                                # SwiGLU of its weights, plain or int8
-        y = expert(h.index_select(0, tok))                             # [t, D]
-        outputs[e] = y * routing.weights[tok, rank, None]
-    out = torch.zeros_like(h)                                          # [T, D]
-    for e in sorted(outputs):
-        out.index_put_((routing.assignments[e][0],), outputs[e], accumulate=True)
-    return out
-
-
 class MoE(nn.Module):
-    def __init__(self, c: MoEConfig) -> None:
-        super().__init__()
-        self.gate = Router(c)
-        if c.shared_expert_dim:
-            self.shared_expert = MLP(c.dim, c.shared_expert_dim)
-            self.shared_expert_gate = nn.Linear(c.dim, 1, bias=False)
+    """Routed experts from the provider, plus Qwen2-MoE's gated shared expert where there is one."""
 
-    def forward(self, h: Tensor, routing: Routing, provider: ExpertProvider, layer: int, order: Seq[int]) -> Tensor:
-        out = run_experts(h, routing, provider, layer, order)
-        if hasattr(self, "shared_expert"):
+    def __init__(self, c: MoEConfig, layer: int, experts: RoutedExperts) -> None:
+        super().__init__()
+        self.layer, self.experts = layer, experts    # store layer; the step's access to the provider
+        self.gate = Router(c)
+        self.shared_expert = MLP(c.dim, c.shared_expert_dim) if c.shared_expert_dim else None
+        self.shared_expert_gate = nn.Linear(c.dim, 1, bias=False) if c.shared_expert_dim else None
+
+    def forward(self, h: Tensor, residual: Tensor) -> Tensor:
+        """h [T, D] normalised; `residual` [T, D] the stream it came from (for the lookahead's guess)."""
+        out = self.experts(self.layer, h, self.gate(h), residual)
+        if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         return out
 
 
 class Block(nn.Module):
-    def __init__(self, c: MoEConfig, i: int) -> None:
+    def __init__(self, c: MoEConfig, i: int, store_layer: int | None, experts: RoutedExperts) -> None:
         super().__init__()
+        self.i = i
         self.self_attn = Attention(c, c.sliding_window[i])
-        self.mlp = MoE(c) if c.moe_layers[i] else MLP(c.dim, c.dense_dim)
+        self.mlp = MLP(c.dim, c.dense_dim) if store_layer is None else MoE(c, store_layer, experts)
         self.input_layernorm = RMSNorm(c.dim, c.rms_eps)
         self.post_attention_layernorm = RMSNorm(c.dim, c.rms_eps)
 
+    def forward(self, x: Tensor, segments: list[Segment], rope: tuple[Tensor, Tensor]) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), self.i, segments, rope)   # [T, D]
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, x) if isinstance(self.mlp, MoE) else self.mlp(h))
 
-@dataclass
-class Lookahead:
-    """Prefetch accuracy: of the experts predicted for a layer, how many its real routing then used."""
-    predicted: int = 0
-    correct: int = 0
-    _pending: dict[int, set[int]] = field(default_factory=dict)
-
-    def predict(self, layer: int, experts: list[int]) -> None:
-        self._pending[layer] = set(experts)
-        self.predicted += len(experts)
-
-    def score(self, layer: int, routed: list[int]) -> None:
-        self.correct += len(self._pending.pop(layer, set()) & set(routed))
-
-    @property
-    def accuracy(self) -> float | None:
-        return self.correct / self.predicted if self.predicted else None
+    def guess(self, residual: Tensor) -> list[int]:
+        """The experts this block's router would choose for `residual` [T, D] (a MoE block's lookahead)."""
+        return self.mlp.gate(self.post_attention_layernorm(residual)).experts
 
 
 class Transformer(nn.Module):
     def __init__(self, config: MoEConfig, provider: ExpertProvider, prefetch: bool = True) -> None:
         super().__init__()
-        self.config, self.provider, self.prefetch = config, provider, prefetch
+        self.config = config
+        store_layer = {d: i for i, d in enumerate(config.moe_layer_ids)}  # decoder layer -> store layer
+        self.lookahead = Lookahead({}, prefetch)
+        self.experts = RoutedExperts(provider, self.lookahead)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(Block(config, i, store_layer.get(i), self.experts) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.rms_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
-        self.store_layer = {d: i for i, d in enumerate(config.moe_layer_ids)}  # decoder layer -> store layer
-        self.lookahead = Lookahead()
+        self.lookahead.guesses = {store_layer[d]: self.layers[d + 1].guess for d in store_layer if d + 1 in store_layer}
+
+    @property
+    def prefetch(self) -> bool:
+        return self.lookahead.enabled
+
+    @prefetch.setter
+    def prefetch(self, on: bool) -> None:
+        self.lookahead.enabled = on
 
     @property
     def dtype(self) -> torch.dtype:
@@ -278,9 +235,8 @@ class Transformer(nn.Module):
         positions = torch.cat([torch.arange(s.pos, s.pos + s.n) for s in segments])    # [T]
         rope = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
         x = self.embed_tokens(tokens)                                                   # [T, D]
-        for i, block in enumerate(self.layers):
-            x = x + block.self_attn(block.input_layernorm(x), i, segments, rope)
-            x = x + self._ffn(i, block, x)
+        for block in self.layers:
+            x = block(x, segments, rope)
         x = self.norm(x)
         for s in segments:
             s.seq.pos += s.n
@@ -299,75 +255,3 @@ class Transformer(nn.Module):
             segments.append(Segment(seq, start, n, seq.pos))
             start += n
         return segments
-
-    def _ffn(self, i: int, block: Block, x: Tensor) -> Tensor:
-        h = block.post_attention_layernorm(x)                                           # [T, D]
-        if not isinstance(block.mlp, MoE):
-            return block.mlp(h)
-        layer = self.store_layer[i]
-        routing = block.mlp.gate(h)
-        experts = routing.experts
-        order = self.provider.route(layer, experts) or experts  # a cache may answer the order it wants
-        self.lookahead.score(layer, experts)
-        if self.prefetch:
-            self._prefetch_next(i, x)
-        return block.mlp(h, routing, self.provider, layer, order)
-
-    def _prefetch_next(self, i: int, x: Tensor) -> None:
-        """Guess layer i+1's experts from the residual stream x entering layer i's MoE (see module doc)."""
-        if i + 1 not in self.store_layer:
-            return
-        nxt = self.layers[i + 1]
-        experts = nxt.mlp.gate(nxt.post_attention_layernorm(x)).experts
-        self.lookahead.predict(self.store_layer[i + 1], experts)
-        self.provider.prefetch(self.store_layer[i + 1], experts)
-
-    @classmethod
-    def from_store(cls, store_dir: Path, provider: ExpertProvider, prefetch: bool = True) -> "Transformer":
-        """Load config.json and dense.safetensors of an expert store; routed experts come from provider."""
-        store_dir = Path(store_dir)
-        config = MoEConfig.from_file(store_dir / CONFIG)
-        check_index(config, Index.load(store_dir / INDEX))
-        return cls.from_state(config, dense_state(config, store_dir / DENSE), provider, prefetch)
-
-    @classmethod
-    def from_state(cls, config: MoEConfig, state: dict[str, Tensor], provider: ExpertProvider,
-                   prefetch: bool = True) -> "Transformer":
-        with torch.device("meta"):  # no allocation: the loaded tensors are assigned as they are
-            model = cls(config, provider, prefetch)
-        check_state(model, state)
-        model.load_state_dict(state, assign=True)
-        return model.eval()
-
-
-def check_state(model: nn.Module, state: dict[str, Tensor]) -> None:
-    own = {k: v.shape for k, v in model.state_dict().items()}
-    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
-    wrong = [f"{k} {tuple(state[k].shape)} != {tuple(s)}" for k, s in own.items() if k in state and state[k].shape != s]
-    if missing or unexpected or wrong:
-        raise StoreError(f"dense weights do not match config.json: missing {missing[:5]}, unexpected {unexpected[:5]}, "
-                         f"wrong shape {wrong[:5]}; re-run flashmoe-cli convert on the checkpoint this config belongs to")
-
-
-def check_index(config: MoEConfig, index: Index) -> None:
-    """The expert store must hold one block per (MoE layer, expert) of the shape config.json implies."""
-    want = (len(config.moe_layer_ids), config.n_experts, config.dim, config.expert_dim)
-    got = (index.n_layers, index.n_experts, index.hidden, index.intermediate)
-    if want != got:
-        raise ConfigError(f"config.json implies (MoE layers, experts, hidden, expert intermediate) = {want} but "
-                          f"experts.index.json has {got}; re-run flashmoe-cli convert")
-
-
-def dense_state(config: MoEConfig, path: Path) -> dict[str, Tensor]:
-    """dense.safetensors (transformers' save_pretrained names) renamed to this module's parameter names."""
-    if not path.exists():
-        raise StoreError(f"{path} is missing; re-run flashmoe-cli convert")
-    return hf_to_state(config, load_file(str(path)))
-
-
-def hf_to_state(config: MoEConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Rename transformers' non-expert tensor names to ours: drop "model.", Mixtral's block_sparse_moe is mlp."""
-    state = {k.removeprefix("model.").replace(".block_sparse_moe.", ".mlp."): v for k, v in tensors.items()}
-    if config.tie_embeddings and "lm_head.weight" not in state and "embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    return state

@@ -13,7 +13,7 @@ from agent.experts.provider import Expert, ExpertProvider
 from agent.model.config import MoEConfig
 from agent.model.generation import sample
 from agent.model.model import Sequence as Sequence_
-from agent.model.model import Transformer
+from agent.model.loading import load_model
 from agent.serve.scheduler import Request, StepIO
 
 
@@ -65,7 +65,7 @@ class ModelEngine:
         self.cache, self.threads = cache, threads
         self._configured = threading.local()
         self.routes = RouteCounter(cache)
-        self.model = Transformer.from_store(model_dir, self.routes, prefetch)
+        self.model = load_model(model_dir, self.routes, prefetch)
         self.generator = torch.Generator().manual_seed(seed)
 
     @property

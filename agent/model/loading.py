@@ -1,0 +1,67 @@
+"""A Transformer from an expert store: config.json and dense.safetensors loaded and checked against
+each other and against the expert index; the routed experts come from a provider.
+
+    model = load_model(store_dir, ExpertCache(store_dir, cap), prefetch=True)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from agent.experts.layout import CONFIG, DENSE, INDEX, Index, StoreError
+from agent.experts.provider import ExpertProvider
+from agent.model.config import ConfigError, MoEConfig
+from agent.model.model import Transformer
+
+
+def load_model(store_dir: Path, provider: ExpertProvider, prefetch: bool = True) -> Transformer:
+    """Load config.json and dense.safetensors of an expert store; routed experts come from provider."""
+    store_dir = Path(store_dir)
+    config = MoEConfig.from_file(store_dir / CONFIG)
+    check_index(config, Index.load(store_dir / INDEX))
+    return from_state(config, dense_state(config, store_dir / DENSE), provider, prefetch)
+
+
+def from_state(config: MoEConfig, state: dict[str, Tensor], provider: ExpertProvider,
+               prefetch: bool = True) -> Transformer:
+    with torch.device("meta"):  # no allocation: the loaded tensors are assigned as they are
+        model = Transformer(config, provider, prefetch)
+    check_state(model, state)
+    model.load_state_dict(state, assign=True)
+    return model.eval()
+
+
+def check_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+    own = {k: v.shape for k, v in model.state_dict().items()}
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    wrong = [f"{k} {tuple(state[k].shape)} != {tuple(s)}" for k, s in own.items() if k in state and state[k].shape != s]
+    if missing or unexpected or wrong:
+        raise StoreError(f"dense weights do not match config.json: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+                         f"wrong shape {wrong[:5]}; re-run flashmoe-cli convert on the checkpoint this config belongs to")
+
+
+def check_index(config: MoEConfig, index: Index) -> None:
+    """The expert store must hold one block per (MoE layer, expert) of the shape config.json implies."""
+    want = (len(config.moe_layer_ids), config.n_experts, config.dim, config.expert_dim)
+    got = (index.n_layers, index.n_experts, index.hidden, index.intermediate)
+    if want != got:
+        raise ConfigError(f"config.json implies (MoE layers, experts, hidden, expert intermediate) = {want} but "
+                          f"experts.index.json has {got}; re-run flashmoe-cli convert")
+
+
+def dense_state(config: MoEConfig, path: Path) -> dict[str, Tensor]:
+    """dense.safetensors (transformers' save_pretrained names) renamed to this module's parameter names."""
+    if not path.exists():
+        raise StoreError(f"{path} is missing; re-run flashmoe-cli convert")
+    return hf_to_state(config, load_file(str(path)))
+
+
+def hf_to_state(config: MoEConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Rename transformers' non-expert tensor names to ours: drop "model.", Mixtral's block_sparse_moe is mlp."""
+    state = {k.removeprefix("model.").replace(".block_sparse_moe.", ".mlp."): v for k, v in tensors.items()}
+    if config.tie_embeddings and "lm_head.weight" not in state and "embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    return state
