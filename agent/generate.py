@@ -89,7 +89,7 @@ class GenerateResult:
 def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] | None = None,
                  max_new_tokens: int = 32, greedy: bool = False, cache_cap: str = "100%", policy: str = DEFAULT_POLICY,
                  scope: str = "layer", backend: str = "direct", prefetch: bool = True, prefill: str = "sequential",
-                 record_trace: Path | None = None, seed: int = 0) -> GenerateResult:
+                 record_trace: Path | None = None, seed: int = 0, route_trace: Sequence[Path] = ()) -> GenerateResult:
     """Generate from an expert store; the library function behind the command (same parameter names)."""
     model = Path(model)
     if not model.is_dir():
@@ -103,7 +103,7 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
     with ExpertCache(model, parse_cap(cache_cap, index.nbytes * len(index.blocks)), policy=policy, scope=scope,
                      backend=backend) as cache:
         recorder = RoutingRecorder(cache)
-        net = load_model(model, recorder, prefetch=prefetch)
+        net = load_model(model, recorder, prefetch=prefetch, route_trace=route_trace)
         if prefill == "batched":
             _check_batched_fits(net.config, cache.stats(), len(ids))
         prefill_steps, after_prefill = (1 if prefill == "batched" else len(ids)), []
@@ -117,12 +117,13 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
         gen = generate(net, ids, max_new_tokens, greedy=greedy, seed=seed, stop_ids=_stop_ids(net.config),
                        prefill_chunk=None if prefill == "batched" else 1, on_step=on_step)
         stats = _stats(gen, net, after_prefill[0], cache.stats())
-    stats.update(prefetch=prefetch, prefill=prefill, steps=len(recorder.records))
+    stats.update(prefetch=prefetch, prefill=prefill, steps=len(recorder.records),
+                 routing=net.route_trace.describe() if net.route_trace else "the model's router")
     if record_trace is not None:
         meta = {"model": model.name, "arch": net.config.arch, "prompt": prompt, "steps": len(recorder.records),
                 "layers": len(net.config.moe_layer_ids), "top_k": net.config.top_k, "n_experts": net.config.n_experts,
                 "prompt_tokens": len(ids), "decode": "greedy" if greedy else "sampled", "prefill": prefill,
-                "prefetch": prefetch, "source": "flashmoe-cli generate"}
+                "prefetch": prefetch, "routing": stats["routing"], "source": "flashmoe-cli generate"}
         write_trace(Path(record_trace), meta, recorder.records, recorder.samples)
     return GenerateResult(ids, gen.token_ids, tokenizer.decode(gen.token_ids), stats)
 
@@ -198,6 +199,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: the expert "
                         "reads and their CRC checks run on other threads, and one token's matmuls are small)")
     parser.add_argument("--record-trace", type=Path, metavar="FILE", help="write the routing as decode-layout JSONL")
+    parser.add_argument("--route-trace", type=Path, nargs="+", default=(), metavar="FILE",
+                        help="take each token's experts from recorded real routing (../shared/traces; it must match "
+                        "the model's MoE layers, experts and top-k); the router still runs, its choice is discarded")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
 
 
@@ -219,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_generate(args.model, args.prompt, args.prompt_ids, args.max_new_tokens, args.greedy,
                               args.cache_cap, args.policy, args.scope, args.backend, args.prefetch, args.prefill,
-                              args.record_trace, args.seed)
+                              args.record_trace, args.seed, args.route_trace)
     except (ValueError, StoreError, ConfigError, OSError) as exc:
         log.error("%s", exc.args[0] if exc.args else exc)
         return 2
@@ -228,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         s = result.stats
         print(result.text)
-        log.info("%d tokens, %.2f tok/s (decode %.2f tok/s), hit rate %.3f, %.1f MB read per token",
-                 len(result.token_ids), s["tokens_per_s"], s["decode_tokens_per_s"], s["hit_rate"], s["mb_read_per_token"])
+        log.info("%d tokens, %.2f tok/s (decode %.2f tok/s), hit rate %.3f, %.1f MB read per token; %s",
+                 len(result.token_ids), s["tokens_per_s"], s["decode_tokens_per_s"], s["hit_rate"], s["mb_read_per_token"],
+                 s["routing"])
     return 0

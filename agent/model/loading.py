@@ -5,6 +5,7 @@ each other and against the expert index; the routed experts come from a provider
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -15,14 +16,20 @@ from agent.experts.layout import CONFIG, DENSE, INDEX, Index, StoreError
 from agent.experts.provider import ExpertProvider
 from agent.model.config import ConfigError, MoEConfig
 from agent.model.model import Transformer
+from agent.model.route_trace import RouteTrace
 
 
-def load_model(store_dir: Path, provider: ExpertProvider, prefetch: bool = True) -> Transformer:
-    """Load config.json and dense.safetensors of an expert store; routed experts come from provider."""
+def load_model(store_dir: Path, provider: ExpertProvider, prefetch: bool = True,
+               route_trace: Sequence[Path] = ()) -> Transformer:
+    """Load config.json and dense.safetensors of an expert store; routed experts come from provider.
+    With route trace files, each token's experts follow them (agent/model/route_trace.py)."""
     store_dir = Path(store_dir)
     config = MoEConfig.from_file(store_dir / CONFIG)
     check_index(config, Index.load(store_dir / INDEX))
-    return from_state(config, dense_state(config, store_dir / DENSE), provider, prefetch)
+    trace = RouteTrace.load(route_trace, config) if route_trace else None  # a bad trace fails before the weights load
+    model = from_state(config, dense_state(config, store_dir / DENSE), provider, prefetch)
+    model.route_trace = trace
+    return model
 
 
 def from_state(config: MoEConfig, state: dict[str, Tensor], provider: ExpertProvider,

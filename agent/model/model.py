@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from agent.experts.provider import ExpertProvider
 from agent.model.config import MoEConfig
 from agent.model.lookahead import Lookahead
+from agent.model.route_trace import Placement, RouteTrace
 from agent.model.routed import RoutedExperts, Routing
 
 
@@ -59,6 +60,7 @@ class Sequence:
         shape = (config.n_layers, max_len, config.n_kv_heads, config.head_dim)
         self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
         self.max_len, self.pos = max_len, 0
+        self.route: Placement | None = None  # where it follows a route trace, if the model has one
 
     def write(self, layer: int, pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v [n, Hkv, Dh] at pos..pos+n; return every key and value so far [pos+n, Hkv, Dh]."""
@@ -84,6 +86,14 @@ class Segment:
         kv = torch.arange(self.pos + self.n)[None, :]
         allowed = kv <= q
         return allowed & (q - kv < window) if window else allowed
+
+
+@dataclass
+class Step:
+    """What every block needs to know about the step it runs in."""
+    segments: list[Segment]
+    rope: tuple[Tensor, Tensor]      # cos, sin [T, Dh]
+    routes: Tensor | None = None     # [T, MoE layers, k] experts a route trace imposes on each token
 
 
 class Attention(nn.Module):
@@ -154,9 +164,13 @@ class Router(nn.Module):
         self.top_k, self.norm_topk_prob = c.top_k, c.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(c.n_experts, c.dim))
 
-    def forward(self, h: Tensor) -> Routing:
+    def forward(self, h: Tensor, imposed: Tensor | None = None) -> Routing:
+        """Route h [T, D]; `imposed` [T, k] (a route trace) replaces the top-k choice, not the softmax."""
         probs = F.softmax(F.linear(h, self.weight).float(), dim=-1)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)           # [T, k]
+        if imposed is None:
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)       # [T, k]
+        else:
+            weights, ids = probs.gather(-1, imposed), imposed
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing(weights.to(h.dtype), ids)
@@ -172,9 +186,10 @@ class MoE(nn.Module):
         self.shared_expert = MLP(c.dim, c.shared_expert_dim) if c.shared_expert_dim else None
         self.shared_expert_gate = nn.Linear(c.dim, 1, bias=False) if c.shared_expert_dim else None
 
-    def forward(self, h: Tensor, residual: Tensor) -> Tensor:
+    def forward(self, h: Tensor, residual: Tensor, routes: Tensor | None) -> Tensor:
         """h [T, D] normalised; `residual` [T, D] the stream it came from (for the lookahead's guess)."""
-        out = self.experts(self.layer, h, self.gate(h), residual)
+        routing = self.gate(h, None if routes is None else routes[:, self.layer])
+        out = self.experts(self.layer, h, routing, residual)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         return out
@@ -189,10 +204,10 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(c.dim, c.rms_eps)
         self.post_attention_layernorm = RMSNorm(c.dim, c.rms_eps)
 
-    def forward(self, x: Tensor, segments: list[Segment], rope: tuple[Tensor, Tensor]) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), self.i, segments, rope)   # [T, D]
+    def forward(self, x: Tensor, step: Step) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), self.i, step.segments, step.rope)   # [T, D]
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, x) if isinstance(self.mlp, MoE) else self.mlp(h))
+        return x + (self.mlp(h, x, step.routes) if isinstance(self.mlp, MoE) else self.mlp(h))
 
     def guess(self, residual: Tensor) -> list[int]:
         """The experts this block's router would choose for `residual` [T, D] (a MoE block's lookahead)."""
@@ -211,6 +226,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.dim, config.rms_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.lookahead.guesses = {store_layer[d]: self.layers[d + 1].guess for d in store_layer if d + 1 in store_layer}
+        self.route_trace: RouteTrace | None = None
 
     @property
     def prefetch(self) -> bool:
@@ -233,10 +249,11 @@ class Transformer(nn.Module):
         segments = self._segments(batch)
         tokens = torch.cat([t.view(-1) for _, t in batch])                              # [T]
         positions = torch.cat([torch.arange(s.pos, s.pos + s.n) for s in segments])    # [T]
-        rope = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+        step = Step(segments, rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype),
+                    self._imposed_routes(batch, segments))
         x = self.embed_tokens(tokens)                                                   # [T, D]
         for block in self.layers:
-            x = block(x, segments, rope)
+            x = block(x, step)
         x = self.norm(x)
         for s in segments:
             s.seq.pos += s.n
@@ -244,6 +261,14 @@ class Transformer(nn.Module):
             return [self.lm_head(x[s.start:s.start + s.n]).float() for s in segments]
         last = torch.tensor([s.start + s.n - 1 for s in segments])
         return list(self.lm_head(x[last]).float())                                       # B x [V]
+
+    def _imposed_routes(self, batch: Seq[tuple[Sequence, Tensor]], segments: list[Segment]) -> Tensor | None:
+        """[T, MoE layers, k] from the route trace, if any; a new sequence is placed by its first tokens."""
+        if self.route_trace is None:
+            return None
+        for (seq, tokens), s in zip(batch, segments):
+            seq.route = seq.route or self.route_trace.place(tokens.view(-1))
+        return torch.cat([self.route_trace.experts(s.seq.route, s.pos, s.n) for s in segments])
 
     def _segments(self, batch: Seq[tuple[Sequence, Tensor]]) -> list[Segment]:
         segments, start = [], 0

@@ -59,13 +59,13 @@ class ModelEngine:
     construction did, LRU's did not)."""
 
     def __init__(self, model_dir: Path, cache: ExpertCache, prefetch: bool = True, seed: int = 0,
-                 threads: int = 1) -> None:
+                 threads: int = 1, route_trace: Sequence[Path] = ()) -> None:
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
         self.cache, self.threads = cache, threads
         self._configured = threading.local()
         self.routes = RouteCounter(cache)
-        self.model = load_model(model_dir, self.routes, prefetch)
+        self.model = load_model(model_dir, self.routes, prefetch, route_trace)
         self.generator = torch.Generator().manual_seed(seed)
 
     @property

@@ -50,6 +50,7 @@ class ServeOptions:
     io_threads: int = IO_THREADS     # expert reads in flight at once
     admit_window_s: float = ADMIT_WINDOW_S  # how long an idle scheduler waits for a burst to share its first step
     verify: bool = False             # check every block's CRC32 in the background while idle
+    route_trace: tuple[Path, ...] = ()      # recorded routing that decides each token's experts (agent/model/route_trace.py)
 
     def __post_init__(self) -> None:
         check_admit_window(self.admit_window_s)  # before the model loads, so a bad value fails at once
@@ -63,7 +64,7 @@ class Runtime:
         self.cache = ExpertCache(opts.model_dir, _first_cap(opts), policy=opts.policy or DEFAULT_POLICY, backend=opts.backend,
                                  io_threads=opts.io_threads, monitor=self.monitor)
         try:
-            self.engine = ModelEngine(opts.model_dir, self.cache, threads=opts.threads)
+            self.engine = ModelEngine(opts.model_dir, self.cache, threads=opts.threads, route_trace=opts.route_trace)
         except BaseException:
             self.cache.close()
             raise
@@ -196,6 +197,7 @@ class Runtime:
         s = self.cache.stats()
         return {
             "model": str(self.opts.model_dir), "uptime_s": time.time() - self.started,
+            "routing": self.engine.model.route_trace.describe() if self.engine.model.route_trace else "the model's router",
             "policy": s.policy, "backend": s.backend, "scope": s.scope,
             "cache": {"resident_experts": s.resident, "capacity_experts": s.capacity,
                       "cache_bytes": s.resident * s.slot_bytes, "cap_bytes": s.cap_bytes,

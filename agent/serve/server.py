@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {ADMIT_WINDOW_S * 1000:g}; 0 steps at once)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_const", const=False,
                    help="turn lookahead prefetch off")
+    p.add_argument("--route-trace", type=Path, nargs="+", default=(), metavar="FILE",
+                   help="take each token's experts from recorded real routing (../shared/traces), for a random-weight "
+                        "model; each request follows the trace from a place its prompt decides")
     p.add_argument("--verify", action="store_true", help="check every expert block's CRC32 in the background "
                    "while idle; GET /v1/status reports progress and damaged blocks under \"store\"")
     p.add_argument("--max-prompt-bytes", type=_positive, default=MAX_PROMPT_BYTES,
@@ -196,7 +199,7 @@ def serve(args: argparse.Namespace) -> None:
         try:
             opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
                                 args.max_batch_size, args.threads, args.io_threads, args.admit_window_ms / 1000,
-                                args.verify)
+                                args.verify, tuple(args.route_trace))
             runtime = Runtime(opts, CollectorRegistry(), store)
             runtime.start()
         except (ValueError, OSError, ExpertStoreError) as exc:
