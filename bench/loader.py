@@ -1,15 +1,22 @@
 """Loader vs device: expert-miss read throughput through ExpertCache beside a raw O_DIRECT read of the same file.
 
-    .venv/bin/python bench/loader.py [--model DIR] [--repeat 3]
+    .venv/bin/python bench/loader.py [--model DIR] [--repeat 3] [--io-threads 8]
 
 Every cache access is a miss: the cap is the smallest allowed (top-k slots per layer) and one
 sweep routes every (layer, expert) block exactly once, top-k experts per step, in file order
 ("sequential") and in a seeded shuffled order per layer ("shuffled"). The raw reference reads the
-whole experts.bin sequentially with O_DIRECT in large aligned chunks, in the same run: each
-configuration's sweep directly follows a raw read, and its ratio is the median over rounds of
-these adjacent pairs (the machine is shared; pairing cancels most of the load's drift). MB/s is
-the median over rounds. O_DIRECT needs no cache dropping; the buffered and mmap backends start
-cold because the file's pages are dropped with posix_fadvise(DONTNEED) before each of their sweeps.
+whole experts.bin with O_DIRECT in large aligned chunks at the device's best parallelism: one
+stream, and as many concurrent streams (each a contiguous share of the file) as the cache has I/O
+threads, whichever is faster in that round. Each configuration's sweep directly follows its own raw
+read (the machine is shared; pairing cancels most of the load's drift), and every column comes from
+the same pairs: a configuration's MB/s and its raw MB/s are bytes over seconds summed over its
+rounds, and the ratio is their quotient. O_DIRECT needs no cache dropping; the buffered and mmap
+backends start cold because the file's pages are dropped with posix_fadvise(DONTNEED) before each
+of their sweeps.
+
+A virtual disk may serve "cold" O_DIRECT reads from the host's own cache: the bench reads one
+region twice and reports both rates, so a table can say whether the device or the host's RAM was
+measured.
 
 --model defaults to the default demo model, written once by init-demo to data/loader-demo (a private
 copy: see bench_store).
@@ -20,10 +27,10 @@ import argparse
 import json
 import mmap
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,7 +40,7 @@ from agent.demo import init_demo
 from agent.experts.cache import ExpertCache
 from agent.experts.cap import cap_bounds
 from agent.experts.layout import CONFIG, EXPERTS, INDEX, Index
-from agent.experts.reader import MmapReader
+from agent.experts.reader import IO_THREADS, MmapReader
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -45,9 +52,11 @@ DEMO = ROOT / "data" / "loader-demo"
 @dataclass
 class Row:
     config: str
-    mb_s: float           # median over rounds, MB = 10^6 bytes
-    ratio: float          # median of (this / the raw O_DIRECT read measured just before it)
-    rounds_mb_s: list[float]  # every sample (the raw read has one per paired sweep)
+    mb_s: float               # bytes / seconds over all rounds, MB = 10^6 bytes
+    raw_mb_s: float           # the same for the raw reads paired with this configuration's sweeps
+    ratio: float              # mb_s / raw_mb_s
+    rounds_mb_s: list[float]  # each round's rate
+    rounds_raw_mb_s: list[float]
 
 
 # -- the store -------------------------------------------------------------------------------------------
@@ -80,22 +89,49 @@ def drop_from_page_cache(store: Path, index: Index, attempts: int = 5) -> None:
 
 
 # -- the measurements --------------------------------------------------------------------------------------
-def raw_direct_read(path: Path, chunk_bytes: int) -> float:
-    """Seconds to read the whole file sequentially with O_DIRECT into one page-aligned buffer."""
-    buf = mmap.mmap(-1, chunk_bytes)
-    view = memoryview(buf)
+def raw_direct_read(path: Path, chunk_bytes: int, streams: int = 1, span: tuple[int, int] | None = None) -> float:
+    """Seconds to read the file (or the byte range `span`) with O_DIRECT: `streams` threads, each
+    reading a contiguous share in order into its own page-aligned buffer of chunk_bytes."""
+    start, end = span or (0, path.stat().st_size)
+    share = -(-(end - start) // streams // chunk_bytes) * chunk_bytes    # whole chunks, so offsets stay aligned
+    bounds = [(start + i * share, min(end, start + (i + 1) * share)) for i in range(streams)]
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        offset, start = 0, time.perf_counter()
-        while n := os.preadv(fd, [view], offset):
-            offset += n
-        elapsed = time.perf_counter() - start
+        began = time.perf_counter()
+        with ThreadPoolExecutor(streams) as pool:
+            done = sum(pool.map(lambda b: _read_range(fd, chunk_bytes, *b), bounds))
+        elapsed = time.perf_counter() - began
     finally:
         os.close(fd)
+    assert done == end - start, "raw read ended early"
+    return elapsed
+
+
+def _read_range(fd: int, chunk_bytes: int, offset: int, end: int) -> int:
+    buf = mmap.mmap(-1, chunk_bytes)
+    view = memoryview(buf)
+    done = 0
+    try:
+        while offset + done < end and (n := os.preadv(fd, [view[:min(chunk_bytes, end - offset - done)]], offset + done)):
+            done += n
+    finally:
         view.release()
         buf.close()
-    assert offset == path.stat().st_size, "raw read ended early"
-    return elapsed
+    return done
+
+
+def best_raw_read(path: Path, chunk_bytes: int, streams: int) -> tuple[float, int]:
+    """(seconds, streams) of the faster of one stream and `streams` concurrent ones over the whole file."""
+    return min((raw_direct_read(path, chunk_bytes, n), n) for n in dict.fromkeys((1, streams)))
+
+
+def host_cache_check(path: Path, chunk_bytes: int, nbytes: int = 256 * 2**20) -> tuple[float, float]:
+    """MB/s of two O_DIRECT reads of the same region in a row: a much faster second read means the
+    (virtual) device's host serves repeated reads from its own RAM."""
+    size = path.stat().st_size
+    start = (size // 2) // chunk_bytes * chunk_bytes
+    span = (start, min(size, start + nbytes))
+    return tuple((span[1] - span[0]) / raw_direct_read(path, chunk_bytes, 1, span) / 1e6 for _ in range(2))
 
 
 def schedule(index: Index, top_k: int, shuffled: bool) -> Iterator[tuple[int, list[int]]]:
@@ -130,8 +166,10 @@ def configurations(store: Path, chunk_bytes: int, io_threads: int) -> dict[str, 
     """name -> (measurement returning seconds, bytes it moves)."""
     index = Index.load(store / INDEX)
     payload = index.nbytes * len(index.blocks)
-    configs = {"raw O_DIRECT sequential": (lambda: raw_direct_read(store / EXPERTS, chunk_bytes),
-                                           (store / EXPERTS).stat().st_size)}
+    size = (store / EXPERTS).stat().st_size
+    configs = {"raw O_DIRECT, 1 stream": (lambda: raw_direct_read(store / EXPERTS, chunk_bytes), size),
+               f"raw O_DIRECT, {io_threads} streams": (lambda: raw_direct_read(store / EXPERTS, chunk_bytes, io_threads),
+                                                      size)}
     for backend, verify, shuffled in [("direct", True, False), ("direct", False, False), ("direct", True, True),
                                       ("buffered", True, False), ("mmap", True, False), ("mmap", True, True)]:
         name = f"cache {backend}, crc {'on' if verify else 'off'}, {'shuffled' if shuffled else 'sequential'}"
@@ -139,22 +177,26 @@ def configurations(store: Path, chunk_bytes: int, io_threads: int) -> dict[str, 
     return configs
 
 
-def run(store: Path, repeat: int, chunk_bytes: int, io_threads: int) -> list[Row]:
-    """Each configuration is measured right after its own raw read, so a pair shares the machine's load."""
+def run(store: Path, repeat: int, chunk_bytes: int, io_threads: int) -> tuple[list[Row], list[int]]:
+    """Each configuration is measured right after its own raw read, so a pair shares the machine's load.
+    Returns the rows (the raw reads themselves first) and, per raw read, how many streams won."""
     configs = configurations(store, chunk_bytes, io_threads)
-    raw_name, (raw_measure, raw_bytes) = next(iter(configs.items()))
-    samples: dict[str, list[float]] = {name: [] for name in configs}
-    ratios: dict[str, list[float]] = {name: [] for name in configs}
+    raw_bytes = (store / EXPERTS).stat().st_size
+    pairs: dict[str, list[tuple[int, float, float]]] = {name: [] for name in configs}  # (bytes, seconds, raw seconds)
+    winners = []
     for _ in range(repeat):
-        for name, (measure, nbytes) in list(configs.items())[1:]:
-            raw = raw_bytes / raw_measure() / 1e6
-            mine = nbytes / measure() / 1e6
-            samples[raw_name].append(raw)
-            samples[name].append(mine)
-            ratios[name].append(mine / raw)
-    ratios[raw_name] = [1.0]
-    return [Row(name, statistics.median(samples[name]), statistics.median(ratios[name]),
-                [round(x, 1) for x in samples[name]]) for name in configs]
+        for name, (measure, nbytes) in configs.items():
+            raw_s, streams = best_raw_read(store / EXPERTS, chunk_bytes, io_threads)
+            winners.append(streams)
+            pairs[name].append((nbytes, measure(), raw_s))
+    return [_row(name, p, raw_bytes) for name, p in pairs.items()], winners
+
+
+def _row(name: str, pairs: list[tuple[int, float, float]], raw_bytes: int) -> Row:
+    mb_s = sum(b for b, _, _ in pairs) / sum(s for _, s, _ in pairs) / 1e6
+    raw_mb_s = raw_bytes * len(pairs) / sum(r for _, _, r in pairs) / 1e6
+    return Row(name, mb_s, raw_mb_s, mb_s / raw_mb_s, [round(b / s / 1e6, 1) for b, s, _ in pairs],
+               [round(raw_bytes / r / 1e6, 1) for _, _, r in pairs])
 
 
 def main() -> None:
@@ -162,27 +204,35 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="an expert store (default: the demo model in data/loader-demo)")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median is reported")
     parser.add_argument("--chunk-mb", type=int, default=16, help="raw read chunk size in MiB")
-    parser.add_argument("--io-threads", type=int, default=4)
+    parser.add_argument("--io-threads", type=int, default=IO_THREADS, help=f"default {IO_THREADS}, as the agent")
     args = parser.parse_args()
     store = bench_store(args.model)
     index = Index.load(store / INDEX)
-    rows = run(store, args.repeat, args.chunk_mb * 2**20, args.io_threads)
     facts = machine(store)
+    chunk = args.chunk_mb * 2**20
+    first, second = host_cache_check(store / EXPERTS, chunk)
+    rows, winners = run(store, args.repeat, chunk, args.io_threads)
     print(f"\nstore {store}: {len(index.blocks)} blocks of {index.nbytes / 2**20:.2f} MiB, "
           f"{(store / EXPERTS).stat().st_size / 2**30:.2f} GiB; raw chunk {args.chunk_mb} MiB; "
-          f"{args.io_threads} io threads; median of {args.repeat}")
+          f"{args.io_threads} io threads; {args.repeat} rounds")
     print(f"machine: {facts['cpu']}, {facts['cores']} cores, {facts['ram_bytes'] / 2**30:.1f} GiB RAM, "
-          f"{facts['filesystem']}, kernel {facts['kernel']}, DIO alignment {facts['dio_alignment']}\n")
+          f"{facts['filesystem']}, kernel {facts['kernel']}, DIO alignment {facts['dio_alignment']}, "
+          f"load {facts['load_avg'][0]:.1f}\n")
     width = max(len(r.config) for r in rows)
-    print(f"{'configuration':<{width}}  {'MB/s':>8}  {'x raw':>6}  {'min-max MB/s':>13}")
+    print(f"{'configuration':<{width}}  {'MB/s':>8}  {'raw MB/s':>9}  {'x raw':>6}  {'rounds MB/s':>13}")
     for r in rows:
         spread = f"{min(r.rounds_mb_s):.0f}-{max(r.rounds_mb_s):.0f}"
-        print(f"{r.config:<{width}}  {r.mb_s:>8.0f}  {r.ratio:>6.2f}  {spread:>13}")
-    print("\ndirect bypasses the page cache; buffered and mmap start cold (posix_fadvise DONTNEED before each sweep).")
+        print(f"{r.config:<{width}}  {r.mb_s:>8.0f}  {r.raw_mb_s:>9.0f}  {r.ratio:>6.2f}  {spread:>13}")
+    print(f"\nraw = the faster of 1 and {args.io_threads} O_DIRECT streams, read just before each sweep "
+          f"({winners.count(1)} of {len(winners)} won by 1 stream).")
+    print(f"host cache: one 256 MiB region read twice with O_DIRECT: {first:.0f} then {second:.0f} MB/s"
+          f"{' (the host serves repeated reads from its RAM)' if second > 1.5 * first else ''}.")
+    print("direct bypasses the page cache; buffered and mmap start cold (posix_fadvise DONTNEED before each sweep).")
     print()
-    write_results("loader", {"store": str(store), "blocks": len(index.blocks), "block_bytes": index.nbytes,
-                             "file_bytes": (store / EXPERTS).stat().st_size, "repeat": args.repeat,
-                             "chunk_bytes": args.chunk_mb * 2**20, "io_threads": args.io_threads,
+    write_results("loader", {"command": " ".join(sys.argv), "store": str(store), "blocks": len(index.blocks),
+                             "block_bytes": index.nbytes, "file_bytes": (store / EXPERTS).stat().st_size,
+                             "repeat": args.repeat, "chunk_bytes": chunk, "io_threads": args.io_threads,
+                             "raw_streams_won": winners, "host_cache_mb_s": [first, second],
                              "machine": facts, "rows": [asdict(r) for r in rows]})
 
 

@@ -45,6 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from bench.common import machine, write_results  # noqa: E402
+from bench.memory import MemoryCgroup, drop_page_cache, peak_rss  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
 CAP = "25%"
@@ -114,77 +115,11 @@ def request_mix(clients: int, per_client: int, seed: int = 0) -> list[list[dict]
     return mix
 
 
-# -- memory limit ---------------------------------------------------------------------------------------
-class MemoryCgroup:
-    """A child memory cgroup of this process's own (v2 memory.max, else v1 memory.limit_in_bytes)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.path, self.kind, self.why_not = limit, None, None, ""
-        for kind, base, limit_file in self._candidates():
-            path = base / f"flashmoe-bench-{os.getpid()}"
-            try:
-                path.mkdir()
-                (path / limit_file).write_text(str(limit))
-            except OSError as exc:
-                self.why_not += f"{kind} at {base}: {exc.strerror}; "
-                if path.exists():
-                    path.rmdir()
-                continue
-            self.path, self.kind = path, kind
-            return
-
-    @staticmethod
-    def _candidates():
-        """(kind, our own cgroup directory, limit file): v2 where it has the memory controller, then v1."""
-        own = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().splitlines())
-        root = Path("/sys/fs/cgroup")
-        for v2 in (root, root / "unified"):
-            controllers = v2 / own.get("", "/").lstrip("/") / "cgroup.controllers"
-            if controllers.exists() and "memory" in controllers.read_text().split():
-                yield "v2", controllers.parent, "memory.max"
-        if "memory" in own:
-            yield "v1", root / "memory" / own["memory"].lstrip("/"), "memory.limit_in_bytes"
-
-    def add(self, pid: int) -> None:
-        if self.path is not None:
-            (self.path / "cgroup.procs").write_text(str(pid))
-
-    def peak(self) -> int | None:
-        if self.path is None:
-            return None
-        name = "memory.peak" if self.kind == "v2" else "memory.max_usage_in_bytes"
-        try:
-            return int((self.path / name).read_text())
-        except OSError:
-            return None
-
-    def reset_peak(self) -> None:
-        if self.kind == "v1":
-            (self.path / "memory.max_usage_in_bytes").write_text("0")
-
-    def remove(self) -> None:
-        if self.path is not None:
-            self.path.rmdir()
-
-    def describe(self) -> str:
-        if self.path is None:
-            return f"no cgroup memory limit ({self.why_not.strip('; ') or 'no memory controller'})"
-        return f"cgroup {self.kind} memory limit {self.limit / 2**20:.0f} MiB at {self.path}"
-
-
 # -- one run of one configuration ---------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def drop_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def start(model: Path, config: Config, cgroup: MemoryCgroup, log_path: Path, serve_args: list[str]
@@ -229,13 +164,6 @@ def wait_for_agent(proc: subprocess.Popen, port: int, where: str, timeout_s: flo
         except httpx.HTTPError:
             time.sleep(0.5)
     raise SystemExit(f"the agent did not start within {timeout_s:.0f} s; {where}")
-
-
-def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def drive(url: str, mix: list[list[dict]]) -> tuple[list[float], int, float]:

@@ -1,0 +1,82 @@
+"""The edge device's memory in a benchmark: a cgroup memory limit around the agent, its peak RSS,
+and a file dropped from the page cache so a run starts cold.
+
+    cgroup = MemoryCgroup(limit_bytes)     # a child of this process's own cgroup; .path None if refused
+    cgroup.add(pid); ...; cgroup.peak(); cgroup.remove()
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class MemoryCgroup:
+    """A child memory cgroup of this process's own (v2 memory.max, else v1 memory.limit_in_bytes)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.path, self.kind, self.why_not = limit, None, None, ""
+        for kind, base, limit_file in self._candidates():
+            path = base / f"flashmoe-bench-{os.getpid()}"
+            try:
+                path.mkdir()
+                (path / limit_file).write_text(str(limit))
+            except OSError as exc:
+                self.why_not += f"{kind} at {base}: {exc.strerror}; "
+                if path.exists():
+                    path.rmdir()
+                continue
+            self.path, self.kind = path, kind
+            return
+
+    @staticmethod
+    def _candidates():
+        """(kind, our own cgroup directory, limit file): v2 where it has the memory controller, then v1."""
+        own = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().splitlines())
+        root = Path("/sys/fs/cgroup")
+        for v2 in (root, root / "unified"):
+            controllers = v2 / own.get("", "/").lstrip("/") / "cgroup.controllers"
+            if controllers.exists() and "memory" in controllers.read_text().split():
+                yield "v2", controllers.parent, "memory.max"
+        if "memory" in own:
+            yield "v1", root / "memory" / own["memory"].lstrip("/"), "memory.limit_in_bytes"
+
+    def add(self, pid: int) -> None:
+        if self.path is not None:
+            (self.path / "cgroup.procs").write_text(str(pid))
+
+    def peak(self) -> int | None:
+        if self.path is None:
+            return None
+        name = "memory.peak" if self.kind == "v2" else "memory.max_usage_in_bytes"
+        try:
+            return int((self.path / name).read_text())
+        except OSError:
+            return None
+
+    def reset_peak(self) -> None:
+        if self.kind == "v1":
+            (self.path / "memory.max_usage_in_bytes").write_text("0")
+
+    def remove(self) -> None:
+        if self.path is not None:
+            self.path.rmdir()
+
+    def describe(self) -> str:
+        if self.path is None:
+            return f"no cgroup memory limit ({self.why_not.strip('; ') or 'no memory controller'})"
+        return f"cgroup {self.kind} memory limit {self.limit / 2**20:.0f} MiB at {self.path}"
+
+
+def drop_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0

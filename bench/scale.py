@@ -1,0 +1,239 @@
+"""Seed scale: decode speed of a real-shaped model against the machine's limit, measured in the same run.
+
+    .venv/bin/python bench/scale.py --model /work/models/olmoe-1b-7b/store [--rounds 2] [--tokens 32]
+        [--route-trace ../shared/traces/decode/olmoe_math.jsonl ../shared/traces/decode/olmoe_dialogue.jsonl]
+
+The model is a random-weight checkpoint with real shapes (`flashmoe-cli init-demo --shape ...`);
+its routing follows recorded real routing traces (`--route-trace`, by default OLMoE's held-out decode
+traces, which the learned policy never saw). Each round measures, interleaved:
+- raw: the expert file read whole with O_DIRECT at the device's best parallelism (the faster of one
+  stream and as many streams as the cache has I/O threads), and one region read twice to see
+  whether the (virtual) disk's host serves repeated reads from its own RAM;
+- compute: the same greedy decode with every expert resident (each layer served by one layer's
+  blocks held in RAM: the same shapes, dtype and matmuls, no SSD), in this process;
+- (a) the learned policy + lookahead prefetch, O_DIRECT; (b) LRU + prefetch, O_DIRECT; (c) mmap of
+  the store, the page cache decides, no prefetch: each `flashmoe-cli generate` in its own process
+  inside the same cgroup memory limit (cap + dense weights + working memory), from a cold page cache.
+A configuration's limit is 1 / max(compute s/token, its MB missed per token / raw MB/s): perfect
+overlap of reads and compute. Reported: decode tokens/s, its fraction of the limit, MB read and hit
+rate per decode token, peak RSS and the cgroup's peak against the limit. Writes bench/results/scale.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
+from agent.experts.cap import parse_cap  # noqa: E402
+from agent.experts.layout import DENSE, EXPERTS, INDEX, Index, crc32  # noqa: E402
+from agent.experts.provider import ExpertWeights, block_views  # noqa: E402
+from agent.experts.reader import IO_THREADS  # noqa: E402
+from agent.model.generation import generate  # noqa: E402
+from agent.model.loading import load_model  # noqa: E402
+from agent.tokenizer import load_tokenizer  # noqa: E402
+from bench.common import machine, write_results  # noqa: E402
+from bench.loader import best_raw_read, host_cache_check  # noqa: E402
+from bench.memory import MemoryCgroup, drop_page_cache  # noqa: E402
+
+CLI = [sys.executable, "-m", "agent.cli"]
+TRACES = ROOT.parent / "shared" / "traces" / "decode"
+DEFAULT_TRACES = [TRACES / "olmoe_math.jsonl", TRACES / "olmoe_dialogue.jsonl"]  # held out from policy training
+PROMPT = "The expert cache keeps"
+WORKING_MEMORY = 1024 * 2**20   # python, torch, the policy, KV cache and activations
+CHUNK = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    policy: str
+    backend: str
+    prefetch: bool
+
+    def args(self) -> list[str]:
+        return ["--policy", self.policy, "--backend", self.backend] + ([] if self.prefetch else ["--no-prefetch"])
+
+
+CONFIGS = {"a": Config("a: flashmoe + prefetch, O_DIRECT", "flashmoe", "direct", True),
+           "b": Config("b: lru + prefetch, O_DIRECT", "lru", "direct", True),
+           "c": Config("c: mmap, page cache decides", "lru", "mmap", False)}
+
+
+class OneLayerResident:
+    """Every expert resident for the compute bound: layer L's expert e is served by layer 0's block e
+    (the same shape and dtype, so the same matmuls), held in RAM; nothing is read during decode."""
+
+    def __init__(self, store: Path) -> None:
+        index = Index.load(store / INDEX)
+        self._blocks = []
+        for block in index.blocks[:index.n_experts]:  # layer 0, experts in order
+            raw = np.fromfile(store / EXPERTS, dtype=np.uint8, count=index.nbytes, offset=block.offset)
+            assert crc32(raw) == block.crc32, f"layer 0 expert {block.expert} fails its CRC"
+            self._blocks.append(block_views(torch.from_numpy(raw), index))
+
+    def route(self, layer: int, experts: list[int]) -> None:
+        pass
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self._blocks[expert]
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        pass
+
+
+@dataclass
+class Run:
+    config: str
+    round: int
+    decode_tok_s: float
+    mb_per_token: float           # read from the SSD per decode token, MB = 10^6 bytes
+    hit_rate: float               # decode steps
+    prefetch_accuracy: float | None
+    peak_rss_bytes: int
+    cgroup_peak_bytes: int | None
+    token_ids: list[int]
+    load_avg: float
+
+
+def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int) -> float:
+    """Decode tokens/s with every expert resident. The routing follows the same trace records as the
+    cached runs (placed by the same prompt), so every step multiplies the same shapes."""
+    model = load_model(store, OneLayerResident(store), prefetch=False, route_trace=traces)
+    return generate(model, prompt_ids, tokens, greedy=True, prefill_chunk=1).decode_tokens_per_s
+
+
+def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, traces: list[Path],
+               prompt_ids: list[int], tokens: int, threads: int) -> Run:
+    drop_page_cache(store / EXPERTS)
+    drop_page_cache(store / DENSE)
+    if cgroup.path is not None:
+        cgroup.reset_peak()
+    cmd = [*CLI, "generate", "--model", str(store), "--prompt-ids", ",".join(map(str, prompt_ids)),
+           "--max-new-tokens", str(tokens), "--greedy", "--cache-cap", "25%", "--threads", str(threads),
+           "--route-trace", *map(str, traces), "--json", *config.args()]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
+        try:
+            cgroup.add(proc.pid)   # before the model loads: its pages and page cache are charged to the limit
+            _, status, usage = os.wait4(proc.pid, 0)   # wait4: this child's own peak RSS
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        if proc.returncode != 0:
+            raise SystemExit(f"{config.name}: generate failed ({proc.returncode}): {err.read().strip()[-500:]}")
+        result = json.load(out)
+    stats = result["stats"]
+    return Run(config.name, round_, stats["decode_tokens_per_s"], stats["decode_mb_read_per_token"],
+               stats["decode_hit_rate"], stats["prefetch_accuracy"], usage.ru_maxrss * 1024, cgroup.peak(),
+               result["token_ids"], os.getloadavg()[0])
+
+
+def limit_tok_s(compute_tok_s: float, mb_per_token: float, raw_mb_s: float) -> tuple[float, float, float]:
+    """(limit tokens/s, compute s/token, I/O s/token): perfect overlap of reads and compute."""
+    compute_s, io_s = 1 / compute_tok_s, mb_per_token / raw_mb_s
+    return 1 / max(compute_s, io_s), compute_s, io_s
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, required=True, help="an expert store of a real-shaped model")
+    ap.add_argument("--route-trace", type=Path, nargs="+", default=DEFAULT_TRACES, metavar="FILE")
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens per run (default 32)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians are reported")
+    ap.add_argument("--configs", default="a,b,c", help="which of a,b,c, in this order within every round")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of every decode (default 1)")
+    args = ap.parse_args()
+    store, traces = args.model, args.route_trace
+    index = Index.load(store / INDEX)
+    expert_bytes = index.nbytes * len(index.blocks)
+    cap = parse_cap("25%", expert_bytes)
+    cgroup = MemoryCgroup(cap + (store / DENSE).stat().st_size + WORKING_MEMORY)
+    print(cgroup.describe())
+    prompt_ids = load_tokenizer(store).encode(PROMPT)
+    facts = {**machine(store), "memory_limit": cgroup.describe(), "model": str(store), "expert_bytes": expert_bytes,
+             "config": json.loads((store / "config.json").read_text()), "route_trace": [str(t) for t in traces]}
+    torch.set_num_threads(args.threads)
+    chosen = [CONFIGS[c] for c in args.configs.split(",")]
+    rounds, reference = [], []
+    try:
+        for n in range(args.rounds):
+            raw_s, streams = best_raw_read(store / EXPERTS, CHUNK, IO_THREADS)
+            host = host_cache_check(store / EXPERTS, CHUNK)
+            compute_tok_s = compute_bound(store, traces, prompt_ids, args.tokens)
+            r = {"round": n, "raw_mb_s": (store / EXPERTS).stat().st_size / raw_s / 1e6, "raw_streams": streams,
+                 "host_cache_mb_s": host, "compute_tok_s": compute_tok_s, "runs": []}
+            print(f"round {n + 1}: raw {r['raw_mb_s']:.0f} MB/s ({streams} stream(s)); the same region twice "
+                  f"{host[0]:.0f} / {host[1]:.0f} MB/s; compute-only {compute_tok_s:.2f} tok/s", flush=True)
+            for config in chosen:
+                run = run_config(store, config, n, cgroup, traces, prompt_ids, args.tokens, args.threads)
+                lim, _, _ = limit_tok_s(compute_tok_s, run.mb_per_token, r["raw_mb_s"])
+                reference = reference or run.token_ids   # every configuration must produce the same tokens
+                same = run.token_ids == reference
+                print(f"  {config.name}: {run.decode_tok_s:.2f} tok/s = {run.decode_tok_s / lim:.2f} x its limit "
+                      f"{lim:.2f}; {run.mb_per_token:.0f} MB/token, hit rate {run.hit_rate:.3f}, "
+                      f"peak RSS {run.peak_rss_bytes / 2**20:.0f} MiB; same tokens: {same}", flush=True)
+                r["runs"].append({**asdict(run), "limit_tok_s": lim, "same_tokens": same})
+            rounds.append(r)
+    finally:
+        cgroup.remove()
+    summary = summarize(rounds)
+    print_table(summary, cgroup, facts, args)
+    write_results("scale", {"command": " ".join(sys.argv), "machine": facts, "tokens": args.tokens,
+                            "prompt": PROMPT, "cap": "25%", "rounds": rounds, "summary": summary})
+    return 0
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Per configuration: medians over rounds; ratios (a)/(c) and (a)/(b) of tokens/s within rounds."""
+    med = statistics.median
+    out = {"raw_mb_s": med(r["raw_mb_s"] for r in rounds), "compute_tok_s": med(r["compute_tok_s"] for r in rounds),
+           "configs": {}}
+    names = [run["config"] for run in rounds[0]["runs"]]
+    for name in names:
+        runs = [run for r in rounds for run in r["runs"] if run["config"] == name]
+        out["configs"][name] = {k: med(run[k] for run in runs) for k in
+                                ("decode_tok_s", "limit_tok_s", "mb_per_token", "hit_rate", "peak_rss_bytes")}
+        out["configs"][name]["of_limit"] = med(run["decode_tok_s"] / run["limit_tok_s"] for run in runs)
+        out["configs"][name]["cgroup_peak_bytes"] = max((run["cgroup_peak_bytes"] or 0) for run in runs)
+    by = {name[0]: name for name in names}
+    for x, y in (("a", "c"), ("a", "b")):
+        if x in by and y in by:
+            ratios = [_tok(r, by[x]) / _tok(r, by[y]) for r in rounds]
+            out[f"tok_s_{x}_over_{y}"] = {"median": med(ratios), "per_round": ratios}
+    return out
+
+
+def _tok(round_: dict, name: str) -> float:
+    return next(run["decode_tok_s"] for run in round_["runs"] if run["config"] == name)
+
+
+def print_table(summary: dict, cgroup: MemoryCgroup, facts: dict, args: argparse.Namespace) -> None:
+    print(f"\n{facts['config'].get('model_type')} {facts['config'].get('num_hidden_layers')} layers, "
+          f"{facts['expert_bytes'] / 1e9:.1f} GB of experts; cap 25%; {args.tokens} tokens; {args.rounds} rounds; "
+          f"routing from {', '.join(Path(t).name for t in args.route_trace)}; raw {summary['raw_mb_s']:.0f} MB/s; "
+          f"compute-only {summary['compute_tok_s']:.2f} tok/s; {cgroup.describe()}")
+    print(f"{'configuration':<34} {'tok/s':>6} {'limit':>6} {'x limit':>7} {'MB/tok':>7} {'hit':>6} {'peak RSS':>9}")
+    for name, c in summary["configs"].items():
+        print(f"{name:<34} {c['decode_tok_s']:>6.2f} {c['limit_tok_s']:>6.2f} {c['of_limit']:>7.2f} "
+              f"{c['mb_per_token']:>7.0f} {c['hit_rate']:>6.3f} {c['peak_rss_bytes'] / 2**20:>7.0f}Mi")
+    for key in ("tok_s_a_over_c", "tok_s_a_over_b"):
+        if key in summary:
+            print(f"{key}: {summary[key]['median']:.2f} (rounds {', '.join(f'{x:.2f}' for x in summary[key]['per_round'])})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
