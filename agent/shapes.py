@@ -10,7 +10,7 @@ Weights are N(0, 0.02) (transformers' initializer_range), norms 1. Drawing 13 GB
 take minutes, so each tensor is a slice, at a random offset, of one pool of normals drawn once;
 tensors are made one at a time as their turn to be written comes, so memory stays at one tensor.
 Random weights route almost every token to the same experts: real locality comes from a routing
-trace (see agent/route_trace.py), not from these weights.
+trace (see agent/model/route_trace.py), not from these weights.
 """
 from __future__ import annotations
 

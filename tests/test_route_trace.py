@@ -113,3 +113,22 @@ def test_the_agent_serves_with_a_route_trace_and_says_so(store, tmp_path):
     proc = spawn([*CLI, "serve", "--model", str(store), "--port", "0", "--route-trace", str(bad)], log)
     assert proc.wait(120) != 0
     assert "bad.jsonl: the trace routes 4 layers" in log.read_text() and "Traceback" not in log.read_text()
+
+
+def test_co_activation_guesses_what_followed_before_and_nothing_it_never_saw():
+    from agent.model.lookahead import CoActivation, Lookahead
+    look = Lookahead(CoActivation(n_layers=3, n_experts=8))
+    assert look.after_route(0, [1, 2], residual=None) is None        # nothing learned yet: no guess
+    assert look.after_route(1, [3, 4], residual=None) is None
+    assert look.after_route(0, [1, 2], residual=None) == (1, [3, 4])  # layer 1 followed [1, 2] with [3, 4]
+    assert look.after_route(1, [3, 5], residual=None) is None         # layer 2 never seen after layer 1
+    assert (look.predicted, look.correct) == (2, 1)
+    assert look.after_route(2, [0, 7], residual=None) is None         # the last layer has no next layer
+
+
+def test_with_a_route_trace_the_lookahead_learns_from_the_trace(store, tmp_path):
+    from agent.model.lookahead import CoActivation
+    model = load_model(store, InMemoryExperts(store), route_trace=[write_trace(tmp_path / "t.jsonl", records(8))])
+    assert isinstance(model.lookahead.predictor, CoActivation)
+    generate(model, [1, 2, 3], 20, greedy=True)
+    assert model.lookahead.predicted > 0 and model.lookahead.accuracy > 0.5   # the 8-record walk repeats

@@ -28,7 +28,8 @@ def load_model(store_dir: Path, provider: ExpertProvider, prefetch: bool = True,
     check_index(config, Index.load(store_dir / INDEX))
     trace = RouteTrace.load(route_trace, config) if route_trace else None  # a bad trace fails before the weights load
     model = from_state(config, dense_state(config, store_dir / DENSE), provider, prefetch)
-    model.route_trace = trace
+    if trace is not None:
+        model.follow(trace)
     return model
 
 

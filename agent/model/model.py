@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from agent.experts.provider import ExpertProvider
 from agent.model.config import MoEConfig
-from agent.model.lookahead import Lookahead
+from agent.model.lookahead import CoActivation, Lookahead, RouterGuess
 from agent.model.route_trace import Placement, RouteTrace
 from agent.model.routed import RoutedExperts, Routing
 
@@ -219,14 +219,21 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         store_layer = {d: i for i, d in enumerate(config.moe_layer_ids)}  # decoder layer -> store layer
-        self.lookahead = Lookahead({}, prefetch)
+        self.lookahead = Lookahead(RouterGuess({}), prefetch)
         self.experts = RoutedExperts(provider, self.lookahead)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config, i, store_layer.get(i), self.experts) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.rms_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
-        self.lookahead.guesses = {store_layer[d]: self.layers[d + 1].guess for d in store_layer if d + 1 in store_layer}
+        self.lookahead.predictor.guesses = {store_layer[d]: self.layers[d + 1].guess
+                                            for d in store_layer if d + 1 in store_layer}
         self.route_trace: RouteTrace | None = None
+
+    def follow(self, trace: RouteTrace) -> None:
+        """Take every token's experts from `trace` from now on. The router cannot predict imposed
+        routing, so the lookahead learns which experts follow which across layers instead."""
+        self.route_trace = trace
+        self.lookahead.predictor = CoActivation(len(self.config.moe_layer_ids), self.config.n_experts)
 
     @property
     def prefetch(self) -> bool:
