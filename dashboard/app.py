@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import pages, settings
+from dashboard import auth, pages, settings
 
 st.set_page_config(page_title="FlashMoE", page_icon=":material/memory:", layout="wide")
 
@@ -16,5 +16,6 @@ with st.sidebar:
                  index=list(settings.WINDOWS).index(settings.DEFAULT_WINDOW))
     st.caption(f"Store: `{settings.db_path()}`  \nAgent: `{settings.agent_url()}`  \n"
                f"Refreshes every {settings.REFRESH_S} s")
+    auth.sidebar()
 st.title(NAVIGATION[page].heading)
 page.run()

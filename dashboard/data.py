@@ -12,7 +12,7 @@ from typing import Any
 
 import streamlit as st
 
-from dashboard import agent_client, settings, sweep, transforms
+from dashboard import agent_client, auth, settings, sweep, transforms
 from store import queries
 from store.errors import StoreError
 
@@ -113,6 +113,12 @@ def sweeps(db: str) -> list[dict[str, Any]]:
 def agent(url: str, token: str | None) -> agent_client.Agent:
     """One client per agent URL and token for the whole dashboard process, so connections are reused."""
     return agent_client.Agent(url, token)
+
+
+def push(url: str, token: str | None, changes: dict[str, Any]) -> str:
+    """Send knob changes if this session may (dashboard.auth), and the agent's answer in one line."""
+    lock = auth.control_lock()
+    return f"not sent: {lock}" if lock else agent(url, token).push(changes)
 
 
 def agent_status(url: str, token: str | None) -> dict[str, Any] | str:

@@ -3,7 +3,9 @@
 The agent requires a bearer token on control calls and the dashboard has it in FLASHMOE_TOKEN.
 The Tuning page applies knobs and shows the agent's answer, the Memory page applies its
 recommendation, the Cache page runs a cap sweep through /v1/completions and restores the cap;
-a dashboard without the token, or with a wrong one, is refused and says what to set.
+a dashboard without the token, or with a wrong one, is refused and says what to set. Exposed
+(server.address 0.0.0.0), a session must enter the token before any knob is sent (a click forced
+on the disabled button sends nothing either); without a token the dashboard is read-only.
 """
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from streamlit import config
 from streamlit.testing.v1 import AppTest
 
 from agents import ROOT, demo_model, start_agent
 from bench import synthetic
-from dashboard import agent_client, data, pages, sweep
+from dashboard import agent_client, auth, data, pages, sweep
 from store import queries
 
 APP = str(ROOT / "dashboard" / "app.py")
@@ -151,3 +154,58 @@ def test_a_refused_sweep_says_why_and_still_restores_the_cap(agent):
     assert "refused cache_cap_bytes" in runner.progress.error
     assert runner.progress.status == "failed" and not runner.progress.points
     assert knob(url, "cache_cap_bytes")["value"] == before["value"]
+
+
+# -- exposed: the auth gate (dashboard/auth.py) ---------------------------------------------------------
+@pytest.fixture
+def exposed() -> Iterator[None]:
+    before = config.get_option("server.address")
+    config.set_option("server.address", "0.0.0.0")
+    try:
+        yield
+    finally:
+        config.set_option("server.address", before)
+
+
+def prefetch(url: str) -> bool:
+    return httpx.get(f"{url}/v1/knobs").json()["prefetch"]["value"]
+
+
+def apply_prefetch(at: AppTest, value: bool, forced: bool = False) -> AppTest:
+    """Toggle prefetch and press Apply; `forced` as a hostile browser would, disabled widgets or not."""
+    toggle, button = next(t for t in at.toggle if t.label == "prefetch"), next(b for b in at.button if b.label == "Apply")
+    if forced:
+        toggle.proto.disabled = button.proto.disabled = False
+    toggle.set_value(value)
+    return button.click().run()
+
+
+def test_an_exposed_dashboard_sends_nothing_before_the_token_is_entered(monkeypatch, agent, exposed):
+    url, db = agent
+    before = prefetch(url)
+    at = open_page(monkeypatch, db, url, "tuning")
+    assert "control is locked" in texts(at.info)
+    assert next(b for b in at.button if b.label == "Apply").disabled
+    apply_prefetch(at, not before, forced=True)
+    assert "accepted" not in texts(at.success) and prefetch(url) == before
+
+    at.text_input[0].set_value("a guess")
+    next(b for b in at.button if b.label == "Unlock control").click().run()
+    assert "not the agent's token" in texts(at.error) and auth.UNLOCKED not in at.session_state
+
+    at.text_input[0].set_value(TOKEN)
+    next(b for b in at.button if b.label == "Unlock control").click().run()
+    assert at.session_state[auth.UNLOCKED] and "Unlocked" in texts(at.caption)
+    apply_prefetch(at, not before)
+    assert f"accepted: prefetch = {not before}" in texts(at.success) and prefetch(url) == (not before)
+    httpx.put(f"{url}/v1/knobs", json={"prefetch": before}, headers={"Authorization": f"Bearer {TOKEN}"})
+
+
+def test_an_exposed_dashboard_without_a_token_is_read_only(monkeypatch, agent, exposed):
+    url, db = agent
+    before = prefetch(url)
+    at = open_page(monkeypatch, db, url, "tuning", token=None)
+    assert "Agent online" in texts(at.success)          # reading needs no token
+    assert "has no FLASHMOE_TOKEN" in texts(at.caption) and not at.text_input
+    apply_prefetch(at, not before, forced=True)
+    assert "accepted" not in texts(at.success) and prefetch(url) == before

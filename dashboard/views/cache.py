@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import components, data, figures, settings, sweep, transforms
+from dashboard import auth, components, data, figures, settings, sweep, transforms
 
 TIME_BUCKETS = 60
 
@@ -83,7 +83,8 @@ def cap_sweep() -> None:
         cap = knobs["cache_cap_bytes"]
         caps = sweep.default_caps(status["cache"]["expert_bytes"], cap["min"], cap["max"])
         st.caption("Caps: " + ", ".join(transforms.size(c) for c in caps))
-        if st.button("Start sweep", disabled=runner.running, key="start-sweep"):
+        lock = auth.control_lock()
+        if st.button("Start sweep", disabled=runner.running or bool(lock), help=lock, key="start-sweep") and not lock:
             runner.start(data.agent(url, token), db, caps, int(n_requests), int(max_tokens))
     else:
         st.caption("The sweep needs the agent; it is offline. Stored sweeps are shown below.")

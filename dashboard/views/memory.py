@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import components, data, diagnosis, settings, transforms
+from dashboard import auth, components, data, diagnosis, settings, transforms
 
 MIB = 2**20
 FULL = "psi.memory.full_avg10"
@@ -58,10 +58,10 @@ def diagnose(since: float, until: float) -> None:
     if rec is None:
         return
     st.markdown(f"**Recommendation:** set the cache cap to {rec.reason}.")
+    refused = f"agent offline: {knobs}" if not isinstance(knobs, dict) else auth.control_lock()
     if st.button(f"Apply cache cap {rec.cache_cap_bytes / MIB:,.0f} MiB", key="apply-recommendation",
-                 disabled=not isinstance(knobs, dict),
-                 help=None if isinstance(knobs, dict) else f"agent offline: {knobs}"):
-        st.session_state["memory-answer"] = data.agent(url, token).push({"cache_cap_bytes": rec.cache_cap_bytes})
+                 disabled=refused is not None, help=refused):
+        st.session_state["memory-answer"] = data.push(url, token, {"cache_cap_bytes": rec.cache_cap_bytes})
     if "memory-answer" in st.session_state:
         st.info(f"Agent: {st.session_state['memory-answer']}")
 

@@ -6,20 +6,23 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dashboard import components, data, settings, transforms
+from dashboard import auth, components, data, settings, transforms
 
 db, url, token = settings.db_path(), settings.agent_url(), settings.agent_token()
 
 
 def knob_form(knobs: dict[str, dict[str, Any]], online: bool) -> None:
+    lock = auth.control_lock()
+    if lock and online:
+        st.info(lock, icon=":material/lock:")
     with st.form("knobs"):
         cols, edited = st.columns(3), {}
         for i, (name, spec) in enumerate(knobs.items()):
             with cols[i % 3]:
-                edited[name] = components.knob_widget(name, spec, not online)
-        if st.form_submit_button("Apply", type="primary", disabled=not online):
+                edited[name] = components.knob_widget(name, spec, not online or bool(lock))
+        if st.form_submit_button("Apply", type="primary", disabled=not online or bool(lock)):
             changes = transforms.changed({k: s["value"] for k, s in knobs.items()}, edited)
-            st.session_state["tuning-answer"] = (data.agent(url, token).push(changes) if changes
+            st.session_state["tuning-answer"] = (data.push(url, token, changes) if changes
                                                  else "nothing to apply: every knob already has that value")
             data.knob_history.clear()   # show the change just made, not the history cached before it
             st.rerun()

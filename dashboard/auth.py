@@ -1,0 +1,70 @@
+"""The dashboard's gate in front of control actions: knob changes, the Memory page's recommendation,
+the Cache page's cap sweep.
+
+Bound to loopback (the default: .streamlit/config.toml, the Procfile) the dashboard is reached only
+from the box itself or through an SSH tunnel, and control actions are open. Bound to any other
+address, a visitor must first enter the agent's token (FLASHMOE_TOKEN, which the dashboard also
+sends to the agent on control calls) in the sidebar; the browser session stays unlocked until it
+ends or is locked again. An exposed dashboard without a token is read-only. Reading needs no token.
+The gate is checked where the action is sent (data.push, the sweep's start), not only by disabling
+buttons, since a browser can send a click on a disabled button.
+"""
+from __future__ import annotations
+
+import ipaddress
+import secrets
+
+import streamlit as st
+
+from dashboard import settings
+from dashboard.agent_client import TOKEN_ENV
+
+UNLOCKED = "control-unlocked"    # session_state key: this browser session entered the token
+
+
+def on_loopback(address: str | None) -> bool:
+    """Whether Streamlit's server.address is a loopback address (unset: every interface)."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address or "0.0.0.0").is_loopback
+    except ValueError:
+        return False  # a host name may resolve to any interface
+
+
+def lock_reason(address: str | None, token: str | None, unlocked: bool) -> str | None:
+    """Why control actions are refused for this session, or None when they are allowed."""
+    if on_loopback(address) or (unlocked and token):
+        return None
+    if not token:
+        return (f"control is off: this dashboard listens on {address or 'every interface'} and has no {TOKEN_ENV}; "
+                f"start it with {TOKEN_ENV} set to the agent's token, or bind it to 127.0.0.1")
+    return "control is locked: enter the agent's token under Control in the sidebar"
+
+
+def control_lock() -> str | None:
+    """lock_reason for the running dashboard and this browser session."""
+    return lock_reason(st.get_option("server.address"), settings.agent_token(), st.session_state.get(UNLOCKED, False))
+
+
+def sidebar() -> None:
+    """The token form of an exposed dashboard (nothing on loopback)."""
+    address, token = st.get_option("server.address"), settings.agent_token()
+    if on_loopback(address):
+        return
+    st.subheader("Control")
+    if not token:
+        st.caption(lock_reason(address, token, False))
+    elif st.session_state.get(UNLOCKED):
+        st.caption("Unlocked for this browser session.")
+        if st.button("Lock", key="lock-control"):
+            st.session_state[UNLOCKED] = False
+            st.rerun()
+    else:
+        with st.form("unlock-control"):
+            entered = st.text_input("Agent token", type="password", help=f"the agent's {TOKEN_ENV}")
+            if st.form_submit_button("Unlock control"):
+                if secrets.compare_digest(entered.encode(), token.encode()):
+                    st.session_state[UNLOCKED] = True
+                    st.rerun()
+                st.error("That is not the agent's token.")

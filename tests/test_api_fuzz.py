@@ -1,0 +1,90 @@
+"""Property-based fuzzing of the whole HTTP API from the agent's own /openapi.json (schemathesis).
+
+Every operation gets schema-valid and schema-violating inputs (schemathesis' positive and negative
+generation, hypothesis underneath) against a real agent on loopback without a token, so control
+calls reach validation. For each: no 5xx, an answer within HANG_S, and every 4xx says what was
+wrong. Afterwards the agent still answers a known greedy completion exactly as before: nothing the
+fuzzer sent (knob changes included) changed what the model computes.
+
+FLASHMOE_FUZZ_EXAMPLES sets the examples per operation (CI: 25); FLASHMOE_FUZZ_REPORT=FILE writes
+the counts (RELIABILITY.md's table).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+from pathlib import Path
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+
+from agents import demo_model, start_agent
+
+EXAMPLES = int(os.environ.get("FLASHMOE_FUZZ_EXAMPLES", "25"))
+HANG_S = 5.0
+CHEAP_TOKENS = 16      # a valid max_tokens above this is lowered to it: a long completion is no hang
+CONTEXT = 4096         # the demo model's; max_tokens beyond it are refused at once and kept as drawn
+KNOWN = {"prompt": "The expert cache keeps", "max_tokens": 12, "temperature": 0}
+
+seen: collections.Counter[str] = collections.Counter()
+
+
+def cheap(case) -> None:
+    """A valid max_tokens above CHEAP_TOKENS is lowered to it: a long completion is work, not a hang."""
+    if case.path == "/v1/completions" and isinstance(case.body, dict):
+        tokens = case.body.get("max_tokens")
+        if isinstance(tokens, int) and not isinstance(tokens, bool) and CHEAP_TOKENS < tokens <= CONTEXT:
+            case.body["max_tokens"] = CHEAP_TOKENS
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    a = start_agent(demo_model(tmp_path_factory), tmp_path_factory.mktemp("fuzz"), "--policy", "lru")
+    yield a
+    a.stop()
+
+
+@pytest.fixture(scope="module")
+def before(agent) -> str:
+    return agent.complete(**KNOWN)["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def api(agent, before):
+    return schemathesis.openapi.from_url(agent.url + "/openapi.json")
+
+
+def test_no_input_is_a_5xx_a_hang_or_a_4xx_without_a_message(api):
+    operations = [result.ok() for result in api.get_all_operations()]
+    assert {op.label for op in operations} >= {"POST /v1/completions", "PUT /v1/knobs", "GET /v1/status"}
+    for operation in operations:
+        takes_input = any(operation.definition.raw.get(k) for k in ("parameters", "requestBody"))
+        for mode in schemathesis.GenerationMode:
+            if takes_input or mode is schemathesis.GenerationMode.POSITIVE:  # no input, nothing to violate
+                fuzz(operation, mode)
+
+
+def fuzz(operation, mode) -> None:
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              database=None)
+    def check(case):
+        cheap(case)
+        response = case.call(timeout=HANG_S)  # a slower answer raises: a hang fails the test
+        seen["inputs"] += 1
+        seen[f"{response.status_code // 100}xx"] += 1
+        assert response.status_code < 500, f"{case.method} {case.path} {case.body!r:.300}: {response.text[:300]}"
+        if response.status_code >= 400:
+            error = response.json()["error"]
+            assert isinstance(error["message"], str) and error["message"].strip(), response.text[:300]
+
+    check()
+
+
+def test_the_agent_answers_a_known_greedy_completion_as_before(agent, before):
+    assert seen["inputs"] >= EXAMPLES  # the fuzzing above ran
+    assert agent.complete(**KNOWN)["choices"][0]["text"] == before
+    if report := os.environ.get("FLASHMOE_FUZZ_REPORT"):
+        Path(report).write_text(json.dumps({"examples_per_operation": EXAMPLES, **seen}, indent=1) + "\n")

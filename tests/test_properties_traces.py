@@ -1,0 +1,89 @@
+"""Hypothesis: the trace readers round-trip any valid routing, and answer any damaged file (a line
+replaced by arbitrary JSON or text, arbitrary NPZ arrays) with a Trace or a TraceError naming the
+file, never another exception."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from agent.traces import TraceError, read_jsonl, read_npz
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                       max_size=4), max_leaves=12)
+
+
+@st.composite
+def routings(draw) -> tuple[dict, list[dict]]:
+    """A decode-layout trace: meta, then per token a non-empty set of distinct experts per layer."""
+    n_layers, n_experts = draw(st.integers(1, 3)), draw(st.integers(1, 12))
+    top_k = draw(st.integers(1, n_experts))
+    sets = st.lists(st.integers(0, n_experts - 1), min_size=1, max_size=n_experts, unique=True)
+    records = [{"step": step, "session": draw(st.integers(0, 2)),
+                "routed": {str(layer): draw(sets) for layer in range(n_layers)}}
+               for step in range(draw(st.integers(1, 8)))]
+    return {"model": "fuzz", "layers": n_layers, "top_k": top_k, "n_experts": n_experts}, records
+
+
+@contextlib.contextmanager
+def written(name: str, content: str | bytes) -> Iterator[Path]:
+    """`content` in a fresh file (hypothesis runs many examples per test: no function-scoped tmp_path)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8", "surrogatepass"))
+        yield path
+
+
+def jsonl(lines: list[str]) -> str:
+    return "\n".join(lines) + "\n"
+
+
+@given(routings())
+def test_a_valid_jsonl_trace_reads_back_as_written(routing):
+    meta, records = routing
+    with written("trace.jsonl", jsonl([json.dumps({"meta": meta}), *map(json.dumps, records)])) as path:
+        trace = read_jsonl(path)
+    assert trace.rows() == [r["routed"][str(layer)] for r in records for layer in range(meta["layers"])]
+    opened = [i for i, r in enumerate(records) if i == 0 or r["session"] != records[i - 1]["session"]]
+    assert trace.session_starts.tolist() == opened
+
+
+@given(routings(), st.data())
+def test_a_damaged_jsonl_line_is_a_trace_error_naming_the_file(routing, data):
+    meta, records = routing
+    lines = [json.dumps({"meta": meta}), *map(json.dumps, records)]
+    where = data.draw(st.integers(0, len(lines) - 1))
+    lines[where] = data.draw(st.text(max_size=40) | json_values.map(json.dumps) | st.builds(
+        lambda r, v: json.dumps({**r, "routed": v}), st.just(records[0]), json_values))
+    with written("trace.jsonl", jsonl(lines)) as path:
+        try:
+            read_jsonl(path)
+        except TraceError as err:
+            assert str(path) in str(err)
+
+
+arrays = hnp.arrays(st.sampled_from([np.int8, np.int32, np.int64, np.float32, np.uint16]),
+                    hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
+
+
+@given(st.dictionaries(st.sampled_from(["expert_ids", "prompt_offsets", "prompt_numbers", "layers", "meta"]),
+                       arrays | st.text(max_size=20).map(np.array), min_size=3))
+def test_arbitrary_npz_arrays_are_a_trace_or_a_trace_error(contents):
+    buffer = io.BytesIO()
+    np.savez(buffer, **contents)
+    with written("trace.npz", buffer.getvalue()) as path:
+        try:
+            trace = read_npz(path)
+        except TraceError as err:
+            assert str(path) in str(err)
+            return
+    assert trace.n_tokens >= 1 and trace.experts.min() >= 0
