@@ -173,7 +173,8 @@ def prefetch(url: str) -> bool:
 
 def apply_prefetch(at: AppTest, value: bool, forced: bool = False) -> AppTest:
     """Toggle prefetch and press Apply; `forced` as a hostile browser would, disabled widgets or not."""
-    toggle, button = next(t for t in at.toggle if t.label == "prefetch"), next(b for b in at.button if b.label == "Apply")
+    toggle = next(t for t in at.toggle if t.label == "prefetch")
+    button = next(b for b in at.button if b.label == "Apply")
     if forced:
         toggle.proto.disabled = button.proto.disabled = False
     toggle.set_value(value)

@@ -6,7 +6,7 @@ knob ("api" by default, "dashboard" from the dashboard) and goes into the store 
 
 Work per request is bounded before it starts (agent.serve.limits): a body over the limit is refused
 unread (413), a text prompt over `max_prompt_bytes` is refused before it is tokenized (413), and
-tokenizing runs on a worker thread (the tokenizer releases the GIL), so the event loop keeps
+tokenizing runs on one worker thread (the tokenizer releases the GIL), so the event loop keeps
 answering /v1/status meanwhile. A client that goes away cancels its request,
 streaming or not.
 """
@@ -18,6 +18,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Request
@@ -72,6 +73,8 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
     app.add_exception_handler(StarletteHTTPException, _http_error)  # ours, and FastAPI's own (a body not JSON)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(BodyLimit, limit=body_limit(max_prompt_bytes))
+    # one tokenizing thread: a burst of long prompts queues for one core and leaves the other to the event loop
+    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
     model_name = runtime.opts.model_dir.name
     config = runtime.engine.config
     stop_ids = frozenset([] if config.eos_token_id is None else [config.eos_token_id])
@@ -128,7 +131,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
         if isinstance(body.prompt, str) and len(body.prompt.encode()) > max_prompt_bytes:
             raise HTTPException(413, f"prompt is {len(body.prompt.encode())} bytes; this agent takes at most "
                                      f"{max_prompt_bytes} (serve --max-prompt-bytes)")
-        prompt_ids = await asyncio.to_thread(_prompt_ids, body, tokenizer, config)
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(tokenizing, _prompt_ids, body, tokenizer, config)
         queue: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         job = Job(id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=prompt_ids, max_tokens=body.max_tokens,

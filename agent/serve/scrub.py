@@ -88,6 +88,7 @@ class Scrub:
                 pool.close()
 
     def describe(self) -> dict[str, Any]:
-        state = "done" if self.finished else "running" if self._thread is not None and self._thread.is_alive() else "stopped"
+        running = self._thread is not None and self._thread.is_alive()
+        state = "done" if self.finished else "running" if running else "stopped"
         return {"state": state, "checked_blocks": self.checked, "started": self.started,
                 "finished": self.finished or None}
