@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import reprlib
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +56,10 @@ class Knob:
 
     def _number(self, value: Any) -> int | float:
         # JSON has no int/float distinction a client can rely on: accept 3.0 for an int knob, refuse 3.5.
-        # NaN compares false with every bound and Infinity has no int: both are refused here.
+        # NaN compares false with every bound, Infinity has no int and a 400-digit int no float: refused here.
         if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or (isinstance(value, float) and not math.isfinite(value))):
+                or (isinstance(value, float) and not math.isfinite(value))
+                or (self.kind is float and abs(value) > sys.float_info.max)):
             raise KnobError(self.name, f"{self.name} must be a finite number between {_fmt(self.lo)} and "
                                        f"{_fmt(self.hi)}; got {_shown(value)}")
         if self.kind is int:

@@ -53,6 +53,7 @@ def test_valid_changes_are_converted(knobs):
     ({"policy": ["lru"]}, "policy", ["one of"]),
     ({"policy": "x" * 10_000}, "policy", ["xxx..."]),  # the refused value is quoted short
     ({"max_batch_size": 10 ** 400}, "max_batch_size", ["between 1 and 256"]),
+    ({"ssd_util_threshold": 10 ** 400}, "ssd_util_threshold", ["finite number"]),  # no float holds it
 ])
 def test_bad_value_names_the_knob_and_the_range(knobs, changes, knob, words):
     with pytest.raises(KnobError) as err:

@@ -128,12 +128,13 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        if isinstance(body.prompt, str) and len(body.prompt.encode()) > max_prompt_bytes:
-            raise HTTPException(413, f"prompt is {len(body.prompt.encode())} bytes; this agent takes at most "
-                                     f"{max_prompt_bytes} (serve --max-prompt-bytes)")
-        prompt_ids = await asyncio.get_running_loop().run_in_executor(tokenizing, _prompt_ids, body, tokenizer, config)
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+        size = len(body.prompt.encode()) if isinstance(body.prompt, str) else 0
+        if size > max_prompt_bytes:
+            raise HTTPException(413, f"prompt is {size} bytes; this agent takes at most {max_prompt_bytes} "
+                                     f"(serve --max-prompt-bytes)")
         loop = asyncio.get_running_loop()
+        prompt_ids = await loop.run_in_executor(tokenizing, _prompt_ids, body, tokenizer, config)
+        queue: asyncio.Queue[Event] = asyncio.Queue()
         job = Job(id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=prompt_ids, max_tokens=body.max_tokens,
                   temperature=body.temperature, stop_ids=stop_ids,
                   sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
