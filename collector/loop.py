@@ -1,4 +1,5 @@
-"""`flashmoe-cli collect`: sample the SSD, block devices, memory and pressure into the store.
+"""`flashmoe-cli collect`: sample the SSD, block devices, memory and pressure into the store, and
+with --listen export them to Prometheus (collector.export).
 
 Each tick (default 1 s) every sampler is read; a sampler whose source is missing (no NVMe, no
 PSI, agent not running, no permission) is reported once per change, as a log line and a store
@@ -15,14 +16,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 import pyudev
+from prometheus_client import CollectorRegistry, start_http_server
 
+from collector.export import MachineExport
 from collector.samplers import (AgentSampler, BlockSampler, NvmeSampler, PressureSampler, Sampler, SelfSampler,
                                 SystemMemorySampler)
 from collector.status import SourceStatus
 from machine import pressure
-from machine.devices import BlockDevice, HotplugWatcher, block_devices, disk_holding, nvme_controllers
+from machine.devices import BlockDevice, HotplugWatcher, NvmeController, block_devices, disk_holding, nvme_controllers
+from machine.identity import add_device_name
 from machine.sources import SourceUnavailable
 from store.db import Store
 from store.errors import StoreError
@@ -40,6 +45,8 @@ class Collector:
     store_path: Path | None = None
     context: pyudev.Context = field(default_factory=pyudev.Context)
     samplers: list[Sampler] = field(default_factory=list)
+    disks: list[str] = field(default_factory=list, init=False)              # what discover() found: the
+    controllers: list[NvmeController] = field(default_factory=list, init=False)  # export reads them at scrape
     hotplug: HotplugWatcher | None = None
 
     def __post_init__(self) -> None:
@@ -64,6 +71,7 @@ class Collector:
             disks.append(held)      # e.g. the store on a dm or loop device
         self.samplers = [*self.fixed, *(BlockSampler(d.name) for d in disks),
                          *(NvmeSampler(c, self.status) for c in controllers)]
+        self.disks, self.controllers = [d.name for d in disks], controllers
         description = ", ".join(d.describe() for d in disks) or "none"
         log.info("block devices: %s; NVMe controllers: %s", description,
                  ", ".join(f"{c.name} ({c.model}, serial {c.serial})" for c in controllers) or "none")
@@ -152,13 +160,14 @@ def collect(collector: Collector, interval: float, stop: threading.Event, durati
                 log.error("%s", e)
 
 
-def open_store(path: Path, stop: threading.Event, retry_s: float = 1.0) -> Store | None:
+def open_store(path: Path, stop: threading.Event, device_name: str | None = None,
+               retry_s: float = 1.0) -> Store | None:
     """Open the store, waiting while another process holds its write lock (a busy agent must not
     make the collector exit, which would stop the whole Procfile). None if stopped meanwhile."""
     logged = False
     while True:
         try:
-            return Store(path)
+            return Store(path, device_name=device_name)
         except StoreError as e:
             if "locked" not in str(e) and "busy" not in str(e):
                 raise
@@ -176,9 +185,29 @@ def _positive(text: str) -> float:
     return value
 
 
+def listen_address(text: str) -> tuple[str, int]:
+    """--listen HOST:PORT (IPv6 in brackets); port 0 picks a free one."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:9600 or [::1]:9600)")
+    return host.strip("[]"), int(port)
+
+
+def start_export(collector: Collector, device_name: str, pid_file: Path | None,
+                 address: tuple[str, int]) -> WSGIServer:
+    """Serve collector.export's families on http://HOST:PORT/metrics; returns the server (shutdown() stops it)."""
+    registry = CollectorRegistry()
+    registry.register(MachineExport(device_name, lambda: collector.disks, lambda: collector.controllers, pid_file))
+    server, _ = start_http_server(address[1], address[0], registry)
+    log.info("exporting to Prometheus on http://%s:%d/metrics as device %s", address[0],
+             server.server_address[1], device_name)
+    return server
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("example:\n  flashmoe-cli collect --db data/flashmoe.db --pid-file data/agent.pid "
-                     "--store-path data/demo --duration 60")
+                     "--store-path data/demo --duration 60\n"
+                     "  flashmoe-cli collect --db data/flashmoe.db --device-name edge-01 --listen 0.0.0.0:9600")
     parser.add_argument("--db", required=True, type=Path, help="the store file (created if missing)")
     parser.add_argument("--interval", type=_positive, default=1.0, help="seconds between samples (default 1)")
     parser.add_argument("--duration", type=_positive, default=None, help="stop after this many seconds "
@@ -186,6 +215,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pid-file", type=Path, default=None, help="the agent's pid file, for its memory")
     parser.add_argument("--store-path", type=Path, default=None,
                         help="the expert store: its disk is always sampled and named in an event")
+    add_device_name(parser, "every series --listen exports")
+    parser.add_argument("--listen", type=listen_address, default=None, metavar="HOST:PORT",
+                        help="also export the readings to Prometheus at http://HOST:PORT/metrics (no control "
+                             "calls there, so no token; node_exporter / smartctl_exporter names)")
     parser.add_argument("--retention-days", type=_positive, default=DEFAULT_RETENTION_DAYS,
                         help="delete data older than this (default 7)")
 
@@ -195,17 +228,26 @@ def run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        store = open_store(args.db, stop)
+        store = open_store(args.db, stop, args.device_name)
     except StoreError as e:
         log.error("%s", e)
         return 1
     if store is None:
         return 0
+    export = None
     try:
         collector = Collector(store, args.pid_file, args.store_path)
+        if args.listen:
+            try:
+                export = start_export(collector, args.device_name, args.pid_file, args.listen)
+            except OSError as e:
+                log.error("cannot export on %s:%d: %s; pass another --listen", *args.listen, e.strerror)
+                return 2
         log.info("collecting every %.3g s into %s", args.interval, args.db)
         collect(collector, args.interval, stop, args.duration, args.retention_days)
     finally:
+        if export is not None:
+            export.shutdown()
         ok = store.close()
     log.info("collector stopped; store %s", "flushed" if ok else "NOT fully written (see errors above)")
     return 0 if ok else 1

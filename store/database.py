@@ -56,8 +56,10 @@ def advice_for(error: sqlite3.Error, path: Path) -> str:
     return f"check that {path} is a FlashMoE store on a healthy disk"
 
 
-def open_database(path: Path, busy_timeout_s: float, create: bool = True) -> sqlite3.Connection:
-    """Open (or, with `create`, create) the store file in WAL mode with the schema in place.
+def open_database(path: Path, busy_timeout_s: float, create: bool = True,
+                  device_name: str | None = None) -> sqlite3.Connection:
+    """Open (or, with `create`, create) the store file in WAL mode with the schema in place; a writer
+    that names its device claims the store for it (claim_device).
 
     Plain sqlite3, not sqlite-utils: importing sqlite-utils imports pandas when it is installed
     (streamlit brings it), which cost the always-on collector 1.7 s at start and ~80 MB of RSS on
@@ -84,6 +86,8 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True) -> sql
         # One transaction: a writer killed mid-creation or mid-upgrade leaves no half-made schema behind.
         with transaction(conn):
             _ensure_schema(conn, path)
+            if device_name is not None:
+                claim_device(conn, path, device_name)
     except sqlite3.DatabaseError as e:
         conn.close()
         raise StoreError(f"cannot open {path} as a FlashMoE store: {e}; "
@@ -111,6 +115,16 @@ def _refuse_foreign(conn: sqlite3.Connection, path: Path) -> None:
     if problem is not None:
         raise StoreError(f"{path}: {problem}. FlashMoE adds no tables to it; point --db at a new file "
                          f"or at a FlashMoE store (e.g. data/flashmoe.db)")
+
+
+def claim_device(conn: sqlite3.Connection, path: Path, device_name: str) -> None:
+    """One store holds one device's telemetry, so its rows need no device column: the first writer
+    that names its device records it in meta, and a writer for another device is refused."""
+    conn.execute("INSERT OR IGNORE INTO meta VALUES ('device_name', ?)", (device_name,))
+    stored = conn.execute("SELECT value FROM meta WHERE key = 'device_name'").fetchone()[0]
+    if stored != device_name:
+        raise StoreError(f"{path} holds the telemetry of device {stored!r}, not {device_name!r}: each device keeps "
+                         f"its own store; give this device its own --db, or pass --device-name {stored}")
 
 
 def _ensure_schema(conn: sqlite3.Connection, path: Path) -> None:

@@ -82,12 +82,12 @@ class Store:
     def __init__(self, path: str | os.PathLike[str], *, chunk_points: int = 600,
                  autoflush_s: float = 1.0, busy_timeout_s: float = 2.0,
                  max_held_points: int = 3_600, max_held_rows: int = 100_000, retry_s: float = 5.0,
-                 create: bool = True) -> None:
+                 create: bool = True, device_name: str | None = None) -> None:
         self.path = Path(path)
         self.max_held_points = max_held_points
         self.max_held_rows = max_held_rows
         self.retry_s = retry_s
-        self.conn = open_database(self.path, busy_timeout_s, create)
+        self.conn = open_database(self.path, busy_timeout_s, create, device_name)
         self.lost = Lost()
         self._series = SeriesWriter(chunk_points)
         self._rows = RowWriter()

@@ -1,6 +1,7 @@
-"""The fleet through Prometheus: three real agents (three ports, three device names, three tokens)
-and a fourth address where no agent answers, scraped by Debian's Prometheus with examples/alerts.yml
-loaded; the Fleet page in Chromium lists every device and the firing FlashMoEAgentDown alert, and
+"""The fleet through Prometheus: three real agents (three ports, three device names, three tokens),
+edge-a's collector (`collect --listen`) and a fourth address where no agent answers, scraped by
+Debian's Prometheus with examples/alerts.yml loaded; the Fleet page in Chromium lists every device
+and the firing FlashMoEAgentDown alert, and
 pushes a knob change to two agents, which alone change. Under AppTest, a push that one agent
 refuses (a wrong token) changes nothing there and shows that agent's answer. Unit tests cover the
 pure parts of dashboard/fleet.py.
@@ -24,7 +25,7 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 from streamlit.testing.v1 import AppTest
 
-from agents import ROOT, Agent, Prometheus, demo_model, free_port, spawn, start_agent, start_prometheus, stop, wait_http
+from agents import CLI, ROOT, Agent, Prometheus, demo_model, free_port, spawn, start_agent, start_prometheus, stop, wait_http
 from dashboard import fleet
 from test_browser import CHROMIUM, CHROMIUM_ARGS, RENDER_TIMEOUT_MS
 from test_serve import wait_for
@@ -55,17 +56,23 @@ def real_fleet(tmp_path_factory) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("fleet")
     model = demo_model(tmp_path_factory)
     dead, targets = f"127.0.0.1:{free_port()}", root / "targets.json"
+    collector = f"127.0.0.1:{free_port()}"
     write_targets(targets, [dead])
     config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
               "rule_files": [str(ROOT / "examples" / "alerts.yml")],
-              "scrape_configs": [{"job_name": fleet.AGENT_JOB, "file_sd_configs": [{"files": [str(targets)]}]}]}
+              "scrape_configs": [{"job_name": fleet.AGENT_JOB, "file_sd_configs": [{"files": [str(targets)]}]},
+                                 {"job_name": "flashmoe-collector", "static_configs": [{"targets": [collector]}]}]}
     # Prometheus first: the dead target's minute before its alert fires runs while the agents load.
     prometheus = start_prometheus(root, config)
     agents: dict[str, Agent] = {}
+    collecting = None
     try:
         for name in DEVICES:
             (root / name).mkdir()
             agents[name] = start_agent(model, root / name, "--device-name", name, "--token", TOKENS[name])
+        edge_a = agents["edge-a"]
+        collecting = spawn([*CLI, "collect", "--db", str(edge_a.db), "--pid-file", str(edge_a.pid_file),
+                            "--device-name", "edge-a", "--listen", collector], root / "collector.log")
         write_targets(targets, [dead, *(a.url.removeprefix("http://") for a in agents.values())])
         wait_for(lambda: len(prometheus.query(f'up{{job="{fleet.AGENT_JOB}"}} == 1')) == 3, 60, "three agents up")
         for i in range(3):      # after the first scrape, so rate() sees the counters rise
@@ -75,6 +82,8 @@ def real_fleet(tmp_path_factory) -> Iterator[Fleet]:
         tokens_file.write_text(json.dumps(WRONG_TOKENS))
         yield Fleet(agents, dead, prometheus, tokens_file)
     finally:
+        if collecting is not None:
+            stop(collecting)
         for agent in agents.values():
             agent.stop()
         prometheus.stop()
@@ -84,6 +93,8 @@ def scraped(f: Fleet) -> None:
     """Wait until Prometheus has recorded the three agents' figures and fires the dead address's alert."""
     wait_for(lambda: len(f.prometheus.query("device_name:flashmoe_expert_cache_hit_ratio:rate5m")) == 3, 60,
              "the recorded hit rate of all three")
+    wait_for(lambda: f.prometheus.query("device_name:node_disk_io_time_seconds:max_rate5m"), 60,
+             "edge-a's recorded disk utilisation")
     wait_for(lambda: f.prometheus.query('ALERTS{alertname="FlashMoEAgentDown", alertstate="firing"}'), ALERT_WAIT_S,
              "FlashMoEAgentDown to fire for the dead address")
 
@@ -147,6 +158,13 @@ def test_an_agent_that_refuses_a_push_keeps_its_value_and_its_answer_is_shown(re
     at = AppTest.from_file(APP, default_timeout=60).run()
     at.switch_page("views/fleet.py").run()
     assert not at.exception, [e.value for e in at.exception]
+    rows = at.dataframe[0].value.set_index("device")
+    assert list(rows.index) == sorted([*DEVICES, real_fleet.dead])
+    assert list(rows["agent"]) == ["down", "up", "up", "up"] and rows.loc[real_fleet.dead, "firing alerts"] == (
+        "FlashMoEAgentDown")
+    assert rows.loc["edge-a", "memory"] == "ok" and 0 <= rows.loc["edge-a", "SSD utilisation"] <= 1
+    assert list(rows.loc[list(DEVICES), "memory"]) == ["ok", "no collector", "no collector"]
+    assert all(0 <= rows.loc[name, "hit rate"] <= 1 for name in DEVICES)
     at.multiselect(key="fleet-devices").set_value(["edge-b", "edge-c"]).run()
     at.selectbox(key="fleet-knob").set_value("prefetch_depth").run()
     spec = httpx.get(f"{real_fleet.agents['edge-b'].url}/v1/knobs", timeout=10).json()["prefetch_depth"]

@@ -1,13 +1,15 @@
-"""A real Prometheus server scrapes the agent's /metrics; the hit-rate series, the device name on every
-series and the count of knob changes are read back through its query API."""
+"""A real Prometheus server scrapes the agent's /metrics and the collector's `collect --listen` with
+examples/alerts.yml loaded; the hit-rate series, the device name on every series, the count of knob
+changes and the machine's readings under node_exporter's names are read back through its query API."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from agents import demo_model, start_agent, start_prometheus
+from agents import CLI, ROOT, demo_model, free_port, spawn, start_agent, start_prometheus, stop, wait_http
 from test_serve import wait_for
 
 DEVICE = "edge-test"
@@ -24,10 +26,23 @@ def agent(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def prometheus(agent, tmp_path_factory):
+def collector(agent) -> str:
+    """`collect --listen` for the agent's device, writing to the agent's store; yields its scrape address."""
+    port, log = free_port(), agent.db.parent / "collector.log"
+    proc = spawn([*CLI, "collect", "--db", str(agent.db), "--pid-file", str(agent.pid_file), "--device-name", DEVICE,
+                  "--listen", f"127.0.0.1:{port}"], log)
+    wait_http(f"http://127.0.0.1:{port}/metrics", proc, log)
+    yield f"127.0.0.1:{port}"
+    assert stop(proc) == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def prometheus(agent, collector, tmp_path_factory):
     config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-              "scrape_configs": [{"job_name": "flashmoe",
-                                  "static_configs": [{"targets": [agent.url.removeprefix("http://")]}]}]}
+              "rule_files": [str(ROOT / "examples" / "alerts.yml")],
+              "scrape_configs": [
+                  {"job_name": "flashmoe", "static_configs": [{"targets": [agent.url.removeprefix("http://")]}]},
+                  {"job_name": "flashmoe-collector", "static_configs": [{"targets": [collector]}]}]}
     server = start_prometheus(tmp_path_factory.mktemp("prometheus"), config)
     yield server
     server.stop()
@@ -67,3 +82,18 @@ def test_every_series_carries_the_device_name_and_knob_changes_are_counted(agent
     assert r.status_code == 200, r.text
     wait_for(lambda: float(prometheus.query("flashmoe_knob_changes_total")[0]["value"][1]) == before + 2, 30,
              "two more knob changes")
+
+
+def test_the_collector_exports_the_machine_under_exporter_names(agent, prometheus):
+    wait_for(lambda: prometheus.query('up{job="flashmoe-collector"} == 1'), 30, "the collector's first scrape")
+    for name in ("node_memory_MemAvailable_bytes", "node_disk_read_bytes_total", "node_disk_io_time_seconds_total",
+                 "node_vmstat_pgmajfault", "flashmoe_agent_resident_memory_bytes",
+                 "flashmoe_agent_major_page_faults_total"):
+        rows = prometheus.query(name)
+        assert rows and all(r["metric"]["device_name"] == DEVICE for r in rows), name
+    assert float(prometheus.query("flashmoe_agent_resident_memory_bytes")[0]["value"][1]) > 0
+    if Path("/proc/pressure/memory").exists():
+        assert prometheus.query("node_pressure_memory_stalled_seconds_total")
+    utilisation = wait_for(lambda: prometheus.query("device_name:node_disk_io_time_seconds:max_rate5m"), 30,
+                           "the recorded disk utilisation")
+    assert utilisation[0]["metric"]["device_name"] == DEVICE and 0 <= float(utilisation[0]["value"][1]) <= 1

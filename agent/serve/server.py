@@ -22,7 +22,6 @@ import errno
 import ipaddress
 import logging
 import os
-import re
 import signal
 import socket
 from pathlib import Path
@@ -32,11 +31,11 @@ from machine.memory import read_pid_file
 from agent.experts.reader import BACKENDS, IO_THREADS
 from agent.serve.limits import BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES
 from agent.serve.scheduler import ADMIT_WINDOW_S
+from machine.identity import add_device_name
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "FLASHMOE_TOKEN"
-DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")
 
 
 class ServeError(Exception):
@@ -51,9 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", type=Path, help="telemetry store to write statistics and knob changes to, and restore knobs from")
     p.add_argument("--pid-file", type=Path, help="write the agent's pid here (the collector finds the agent by it)")
     p.add_argument("--token", help=f"bearer token control calls must carry (or set {TOKEN_ENV})")
-    p.add_argument("--device-name", type=device_name, default=socket.gethostname(),
-                   help="this device's name in the fleet: the device_name label of every /metrics series "
-                        "(default: the host name)")
+    add_device_name(p, "every /metrics series")
     p.add_argument("--cache-cap", help="expert cache cap: bytes, a size (2GiB) or a share of expert bytes (25%%)")
     p.add_argument("--policy", help="replacement policy (lru, flashmoe, ...)")
     p.add_argument("--backend", choices=BACKENDS, default="direct", help="expert reads: O_DIRECT, buffered or mmap")
@@ -85,14 +82,6 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
-
-
-def device_name(text: str) -> str:
-    """--device-name: a name that fits a Prometheus label, a URL and a log line as it is."""
-    if not DEVICE_NAME.match(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device name: use 1-63 letters, digits, '.', '_' "
-                                         f"or '-', starting with a letter or digit")
-    return text
 
 
 def is_loopback(host: str) -> bool:
@@ -193,7 +182,7 @@ def serve(args: argparse.Namespace) -> None:
             from store.db import Store
             from store.errors import StoreError as DbError
             try:
-                store = Store(args.db)
+                store = Store(args.db, device_name=args.device_name)
             except DbError as exc:
                 raise ServeError(str(exc)) from None
         try:

@@ -1,0 +1,92 @@
+"""collector/export.py: the machine's readings under node_exporter's and smartctl_exporter's names.
+
+Exact values from a written /proc and /sys tree; the real machine's own files through a real
+`collect --listen` are scraped by Prometheus in tests/test_prometheus.py.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agents import CLI, ROOT
+from collector.export import MachineExport
+
+MEMINFO = "MemTotal:       16000000 kB\nMemAvailable:    4000000 kB\nActive(anon):     123 kB\nHugePages_Total:  0\n"
+VMSTAT = "pgfault 1000\npgmajfault 42\nworkingset_refault_file 7\nnr_free_pages 5\n"
+PSI = "some avg10=1.00 avg60=0.50 avg300=0.10 total=2500000\nfull avg10=0.50 avg60=0.20 avg300=0.05 total=1500000\n"
+# reads, merged, sectors read, ms reading, writes, merged, sectors written, ms writing, in flight, io ms, queue ms
+STAT = "100 0 2048 300 50 0 1024 200 2 4000 6000 0 0 0 0\n"
+
+
+def machine(tmp_path: Path, psi: bool = True) -> tuple[Path, Path, Path]:
+    proc, sys_block = tmp_path / "proc", tmp_path / "sys" / "block"
+    (proc / "pressure").mkdir(parents=True)
+    (proc / "meminfo").write_text(MEMINFO)
+    (proc / "vmstat").write_text(VMSTAT)
+    if psi:
+        for resource in ("memory", "io"):
+            (proc / "pressure" / resource).write_text(PSI)
+    pid = proc / str(os.getpid())      # the "agent" is this test process (its pid is alive)
+    pid.mkdir()
+    (pid / "status").write_text("Name:\tpython\nVmRSS:\t  2048 kB\n")
+    (pid / "stat").write_text(f"{os.getpid()} (py thon) S 1 1 1 0 -1 0 11 0 22 0 0 0\n")
+    (sys_block / "vdz").mkdir(parents=True)
+    (sys_block / "vdz" / "stat").write_text(STAT)
+    pid_file = tmp_path / "agent.pid"
+    pid_file.write_text(f"{os.getpid()}\n")
+    return proc, sys_block, pid_file
+
+
+def registry(proc: Path, sys_block: Path, pid_file: Path | None) -> CollectorRegistry:
+    reg = CollectorRegistry()
+    reg.register(MachineExport("edge-01", lambda: ["vdz"], lambda: [], pid_file, proc, sys_block))
+    return reg
+
+
+def test_readings_are_exported_under_node_exporter_names_with_the_device_name(tmp_path):
+    reg = registry(*machine(tmp_path))
+    value = lambda name, **labels: reg.get_sample_value(name, {"device_name": "edge-01", **labels})  # noqa: E731
+    assert value("node_memory_MemAvailable_bytes") == 4_000_000 * 1024
+    assert value("node_memory_Active_anon_bytes") == 123 * 1024
+    assert value("node_vmstat_pgmajfault") == 42 and value("node_vmstat_workingset_refault_file") == 7
+    assert value("node_vmstat_nr_free_pages") is None                     # only the listed fields
+    assert value("node_pressure_memory_stalled_seconds_total") == 1.5    # "full" total, µs -> s
+    assert value("node_pressure_io_waiting_seconds_total") == 2.5        # "some"
+    assert value("node_disk_read_bytes_total", device="vdz") == 2048 * 512
+    assert value("node_disk_written_bytes_total", device="vdz") == 1024 * 512
+    assert value("node_disk_io_time_seconds_total", device="vdz") == 4.0
+    assert value("node_disk_reads_completed_total", device="vdz") == 100
+    assert value("node_disk_io_now", device="vdz") == 2
+    assert value("flashmoe_agent_resident_memory_bytes") == 2048 * 1024
+    assert value("flashmoe_agent_major_page_faults_total") == 22
+    assert value("flashmoe_agent_minor_page_faults_total") == 11
+    text = generate_latest(reg).decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    assert samples and all(s.labels["device_name"] == "edge-01" for s in samples)
+    assert "smartctl_" not in text                                       # no controller: no empty families
+
+
+def test_a_missing_source_leaves_out_only_its_own_series(tmp_path):
+    proc, sys_block, pid_file = machine(tmp_path, psi=False)
+    pid_file.write_text("999999999\n")                                   # the agent is not running
+    (sys_block / "vdz" / "stat").write_text("garbage\n")
+    reg = registry(proc, sys_block, pid_file)
+    names = {f.name for f in reg.collect()}
+    assert "node_memory_MemAvailable_bytes" in names and "node_vmstat_pgmajfault" in names
+    assert not {n for n in names if n.startswith(("node_pressure", "node_disk", "flashmoe_agent"))}
+
+
+def test_a_busy_listen_port_is_one_line_and_the_store_is_closed(tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = subprocess.run([*CLI, "collect", "--db", str(tmp_path / "s.db"), "--listen", f"127.0.0.1:{port}",
+                                 "--duration", "5"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"cannot export on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
