@@ -23,10 +23,12 @@ from pathlib import Path
 import httpx
 import pytest
 from playwright.sync_api import expect, sync_playwright
+from streamlit import config
 from streamlit.testing.v1 import AppTest
 
 from agents import CLI, ROOT, Agent, Prometheus, demo_model, free_port, spawn, start_agent, start_prometheus, stop, wait_http
 from dashboard import fleet
+from dashboard.agent_client import TOKEN_ENV
 from test_browser import CHROMIUM, CHROMIUM_ARGS, RENDER_TIMEOUT_MS
 from test_serve import wait_for
 
@@ -246,3 +248,32 @@ def test_an_unreachable_prometheus_is_one_line_not_a_traceback(monkeypatch):
     at.switch_page("views/fleet.py").run()
     assert not at.exception
     assert "did not answer" in at.error[0].value and fleet.PROMETHEUS_ENV in at.error[0].value
+
+
+def test_an_exposed_dashboard_pushes_nothing_before_the_token_is_entered(real_fleet, monkeypatch):
+    """The Fleet push is a control action behind dashboard/auth.py's gate, like the Tuning page's Apply."""
+    scraped(real_fleet)
+    monkeypatch.setenv(fleet.PROMETHEUS_ENV, real_fleet.prometheus.url)
+    monkeypatch.setenv(fleet.TOKENS_ENV, str(real_fleet.tokens_file))
+    monkeypatch.setenv(TOKEN_ENV, "the-dashboard-token")
+    before = knob(real_fleet.agents["edge-a"], "prefetch")
+    address = config.get_option("server.address")
+    config.set_option("server.address", "0.0.0.0")
+    try:
+        at = AppTest.from_file(APP, default_timeout=60).run()
+        at.switch_page("views/fleet.py").run()
+        at.multiselect(key="fleet-devices").set_value(["edge-a"]).run()
+        at.selectbox(key="fleet-knob").set_value("prefetch").run()
+        assert "control is locked" in " ".join(i.value for i in at.info)
+        toggle = next(t for t in at.toggle if t.label == "prefetch")
+        button = next(b for b in at.button if b.label.startswith("Push prefetch"))
+        assert button.disabled
+        toggle.set_value(not before)
+        button.proto.disabled = False                       # as a hostile browser would
+        button.click().run()
+    finally:
+        config.set_option("server.address", address)
+    assert not at.exception, [e.value for e in at.exception]
+    shown = " ".join(t.value.to_string() for t in at.table) + " ".join(w.value for w in [*at.success, *at.warning])
+    assert "accepted" not in shown
+    assert knob(real_fleet.agents["edge-a"], "prefetch") == before

@@ -6,7 +6,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dashboard import components, data, fleet, settings, transforms
+from dashboard import auth, components, data, fleet, settings, transforms
 
 prometheus_url, tokens_file, default_token = fleet.settings()
 
@@ -78,8 +78,14 @@ def push_form(rows: list[fleet.Device], tokens: dict[str, str]) -> None:
     name = st.selectbox("Knob", list(first), key="fleet-knob")
     value = components.knob_widget(name, first[name], disabled=False)
     st.table(pd.DataFrame([current(device, knobs, name) for device, knobs in described.items()]).set_index("device"))
-    if st.button(f"Push {name} = {transforms.value_text(name, value)} to {len(targets)} device(s)", type="primary"):
-        st.session_state["fleet-push"] = fleet.push(targets, {name: value}, tokens, default_token)
+    lock = auth.control_lock()
+    if lock:
+        st.info(lock, icon=":material/lock:")
+    if st.button(f"Push {name} = {transforms.value_text(name, value)} to {len(targets)} device(s)", type="primary",
+                 disabled=bool(lock)):
+        lock = auth.control_lock()      # again at send time: a browser can click a disabled button
+        st.session_state["fleet-push"] = ([fleet.PushResult(d.name, f"not sent: {lock}") for d in targets] if lock
+                                          else fleet.push(targets, {name: value}, tokens, default_token))
         st.rerun()
 
 
