@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from agent.policies import policy_factory, policy_names
@@ -25,6 +26,9 @@ from agent.policies.belady import BeladyOracle
 from agent.policies.lfu import DEFAULT_WINDOW
 from agent.residency import SCOPES, Residency
 from agent.traces import Trace, TraceError, access_sequence, load, parse_prompts, walk
+
+if TYPE_CHECKING:
+    from agent.learned.online import OnlineConfig, OnlineLearner
 
 SSD_READ_S = 80e-6  # one random NVMe read (DESIGN.md), the synthetic series' floor
 
@@ -73,10 +77,15 @@ class SimResult:
     hits: int
     accesses: int
     slots: int
+    online: dict | None = None  # the online learner's summary (updates, rollbacks, ...) when it ran
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy} online" if self.online is not None else self.policy
 
     def as_dict(self) -> dict:
         return {**asdict(self), "hit_rate": self.hit_rate}
@@ -94,28 +103,55 @@ def capacity_slots(trace: Trace, fraction: float, scope: str) -> int:
 
 
 def simulate(trace: Trace, policy: str, capacity: float, scope: str = "layer",
-             system: SystemReplay | None = None, **options) -> SimResult:
-    """Replay `trace` through a cache of `capacity` (a fraction of all experts) run by `policy`."""
+             system: SystemReplay | None = None, online: OnlineConfig | None = None, **options) -> SimResult:
+    """Replay `trace` through a cache of `capacity` (a fraction of all experts) run by `policy`;
+    with `online`, the learned policy keeps learning from the replayed past (agent.learned.online)."""
+    residency, learner = cache_for(trace, policy, capacity, scope, online, **options)
+    replay(trace, residency, system or SystemReplay.synthetic())
+    hits = sum(s.hits for s in residency.stats)
+    return SimResult(trace.name, policy, capacity, scope, hits, hits + sum(s.misses for s in residency.stats),
+                     residency.capacity, dict(learner.summary()) if learner is not None else None)
+
+
+def cache_for(trace: Trace, policy: str, capacity: float, scope: str = "layer", online: OnlineConfig | None = None,
+              **options) -> tuple[Residency, OnlineLearner | None]:
+    """The empty cache simulate() replays `trace` through, and its online learner (with `online`)."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     slots = capacity_slots(trace, capacity, scope)
     if policy == "belady" and "oracle" not in options:
         options["oracle"] = BeladyOracle(access_sequence(trace))
-    residency = Residency(slots, trace.n_layers, policy_factory(policy, **options), scope, trace.max_set)
-    replay(trace, residency, system or SystemReplay.synthetic())
-    hits = sum(s.hits for s in residency.stats)
-    return SimResult(trace.name, policy, capacity, scope, hits, hits + sum(s.misses for s in residency.stats), slots)
+    learner = None
+    if online is not None:
+        learner = options["learner"] = _learner(trace, policy, slots, scope, online, options.pop("model_path", None))
+    return Residency(slots, trace.n_layers, policy_factory(policy, **options), scope, trace.max_set), learner
 
 
-def replay(trace: Trace, residency: Residency, system: SystemReplay) -> None:
-    """Drive `residency` through every step of `trace`, as the runtime would. A trace the runtime
-    recorded with monitoring samples gets those, where its cache fed them, instead of `system`."""
+def _learner(trace: Trace, policy: str, slots: int, scope: str, config: OnlineConfig, model_path: str | None):
+    """The in-line online learner for a replay of `trace` (the agent runs the same one in the background)."""
+    if policy != "flashmoe":
+        raise ValueError(f"online learning applies to the learned policy (flashmoe), not {policy!r}")
+    from agent.learned.online import CacheShape, OnlineLearner
+    from agent.learned.scorer import shared_net
+    from agent.policies.flashmoe import DEFAULT_WEIGHTS
+    return OnlineLearner(shared_net(str(Path(model_path or DEFAULT_WEIGHTS).resolve())),
+                         CacheShape(slots, trace.n_layers, trace.n_experts, scope, trace.max_set), config)
+
+
+def replay(trace: Trace, residency: Residency, system: SystemReplay, tokens: range | None = None) -> None:
+    """Drive `residency` through every step of `trace` (or those of `tokens`), as the runtime would.
+    A trace the runtime recorded with monitoring samples gets those, where its cache fed them,
+    instead of `system`."""
     route, access = residency.route, residency.access
     recorded = trace.system
+    tokens = tokens if tokens is not None else range(trace.n_tokens)
     token = -1
     for row, (new_session, layer, experts) in enumerate(walk(trace)):
         if layer == 0:
             token += 1
+        if token not in tokens:
+            continue
+        if layer == 0:
             if new_session:
                 residency.session()
             sample = None if recorded else system.at(token)
@@ -138,8 +174,10 @@ EXAMPLE = """example:
   flashmoe-cli simulate --trace ../shared/traces/decode/olmoe_math.jsonl \\
       ../shared/traces/prefill/deepseek_v2_lite_puffin_0001-1000.npz --prompts 801..1000 \\
       --policy lru,lfu,arc,least-stale,belady --capacity 0.25 --scope layer
+  flashmoe-cli simulate --trace ../shared/traces/decode/qwen_dialogue.jsonl --policy flashmoe --online
 
-lru and belady always run: they are the two ends of the gap the table reports."""
+lru and belady always run: they are the two ends of the gap the table reports. --online adds the
+learned policy learning online from the replayed past ("flashmoe online") beside the offline one."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,6 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, metavar="W", help=f"lfu-window: window in accesses of one layer (default {DEFAULT_WINDOW})")
     parser.add_argument("--system-series", metavar="FILE", help="monitoring series JSON to replay "
                         "(default: a deterministic synthetic one; a trace recorded with samples replays its own)")
+    parser.add_argument("--online", action="store_true", help="also run flashmoe learning online from the "
+                        "replayed past (agent.learned.online: the agent's loop, run in-line)")
     parser.add_argument("--json", action="store_true", help="print {\"results\": [...]} instead of a table")
     parser.add_argument("--db", metavar="PATH", help="also record each result in this telemetry store "
                         "(the dashboard's Cache page compares policies from it)")
@@ -168,8 +208,13 @@ def run(args: argparse.Namespace) -> int:
         prompts = parse_prompts(args.prompts) if args.prompts else None
         traces = [load(p, args.experts, prompts if p.endswith(".npz") else None) for p in args.trace]
         system = SystemReplay.load(args.system_series) if args.system_series else None
-        results = [simulate(t, p, args.capacity, args.scope, system, **_options(p, args))
-                   for t in traces for p in policies]
+        runs = [(p, None) for p in policies]
+        if args.online:
+            from agent.learned.online import OnlineConfig
+            runs.insert(runs.index(("flashmoe", None)) + 1 if "flashmoe" in policies else -1,
+                        ("flashmoe", OnlineConfig()))
+        results = [simulate(t, p, args.capacity, args.scope, system, online, **_options(p, args))
+                   for t in traces for p, online in runs]
     except (TraceError, ValueError) as e:
         print(f"flashmoe-cli simulate: error: {e}", file=sys.stderr)
         return 2
@@ -192,7 +237,7 @@ def record(db: str, results: Sequence[SimResult]) -> None:
     t = time.time()
     with Store(db) as store:
         for r in results:
-            store.record_simulation(t, r.trace, r.policy, r.capacity, r.scope, r.hit_rate)
+            store.record_simulation(t, r.trace, r.label, r.capacity, r.scope, r.hit_rate)
 
 
 def _policies(text: str) -> list[str]:
@@ -214,9 +259,9 @@ def _options(policy: str, args: argparse.Namespace) -> dict:
 
 def format_table(results: Sequence[SimResult]) -> str:
     """Hit rate per trace and policy, the mean, and each policy's share of the LRU->Belady gap."""
-    policies = list(dict.fromkeys(r.policy for r in results))
+    policies = list(dict.fromkeys(r.label for r in results))
     traces = list(dict.fromkeys(r.trace for r in results))
-    rate = {(r.trace, r.policy): r.hit_rate for r in results}
+    rate = {(r.trace, r.label): r.hit_rate for r in results}
     first = results[0]
     width = max(len(t) for t in traces + ["gap closed"]) + 2
     lines = [f"hit rate, capacity {first.capacity:g} of experts, {first.scope} scope, cold misses counted",

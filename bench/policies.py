@@ -1,91 +1,119 @@
-"""Policies side by side on the report split: hit rate per trace, mean, share of the LRU->Belady gap.
+"""Policies side by side: every setting chosen on the validation split, hit rates on the untouched report split.
 
-    .venv/bin/python bench/policies.py [--traces ../shared/traces] [--policies lru,lfu,...] [--jobs N]
+    .venv/bin/python bench/policies.py [--traces ../shared/traces] [--jobs N] [--policies lru,lfu,...]
 
-Report split (../shared/traces/README.md): olmoe_math, olmoe_dialogue, qwen_dialogue and prefill
-prompts 801..1000; qwen_math is shown on its own row (a period-2 loop: degenerate, out of means).
-Configurations: per-layer scope at capacity 0.25, 0.125 and 0.5, and global scope at 0.25. Cold
-misses count, the cache starts empty, and the gap closed is computed on the mean hit rates.
-FlashMoE runs when its shipped weights exist. The cross-architecture table applies weights trained
-on one architecture's traces (agent/policies/weights/flashmoe-<arch>.safetensors, if shipped) to
-the other architectures' report traces. Every run is one simulate() call of the same library the
-CLI uses; seconds per run are reported only as the simulator's cost. `--jobs N` spreads the runs
-over N processes (results are identical: every run is deterministic and independent).
-JSON: bench/results/policies.json.
+The splits are agent/learned/splits.py's: the learned policy's weights are trained on the train split
+only (agent/policies/weights/), and nothing is fitted or chosen on the report split.
+
+1. Selection, on the validation split (per-layer scope, capacity 0.25): every registered policy
+   (agent.policies.policy_names(): a new policy joins with no edit here) runs with each of its
+   candidate settings (SETTINGS; a policy without any runs as it is), then the learned policy
+   learning online with each candidate OnlineConfig (ONLINE) on top of its chosen setting. Each
+   keeps the candidate with the best mean per-trace share of the LRU->Belady gap.
+2. Report, on the report split: every policy with its chosen setting, and the learned policy
+   online, per layer at capacity 0.25, 0.125 and 0.5 and globally at 0.25; qwen_math (a period-2
+   loop) on its own row, out of the means. Cold misses count; the cache starts empty.
+3. Architectures absent from training: weights trained with one architecture left out of the
+   train split (flashmoe-no-<arch>.safetensors), offline and online, on that architecture's report
+   traces (per layer, capacity 0.25).
+
+Every run is one simulate() call of the library the CLI uses (the online loop is the agent's, run
+in-line). `--jobs N` spreads the runs over N processes; every run is deterministic and independent,
+so the results do not depend on N. JSON: bench/results/policies.json.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from agent.learned.online import OnlineConfig
+from agent.learned.splits import ARCHITECTURES, DEGENERATE, SPLITS, TRACES_DIR, Part
 from agent.policies import policy_names
+from agent.policies.flashmoe import DEFAULT_WEIGHTS, WEIGHTS_DIR
 from agent.simulator import gap_closed, simulate
-from agent.traces import Trace, load, parse_prompts
+from agent.traces import Trace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from bench.common import machine, write_results  # noqa: E402
-WEIGHTS = ROOT / "agent" / "policies" / "weights"
-REPORT = ["decode/olmoe_math.jsonl", "decode/olmoe_dialogue.jsonl", "decode/qwen_dialogue.jsonl",
-          "prefill/deepseek_v2_lite_puffin_0001-1000.npz"]
-DEGENERATE = "decode/qwen_math.jsonl"
-PREFILL_PROMPTS = "801..1000"
+
+SELECT_AT = ("layer", 0.25)
 CONFIGS = [("layer", 0.25), ("layer", 0.125), ("layer", 0.5), ("global", 0.25)]
-BASELINES = ["lru", "lfu", "lfu-window", "arc", "least-stale"]
-ARCHITECTURES = {"olmoe": "olmoe_", "qwen": "qwen_", "deepseek": "deepseek_"}  # weights name -> trace prefix
+LEARNED, ORACLE = "flashmoe", "belady"   # every other registered policy is a classic one
+ONLINE_LABEL = "flashmoe online"
+# Candidate settings per policy, chosen among on the validation split.
+SETTINGS: dict[str, list[dict[str, Any]]] = {
+    "lfu-window": [{"window": w} for w in (64, 128, 256, 512, 1024, 2048)],
+    "flashmoe": [{"decision": "score"}] + [{"decision": "lfu", "keep_percentile": q} for q in (20, 30, 50)],
+}
+ONLINE = [OnlineConfig(lr=1e-3, epochs=2), OnlineConfig(lr=3e-3, epochs=4)]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A column of a table: a policy with options, or the learned policy learning online."""
+    label: str
+    policy: str
+    options: str = "{}"                 # JSON, sorted: hashable
+    online: OnlineConfig | None = None
+
+    @staticmethod
+    def of(label: str, policy: str, options: dict[str, Any], online: OnlineConfig | None = None) -> Candidate:
+        return Candidate(label, policy, json.dumps(options, sort_keys=True), online)
+
+    def setting(self) -> dict[str, Any]:
+        return {**json.loads(self.options), **({"online": asdict(self.online)} if self.online else {})}
+
+
+@dataclass(frozen=True)
+class Task:
+    candidate: Candidate
+    part: Part
+    scope: str
+    capacity: float
 
 
 @dataclass
 class Run:
     trace: str
-    policy: str
+    label: str
+    setting: dict[str, Any]
     scope: str
     capacity: float
     hit_rate: float
     hits: int
     accesses: int
     seconds: float
-    weights: str | None = None
+    learner: dict | None = None   # the online learner's summary: updates, rollbacks, decisions, CPU seconds
 
 
-def load_traces(root: Path) -> dict[str, Trace]:
-    """The report traces, then the degenerate one, by name (in that order)."""
-    prompts = parse_prompts(PREFILL_PROMPTS)
-    traces = [load(root / p, prompts=prompts if p.endswith(".npz") else None) for p in REPORT + [DEGENERATE]]
-    return {t.name: t for t in traces}
-
-
-@dataclass(frozen=True)
-class Task:
-    trace: str
-    policy: str
-    scope: str
-    capacity: float
-    weights: Path | None = None
-
-
-_TRACES: dict[str, Trace] = {}  # per worker process, loaded once by _init
+_TRACES: dict[Part, Trace] = {}   # per worker process, loaded on first use
+_ROOT: list[Path] = []
 
 
 def _init(root: Path) -> None:
-    _TRACES.update(load_traces(root))
+    _ROOT[:] = [root]
 
 
 def run(task: Task) -> Run:
-    options = {"model_path": str(task.weights)} if task.weights else {}
+    if task.part not in _TRACES:
+        _TRACES[task.part] = task.part.load(_ROOT[0])
+    trace, c = _TRACES[task.part], task.candidate
     start = time.perf_counter()
-    r = simulate(_TRACES[task.trace], task.policy, task.capacity, task.scope, **options)
-    return Run(task.trace, task.policy, task.scope, task.capacity, r.hit_rate, r.hits, r.accesses,
-               time.perf_counter() - start, task.weights.name if task.weights else None)
+    r = simulate(trace, c.policy, task.capacity, task.scope, online=c.online, **json.loads(c.options))
+    return Run(trace.name, c.label, c.setting(), task.scope, task.capacity, r.hit_rate, r.hits, r.accesses,
+               time.perf_counter() - start, r.online)
 
 
 def run_all(tasks: list[Task], root: Path, jobs: int) -> dict[Task, Run]:
-    """Every task, the longest (prefill) first so that the pool drains evenly."""
-    order = sorted(tasks, key=lambda t: not t.trace.startswith("deepseek"))
+    """Every task, the slowest (online, then prefill) first so that the pool drains evenly."""
+    order = sorted(tasks, key=lambda t: (t.candidate.online is None, t.part.prompts is None))
     if jobs <= 1:
         _init(root)
         return {t: run(t) for t in order}
@@ -93,29 +121,63 @@ def run_all(tasks: list[Task], root: Path, jobs: int) -> dict[Task, Run]:
         return dict(zip(order, pool.map(run, order)))
 
 
-def default_policies() -> list[str]:
-    learned = ["flashmoe"] if "flashmoe" in policy_names() and (WEIGHTS / "flashmoe.safetensors").exists() else []
-    return ["lru", *BASELINES[1:], *learned, "belady"]
+def tasks_for(candidates: list[Candidate], parts: tuple[Part, ...], configs: list[tuple[str, float]]) -> list[Task]:
+    return [Task(c, p, scope, capacity) for scope, capacity in configs for c in candidates for p in parts]
 
 
-# -- tables ----------------------------------------------------------------------------------------
-def config_table(runs: list[Run], report: list[str], degenerate: str, policies: list[str]) -> tuple[str, dict]:
-    rate = {(r.trace, r.policy): r.hit_rate for r in runs}
-    mean = {p: sum(rate[t, p] for t in report) / len(report) for p in policies}
-    gaps = {p: gap_closed(mean[p], mean["lru"], mean["belady"]) for p in policies}
-    per_trace_gap = {t: {p: gap_closed(rate[t, p], rate[t, "lru"], rate[t, "belady"]) for p in policies}
-                     for t in report + [degenerate]}
+# -- selection -------------------------------------------------------------------------------------------
+def share(rate: float, lru: float, belady: float) -> float:
+    return gap_closed(rate, lru, belady) or 0.0  # a trace with no gap counts as none closed
+
+
+def choose(candidates: list[Candidate], runs: dict[Task, Run]) -> tuple[dict[str, Candidate], dict[str, list]]:
+    """Per label, the candidate with the best mean per-trace gap share on `runs`, and every candidate's score."""
+    rate = {(t.candidate, r.trace): r.hit_rate for t, r in runs.items()}
+    ends = {r.trace: {} for r in runs.values()}
+    for t, r in runs.items():
+        if t.candidate.label in ("lru", ORACLE):
+            ends[r.trace][t.candidate.label] = r.hit_rate
+    scores: dict[str, list] = {}
+    for c in candidates:
+        rates = {trace: rate[c, trace] for trace in ends}
+        mean = sum(share(v, ends[t]["lru"], ends[t][ORACLE]) for t, v in rates.items()) / len(rates)
+        scores.setdefault(c.label, []).append({"setting": c.setting(), "hit_rates": rates, "mean_share": mean,
+                                               "candidate": c})
+    chosen = {label: max(s, key=lambda x: x["mean_share"])["candidate"] for label, s in scores.items()}
+    return chosen, scores
+
+
+def selection_table(scores: dict[str, list], chosen: dict[str, Candidate]) -> str:
+    lines = []
+    for label, scored in scores.items():
+        for s in scored:
+            rates = "  ".join(f"{v:.4f}" for v in s["hit_rates"].values())
+            mark = "  <- chosen" if s["candidate"] == chosen[label] else ""
+            lines.append(f"{label:<16}{json.dumps(s['setting']):<80.80}{rates}  {s['mean_share']:7.1%}{mark}")
+    return "\n".join(lines)
+
+
+# -- the report tables ------------------------------------------------------------------------------------
+def config_table(runs: list[Run], report: list[str], degenerate: str, labels: list[str]) -> tuple[str, dict]:
+    rate = {(r.trace, r.label): r.hit_rate for r in runs}
+    mean = {p: sum(rate[t, p] for t in report) / len(report) for p in labels}
+    per_trace = {t: {p: gap_closed(rate[t, p], rate[t, "lru"], rate[t, ORACLE]) for p in labels} for t in report}
+    summary = {"mean_hit_rate": mean,
+               "gap_closed_of_means": {p: gap_closed(mean[p], mean["lru"], mean[ORACLE]) for p in labels},
+               "gap_closed_mean_of_traces": {p: sum(share(rate[t, p], rate[t, "lru"], rate[t, ORACLE])
+                                                    for t in report) / len(report) for p in labels},
+               "gap_closed_per_trace": per_trace}
+    classic = [p for p in labels if p not in (LEARNED, ONLINE_LABEL, ORACLE)]
+    summary["lead_over_best_classic"] = {p: {t: rate[t, p] - max(rate[t, c] for c in classic) for t in report}
+                                         for p in (LEARNED, ONLINE_LABEL) if p in labels}
     width = max(len(t) for t in report + [degenerate]) + 16
-    lines = ["trace".ljust(width) + "".join(p.rjust(12) for p in policies)]
-    for t in report:
-        lines.append(t.ljust(width) + "".join(f"{rate[t, p]:12.4f}" for p in policies))
-    lines.append("mean (report split)".ljust(width) + "".join(f"{mean[p]:12.4f}" for p in policies))
-    lines.append("gap closed (of means)".ljust(width) + "".join(_pct(gaps[p]).rjust(12) for p in policies))
-    lines.append(f"{degenerate} (degenerate)".ljust(width) + "".join(f"{rate[degenerate, p]:12.4f}" for p in policies))
-    summary = {"mean_hit_rate": mean, "gap_closed": gaps, "gap_closed_per_trace": per_trace_gap}
-    if "flashmoe" in policies:
-        best = {t: max(rate[t, p] for p in BASELINES if p in policies) for t in report}
-        summary["flashmoe_at_least_best_baseline"] = {t: rate[t, "flashmoe"] >= best[t] for t in report}
+    lines = ["trace".ljust(width) + "".join(p.rjust(16) for p in labels)]
+    lines += [t.ljust(width) + "".join(f"{rate[t, p]:16.4f}" for p in labels) for t in report]
+    lines.append("mean (report split)".ljust(width) + "".join(f"{mean[p]:16.4f}" for p in labels))
+    for name, gaps in (("gap closed (of means)", summary["gap_closed_of_means"]),
+                       ("gap closed (mean of traces)", summary["gap_closed_mean_of_traces"])):
+        lines.append(name.ljust(width) + "".join(_pct(gaps[p]).rjust(16) for p in labels))
+    lines.append(f"{degenerate} (degenerate)".ljust(width) + "".join(f"{rate[degenerate, p]:16.4f}" for p in labels))
     return "\n".join(lines), summary
 
 
@@ -123,56 +185,98 @@ def _pct(g: float | None) -> str:
     return "-" if g is None else f"{g:.1%}"
 
 
-def cross_tasks(report: list[str]) -> list[Task]:
-    """Weights trained on one architecture only, on the other architectures' report traces (per layer, 0.25)."""
-    return [Task(t, "flashmoe", "layer", 0.25, WEIGHTS / f"flashmoe-{arch}.safetensors")
-            for arch, prefix in ARCHITECTURES.items() if (WEIGHTS / f"flashmoe-{arch}.safetensors").exists()
-            for t in report if not t.startswith(prefix)]
+def absent_weights() -> dict[str, Path]:
+    """Weights trained without one architecture, by the architecture they never saw (those shipped)."""
+    return {arch: path for arch in ARCHITECTURES if (path := WEIGHTS_DIR / f"flashmoe-no-{arch}.safetensors").exists()}
 
 
-def cross_table(runs: dict[Task, Run]) -> tuple[str, list[Run]]:
-    cross = [r for t, r in runs.items() if t.weights is not None]
-    if not cross:
-        return "(no single-architecture weights shipped: agent/policies/weights/flashmoe-<arch>.safetensors)", []
-    base = {(r.trace, r.policy): r.hit_rate for t, r in runs.items()
-            if t.weights is None and (t.scope, t.capacity) == ("layer", 0.25)}
-    lines = ["weights".ljust(28) + "trace".ljust(46) + "lru".rjust(10) + "flashmoe".rjust(10)
-             + "belady".rjust(10) + "gap".rjust(10)]
-    for r in cross:
-        lru, belady = base[r.trace, "lru"], base[r.trace, "belady"]
-        lines.append(f"{r.weights.ljust(28)}{r.trace.ljust(46)}{lru:10.4f}{r.hit_rate:10.4f}{belady:10.4f}"
-                     f"{_pct(gap_closed(r.hit_rate, lru, belady)):>10}")
-    return "\n".join(lines), cross
+def absent_candidates(chosen: dict[str, Candidate]) -> list[tuple[str, Candidate]]:
+    """(architecture, candidate): the chosen learned policy, offline and online, on weights that never saw it."""
+    out = []
+    for arch, path in absent_weights().items():
+        for label in (LEARNED, ONLINE_LABEL):
+            if label in chosen:
+                c = chosen[label]
+                out.append((arch, Candidate.of(f"{label} without {arch}", c.policy,
+                                               {**json.loads(c.options), "model_path": str(path)}, c.online)))
+    return out
+
+
+def absent_table(runs: dict[Task, Run], chosen: dict[str, Candidate]) -> tuple[str, list[dict]]:
+    at = {(t.candidate.label, r.trace): r.hit_rate for t, r in runs.items() if (t.scope, t.capacity) == SELECT_AT}
+    rows = []
+    for t, r in runs.items():
+        if " without " not in t.candidate.label:
+            continue
+        lru, belady = at["lru", r.trace], at[ORACLE, r.trace]
+        best = max(v for (label, trace), v in at.items() if trace == r.trace and label in chosen
+                   and label not in (LEARNED, ONLINE_LABEL, ORACLE))
+        rows.append({"weights": t.candidate.label, "trace": r.trace, "hit_rate": r.hit_rate, "lru": lru,
+                     "belady": belady, "gap_closed": gap_closed(r.hit_rate, lru, belady),
+                     "lead_over_best_classic": r.hit_rate - best, "learner": r.learner})
+    lines = [f"{'policy, weights':<34}{'trace':<46}{'lru':>8}{'hit rate':>10}{'belady':>8}{'gap':>8}{'lead':>9}"]
+    lines += [f"{x['weights']:<34}{x['trace']:<46}{x['lru']:8.4f}{x['hit_rate']:10.4f}{x['belady']:8.4f}"
+              f"{_pct(x['gap_closed']):>8}{x['lead_over_best_classic']:+9.4f}" for x in rows]
+    return "\n".join(lines), rows
+
+
+def default_policies() -> list[str]:
+    names = [p for p in policy_names() if p != LEARNED or DEFAULT_WEIGHTS.exists()]
+    return ["lru"] + [p for p in names if p not in ("lru", ORACLE)] + [ORACLE]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "traces",
-                        help="the shared traces directory (decode/ and prefill/)")
-    parser.add_argument("--policies", help="comma-separated; lru and belady are always added")
+    parser.add_argument("--traces", type=Path, default=TRACES_DIR, help="the shared traces directory (decode/, prefill/)")
+    parser.add_argument("--policies", help="comma-separated registered policies (default: all); lru and belady "
+                        "always run: they are the ends of the gap")
+    parser.add_argument("--no-online", dest="online", action="store_false", help="leave the online loop out")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     args = parser.parse_args()
     policies = default_policies() if not args.policies else \
-        ["lru", *[p for p in args.policies.split(",") if p not in ("lru", "belady")], "belady"]
-    names = list(load_traces(args.traces))
-    report, degenerate = names[:-1], names[-1]
-    tasks = [Task(t, p, scope, capacity) for scope, capacity in CONFIGS for t in names for p in policies]
-    tasks += cross_tasks(report) if "flashmoe" in policies else []
-    start = time.perf_counter()
-    runs = run_all(tasks, args.traces, args.jobs)
-    doc = {"machine": machine(), "jobs": args.jobs, "wall_seconds": time.perf_counter() - start,
-           "cold_misses_counted": True, "prefill_prompts": PREFILL_PROMPTS,
-           "report_traces": report, "degenerate_trace": degenerate, "configs": []}
+        ["lru", *[p for p in args.policies.split(",") if p not in ("lru", ORACLE)], ORACLE]
+    started = time.perf_counter()
+
+    candidates = [Candidate.of(p, p, o) for p in policies for o in SETTINGS.get(p, [{}])]
+    runs = run_all(tasks_for(candidates, SPLITS["validation"], [SELECT_AT]), args.traces, args.jobs)
+    chosen, scores = choose(candidates, runs)
+    if args.online and LEARNED in chosen:
+        base = json.loads(chosen[LEARNED].options)
+        online = [Candidate.of(ONLINE_LABEL, LEARNED, base, c) for c in ONLINE]
+        runs |= run_all(tasks_for(online, SPLITS["validation"], [SELECT_AT]), args.traces, args.jobs)
+        more, more_scores = choose(candidates + online, runs)
+        chosen[ONLINE_LABEL], scores[ONLINE_LABEL] = more[ONLINE_LABEL], more_scores[ONLINE_LABEL]
+    print(f"== selection: validation split, {SELECT_AT[0]} scope, capacity {SELECT_AT[1]:g}; "
+          f"hit rates per trace, mean share of the gap ==\n{selection_table(scores, chosen)}")
+
+    labels = list(chosen)
+    report_parts = SPLITS["report"] + (DEGENERATE,)
+    tasks = tasks_for(list(chosen.values()), report_parts, CONFIGS)
+    absent = absent_candidates(chosen)
+    tasks += [Task(c, p, *SELECT_AT) for arch, c in absent for p in SPLITS["report"] if p.architecture == arch]
+    report = run_all(tasks, args.traces, args.jobs)
+    names = {t.part: r.trace for t, r in report.items()}
+    report_names, degenerate = [names[p] for p in SPLITS["report"]], names[DEGENERATE]
+    doc = {"machine": machine(), "jobs": args.jobs, "cold_misses_counted": True,
+           "splits": {s: [asdict(p) | {"prompts": _range(p.prompts)} for p in parts] for s, parts in SPLITS.items()},
+           "selection": {"at": SELECT_AT, "scores": {label: [{k: v for k, v in s.items() if k != "candidate"}
+                                                             for s in scored] for label, scored in scores.items()},
+                         "chosen": {label: c.setting() for label, c in chosen.items()}},
+           "report_traces": report_names, "degenerate_trace": degenerate, "configs": []}
     for scope, capacity in CONFIGS:
-        config_runs = [runs[Task(t, p, scope, capacity)] for t in names for p in policies]
-        table, summary = config_table(config_runs, report, degenerate, policies)
-        print(f"\n== {scope} scope, capacity {capacity:g} of experts, cold misses counted ==\n{table}")
-        doc["configs"].append({"scope": scope, "capacity": capacity, **summary,
-                               "runs": [vars(r) for r in config_runs]})
-    table, cross = cross_table(runs)
-    print(f"\n== cross-architecture: per-layer scope, capacity 0.25 ==\n{table}")
-    doc["cross_architecture"] = [vars(r) for r in cross]
+        config_runs = [report[Task(chosen[label], p, scope, capacity)] for label in labels for p in report_parts]
+        table, summary = config_table(config_runs, report_names, degenerate, labels)
+        print(f"\n== report split, {scope} scope, capacity {capacity:g} of experts, cold misses counted ==\n{table}")
+        doc["configs"].append({"scope": scope, "capacity": capacity, **summary, "runs": [vars(r) for r in config_runs]})
+    table, rows = absent_table(report, chosen)
+    print(f"\n== architectures absent from training: {SELECT_AT[0]} scope, capacity {SELECT_AT[1]:g} ==\n{table}")
+    doc["absent_architectures"] = rows
+    doc["wall_seconds"] = time.perf_counter() - started
     write_results("policies", doc)
+
+
+def _range(r: range | None) -> str | None:
+    return None if r is None else f"{r.start}..{r.stop - 1}"
 
 
 if __name__ == "__main__":

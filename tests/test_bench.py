@@ -12,8 +12,8 @@ from agents import ROOT, demo_model
 sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
 
-SCRIPTS = ("codec", "collector_cost", "dashboard", "decode", "loader", "policies", "policy_cost", "prompt_bound",
-           "quant_error", "quant_kernels", "queries", "serve", "warmup")
+SCRIPTS = ("codec", "collector_cost", "dashboard", "decode", "loader", "online_agent", "policies", "policy_cost",
+           "prompt_bound", "quant_error", "quant_kernels", "queries", "serve", "warmup")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -1,4 +1,6 @@
-"""train-policy on a tiny real trace slice: the weights load, are reproducible, and change decisions."""
+"""train-policy on a tiny real trace slice: the weights load, are reproducible, and change decisions;
+the train / validation / report splits never overlap."""
+import json
 from pathlib import Path
 
 import numpy as np
@@ -7,9 +9,11 @@ import torch
 
 from agent.cli import main
 from agent.learned.model import RetentionNet, load, save, training_info
+from agent.learned.splits import REPORT_PROMPTS, SPLITS, TRAIN_PROMPTS, Part
 from agent.learned.train import collect, pairwise_loss, spread_sessions, train_policy
 from agent.policies import policy_factory
 from agent.residency import Residency
+from agent.simulator import capacity_slots
 from agent.traces import load as load_trace, walk
 
 TRACES = Path(__file__).parent / "data" / "traces"
@@ -60,13 +64,14 @@ def test_trained_weights_change_decisions_against_an_untrained_model(trained, ti
 
 def test_same_seed_gives_the_same_weights(trained, tiny_trace, tmp_path):
     again = tmp_path / "again.safetensors"
-    train_policy([tiny_trace], again, epochs=2, seed=3, max_decisions=300)
+    train_policy([Part(str(tiny_trace))], again, epochs=2, seed=3, max_decisions=300)
     a, b = load(trained).state_dict(), load(again).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_recorded_distances_are_belady_futures(tiny_trace):
-    data = collect(load_trace(tiny_trace), 0.25, "belady", 300, np.random.default_rng(0))
+    trace = load_trace(tiny_trace)
+    data = collect(trace, capacity_slots(trace, 0.25, "layer"), "belady", 300, np.random.default_rng(0))
     assert len(data) > 50
     assert (data.distance[data.mask] > 0).all()          # every candidate's next use lies ahead
     assert data.mask.sum(1).min() >= 1 and not data.distance[~data.mask].any()
@@ -96,3 +101,36 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     out = tmp_path / "w.safetensors"
     assert main(["train-policy", "--trace", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
     assert "no such trace file" in capsys.readouterr().err and not out.exists()
+
+
+def test_the_splits_never_overlap():
+    seen: dict[str, list[range | None]] = {}
+    for split, parts in SPLITS.items():
+        for part in parts:
+            for other in seen.get(part.path, []):
+                assert part.prompts is not None and other is not None, f"{part.path} is in two splits whole"
+                assert not set(part.prompts) & set(other), f"{part.path}: prompts in two splits"
+            seen.setdefault(part.path, []).append(part.prompts)
+    assert {p.architecture for p in SPLITS["report"]} == {"olmoe", "qwen", "deepseek"}
+
+
+def test_prompts_of_a_prefill_file_default_to_the_train_split_never_the_report(tmp_path):
+    numbers = np.array([1, 2, 3, 801, 802], np.int32)
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.choice(16, (2, 2), replace=False) for _ in range(5 * 40)]).reshape(200, 2, 2)
+    npz = tmp_path / "prefill.npz"
+    np.savez(npz, expert_ids=ids.astype(np.uint8), prompt_offsets=np.arange(0, 201, 40), prompt_numbers=numbers,
+             layers=np.array([1, 2], np.int16), meta=json.dumps({"model": "tiny", "n_experts": 16}))
+    out = tmp_path / "w.safetensors"
+    assert main(["train-policy", "--trace", str(npz), "--out", str(out), "--epochs", "1", "--max-decisions", "50"]) == 0
+    assert training_info(out)["traces"] == [f"prefill[{TRAIN_PROMPTS.start}..{TRAIN_PROMPTS.stop - 1}]"]
+    assert 801 in REPORT_PROMPTS and 801 not in TRAIN_PROMPTS
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--train-split", "--prompts", "1..10"], "--prompts applies to --trace"),
+    (["--trace", "x.jsonl", "--without", "qwen"], "--without applies to --train-split"),
+])
+def test_conflicting_options_are_clear_errors(tmp_path, capsys, argv, message):
+    assert main(["train-policy", *argv, "--out", str(tmp_path / "w.safetensors")]) == 2
+    assert message in capsys.readouterr().err

@@ -18,22 +18,19 @@ pressure, and all experts cost the same read, so the right answer is that the ra
 depend on them; training on a constant series would leave the tower's response to real samples
 untrained (arbitrary), random series teach it to stay neutral.
 
-The shipped weights (agent/policies/weights/flashmoe.safetensors) are reproduced with:
+Training reads the train split only (agent.learned.splits: olmoe_prose, qwen_prose, prefill prompts
+1..600); the validation split chooses settings and the report split is never trained on. The
+shipped weights (agent/policies/weights/flashmoe.safetensors) are reproduced with:
 
-    flashmoe-cli train-policy --seed 0 --epochs 3 \\
-        --trace tests/data/traces/olmoe_prose.jsonl tests/data/traces/olmoe_code.jsonl \\
-                tests/data/traces/qwen_prose.jsonl tests/data/traces/qwen_code.jsonl \\
-                ../shared/traces/prefill/deepseek_v2_lite_puffin_0001-1000.npz --prompts 1..800 \\
-        --out agent/policies/weights/flashmoe.safetensors
+    flashmoe-cli train-policy --train-split --seed 0 --epochs 3 --out agent/policies/weights/flashmoe.safetensors
 
-The single-architecture weights (for the cross-architecture comparison) are the same command with
-`--trace tests/data/traces/olmoe_prose.jsonl tests/data/traces/olmoe_code.jsonl --out
-agent/policies/weights/flashmoe-olmoe.safetensors` (and qwen_prose, qwen_code -> flashmoe-qwen).
+and the weights that never saw one architecture (for the report on architectures absent from
+training) with `--without olmoe` (qwen, deepseek) and `--out .../flashmoe-no-olmoe.safetensors`.
 
 Defaults: capacity 0.25 per layer, decisions made by Belady, windowed LFU and LRU (about 12000
-sampled per trace and driver), at most 30000 tokens per trace (prefill: 307 whole prompts spread
-over 1..800). A fifth of that data (4000 decisions, 6000 tokens) scored the same on the decode
-report traces and 0.004 lower on the prefill prompts 801..1000.
+sampled per trace and driver), at most 30000 tokens per trace (prefill: whole prompts spread
+evenly over the split's). `--trace` takes any traces; a prefill NPZ among them gives its train
+split prompts unless `--prompts` says otherwise, so its report prompts are never taken by default.
 """
 from __future__ import annotations
 
@@ -41,7 +38,7 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,12 +48,13 @@ import torch
 from agent.learned.features import LayerHistory
 from agent.learned.model import NetConfig, RetentionNet, save
 from agent.learned.scorer import SERIES_LEN, layer_inputs
-from agent.policies.base import Key, Policy
+from agent.learned.splits import ARCHITECTURES, TRACES_DIR, TRAIN_PROMPTS, Part, split_parts
 from agent.policies import policy_factory
+from agent.policies.base import Key, Policy
 from agent.policies.belady import Belady, BeladyOracle
 from agent.residency import Residency
 from agent.simulator import SystemReplay, capacity_slots, replay
-from agent.traces import Trace, access_sequence, load, parse_prompts
+from agent.traces import Trace, access_sequence, parse_prompts
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +84,7 @@ class Tape:
     next_use: np.ndarray  # BeladyOracle.next_use: position of each access's next use
     rate: float           # share of eviction decisions recorded
     rng: np.random.Generator
+    start: int = 0        # no decision is recorded before this access (the features need a history)
     position: int = 0     # demand accesses so far: each arrives as exactly one hit or insert
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
 
@@ -123,7 +122,7 @@ class Recorder(Policy):
 
     def victim(self, resident: Collection[Key], pinned: Collection[Key]) -> Key:
         choice = self.driver.victim(resident, pinned)
-        if self.tape.rng.random() < self.tape.rate:
+        if self.tape.position >= self.tape.start and self.tape.rng.random() < self.tape.rate:
             candidates = [k for k in resident if k not in pinned]
             self._record(candidates, max(candidates, key=self._next.__getitem__))
         return choice
@@ -148,15 +147,18 @@ class Recorder(Policy):
         self.tape.rows.append((np.concatenate(sigs), np.concatenate(feats), dist))
 
 
-def collect(trace: Trace, fraction: float, driver: str, max_decisions: int,
-            rng: np.random.Generator) -> Decisions:
-    """Replay `trace` at `fraction` capacity (per-layer scope) with `driver` deciding; record decisions."""
+def collect(trace: Trace, slots: int, driver: str | Callable[[], Policy], max_decisions: int,
+            rng: np.random.Generator, scope: str = "layer", after: int = 0) -> Decisions:
+    """Replay `trace` through a cache of `slots` (`scope`) with `driver` deciding (a policy name, or a
+    constructor of one); record about `max_decisions` sampled decisions from token `after` on."""
     oracle = BeladyOracle(access_sequence(trace))
+    start = int(trace.offsets[min(after, trace.n_tokens) * trace.n_layers])
     # about a third of accesses miss at these sizes: sample to about max_decisions
-    tape = Tape(oracle.next_use, rate=min(1.0, 3 * max_decisions / max(1, trace.n_accesses)), rng=rng)
-    make = (lambda: Belady(oracle)) if driver == "belady" else policy_factory(driver)
-    cache = Residency(capacity_slots(trace, fraction, "layer"), trace.n_layers, lambda: Recorder(make(), tape),
-                      "layer", min_per_layer=trace.max_set)
+    tape = Tape(oracle.next_use, rate=min(1.0, 3 * max_decisions / max(1, trace.n_accesses - start)), rng=rng,
+                start=start)
+    make = (lambda: Belady(oracle)) if driver == "belady" else policy_factory(driver) if isinstance(driver, str) \
+        else driver
+    cache = Residency(slots, trace.n_layers, lambda: Recorder(make(), tape), scope, min_per_layer=trace.max_set)
     replay(trace, cache, SystemReplay.synthetic())
     return _pad(tape.rows)
 
@@ -222,18 +224,20 @@ def _scores(net: RetentionNet, data: Decisions, series: torch.Tensor) -> torch.T
     return (h * net.system(series)[:, None, :]).sum(-1)
 
 
-def fit(data: Decisions, epochs: int, seed: int, batch: int = 512, lr: float = 3e-3) -> RetentionNet:
+def fit(data: Decisions, epochs: int, seed: int, batch: int = 512, lr: float = 3e-3,
+        net: RetentionNet | None = None) -> RetentionNet:
+    """Train a new network on `data`, or fine-tune `net` (in place)."""
     torch.set_num_threads(1)  # small matrices: extra threads only spin, and one thread is bit-reproducible
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    net = RetentionNet(NetConfig())
+    net = net.train() if net is not None else RetentionNet(NetConfig())
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * -(-len(data) // batch)))
     for epoch in range(epochs):
         order = torch.randperm(len(data), generator=gen).numpy()
         total = 0.0
-        for start in range(0, len(data), batch):
-            idx = order[start:start + batch]
+        for first in range(0, len(data), batch):
+            idx = order[first:first + batch]
             part = Decisions(data.signature[idx], data.features[idx], data.distance[idx], data.mask[idx])
             scores = _scores(net, part, random_series(1, gen))  # one system state per batch
             loss = pairwise_loss(scores, torch.from_numpy(part.distance), torch.from_numpy(part.mask))
@@ -242,32 +246,31 @@ def fit(data: Decisions, epochs: int, seed: int, batch: int = 512, lr: float = 3
             opt.step()
             sched.step()
             total += float(loss.detach()) * len(idx)
-        log.info("epoch %d/%d: pairwise loss %.4f", epoch + 1, epochs, total / max(1, len(data)))
+        log.debug("epoch %d/%d: pairwise loss %.4f", epoch + 1, epochs, total / max(1, len(data)))
     return net.eval()
 
 
-def train_policy(paths: Sequence[Path], out: Path, prompts: range | None = None, epochs: int = 3,
+def train_policy(parts: Sequence[Part], out: Path, root: Path = Path("."), epochs: int = 3,
                  seed: int = 0, capacities: Sequence[float] = (0.25,),
                  drivers: Sequence[str] = ("belady", "lfu-window", "lru"), max_decisions: int = 12000,
                  max_tokens: int = 30000) -> dict:
-    """Collect decisions on every trace, capacity and driver, fit, write `out`; returns a summary."""
+    """Collect decisions on every trace (`parts`, relative to `root`), capacity and driver, fit, write
+    `out`; returns a summary."""
     rng = np.random.default_rng(seed)
     started = time.monotonic()
-    traces = [spread_sessions(load(p, prompts=prompts if Path(p).suffix == ".npz" else None), max_tokens)
-              for p in paths]
+    traces = [spread_sessions(part.load(root), max_tokens) for part in parts]
     parts = []
     for trace in traces:
         for fraction in capacities:
             for driver in drivers:
-                parts.append(collect(trace, fraction, driver, max_decisions, rng))
+                parts.append(collect(trace, capacity_slots(trace, fraction, "layer"), driver, max_decisions, rng))
                 log.info("%s, capacity %g, %s deciding: %d decisions", trace.name, fraction, driver, len(parts[-1]))
     data = Decisions.concat(parts)
     if len(data) == 0:
         raise ValueError("the traces produced no eviction decisions (the cache never filled); "
                          "use longer traces or a smaller capacity")
     net = fit(data, epochs, seed)
-    summary = {"traces": [t.name for t in traces], "prompts": f"{prompts.start}..{prompts.stop - 1}" if prompts
-               else None, "capacities": list(capacities), "drivers": list(drivers), "epochs": epochs,
+    summary = {"traces": [t.name for t in traces], "capacities": list(capacities), "drivers": list(drivers), "epochs": epochs,
                "seed": seed, "decisions": len(data), "max_tokens": max_tokens,
                "victim_agreement_train": round(victim_agreement(net, data), 4),
                "seconds": round(time.monotonic() - started, 1)}
@@ -276,11 +279,20 @@ def train_policy(paths: Sequence[Path], out: Path, prompts: range | None = None,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = ("example:\n  flashmoe-cli train-policy --trace ../shared/traces/decode/olmoe_prose.jsonl "
+    parser.epilog = ("examples:\n  flashmoe-cli train-policy --train-split --out /tmp/policy.safetensors\n"
+                     "  flashmoe-cli train-policy --trace ../shared/traces/decode/olmoe_prose.jsonl "
                      "--out /tmp/policy.safetensors --epochs 2")
-    parser.add_argument("--trace", nargs="+", required=True, metavar="PATH", help="training traces (.jsonl, .npz)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", nargs="+", metavar="PATH", help="training traces (.jsonl, .npz)")
+    source.add_argument("--train-split", action="store_true",
+                        help="the train split of the shared traces (agent.learned.splits), under --traces-dir")
+    parser.add_argument("--traces-dir", type=Path, default=TRACES_DIR, metavar="DIR",
+                        help="the shared traces directory, for --train-split (default %(default)s)")
+    parser.add_argument("--without", choices=ARCHITECTURES,
+                        help="--train-split without this architecture's traces: weights that never saw it")
     parser.add_argument("--prompts", type=parse_prompts, metavar="A..B",
-                        help="prompt numbers to use from .npz traces (e.g. 1..800)")
+                        help=f"prompt numbers to use from .npz traces (default: the train split's, "
+                             f"{TRAIN_PROMPTS.start}..{TRAIN_PROMPTS.stop - 1}: never the report prompts)")
     parser.add_argument("--out", required=True, type=Path, metavar="FILE", help="weights file to write")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -290,11 +302,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens replayed per trace: longer traces keep whole sessions spread evenly")
 
 
+def training_parts(args: argparse.Namespace) -> tuple[tuple[Part, ...], Path]:
+    """The traces the command line names, and the directory they are relative to."""
+    if args.train_split:
+        if args.prompts is not None:
+            raise ValueError("--prompts applies to --trace; --train-split takes the split's own prompts")
+        return split_parts("train", args.without), args.traces_dir
+    if args.without is not None:
+        raise ValueError("--without applies to --train-split")
+    prompts = args.prompts or TRAIN_PROMPTS
+    return tuple(Part(str(p), prompts if Path(p).suffix == ".npz" else None) for p in args.trace), Path(".")
+
+
 def run(args: argparse.Namespace) -> int:
     if min(args.epochs, args.max_decisions, args.max_tokens) < 1:
         raise SystemExit("--epochs, --max-decisions and --max-tokens must be at least 1")
     try:
-        summary = train_policy([Path(p) for p in args.trace], args.out, args.prompts, args.epochs, args.seed,
+        parts, root = training_parts(args)
+        summary = train_policy(parts, args.out, root, args.epochs, args.seed,
                                max_decisions=args.max_decisions, max_tokens=args.max_tokens)
     except ValueError as e:  # TraceError included: the message names the file and what to fix
         print(f"flashmoe-cli train-policy: error: {e}", file=sys.stderr)

@@ -20,13 +20,16 @@ frequently used over the long run (usage averaged over ~256 steps), least recent
 network shortlists, frequency picks. The default percentile is 30 (the top 70% are kept, frequency
 decides among the lowest 30%); 20 (keep the top 80%, the design note's reading) is close behind, and
 80 (keep the top 20%) lets frequency choose among most of the set and falls behind windowed LFU.
-`decision="score"` (evict the lowest score, the network's guess of Belady's victim) does as well
-with the shipped weights (mean hit rate on the report traces .6237 against .6232). BENCHMARKS.md has
-the numbers; the percentile was chosen on those report traces, which BENCHMARKS.md says too.
+`decision="score"` evicts the lowest score (the network's guess of Belady's victim). Every setting
+is chosen on the validation split (bench/policies.py, agent.learned.splits), never on the report
+traces; BENCHMARKS.md has the numbers.
+
+Online learning: with a `learner` (agent.learned.online) the policy reports every routing step to
+it and adopts the weights it swaps in at its next eviction, rescoring every layer with them.
 
 torch is imported on the first construction (agent.learned.scorer), never by the registry.
-Weights: agent/policies/weights/flashmoe.safetensors (train split, all three architectures);
-flashmoe-olmoe / flashmoe-qwen.safetensors are trained on one architecture's traces only.
+Weights: agent/policies/weights/flashmoe.safetensors (the train split, all three architectures);
+flashmoe-no-<arch>.safetensors leave that architecture's traces out of training.
 """
 from __future__ import annotations
 
@@ -47,14 +50,24 @@ KEEP_PERCENTILE = Knob("keep_percentile", float, 30.0, 0.0, 100.0,
                        help="learned policy: keep experts scoring at or above it")
 RECOMPUTE_THRESHOLD = Knob("recompute_threshold", float, 0.0, 0.0, 1.0,
                            help="learned policy: activation-distribution shift (total variation) that triggers rescoring")
+ONLINE_LEARNING = Knob("online_learning", bool, False,
+                       help="learned policy: keep learning from this device's own routing, in a background process "
+                            "at lowest priority and at most 5% of one core (agent/learned/online.py)")
 
 
 class FlashMoE(Policy):
     name = "flashmoe"
-    knobs = (KEEP_PERCENTILE, RECOMPUTE_THRESHOLD)
+    knobs = (KEEP_PERCENTILE, RECOMPUTE_THRESHOLD, ONLINE_LEARNING)
 
     def __init__(self, model_path: str | Path | None = None, keep_percentile: float = KEEP_PERCENTILE.default,
-                 recompute_threshold: float = RECOMPUTE_THRESHOLD.default, decision: str = "lfu") -> None:
+                 recompute_threshold: float = RECOMPUTE_THRESHOLD.default, decision: str = "lfu",
+                 online_learning: bool = ONLINE_LEARNING.default, net=None, learner=None) -> None:
+        """`net` (a scorer.SharedNet) replaces the weights file. With `learner` (an
+        online.OnlineLearner shared by the cache's partitions) the weights are the learner's and
+        every routing step is reported to it: whoever owns the cache supplies it (the agent, for the
+        `online_learning` knob: agent.learned.service; the simulator, for simulate --online); the
+        knob alone changes nothing here."""
+        ONLINE_LEARNING.check(online_learning)
         keep_percentile = KEEP_PERCENTILE.check(keep_percentile)
         recompute_threshold = RECOMPUTE_THRESHOLD.check(recompute_threshold)
         if decision not in DECISIONS:
@@ -62,7 +75,10 @@ class FlashMoE(Policy):
         from agent.learned import features, scorer  # torch loads here, on first use only
 
         self._f, self._s = features, scorer
-        self.scorer = scorer.Scorer(scorer.shared_net(str(Path(model_path or DEFAULT_WEIGHTS).resolve())))
+        self.learner = learner
+        if learner is not None:
+            net, self._version = learner.net, learner.version
+        self.scorer = scorer.Scorer(net or scorer.shared_net(str(Path(model_path or DEFAULT_WEIGHTS).resolve())))
         self.keep_percentile, self.recompute_threshold = keep_percentile, recompute_threshold
         self.decision = decision
         self.layers: dict[int, features.LayerHistory] = {}
@@ -79,12 +95,16 @@ class FlashMoE(Policy):
     def session(self) -> None:
         for h in self.layers.values():
             h.new_session()
+        if self.learner is not None:
+            self.learner.session()
 
     def system(self, sample: Mapping[str, float]) -> None:
         self._series.append(self._s.system_input(sample))
         self._system_changed = True
 
     def route(self, layer: int, experts: Collection[int]) -> None:
+        if self.learner is not None:
+            self.learner.observe(layer, experts)
         self._history(layer).observe(experts)
         self._moved.add(layer)
 
@@ -99,6 +119,8 @@ class FlashMoE(Policy):
         candidates = [k for k in resident if k not in pinned]
         if not candidates:
             raise ValueError("every resident expert is pinned by the current step; nothing can be evicted")
+        if self.learner is not None and self.learner.version != self._version:
+            self._adopt(self.learner.net, self.learner.version)
         stale = self._stale_layers()
         if stale:
             self._rescore(stale, resident, candidates)
@@ -111,6 +133,12 @@ class FlashMoE(Policy):
         scored = [i for i, s in enumerate(scores) if s < FRESH]  # arrivals count as the highest scores
         rest = [i for i in scored if scores[i] < self._keep] or scored  # an empty shortlist: all scored ones
         return candidates[min(rest, key=lambda i: self._frequency(candidates[i]))]
+
+    def _adopt(self, net, version: int) -> None:
+        """New weights from the online learner: every layer is rescored with them before the next choice."""
+        self.scorer = self._s.Scorer(net)
+        self._version = version
+        self._system_changed = True  # sets the series on the new scorer and rescores every layer
 
     # -- scoring --------------------------------------------------------------------------------
     def _history(self, layer: int):

@@ -23,6 +23,7 @@ from agent.experts.layout import CONFIG, INDEX, Index
 from agent.experts.reader import IO_THREADS
 from agent.monitor import SystemSample, SystemSampler
 from agent.model.config import MoEConfig
+from agent.learned.service import OnlineLearning
 from agent.policies import DEFAULT_POLICY, live_policies, policy_factory, policy_knobs, policy_options
 from agent.serve import batching, guard, scrub
 from agent.serve.engine import ModelEngine
@@ -72,6 +73,7 @@ class Runtime:
         self.knobs = Knobs(Limits(lo, hi, live_policies(), max_prefetch_depth=1))
         self.knobs.commit({"cache_cap_bytes": self.cache.cap_bytes, "policy": self.cache.policy_name})
         self.metrics = Metrics(registry, self.cache.index.n_layers)
+        self.online = OnlineLearning(self.cache, registry)
         self.scheduler = Scheduler(self.engine, self.knobs["max_batch_size"], self.metrics.request, opts.admit_window_s)
         self.truncated = scrub.truncated(opts.model_dir, self.cache.index)
         if self.truncated:
@@ -100,6 +102,7 @@ class Runtime:
         if self._ticker.is_alive():
             self._ticker.join(5)
         self.tick()  # the last partial second and the last requests
+        self.online.close()
         self.cache.close()
 
     def _initial_knobs(self) -> None:
@@ -173,7 +176,7 @@ class Runtime:
         merged = {**self.knobs.values, **policy_change}
         options = policy_options(merged["policy"], merged)
         if "policy" in policy_change or options.keys() & policy_change.keys():
-            self.cache.set_policy(merged["policy"], **options)
+            self.cache.set_policy(merged["policy"], **self.online.policy_options(options))
         self.knobs.commit(policy_change)
         if "max_batch_size" in new:
             self.scheduler.set_max_batch(new["max_batch_size"])
@@ -210,7 +213,7 @@ class Runtime:
             "queue_depth": len(self.scheduler.waiting), "tokens_generated": self.scheduler.tokens_total,
             "model_steps": self.scheduler.steps,
             "ssd_util": self.monitor.last.ssd_util, "ssd_util_source": self.monitor.last.sources.get("ssd_util"),
-            "store": self.store_health(),
+            "store": self.store_health(), "online_learning": self.online.status(),
         }
 
     def store_health(self) -> dict[str, Any]:
@@ -237,6 +240,7 @@ class Runtime:
             self.recorder.write(tick, self.metrics.drain_requests())
         else:
             self.metrics.drain_requests()
+        self.online.tick(self.recorder)
         if not self._stop.is_set():
             sample = self.monitor.sample()
             self._adapt_batch(sample)

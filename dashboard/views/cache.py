@@ -1,4 +1,5 @@
-"""Cache: hit rates over time and per layer, expert activations, evictions, prefetch, policies, sweep."""
+"""Cache: hit rates over time and per layer, expert activations, evictions, prefetch, online learning,
+policies, sweep."""
 from __future__ import annotations
 
 import streamlit as st
@@ -59,6 +60,31 @@ def live() -> None:
 
 
 @st.fragment(run_every=settings.REFRESH_S)
+def online_learning() -> None:
+    st.subheader("Online learning")
+    status = data.agent_status(url, token)
+    learning = status.get("online_learning") if isinstance(status, dict) else None
+    if not learning or not learning["enabled"]:
+        st.caption("Off. With the learned policy's `online_learning` knob on (Tuning page) it keeps learning from "
+                   "this device's own routing, in a background process at most "
+                   "5% of one core; each update is listed here.")
+        return
+    c1, c2, c3, c4 = st.columns(4)
+    c1.metric("Updates", f"{learning['updates']:,}")
+    c2.metric("Rolled back", f"{learning['rollbacks']:,}", help="updates that did worse in hindsight, on the steps "
+              "since they took effect, than the weights before them")
+    c3.metric("Decisions learned from", f"{learning['decisions']:,}")
+    c4.metric("Worker CPU", f"{learning['cpu_s']:.0f} s", help=f"limit: {learning['cpu_share_limit']:.0%} of one core")
+    if learning["recent"]:
+        st.caption("Each update also judges the one before it in hindsight: the steps routed since it took "
+                   "effect, replayed with its weights and with the weights it was made from.")
+        st.dataframe([{"update": u["number"], "at step": u["step"], "decisions": u["decisions"],
+                       "CPU s": round(u["cpu_s"], 1), "judged": u["number"] - 1 if u["judged_steps"] else None,
+                       "its hit rate": u["new_hit_rate"], "without it": u["old_hit_rate"],
+                       "rolled back": u["rolled_back"]} for u in reversed(learning["recent"])], key="online-updates")
+
+
+@st.fragment(run_every=settings.REFRESH_S)
 def policies() -> None:
     st.subheader("Policy comparison (simulator)")
     rows = data.simulations(db) if data.store_problem(db) is None else []
@@ -102,5 +128,6 @@ def cap_sweep() -> None:
 
 
 live()
+online_learning()
 policies()
 cap_sweep()

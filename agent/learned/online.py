@@ -1,0 +1,347 @@
+"""The online loop: the learned policy keeps learning from the routing its own device sees.
+
+The learner sees every routing step the cache makes (through the FlashMoE policy's route hook) and
+keeps the last `window` of them. Every `every` steps an update falls due, and one job runs:
+
+1. judge the last update in hindsight: replay the steps routed since it took effect through the
+   device's cache once with the weights it was fine-tuned from and once with its own; if its hit
+   rate is lower it is rolled back, and this job fine-tunes the weights it was made from instead;
+2. label the window in hindsight: replay it with Belady and the current weights deciding, and
+   record sampled eviction decisions with each candidate's true distance to its next use within the
+   window (a use beyond its end counts as "not before the end", as the end of a trace does offline);
+3. fine-tune (never from scratch: from the shipped weights and the updates since) on those
+   decisions, then move the result a small share (`anchor`) of the way back to the shipped
+   weights, so that a run of odd windows cannot drag it far.
+
+The new weights take effect at the next step boundary: the learner swaps them in when the first
+layer of a step routes, and each partition's policy adopts them at its next eviction, so no step is
+decided by two networks. The learner only ever holds steps the cache has already routed: nothing
+from the future reaches a decision (tests/test_online.py permutes a trace's future to prove it).
+
+Where the job runs is the executor's business: `Inline` runs it at the step it falls due (the
+simulator: reproducible), agent.learned.background in a low-priority child process under a CPU
+budget (the agent), its result swapped in at the first step boundary after it arrives.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from agent.learned.model import NetConfig, RetentionNet
+from agent.learned.scorer import SharedNet
+from agent.residency import Residency
+from agent.simulator import SystemReplay, replay
+from agent.traces import Trace, from_sets
+
+log = logging.getLogger(__name__)
+
+Weights = dict[str, np.ndarray]  # a RetentionNet's state, as numpy arrays: cheap to pickle to a child process
+DRIVERS = ("belady", "current", "lru")  # who may decide while a window is labelled ("current": the weights in use)
+KEPT_UPDATES = 100  # the most recent updates the learner keeps for status and logs
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    window: int = 512        # routing steps kept and learned from
+    every: int = 128         # routing steps between two updates
+    warmup: int = 64         # steps of a replay before decisions are recorded: features need a history
+    decisions: int = 2000    # decisions sampled per driver and update
+    epochs: int = 4
+    lr: float = 3e-3
+    anchor: float = 1e-2     # share of the way back to the shipped weights after each update
+    drivers: tuple[str, ...] = ("belady", "current")  # who decides in the labelling replays
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("window", "every", "decisions", "epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"online {name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup < self.window:
+            raise ValueError(f"online warmup must be within 0..window-1, got {self.warmup}")
+        if not (self.lr > 0 and 0 <= self.anchor <= 1):  # NaN fails both
+            raise ValueError(f"online lr must be > 0 and anchor within 0..1, got {self.lr} and {self.anchor}")
+        if not self.drivers or set(self.drivers) - set(DRIVERS):
+            raise ValueError(f"online drivers must be some of {DRIVERS}, got {self.drivers}")
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The device cache a window is replayed through: the same slots, scope and working set."""
+    slots: int
+    n_layers: int
+    n_experts: int
+    scope: str = "layer"
+    min_per_layer: int = 1
+
+    def residency(self, factory) -> Residency:
+        return Residency(self.slots, self.n_layers, factory, self.scope, self.min_per_layer)
+
+
+@dataclass(frozen=True)
+class Job:
+    number: int
+    steps: list[list[list[int]]]  # the window, oldest first: per step, per layer, the routed experts
+    sessions: list[int]           # steps of the window that start a session
+    judge_from: int | None        # the step of the window where the weights in use took effect
+    shape: CacheShape
+    weights: Weights              # in use now
+    parent: Weights | None        # the weights those were fine-tuned from (kept for rollback)
+    shipped: Weights              # the anchor
+    config: OnlineConfig
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The last update in hindsight, on the steps routed since it took effect."""
+    steps: int
+    old_hit_rate: float           # the weights it was fine-tuned from
+    new_hit_rate: float           # its own
+    rolled_back: bool
+
+
+@dataclass(frozen=True)
+class Result:
+    number: int
+    weights: Weights              # the new weights
+    parent: Weights               # what they were fine-tuned from
+    decisions: int
+    judgement: Judgement | None
+    cpu_s: float
+
+
+@dataclass(frozen=True)
+class Update:
+    """One update as logged, exported and shown: when, how much it learned from, how the last one did."""
+    number: int
+    step: int                     # the learner's step count when it took effect
+    time: float
+    decisions: int
+    cpu_s: float
+    judgement: Judgement | None
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A finished job with its weights already made into a scorer: swapping it in is one assignment."""
+    result: Result
+    net: SharedNet
+
+
+def prepare(result: Result) -> Ready:
+    return Ready(result, SharedNet(to_net(result.weights)))
+
+
+# -- the job: pure, runs in-line or in a child process ------------------------------------------------
+def run_job(job: Job) -> Result:
+    """Judge the last update, label the window, fine-tune; the Result carries the new weights."""
+    from agent.learned.train import Decisions, collect, fit  # torch-heavy helpers, loaded where jobs run
+
+    cpu = time.thread_time()
+    trace = window_trace(job)
+    weights, judgement = job.weights, None
+    if job.judge_from is not None and job.parent is not None and job.judge_from < len(job.steps):
+        old = hit_rate(trace, job.shape, job.parent, job.judge_from, job.config.warmup)
+        new = hit_rate(trace, job.shape, job.weights, job.judge_from, job.config.warmup)
+        judgement = Judgement(len(job.steps) - job.judge_from, old, new, rolled_back=new < old)
+        if judgement.rolled_back:
+            weights = job.parent
+    rng = np.random.default_rng([job.config.seed, job.number])
+    parts = [collect(trace, job.shape.slots, _driver(name, weights), job.config.decisions, rng, job.shape.scope,
+                     after=job.config.warmup) for name in job.config.drivers]
+    data = Decisions.concat(parts)
+    new_weights = weights
+    if len(data):
+        net = fit(data, job.config.epochs, job.config.seed + job.number, lr=job.config.lr, net=to_net(weights))
+        if job.config.anchor:
+            net = _pull(net, job.shipped, job.config.anchor)
+        new_weights = to_weights(net)
+    return Result(job.number, new_weights, weights, len(data), judgement, time.thread_time() - cpu)
+
+
+def _pull(net: RetentionNet, shipped: Weights, strength: float) -> RetentionNet:
+    """Move every weight a share `strength` of the way back to the shipped weights."""
+    with torch.no_grad():
+        for name, p in net.state_dict().items():
+            p.mul_(1 - strength).add_(torch.from_numpy(shipped[name]), alpha=strength)
+    return net
+
+
+def _driver(name: str, weights: Weights):
+    if name != "current":
+        return name
+    from agent.policies.flashmoe import FlashMoE
+    shared = SharedNet(to_net(weights))
+    return lambda: FlashMoE(net=shared)
+
+
+def window_trace(job: Job) -> Trace:
+    return from_sets(job.steps, f"online window {job.number}", job.shape.n_experts,
+                     session_starts=job.sessions or [0])
+
+
+def hit_rate(trace: Trace, shape: CacheShape, weights: Weights, start: int, warmup: int) -> float:
+    """The hit rate of the steps from `start` on, replayed with `weights` deciding from `warmup` steps
+    before it (an empty cache and no history at first: those steps fill both)."""
+    from agent.policies.flashmoe import FlashMoE
+    shared = SharedNet(to_net(weights))
+    cache = shape.residency(lambda: FlashMoE(net=shared))
+    system = SystemReplay.synthetic()
+    replay(trace, cache, system, range(max(0, start - warmup), start))
+    before = sum(s.hits for s in cache.stats), sum(s.misses for s in cache.stats)
+    replay(trace, cache, system, range(start, trace.n_tokens))
+    hits, misses = sum(s.hits for s in cache.stats) - before[0], sum(s.misses for s in cache.stats) - before[1]
+    return hits / (hits + misses) if hits + misses else 0.0
+
+
+def to_weights(net: RetentionNet) -> Weights:
+    return {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
+
+
+def to_net(weights: Weights) -> RetentionNet:
+    net = RetentionNet(NetConfig())
+    net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
+    return net.eval()
+
+
+# -- executors ----------------------------------------------------------------------------------------
+class Executor(Protocol):
+    def submit(self, job: Job) -> None:
+        """Start `job`; never blocks the caller for longer than it takes to hand the job over."""
+
+    def poll(self) -> Ready | None:
+        """A finished job's result, once."""
+
+    def busy(self) -> bool:
+        """A job is running: no other is submitted meanwhile."""
+
+    def close(self) -> None:
+        ...
+
+
+class Inline:
+    """Runs each job where it is submitted: the simulator's executor, deterministic."""
+
+    def __init__(self) -> None:
+        self._done: Ready | None = None
+
+    def submit(self, job: Job) -> None:
+        self._done = prepare(run_job(job))
+
+    def poll(self) -> Ready | None:
+        done, self._done = self._done, None
+        return done
+
+    def busy(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+# -- the learner ----------------------------------------------------------------------------------------
+@dataclass
+class _Window:
+    """The last `size` routing steps: (step number, starts a session, per-layer expert lists)."""
+    size: int
+    steps: deque[tuple[int, bool, list[list[int]]]] = field(default_factory=deque)
+
+    def append(self, number: int, new_session: bool) -> list[list[int]]:
+        step: list[list[int]] = []
+        self.steps.append((number, new_session, step))
+        if len(self.steps) > self.size:
+            self.steps.popleft()
+        return step
+
+    def complete(self, n_layers: int) -> list[tuple[int, bool, list[list[int]]]]:
+        """The steps that routed every layer (a step cut short by an error is left out)."""
+        return [s for s in self.steps if len(s[2]) == n_layers]
+
+
+class OnlineLearner:
+    """Shared by every partition policy of one cache: sees its routing, owns the weights in use."""
+
+    def __init__(self, shipped: SharedNet, shape: CacheShape, config: OnlineConfig = OnlineConfig(),
+                 executor: Executor | None = None) -> None:
+        self.shape, self.config = shape, config
+        self.executor = executor or Inline()
+        self.net, self.version = shipped, 0   # the weights in use; the version changes with every swap
+        self._shipped = to_weights(shipped.net)
+        self._weights, self._parent = self._shipped, None
+        self._window = _Window(config.window)
+        self._step: list[list[int]] | None = None
+        self._layer = -1
+        self._new_session = True
+        self.steps = 0                        # routing steps seen
+        self._since = 0                       # steps since the last update was submitted
+        self._took_effect = 0                 # the step the weights in use took effect at
+        self._number = 0
+        self.updates: deque[Update] = deque(maxlen=KEPT_UPDATES)
+        self.totals = {"updates": 0, "rollbacks": 0, "decisions": 0, "cpu_s": 0.0}
+
+    # -- what the cache's policies report ----------------------------------------------------------------
+    def session(self) -> None:
+        self._new_session = True  # every partition reports it: the next step starts the session
+
+    def observe(self, layer: int, experts: Collection[int]) -> None:
+        """A layer routed `experts`. A layer at or below the last one starts a new step: the boundary
+        where a finished update is swapped in and a due one is submitted."""
+        if layer <= self._layer or self._step is None:
+            self._boundary()
+            self._step = self._window.append(self.steps, self._new_session)
+            self._new_session = False
+            self.steps += 1
+            self._since += 1
+        self._layer = layer
+        self._step.append(list(experts))
+
+    # -- between steps -----------------------------------------------------------------------------------
+    def _boundary(self) -> None:
+        if self._since >= self.config.every and not self.executor.busy():
+            self._submit()
+        ready = self.executor.poll()
+        if ready is not None:
+            self._install(ready)
+
+    def _submit(self) -> None:
+        steps = self._window.complete(self.shape.n_layers)
+        if len(steps) <= self.config.warmup:
+            return
+        judge_from = next((i for i, (n, _, _) in enumerate(steps) if n >= self._took_effect), None) \
+            if self.totals["updates"] else None
+        self._number += 1
+        self._since = 0
+        self.executor.submit(Job(self._number, [[list(e) for e in s] for _, _, s in steps],
+                                 [i for i, (_, new, _) in enumerate(steps) if new], judge_from, self.shape,
+                                 self._weights, self._parent, self._shipped, self.config))
+
+    def _install(self, ready: Ready) -> None:
+        result = ready.result
+        self._weights, self._parent = result.weights, result.parent
+        self.net = ready.net
+        self.version += 1
+        self._took_effect = self.steps  # the step about to start is the first the new weights decide
+        update = Update(result.number, self._took_effect, time.time(), result.decisions, result.cpu_s,
+                        result.judgement)
+        self.updates.append(update)
+        for key, value in (("updates", 1), ("rollbacks", bool(result.judgement and result.judgement.rolled_back)),
+                           ("decisions", result.decisions), ("cpu_s", result.cpu_s)):
+            self.totals[key] += value
+        j = result.judgement
+        log.info("online update %d at step %d: %d decisions, %.2f s CPU%s", update.number, update.step,
+                 update.decisions, update.cpu_s,
+                 "" if j is None else f"; the last update on the {j.steps} steps since: hit rate "
+                 f"{j.old_hit_rate:.4f} before, {j.new_hit_rate:.4f} with it"
+                 f"{', rolled back' if j.rolled_back else ''}")
+
+    def summary(self) -> Mapping[str, float]:
+        return dict(self.totals)
+
+    def close(self) -> None:
+        self.executor.close()

@@ -1,0 +1,131 @@
+"""The online loop: only the past reaches a decision, weights swap between steps, bad updates roll back."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from agent.cli import main
+from agent.learned.model import RetentionNet
+from agent.learned.online import (CacheShape, Inline, Job, OnlineConfig, OnlineLearner, run_job, to_net,
+                                  to_weights)
+from agent.learned.scorer import shared_net
+from agent.policies import policy_factory
+from agent.policies.flashmoe import DEFAULT_WEIGHTS, FlashMoE
+from agent.residency import Residency
+from agent.simulator import capacity_slots
+from agent.traces import Trace, from_sets, load, walk
+
+TRACES = Path(__file__).parent / "data" / "traces"
+SMALL = OnlineConfig(window=48, every=24, warmup=8, decisions=150, epochs=1)
+
+
+@pytest.fixture(scope="module")
+def qwen() -> Trace:
+    """The first 120 tokens of a real Qwen decode trace (24 layers, top-4 of 60)."""
+    full = load(TRACES / "qwen_code.jsonl")
+    return from_sets([[full.routed(t, layer).tolist() for layer in range(full.n_layers)] for t in range(120)],
+                     "qwen_code_120", full.n_experts)
+
+
+def learner_for(trace: Trace, config: OnlineConfig = SMALL) -> OnlineLearner:
+    shape = CacheShape(capacity_slots(trace, 0.25, "layer"), trace.n_layers, trace.n_experts, "layer", trace.max_set)
+    return OnlineLearner(shared_net(str(DEFAULT_WEIGHTS)), shape, config, Inline())
+
+
+def decisions(trace: Trace, learner: OnlineLearner) -> list[tuple[int, tuple[int, int]]]:
+    """(token, victim) of every eviction of a replay with the learner's policy deciding."""
+    cache = learner.shape.residency(policy_factory("flashmoe", learner=learner))
+    out, token = [], -1
+    for new_session, layer, experts in walk(trace):
+        token += layer == 0
+        if new_session:
+            cache.session()
+        cache.route(layer, experts)
+        out += [(token, victim) for e in experts if (victim := cache.access((layer, e))[1]) is not None]
+    return out
+
+
+def test_permuting_the_future_changes_no_earlier_decision(qwen):
+    cut = 80
+    rng = np.random.default_rng(0)
+    steps = [[qwen.routed(t, layer).tolist() for layer in range(qwen.n_layers)] for t in range(qwen.n_tokens)]
+    future = [steps[cut + i] for i in rng.permutation(len(steps) - cut)]
+    permuted = from_sets(steps[:cut] + future, "permuted", qwen.n_experts)
+    learner_a, learner_b = learner_for(qwen), learner_for(permuted)
+    a, b = decisions(qwen, learner_a), decisions(permuted, learner_b)
+    assert [u.step for u in learner_a.updates if u.step < cut] == [24, 48, 72]  # learning happened before the cut
+    assert [d for d in a if d[0] < cut] == [d for d in b if d[0] < cut]
+    assert a != b  # the future did change: the test could fail
+
+
+def test_every_step_is_decided_by_one_version_of_the_weights(qwen):
+    learner = learner_for(qwen)
+    seen: dict[int, set[int]] = {}
+    victim = FlashMoE.victim
+
+    def logged(policy, resident, pinned):
+        choice = victim(policy, resident, pinned)
+        if policy.learner is learner:  # not the policies the learner's own replays run
+            seen.setdefault(learner.steps, set()).add(policy._version)
+        return choice
+
+    FlashMoE.victim = logged
+    try:
+        decisions(qwen, learner)
+    finally:
+        FlashMoE.victim = victim
+    assert learner.version == 4 and {len(v) for v in seen.values()} == {1}
+    assert [next(iter(seen[u.step + 1])) for u in learner.updates] == [1, 2, 3, 4]  # adopted at their first step
+
+
+def job(trace: Trace, weights, parent, judge_from: int | None = 40) -> Job:
+    shipped = to_weights(shared_net(str(DEFAULT_WEIGHTS)).net)
+    shape = CacheShape(capacity_slots(trace, 0.25, "layer"), trace.n_layers, trace.n_experts, "layer", trace.max_set)
+    steps = [[trace.routed(t, layer).tolist() for layer in range(trace.n_layers)] for t in range(trace.n_tokens)]
+    return Job(1, steps[:80], [0], judge_from, shape, weights, parent, shipped, SMALL)
+
+
+def test_an_update_worse_in_hindsight_is_rolled_back(qwen):
+    torch.manual_seed(0)
+    random = to_weights(RetentionNet())
+    shipped = to_weights(shared_net(str(DEFAULT_WEIGHTS)).net)
+    result = run_job(job(qwen, weights=random, parent=shipped))
+    judged = result.judgement
+    assert judged.steps == 40 and judged.new_hit_rate < judged.old_hit_rate and judged.rolled_back
+    assert result.parent is shipped  # the next weights are fine-tuned from the ones kept for rollback
+    kept = run_job(job(qwen, weights=shipped, parent=random))
+    assert not kept.judgement.rolled_back and kept.parent is shipped
+
+
+def test_fine_tuning_starts_from_the_weights_in_use_never_from_scratch(qwen):
+    shipped = to_weights(shared_net(str(DEFAULT_WEIGHTS)).net)
+    result = run_job(job(qwen, weights=shipped, parent=None, judge_from=None))
+    assert result.judgement is None and result.decisions > 100
+    moved = sum(float(np.abs(result.weights[k] - shipped[k]).sum()) for k in shipped)
+    torch.manual_seed(0)
+    fresh = to_weights(RetentionNet())
+    from_scratch = sum(float(np.abs(fresh[k] - shipped[k]).sum()) for k in shipped)
+    assert 0 < moved < from_scratch / 5  # far nearer the weights it started from than a fresh network
+    to_net(result.weights)  # a valid network
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"window": 0}, "window"), ({"lr": float("nan")}, "lr"), ({"anchor": -1.0}, "anchor"),
+    ({"warmup": 512}, "warmup"), ({"every": -3}, "every"),
+])
+def test_bad_settings_are_clear_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        OnlineConfig(**options)
+
+
+def test_simulate_online_beside_the_offline_policy(tmp_path, capsys):
+    head = tmp_path / "qwen_code_80.jsonl"
+    head.write_text("\n".join((TRACES / "qwen_code.jsonl").read_text().splitlines()[:81]) + "\n")
+    assert main(["simulate", "--trace", str(head), "--policy", "flashmoe", "--online", "--json"]) == 0
+    rows = {(r["policy"], r["online"] is not None): r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert list(rows) == [("lru", False), ("flashmoe", False), ("flashmoe", True), ("belady", False)]
+    assert rows["flashmoe", True]["online"]["updates"] == 0  # 80 tokens: shorter than one update's 128
+    assert main(["simulate", "--trace", str(head), "--policy", "lru", "--online"]) == 0
+    assert "flashmoe online" in capsys.readouterr().out.splitlines()[1]
