@@ -90,8 +90,9 @@ class SystemSampler:
             self._read_time += seconds
 
     def sample(self, max_age_s: float = 0.0) -> SystemSample:
-        """The last reading if younger than `max_age_s`, or if another thread is reading right now
-        (a caller on the decode path never waits for one); else a new reading."""
+        """A new reading, or the last one if it is younger than `max_age_s`. A caller that accepts an
+        older one (max_age_s > 0: the cache, on the decode path) never waits for another thread's
+        reading either; it takes the last."""
         if time.monotonic() - self.last.t < max_age_s or not self._lock.acquire(blocking=max_age_s == 0):
             return self.last
         try:

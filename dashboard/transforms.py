@@ -136,7 +136,7 @@ def unavailable_sources(events: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     """Sources the collector currently cannot read -> why, replaying its events oldest first.
 
     The collector says "cannot read <source>: <reason>" once when a source goes away and
-    "<source> is readable again" when it comes back (collector.sources).
+    "<source> is readable again" when it comes back (collector.status).
     """
     down: dict[str, str] = {}
     for e in events:
