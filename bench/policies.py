@@ -52,7 +52,7 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
     "lfu-window": [{"window": w} for w in (64, 128, 256, 512, 1024, 2048)],
     "flashmoe": [{"decision": "score"}] + [{"decision": "lfu", "keep_percentile": q} for q in (20, 30, 50)],
 }
-ONLINE = [OnlineConfig(lr=1e-3, epochs=2), OnlineConfig(lr=3e-3, epochs=4)]
+ONLINE = [OnlineConfig(), OnlineConfig(lr=1e-3, epochs=2)]
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ import torch
 
 from agent.cli import main
 from agent.learned.model import RetentionNet
-from agent.learned.online import (CacheShape, Inline, Job, OnlineConfig, OnlineLearner, run_job, to_net,
-                                  to_weights)
+from agent.learned.online import (CacheShape, Inline, Job, LiveDecision, OnlineConfig, OnlineLearner, label_live,
+                                  run_job, to_net, to_weights)
 from agent.learned.scorer import shared_net
 from agent.policies import policy_factory
 from agent.policies.flashmoe import DEFAULT_WEIGHTS, FlashMoE
@@ -84,7 +84,7 @@ def job(trace: Trace, weights, parent, judge_from: int | None = 40) -> Job:
     shipped = to_weights(shared_net(str(DEFAULT_WEIGHTS)).net)
     shape = CacheShape(capacity_slots(trace, 0.25, "layer"), trace.n_layers, trace.n_experts, "layer", trace.max_set)
     steps = [[trace.routed(t, layer).tolist() for layer in range(trace.n_layers)] for t in range(trace.n_tokens)]
-    return Job(1, steps[:80], [0], judge_from, shape, weights, parent, shipped, SMALL)
+    return Job(1, steps[:80], 0, [], [0], judge_from, shape, weights, parent, shipped, SMALL)
 
 
 def test_an_update_worse_in_hindsight_is_rolled_back(qwen):
@@ -111,9 +111,28 @@ def test_fine_tuning_starts_from_the_weights_in_use_never_from_scratch(qwen):
     to_net(result.weights)  # a valid network
 
 
+def test_the_caches_own_decisions_are_labelled_with_their_next_use_in_the_window():
+    trace = from_sets([[[0, 1]], [[2, 3]], [[0, 2]], [[1, 3]]], n_experts=5)  # accesses 0 1 2 3 0 2 1 3
+    zeros = np.zeros((4, 32), np.float32), np.zeros((4, 16), np.float32)
+    at_step_1 = LiveDecision(100 + 4, [(0, 0), (0, 1), (0, 3), (0, 4)], *zeros)  # the window starts at access 100
+    data = label_live(trace, [at_step_1], first_access=100)
+    assert data.distance[0, :4].tolist() == [0, 2, 3, 4]  # next access, two later, three later, never (the end)
+    assert data.mask[0].tolist() == [True] * 4 + [False] * 12
+
+
+def test_a_learning_cache_records_a_share_of_its_own_evictions(qwen):
+    learner = learner_for(qwen, OnlineConfig(window=200, every=1000, warmup=8, live=0.25))
+    evictions = len(decisions(qwen, learner))
+    recorded = list(learner._window.live)
+    assert 0.18 * evictions < len(recorded) < 0.32 * evictions
+    assert all(1 < len(d.keys) <= 16 and d.signature.shape == (len(d.keys), 32) for d in recorded)
+    assert [d.position for d in recorded] == sorted(d.position for d in recorded) and recorded[-1].position <= learner.accesses
+
+
 @pytest.mark.parametrize("options, message", [
     ({"window": 0}, "window"), ({"lr": float("nan")}, "lr"), ({"anchor": -1.0}, "anchor"),
-    ({"warmup": 512}, "warmup"), ({"every": -3}, "every"),
+    ({"warmup": 512}, "warmup"), ({"every": -3}, "every"), ({"live": 1.5}, "live"),
+    ({"drivers": ("oracle",)}, "drivers"), ({"drivers": (), "live": 0.0}, "something to learn from"),
 ])
 def test_bad_settings_are_clear_errors(options, message):
     with pytest.raises(ValueError, match=message):

@@ -6,9 +6,12 @@ keeps the last `window` of them. Every `every` steps an update falls due, and on
 1. judge the last update in hindsight: replay the steps routed since it took effect through the
    device's cache once with the weights it was fine-tuned from and once with its own; if its hit
    rate is lower it is rolled back, and this job fine-tunes the weights it was made from instead;
-2. label the window in hindsight: replay it with Belady and the current weights deciding, and
-   record sampled eviction decisions with each candidate's true distance to its next use within the
-   window (a use beyond its end counts as "not before the end", as the end of a trace does offline);
+2. label decisions in hindsight with each candidate's true distance to its next use within the
+   window (a use beyond its end counts as "not before the end", as the end of a trace does
+   offline): a sample of the cache's own decisions, as it made them (the policy hands the learner
+   the candidates' features at a `live` share of its evictions: the states the weights in use
+   really meet, at no replay's cost), and sampled decisions of a replay of the window with Belady
+   deciding (the states an ideal cache is in);
 3. fine-tune (never from scratch: from the shipped weights and the updates since) on those
    decisions, then move the result a small share (`anchor`) of the way back to the shipped
    weights, so that a run of odd windows cannot drag it far.
@@ -24,7 +27,9 @@ budget (the agent), its result swapped in at the first step boundary after it ar
 """
 from __future__ import annotations
 
+import bisect
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import Collection, Mapping
@@ -36,14 +41,16 @@ import torch
 
 from agent.learned.model import NetConfig, RetentionNet
 from agent.learned.scorer import SharedNet
+from agent.learned.train import MAX_CANDIDATES, Decisions, collect, fit, padded
 from agent.residency import Residency
 from agent.simulator import SystemReplay, replay
-from agent.traces import Trace, from_sets
+from agent.policies.base import Key
+from agent.traces import Trace, access_sequence, from_sets
 
 log = logging.getLogger(__name__)
 
 Weights = dict[str, np.ndarray]  # a RetentionNet's state, as numpy arrays: cheap to pickle to a child process
-DRIVERS = ("belady", "current", "lru")  # who may decide while a window is labelled ("current": the weights in use)
+DRIVERS = ("belady", "current", "lru")  # who may decide in a labelling replay ("current": the weights in use)
 KEPT_UPDATES = 100  # the most recent updates the learner keeps for status and logs
 
 
@@ -52,11 +59,12 @@ class OnlineConfig:
     window: int = 512        # routing steps kept and learned from
     every: int = 128         # routing steps between two updates
     warmup: int = 64         # steps of a replay before decisions are recorded: features need a history
-    decisions: int = 2000    # decisions sampled per driver and update
+    decisions: int = 2000    # decisions sampled per replay driver and update
+    live: float = 0.3        # share of the cache's own evictions whose candidates are recorded for labelling
     epochs: int = 4
     lr: float = 3e-3
     anchor: float = 1e-2     # share of the way back to the shipped weights after each update
-    drivers: tuple[str, ...] = ("belady", "current")  # who decides in the labelling replays
+    drivers: tuple[str, ...] = ("belady",)  # who decides in the labelling replays
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -67,8 +75,9 @@ class OnlineConfig:
             raise ValueError(f"online warmup must be within 0..window-1, got {self.warmup}")
         if not (self.lr > 0 and 0 <= self.anchor <= 1):  # NaN fails both
             raise ValueError(f"online lr must be > 0 and anchor within 0..1, got {self.lr} and {self.anchor}")
-        if not self.drivers or set(self.drivers) - set(DRIVERS):
-            raise ValueError(f"online drivers must be some of {DRIVERS}, got {self.drivers}")
+        if set(self.drivers) - set(DRIVERS) or not 0 <= self.live <= 1 or not (self.drivers or self.live):
+            raise ValueError(f"online drivers must be some of {DRIVERS} and live a share within 0..1, with "
+                             f"something to learn from; got {self.drivers} and {self.live}")
 
 
 @dataclass(frozen=True)
@@ -85,9 +94,20 @@ class CacheShape:
 
 
 @dataclass(frozen=True)
+class LiveDecision:
+    """An eviction the cache made: its candidates as the policy saw them, and when (in accesses)."""
+    position: int                 # accesses routed so far, this layer's step included
+    keys: list[Key]
+    signature: np.ndarray         # [candidates, HISTORY_BITS]
+    features: np.ndarray          # [candidates, FEATURES]
+
+
+@dataclass(frozen=True)
 class Job:
     number: int
     steps: list[list[list[int]]]  # the window, oldest first: per step, per layer, the routed experts
+    first_access: int             # the position of the window's first access
+    live: list[LiveDecision]      # the cache's recorded decisions within the window
     sessions: list[int]           # steps of the window that start a session
     judge_from: int | None        # the step of the window where the weights in use took effect
     shape: CacheShape
@@ -141,8 +161,6 @@ def prepare(result: Result) -> Ready:
 # -- the job: pure, runs in-line or in a child process ------------------------------------------------
 def run_job(job: Job) -> Result:
     """Judge the last update, label the window, fine-tune; the Result carries the new weights."""
-    from agent.learned.train import Decisions, collect, fit  # torch-heavy helpers, loaded where jobs run
-
     cpu = time.thread_time()
     trace = window_trace(job)
     weights, judgement = job.weights, None
@@ -155,7 +173,7 @@ def run_job(job: Job) -> Result:
     rng = np.random.default_rng([job.config.seed, job.number])
     parts = [collect(trace, job.shape.slots, _driver(name, weights), job.config.decisions, rng, job.shape.scope,
                      after=job.config.warmup) for name in job.config.drivers]
-    data = Decisions.concat(parts)
+    data = Decisions.concat(parts + [label_live(trace, job.live, job.first_access)])
     new_weights = weights
     if len(data):
         net = fit(data, job.config.epochs, job.config.seed + job.number, lr=job.config.lr, net=to_net(weights))
@@ -163,6 +181,26 @@ def run_job(job: Job) -> Result:
             net = _pull(net, job.shipped, job.config.anchor)
         new_weights = to_weights(net)
     return Result(job.number, new_weights, weights, len(data), judgement, time.thread_time() - cpu)
+
+
+def label_live(trace: Trace, live: list[LiveDecision], first_access: int) -> Decisions:
+    """The cache's own decisions with each candidate's distance (in accesses) to its next use in the window."""
+    accesses = access_sequence(trace)
+    uses: dict[Key, list[int]] = {}
+    for position, (layer, expert) in enumerate(accesses.tolist()):
+        uses.setdefault((layer, expert), []).append(position)
+    rows = []
+    for d in live:
+        at = d.position - first_access  # the accesses from `at` on come after this decision's step
+        nxt = [next_use(uses.get(k, []), at, len(accesses)) for k in d.keys]
+        rows.append((d.signature, d.features, np.array(nxt, np.float32) - at))
+    return padded(rows)
+
+
+def next_use(positions: list[int], at: int, end: int) -> int:
+    """The first of the rising `positions` at or after `at`; `end` if none."""
+    i = bisect.bisect_left(positions, at)
+    return positions[i] if i < len(positions) else end
 
 
 def _pull(net: RetentionNet, shipped: Weights, strength: float) -> RetentionNet:
@@ -247,21 +285,30 @@ class Inline:
 
 # -- the learner ----------------------------------------------------------------------------------------
 @dataclass
-class _Window:
-    """The last `size` routing steps: (step number, starts a session, per-layer expert lists)."""
-    size: int
-    steps: deque[tuple[int, bool, list[list[int]]]] = field(default_factory=deque)
+class _Step:
+    number: int                   # routing steps before it
+    first_access: int             # accesses routed before it
+    new_session: bool
+    layers: list[list[int]] = field(default_factory=list)  # per layer, the routed experts
 
-    def append(self, number: int, new_session: bool) -> list[list[int]]:
-        step: list[list[int]] = []
-        self.steps.append((number, new_session, step))
+
+@dataclass
+class _Window:
+    """The last `size` routing steps, and the cache's recorded decisions among them."""
+    size: int
+    steps: deque[_Step] = field(default_factory=deque)
+    live: deque[LiveDecision] = field(default_factory=deque)
+
+    def append(self, step: _Step) -> None:
+        self.steps.append(step)
         if len(self.steps) > self.size:
             self.steps.popleft()
-        return step
+            while self.live and self.live[0].position < self.steps[0].first_access:
+                self.live.popleft()
 
-    def complete(self, n_layers: int) -> list[tuple[int, bool, list[list[int]]]]:
+    def complete(self, n_layers: int) -> list[_Step]:
         """The steps that routed every layer (a step cut short by an error is left out)."""
-        return [s for s in self.steps if len(s[2]) == n_layers]
+        return [s for s in self.steps if len(s.layers) == n_layers]
 
 
 class OnlineLearner:
@@ -275,10 +322,12 @@ class OnlineLearner:
         self._shipped = to_weights(shipped.net)
         self._weights, self._parent = self._shipped, None
         self._window = _Window(config.window)
-        self._step: list[list[int]] | None = None
+        self._step: _Step | None = None
         self._layer = -1
         self._new_session = True
+        self._rng = random.Random(config.seed)  # which evictions are recorded
         self.steps = 0                        # routing steps seen
+        self.accesses = 0                     # experts routed, over all steps and layers
         self._since = 0                       # steps since the last update was submitted
         self._took_effect = 0                 # the step the weights in use took effect at
         self._number = 0
@@ -294,12 +343,26 @@ class OnlineLearner:
         where a finished update is swapped in and a due one is submitted."""
         if layer <= self._layer or self._step is None:
             self._boundary()
-            self._step = self._window.append(self.steps, self._new_session)
+            self._step = _Step(self.steps, self.accesses, self._new_session)
+            self._window.append(self._step)
             self._new_session = False
             self.steps += 1
             self._since += 1
         self._layer = layer
-        self._step.append(list(experts))
+        self._step.layers.append(list(experts))
+        self.accesses += len(experts)
+
+    def sampled(self) -> bool:
+        """Whether the eviction about to be made is one to record (a `live` share of them)."""
+        return self._rng.random() < self.config.live
+
+    def record(self, keys: list[Key], signature: np.ndarray, features: np.ndarray) -> None:
+        """An eviction among `keys` (the candidates, with their inputs as the policy sees them) in the step
+        being routed: labelled with their next uses by a later job."""
+        if len(keys) > MAX_CANDIDATES:
+            keep = sorted(self._rng.sample(range(len(keys)), MAX_CANDIDATES))
+            keys, signature, features = [keys[i] for i in keep], signature[keep], features[keep]
+        self._window.live.append(LiveDecision(self.accesses, keys, signature, features))
 
     # -- between steps -----------------------------------------------------------------------------------
     def _boundary(self) -> None:
@@ -313,12 +376,14 @@ class OnlineLearner:
         steps = self._window.complete(self.shape.n_layers)
         if len(steps) <= self.config.warmup:
             return
-        judge_from = next((i for i, (n, _, _) in enumerate(steps) if n >= self._took_effect), None) \
+        judge_from = next((i for i, s in enumerate(steps) if s.number >= self._took_effect), None) \
             if self.totals["updates"] else None
+        first = steps[0].first_access
         self._number += 1
         self._since = 0
-        self.executor.submit(Job(self._number, [[list(e) for e in s] for _, _, s in steps],
-                                 [i for i, (_, new, _) in enumerate(steps) if new], judge_from, self.shape,
+        self.executor.submit(Job(self._number, [s.layers for s in steps], first,
+                                 [d for d in self._window.live if d.position >= first],
+                                 [i for i, s in enumerate(steps) if s.new_session], judge_from, self.shape,
                                  self._weights, self._parent, self._shipped, self.config))
 
     def _install(self, ready: Ready) -> None:

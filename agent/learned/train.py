@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agent.learned.features import LayerHistory
+from agent.learned.features import FEATURES, HISTORY_BITS, LayerHistory
 from agent.learned.model import NetConfig, RetentionNet, save
 from agent.learned.scorer import SERIES_LEN, layer_inputs
 from agent.learned.splits import ARCHITECTURES, TRACES_DIR, TRAIN_PROMPTS, Part, split_parts
@@ -160,7 +160,7 @@ def collect(trace: Trace, slots: int, driver: str | Callable[[], Policy], max_de
         else driver
     cache = Residency(slots, trace.n_layers, lambda: Recorder(make(), tape), scope, min_per_layer=trace.max_set)
     replay(trace, cache, SystemReplay.synthetic())
-    return _pad(tape.rows)
+    return padded(tape.rows)
 
 
 def spread_sessions(trace: Trace, max_tokens: int) -> Trace:
@@ -180,9 +180,9 @@ def spread_sessions(trace: Trace, max_tokens: int) -> Trace:
                  trace.top_k, offsets, flat, starts, trace.layer_ids)
 
 
-def _pad(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Decisions:
-    d, m = len(rows), MAX_CANDIDATES
-    bits, nf = (rows[0][0].shape[1], rows[0][1].shape[1]) if rows else (1, 1)
+def padded(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Decisions:
+    """Decisions from (signature, features, distance) rows of up to MAX_CANDIDATES candidates each."""
+    d, m, bits, nf = len(rows), MAX_CANDIDATES, HISTORY_BITS, len(FEATURES)
     out = Decisions(np.zeros((d, m, bits), np.float32), np.zeros((d, m, nf), np.float32),
                     np.zeros((d, m), np.float32), np.zeros((d, m), bool))
     for i, (sig, feat, dist) in enumerate(rows):

@@ -119,8 +119,11 @@ class FlashMoE(Policy):
         candidates = [k for k in resident if k not in pinned]
         if not candidates:
             raise ValueError("every resident expert is pinned by the current step; nothing can be evicted")
-        if self.learner is not None and self.learner.version != self._version:
-            self._adopt(self.learner.net, self.learner.version)
+        if self.learner is not None:
+            if self.learner.version != self._version:
+                self._adopt(self.learner.net, self.learner.version)
+            if self.learner.sampled():
+                self._report(candidates)
         stale = self._stale_layers()
         if stale:
             self._rescore(stale, resident, candidates)
@@ -133,6 +136,16 @@ class FlashMoE(Policy):
         scored = [i for i, s in enumerate(scores) if s < FRESH]  # arrivals count as the highest scores
         rest = [i for i in scored if scores[i] < self._keep] or scored  # an empty shortlist: all scored ones
         return candidates[min(rest, key=lambda i: self._frequency(candidates[i]))]
+
+    def _report(self, candidates: list[Key]) -> None:
+        """Hand the learner this decision's candidates with their inputs as scored now, to label later."""
+        by_layer: dict[int, list[Key]] = {}
+        for k in candidates:
+            by_layer.setdefault(k[0], []).append(k)
+        inputs = [self._s.layer_inputs(self._history(layer), np.array([e for _, e in keys], np.int64))
+                  for layer, keys in by_layer.items()]
+        self.learner.record([k for keys in by_layer.values() for k in keys], np.concatenate([i[0] for i in inputs]),
+                            np.concatenate([i[1] for i in inputs]))
 
     def _adopt(self, net, version: int) -> None:
         """New weights from the online learner: every layer is rescored with them before the next choice."""
