@@ -52,7 +52,8 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
     "lfu-window": [{"window": w} for w in (64, 128, 256, 512, 1024, 2048)],
     "flashmoe": [{"decision": "score"}] + [{"decision": "lfu", "keep_percentile": q} for q in (20, 30, 50)],
 }
-ONLINE = [OnlineConfig(), OnlineConfig(lr=1e-3, epochs=2)]
+DEFAULT_ONLINE = OnlineConfig()
+ONLINE = [DEFAULT_ONLINE, OnlineConfig(lr=1e-3, epochs=2)]
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,10 @@ class Candidate:
         return Candidate(label, policy, json.dumps(options, sort_keys=True), online)
 
     def setting(self) -> dict[str, Any]:
-        return {**json.loads(self.options), **({"online": asdict(self.online)} if self.online else {})}
+        """The options, and the online loop's settings that differ from its defaults."""
+        online = {k: v for k, v in asdict(self.online).items() if v != getattr(DEFAULT_ONLINE, k)} if self.online \
+            else None
+        return {**json.loads(self.options), **({"online": online} if online is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,7 @@ def selection_table(scores: dict[str, list], chosen: dict[str, Candidate]) -> st
         for s in scored:
             rates = "  ".join(f"{v:.4f}" for v in s["hit_rates"].values())
             mark = "  <- chosen" if s["candidate"] == chosen[label] else ""
-            lines.append(f"{label:<16}{json.dumps(s['setting']):<80.80}{rates}  {s['mean_share']:7.1%}{mark}")
+            lines.append(f"{label:<16}{json.dumps(s['setting']):<90.90}{rates}  {s['mean_share']:7.1%}{mark}")
     return "\n".join(lines)
 
 
@@ -249,7 +253,8 @@ def main() -> None:
     print(f"== selection: validation split, {SELECT_AT[0]} scope, capacity {SELECT_AT[1]:g}; "
           f"hit rates per trace, mean share of the gap ==\n{selection_table(scores, chosen)}")
 
-    labels = list(chosen)
+    labels = ["lru", *[p for p in chosen if p not in ("lru", LEARNED, ONLINE_LABEL, ORACLE)],
+              *[p for p in (LEARNED, ONLINE_LABEL) if p in chosen], ORACLE]
     report_parts = SPLITS["report"] + (DEGENERATE,)
     tasks = tasks_for(list(chosen.values()), report_parts, CONFIGS)
     absent = absent_candidates(chosen)
