@@ -10,7 +10,7 @@ import torch
 from agent.cli import main
 from agent.learned.model import RetentionNet, load, save, training_info
 from agent.learned.splits import REPORT_PROMPTS, SPLITS, TRAIN_PROMPTS, Part
-from agent.learned.train import collect, pairwise_loss, spread_sessions, train_policy
+from agent.learned.train import Decisions, collect, fit, pairwise_loss, spread_sessions, train_policy
 from agent.policies import policy_factory
 from agent.residency import Residency
 from agent.simulator import capacity_slots
@@ -134,3 +134,44 @@ def test_prompts_of_a_prefill_file_default_to_the_train_split_never_the_report(t
 def test_conflicting_options_are_clear_errors(tmp_path, capsys, argv, message):
     assert main(["train-policy", *argv, "--out", str(tmp_path / "w.safetensors")]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_recorded_monitoring_series_reach_the_decisions_and_the_system_tower_can_learn_from_them(tmp_path):
+    lines = (TRACES / "olmoe_prose.jsonl").read_text().splitlines()[:81]
+    records = [json.loads(line) for line in lines[1:]]
+    for i, r in enumerate(records):  # the cache fed a sample at layer 0 every 8th step, latency rising
+        if i % 8 == 0:
+            r["system"] = [{"layer": 0, "read_latency_s": 1e-4 * (1 + i), "mem_pressure": 0.5}]
+    path = tmp_path / "recorded.jsonl"
+    path.write_text("\n".join([lines[0]] + [json.dumps(r) for r in records]))
+    trace = load_trace(path)
+    data = collect(trace, capacity_slots(trace, 0.25, "layer"), "belady", 200, np.random.default_rng(0))
+    assert not np.isnan(data.series).any() and (data.series[:, :, 1] == 0.5).all()
+    assert len(np.unique(data.series[:, -1, 0])) > 3  # the latest latency moves with the replay
+    plain = collect(load_trace(TRACES / "olmoe_prose.jsonl"), 128, "belady", 50, np.random.default_rng(0))
+    assert np.isnan(plain.series).all()  # no samples recorded: nothing to learn from
+
+    # two candidates whose order of next use flips with the latency: only the recorded series tells
+    rng = np.random.default_rng(1)
+    n = 400
+    slow = rng.random(n) < 0.5
+    signature = np.zeros((n, 16, 32), np.float32)
+    features = np.zeros((n, 16, 16), np.float32)
+    features[:, 1, 0] = 1.0
+    distance = np.zeros((n, 16), np.float32)
+    distance[:, 0], distance[:, 1] = np.where(slow, 1, 50), np.where(slow, 50, 1)
+    mask = np.zeros((n, 16), bool)
+    mask[:, :2] = True
+    series = np.zeros((n, 16, 2), np.float32)
+    series[:, :, 0] = np.where(slow, 1.5, -1.0)[:, None]
+    toy = Decisions(signature, features, distance, mask, series)
+
+    def right(net) -> float:
+        with torch.inference_mode():
+            h = net.expert(torch.from_numpy(signature[:, :2].reshape(-1, 32)),
+                           torch.from_numpy(features[:, :2].reshape(-1, 16))).view(n, 2, -1)
+            scores = (h * net.system(torch.from_numpy(series))[:, None, :]).sum(-1)
+        return float(((scores[:, 0] > scores[:, 1]).numpy() == slow).mean())
+
+    assert right(fit(toy, epochs=30, seed=0, batch=64, system="recorded")) > 0.95
+    assert right(fit(toy, epochs=30, seed=0, batch=64, system="random")) < 0.75

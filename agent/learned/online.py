@@ -193,7 +193,7 @@ def label_live(trace: Trace, live: list[LiveDecision], first_access: int) -> Dec
     for d in live:
         at = d.position - first_access  # the accesses from `at` on come after this decision's step
         nxt = [next_use(uses.get(k, []), at, len(accesses)) for k in d.keys]
-        rows.append((d.signature, d.features, np.array(nxt, np.float32) - at))
+        rows.append((d.signature, d.features, np.array(nxt, np.float32) - at, None))
     return padded(rows)
 
 

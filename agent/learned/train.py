@@ -38,7 +38,8 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +48,7 @@ import torch
 
 from agent.learned.features import FEATURES, HISTORY_BITS, LayerHistory
 from agent.learned.model import NetConfig, RetentionNet, save
-from agent.learned.scorer import SERIES_LEN, layer_inputs
+from agent.learned.scorer import SERIES_LEN, layer_inputs, system_input
 from agent.learned.splits import ARCHITECTURES, TRACES_DIR, TRAIN_PROMPTS, Part, split_parts
 from agent.policies import policy_factory
 from agent.policies.base import Key, Policy
@@ -59,6 +60,7 @@ from agent.traces import Trace, access_sequence, parse_prompts
 log = logging.getLogger(__name__)
 
 MAX_CANDIDATES = 16  # candidates kept per decision (a random subset, always with Belady's victim)
+SYSTEM_INPUTS_SEEN = ("random", "recorded")  # what the system tower sees in training (fit)
 
 
 @dataclass
@@ -68,14 +70,20 @@ class Decisions:
     features: np.ndarray   # [D, M, F]
     distance: np.ndarray   # [D, M] accesses until next use (trace length if never)
     mask: np.ndarray       # [D, M] True where a real candidate sits
+    series: np.ndarray     # [D, SERIES_LEN, 2] the system tower's input then; NaN if the trace had no real samples
 
     def __len__(self) -> int:
         return len(self.distance)
 
+    def __getitem__(self, rows) -> "Decisions":
+        return Decisions(*(getattr(self, f)[rows] for f in FIELDS))
+
     @staticmethod
     def concat(parts: Sequence["Decisions"]) -> "Decisions":
-        return Decisions(*(np.concatenate([getattr(p, f) for p in parts]) for f in
-                           ("signature", "features", "distance", "mask")))
+        return Decisions(*(np.concatenate([getattr(p, f) for p in parts]) for f in FIELDS))
+
+
+FIELDS = ("signature", "features", "distance", "mask", "series")
 
 
 @dataclass
@@ -86,7 +94,22 @@ class Tape:
     rng: np.random.Generator
     start: int = 0        # no decision is recorded before this access (the features need a history)
     position: int = 0     # demand accesses so far: each arrives as exactly one hit or insert
-    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = field(default_factory=list)
+    real: bool = False    # the trace carries the monitoring samples its cache was fed: record the series
+    series: deque = field(default_factory=lambda: deque(maxlen=SERIES_LEN))  # the tower's inputs so far
+    _last: object = None  # the last sample: every partition's recorder passes the same one on
+
+    def system(self, sample: Mapping[str, float]) -> None:
+        if sample is not self._last:
+            self._last = sample
+            self.series.append(system_input(sample))
+
+    def current_series(self) -> np.ndarray | None:
+        """The series the policy would see now, front-padded with its first value to SERIES_LEN."""
+        if not self.real or not self.series:
+            return None
+        values = list(self.series)
+        return np.array([values[0]] * (SERIES_LEN - len(values)) + values, np.float32)
 
 
 class Recorder(Policy):
@@ -103,6 +126,10 @@ class Recorder(Policy):
         for h in self.layers.values():
             h.new_session()
         self.driver.session()
+
+    def system(self, sample: Mapping[str, float]) -> None:
+        self.tape.system(sample)
+        self.driver.system(sample)
 
     def route(self, layer: int, experts: Collection[int]) -> None:
         self.layers.setdefault(layer, LayerHistory()).observe(experts)
@@ -144,7 +171,7 @@ class Recorder(Policy):
                                          np.array([e for _, e in keys], np.int64))
                             for layer, keys in by_layer.items()))
         dist = np.array([self._next[k] - self.tape.position for k in ordered], np.float32)
-        self.tape.rows.append((np.concatenate(sigs), np.concatenate(feats), dist))
+        self.tape.rows.append((np.concatenate(sigs), np.concatenate(feats), dist, self.tape.current_series()))
 
 
 def collect(trace: Trace, slots: int, driver: str | Callable[[], Policy], max_decisions: int,
@@ -155,7 +182,7 @@ def collect(trace: Trace, slots: int, driver: str | Callable[[], Policy], max_de
     start = int(trace.offsets[min(after, trace.n_tokens) * trace.n_layers])
     # about a third of accesses miss at these sizes: sample to about max_decisions
     tape = Tape(oracle.next_use, rate=min(1.0, 3 * max_decisions / max(1, trace.n_accesses - start)), rng=rng,
-                start=start)
+                start=start, real=bool(trace.system))
     make = (lambda: Belady(oracle)) if driver == "belady" else policy_factory(driver) if isinstance(driver, str) \
         else driver
     cache = Residency(slots, trace.n_layers, lambda: Recorder(make(), tape), scope, min_per_layer=trace.max_set)
@@ -180,14 +207,16 @@ def spread_sessions(trace: Trace, max_tokens: int) -> Trace:
                  trace.top_k, offsets, flat, starts, trace.layer_ids)
 
 
-def padded(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Decisions:
-    """Decisions from (signature, features, distance) rows of up to MAX_CANDIDATES candidates each."""
+def padded(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]) -> Decisions:
+    """Decisions from (signature, features, distance, series or None) rows of up to MAX_CANDIDATES candidates."""
     d, m, bits, nf = len(rows), MAX_CANDIDATES, HISTORY_BITS, len(FEATURES)
     out = Decisions(np.zeros((d, m, bits), np.float32), np.zeros((d, m, nf), np.float32),
-                    np.zeros((d, m), np.float32), np.zeros((d, m), bool))
-    for i, (sig, feat, dist) in enumerate(rows):
+                    np.zeros((d, m), np.float32), np.zeros((d, m), bool), np.full((d, SERIES_LEN, 2), np.nan, np.float32))
+    for i, (sig, feat, dist, series) in enumerate(rows):
         n = len(dist)
         out.signature[i, :n], out.features[i, :n], out.distance[i, :n], out.mask[i, :n] = sig, feat, dist, True
+        if series is not None:
+            out.series[i] = series
     return out
 
 
@@ -225,8 +254,12 @@ def _scores(net: RetentionNet, data: Decisions, series: torch.Tensor) -> torch.T
 
 
 def fit(data: Decisions, epochs: int, seed: int, batch: int = 512, lr: float = 3e-3,
-        net: RetentionNet | None = None) -> RetentionNet:
-    """Train a new network on `data`, or fine-tune `net` (in place)."""
+        net: RetentionNet | None = None, system: str = "random") -> RetentionNet:
+    """Train a new network on `data`, or fine-tune `net` (in place). The system tower sees one random
+    series per batch (`system="random"`: no trace here says how latency should change a ranking), or
+    each decision's recorded series where it has one (`"recorded"`), a random one elsewhere."""
+    if system not in SYSTEM_INPUTS_SEEN:
+        raise ValueError(f"system must be one of {SYSTEM_INPUTS_SEEN}, got {system!r}")
     torch.set_num_threads(1)  # small matrices: extra threads only spin, and one thread is bit-reproducible
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -238,8 +271,12 @@ def fit(data: Decisions, epochs: int, seed: int, batch: int = 512, lr: float = 3
         total = 0.0
         for first in range(0, len(data), batch):
             idx = order[first:first + batch]
-            part = Decisions(data.signature[idx], data.features[idx], data.distance[idx], data.mask[idx])
-            scores = _scores(net, part, random_series(1, gen))  # one system state per batch
+            part = data[idx]
+            series = random_series(1, gen)  # one system state per batch
+            if system == "recorded":
+                recorded = torch.from_numpy(part.series)
+                series = torch.where(recorded.isnan(), series.expand_as(recorded), recorded)
+            scores = _scores(net, part, series)
             loss = pairwise_loss(scores, torch.from_numpy(part.distance), torch.from_numpy(part.mask))
             opt.zero_grad()
             loss.backward()
