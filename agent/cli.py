@@ -21,6 +21,7 @@ COMMANDS = {
     "warmup": ("agent.warmup", "find the hot experts of a prompt file and preload them into the agent"),
     "collect": ("collector.loop", "sample the SSD, block devices and memory into the store"),
     "store": ("store.cli", "inspect the telemetry store: stats, export"),
+    "diagnose": ("store.diagnosis", "memory-thrash verdict from the store: the evidence and the fix"),
 }
 
 

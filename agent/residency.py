@@ -24,6 +24,7 @@ class LayerStats:
     evictions: int = 0
     prefetches: int = 0
     prefetch_hits: int = 0  # demand hits on a block that prefetch brought in
+    rereads: int = 0        # misses on a block evicted moments ago: within its partition's last `capacity` evictions
 
 
 @dataclass
@@ -31,6 +32,13 @@ class _Partition:
     capacity: int
     policy: Policy
     resident: set[Key] = field(default_factory=set)
+    # The last `capacity` keys evicted, oldest first: a miss on one of them is a re-read that a
+    # cache up to twice this size would have been a hit (ARC's ghost list, kept only for counting).
+    evicted: dict[Key, None] = field(default_factory=dict)
+
+    def forget_evicted_beyond_capacity(self) -> None:
+        while len(self.evicted) > self.capacity:
+            del self.evicted[next(iter(self.evicted))]
 
 
 class Residency:
@@ -71,6 +79,7 @@ class Residency:
             part.capacity = cap
             while len(part.resident) > cap:
                 evicted.append(self._evict(part))
+            part.forget_evicted_beyond_capacity()
         return evicted
 
     # -- access -----------------------------------------------------------------------------------
@@ -115,6 +124,8 @@ class Residency:
             part.policy.hit(key)
             return True, None
         stats.misses += 1
+        if key in part.evicted:
+            stats.rereads += 1
         return False, self._admit(part, key)
 
     def prefetch(self, key: Key, protect: Collection[Key] = ()) -> tuple[bool, Key | None]:
@@ -138,6 +149,7 @@ class Residency:
 
     def _admit(self, part: _Partition, key: Key, keep: Collection[Key] | None = None) -> Key | None:
         victim = self._evict(part, keep) if len(part.resident) >= part.capacity else None
+        part.evicted.pop(key, None)
         part.resident.add(key)
         part.policy.insert(key)
         return victim
@@ -150,6 +162,8 @@ class Residency:
             victim = part.policy.victim(part.resident, keep)
         self._forget(part, victim)
         self.stats[victim[0]].evictions += 1
+        part.evicted[victim] = None
+        part.forget_evicted_beyond_capacity()
         return victim
 
     def _forget(self, part: _Partition, key: Key) -> None:

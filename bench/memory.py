@@ -13,10 +13,10 @@ from pathlib import Path
 class MemoryCgroup:
     """A child memory cgroup of this process's own (v2 memory.max, else v1 memory.limit_in_bytes)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, name: str = "") -> None:
         self.limit, self.path, self.kind, self.why_not = limit, None, None, ""
         for kind, base, limit_file in self._candidates():
-            path = base / f"flashmoe-bench-{os.getpid()}"
+            path = base / (name or f"flashmoe-bench-{os.getpid()}")
             try:
                 path.mkdir()
                 (path / limit_file).write_text(str(limit))
@@ -25,8 +25,13 @@ class MemoryCgroup:
                 if path.exists():
                     path.rmdir()
                 continue
-            self.path, self.kind = path, kind
+            self.path, self.kind, self._limit_file = path, kind, limit_file
             return
+
+    def set_limit(self, limit: int) -> None:
+        """Change the limit of a cgroup already in use (the kernel reclaims down to it, or refuses)."""
+        (self.path / self._limit_file).write_text(str(limit))
+        self.limit = limit
 
     @staticmethod
     def _candidates():

@@ -22,8 +22,8 @@ import pyudev
 from prometheus_client import CollectorRegistry, start_http_server
 
 from collector.export import MachineExport
-from collector.samplers import (AgentSampler, BlockSampler, NvmeSampler, PressureSampler, Sampler, SelfSampler,
-                                SystemMemorySampler)
+from collector.samplers import (AgentSampler, BlockSampler, CgroupSampler, NvmeSampler, PressureSampler, Sampler,
+                                SelfSampler, SystemMemorySampler)
 from collector.status import SourceStatus
 from machine import pressure
 from machine.devices import BlockDevice, HotplugWatcher, NvmeController, block_devices, disk_holding, nvme_controllers
@@ -51,7 +51,7 @@ class Collector:
 
     def __post_init__(self) -> None:
         self.status = SourceStatus(self._event)
-        self.fixed = [SystemMemorySampler(), AgentSampler(self.pid_file),
+        self.fixed = [SystemMemorySampler(), AgentSampler(self.pid_file), CgroupSampler(self.pid_file),
                       *(PressureSampler(r) for r in pressure.RESOURCES), SelfSampler()]
         self.discover()
         try:

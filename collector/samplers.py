@@ -8,7 +8,7 @@ from typing import Protocol
 
 from collector import series
 from collector.status import SourceStatus
-from machine import memory, nvme, pressure
+from machine import cgroup, memory, nvme, pressure
 from machine.block import BlockStat, block_rates, read_stat
 from machine.devices import NvmeController
 from machine.sources import SourceUnavailable
@@ -50,6 +50,16 @@ class SystemMemorySampler:
         return out
 
 
+def agent_pid(pid_file: Path | None) -> int:
+    """The running agent's pid, or SourceUnavailable saying why there is none."""
+    if pid_file is None:
+        raise SourceUnavailable("no --pid-file given, so the agent's memory is not sampled")
+    pid = memory.read_pid_file(pid_file)
+    if pid is None:
+        raise SourceUnavailable(f"the agent is not running (no live pid in {pid_file})")
+    return pid
+
+
 @dataclass
 class AgentSampler:
     pid_file: Path | None
@@ -58,11 +68,7 @@ class AgentSampler:
     _previous: memory.Faults | None = None
 
     def sample(self, t: float) -> dict[str, float]:
-        if self.pid_file is None:
-            raise SourceUnavailable("no --pid-file given, so the agent's memory is not sampled")
-        pid = memory.read_pid_file(self.pid_file)
-        if pid is None:
-            raise SourceUnavailable(f"the agent is not running (no live pid in {self.pid_file})")
+        pid = agent_pid(self.pid_file)
         if pid != self._pid:
             self._pid, self._previous = pid, None
         try:
@@ -75,6 +81,27 @@ class AgentSampler:
             out |= series.fault_series(self._previous, faults)
         self._previous = faults
         return out
+
+
+@dataclass
+class CgroupSampler:
+    """The agent's memory cgroup (machine.cgroup): found again at every sample, since the agent may
+    restart or be moved to another cgroup, whose counters then start afresh."""
+    pid_file: Path | None
+    source: str = "the agent's memory cgroup"
+    _previous: tuple[Path, float, cgroup.MemoryReading] | None = None
+
+    def sample(self, t: float) -> dict[str, float]:
+        try:
+            pid = agent_pid(self.pid_file)
+        except SourceUnavailable:
+            return {}             # AgentSampler says why there is no agent; once is enough
+        group = cgroup.memory_cgroup(pid)
+        reading = group.read()
+        same = self._previous is not None and self._previous[0] == group.directory
+        previous = self._previous[1:] if same else None
+        self._previous = (group.directory, t, reading)
+        return series.cgroup_series(previous, reading, t)
 
 
 @dataclass

@@ -3,6 +3,7 @@ names the catalogue (store.schema) gives them, named with `series_of`."""
 from __future__ import annotations
 
 from machine.block import BlockRates
+from machine.cgroup import MemoryReading
 from machine.memory import Faults
 from machine.nvme import KELVIN, SmartLog
 from store.schema import fields_of, series_of
@@ -36,6 +37,19 @@ def fault_series(previous: Faults, current: Faults) -> dict[str, float]:
     dt = current.t - previous.t
     return series_of("faults", {"minflt": max(0, current.minflt - previous.minflt) / dt,
                                 "majflt": max(0, current.majflt - previous.majflt) / dt})
+
+
+def cgroup_series(previous: tuple[float, MemoryReading] | None, reading: MemoryReading, t: float) -> dict[str, float]:
+    """cgroup.agent.*: usage, limit and memory pressure of one reading; with the reading before it
+    (at monotonic time previous[0]), its counters as per-second rates."""
+    values: dict[str, float | None] = {"usage_bytes": reading.usage_bytes, "limit_bytes": reading.limit_bytes}
+    for kind, fields in (reading.psi or {}).items():
+        values[f"psi_{kind}_avg10"] = fields["avg10"]
+    if previous is not None:
+        then, before = previous
+        values |= {f"{name}_per_s": max(0, count - before.counters[name]) / (t - then)
+                   for name, count in reading.counters.items() if name in before.counters}
+    return series_of("cgroup", values)
 
 
 def psi_series(resource: str, psi: dict[str, dict[str, float]]) -> dict[str, float]:

@@ -17,6 +17,7 @@ import httpx
 SOURCE_HEADER = {"X-FlashMoE-Source": "dashboard"}
 TOKEN_ENV = "FLASHMOE_TOKEN"
 TIMEOUT_S = 3.0
+KNOBS_TIMEOUT_S = 75.0        # the agent applies knobs between two model steps and gives up after 60 s
 COMPLETION_TIMEOUT_S = 120.0
 
 
@@ -70,10 +71,10 @@ class Agent:
 
     def put_knobs(self, changes: dict[str, Any]) -> KnobAnswer:
         """Push `changes`; a 4xx is an answer (the agent's validation error), not an exception."""
-        response = self._request("PUT", "/v1/knobs", json=changes, headers=self._control)
+        response = self._request("PUT", "/v1/knobs", json=changes, headers=self._control, timeout=KNOBS_TIMEOUT_S)
         if response.status_code < 400:
             return KnobAnswer(True, response.status_code, response.json(), "")
-        if response.status_code >= 500:
+        if response.status_code >= 500 and response.status_code != 503:     # 503: busy, nothing applied
             raise AgentError(f"the agent failed with {response.status_code}: {error_detail(response)}")
         detail = error_detail(response)
         if response.status_code == 401:

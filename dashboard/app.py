@@ -1,21 +1,22 @@
 """FlashMoE dashboard: `streamlit run dashboard/app.py`. Navigation, each page's heading and the shared sidebar."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import streamlit as st
 
-from dashboard import auth, pages, settings
+from dashboard import auth, components, pages, settings
 
-st.set_page_config(page_title="FlashMoE", page_icon=":material/memory:", layout="wide")
+# A local favicon: a ":material/...:" one is fetched from fonts.gstatic.com, a request that leaves the box.
+st.set_page_config(page_title="FlashMoE", page_icon=str(Path(__file__).with_name("icon.png")), layout="wide")
 
 NAVIGATION = {st.Page(p.path, title=p.title, icon=p.icon, default=p.default, url_path=p.url_path or None): p
               for p in pages.PAGES}
 
 page = st.navigation(list(NAVIGATION))
 with st.sidebar:
-    st.selectbox("History", list(settings.WINDOWS), key="window",
-                 index=list(settings.WINDOWS).index(settings.DEFAULT_WINDOW))
-    st.caption(f"Store: `{settings.db_path()}`  \nAgent: `{settings.agent_url()}`  \n"
-               f"Refreshes every {settings.REFRESH_S} s")
+    components.sidebar()
+    st.caption(f"Store: `{settings.db_path()}`  \nAgent: `{settings.agent_url()}`  \nTimes in UTC")
     auth.sidebar()
 st.title(NAVIGATION[page].heading)
 page.run()

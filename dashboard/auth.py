@@ -6,7 +6,7 @@ from the box itself or through an SSH tunnel, and control actions are open. Boun
 address, a visitor must first enter the agent's token (FLASHMOE_TOKEN, which the dashboard also
 sends to the agent on control calls) in the sidebar; the browser session stays unlocked until it
 ends or is locked again. An exposed dashboard without a token is read-only. Reading needs no token.
-The gate is checked where the action is sent (data.push, the sweep's start), not only by disabling
+The gate is checked where the action is sent (data.apply_knobs, the sweep's start), not only by disabling
 buttons, since a browser can send a click on a disabled button.
 """
 from __future__ import annotations

@@ -1,29 +1,24 @@
 """Cached loaders: every input is an argument, so a cache entry is exactly one query's answer.
 
-The live fragments re-run every few seconds; a `ttl` of the same length means each chart reads
-the store at most once per refresh however many browser sessions are open. `until` is rounded up
-to the refresh step by `window`, so sessions opened within one step share entries.
+The live fragments re-run every few seconds; a `ttl` of one refresh step means each chart reads
+the store at most once per step however many browser sessions are open. `until` of a relative
+range is rounded up to that step (timerange.relative), so sessions opened within one step share
+entries.
 """
 from __future__ import annotations
 
-import math
-import time
 from typing import Any
 
 import streamlit as st
 
-from dashboard import agent_client, auth, settings, sweep, transforms
+from dashboard import agent_client, auth, figures, sweep, timerange, transforms
+from store import diagnosis as thrash
 from store import queries
 from store.errors import StoreError
 
-TTL = settings.REFRESH_S
-
-
-def window(seconds: float, now: float | None = None) -> tuple[float, float]:
-    """(since, until) covering the last `seconds`, `until` rounded up to the refresh step."""
-    now = time.time() if now is None else now
-    until = math.ceil(now / settings.REFRESH_S) * settings.REFRESH_S
-    return until - seconds, until
+TTL = timerange.STEP_S
+HIT_RATE_NOW_S = 60           # "hit rate now" on every page: the last minute of cache statistics
+MARKERS = 500                 # knob changes drawn at most (the newest)
 
 
 def store_problem(db: str) -> str | None:
@@ -52,11 +47,6 @@ def series_names(db: str) -> list[str]:
 @st.cache_data(ttl=TTL, show_spinner=False)
 def latest(db: str, name: str) -> tuple[float, float] | None:
     return queries.latest(db, name)
-
-
-def latest_value(db: str, name: str) -> float | None:
-    point = latest(db, name)
-    return point[1] if point else None
 
 
 @st.cache_data(ttl=TTL, show_spinner=False)
@@ -90,6 +80,23 @@ def latest_knobs(db: str) -> dict[str, Any]:
 
 
 @st.cache_data(ttl=TTL, show_spinner=False)
+def markers(db: str, since: float, until: float) -> list[figures.Marker]:
+    """Knob changes and sweep points in [since, until]: the annotations of every time chart."""
+    return transforms.markers(queries.knob_history(db, MARKERS), queries.sweeps(db), since, until)
+
+
+def hit_rate_now(db: str, until: float) -> float | None:
+    """Hits over lookups in the last HIT_RATE_NOW_S before `until`: what every page calls the hit rate now."""
+    total = cache_stats(db, until - HIT_RATE_NOW_S, until, 1)["total"]
+    return total["hit_rate"] if total else None
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def diagnosis(db: str, since: float, until: float, knobs: dict[str, Any] | None, buckets: int) -> thrash.Diagnosis:
+    return thrash.diagnose(db, until - since, until, knobs, buckets)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
 def events(db: str, since: float, kind: str | None) -> list[dict[str, Any]]:
     return queries.events(db, since, kind)
 
@@ -115,12 +122,6 @@ def agent(url: str, token: str | None) -> agent_client.Agent:
     return agent_client.Agent(url, token)
 
 
-def push(url: str, token: str | None, changes: dict[str, Any]) -> str:
-    """Send knob changes if this session may (dashboard.auth), and the agent's answer in one line."""
-    lock = auth.control_lock()
-    return f"not sent: {lock}" if lock else agent(url, token).push(changes)
-
-
 def agent_status(url: str, token: str | None) -> dict[str, Any] | str:
     """The agent's /v1/status, or the reason it could not be read (never cached: it is live)."""
     try:
@@ -135,6 +136,27 @@ def agent_knobs(url: str, token: str | None) -> dict[str, Any] | str:
         return agent(url, token).knobs()
     except agent_client.AgentError as err:
         return str(err)
+
+
+APPLYING = ("Applying: the agent changes knobs between two model steps, which memory thrash can make slow "
+            "(it gives up after 60 s)")
+
+
+def apply_knobs(url: str, token: str | None, changes: dict[str, Any]) -> tuple[bool, str]:
+    """Send knob changes if this session may (dashboard.auth): (accepted, the agent's answer in one line),
+    an unreachable agent included."""
+    lock = auth.control_lock()
+    if lock:
+        return False, f"not sent: {lock}"
+    try:
+        with st.spinner(APPLYING):
+            answer = agent(url, token).put_knobs(changes)
+    except agent_client.AgentError as err:
+        return False, f"not sent: {err}"
+    if not answer.accepted:
+        return False, answer.message()
+    return True, "accepted: " + ", ".join(f"{k} = {transforms.value_text(k, answer.knobs[k]['value'])}"
+                                          for k in changes if k in answer.knobs)
 
 
 def knob_state(url: str, token: str | None, db: str) -> tuple[dict[str, dict[str, Any]], str | None]:

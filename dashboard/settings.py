@@ -1,4 +1,4 @@
-"""Where the dashboard finds the store and the agent, and how much history it shows."""
+"""Where the dashboard finds the store and the agent, and how finely it charts."""
 from __future__ import annotations
 
 import os
@@ -7,10 +7,7 @@ from dashboard.agent_client import TOKEN_ENV
 
 DEFAULT_DB = "data/flashmoe.db"
 DEFAULT_AGENT_URL = "http://127.0.0.1:8600"
-REFRESH_S = 5                 # live pages re-read the store this often
 BUCKETS = 240                 # points per chart: enough for a smooth line, few enough to stay fast
-WINDOWS = {"15 min": 900, "1 h": 3600, "6 h": 6 * 3600, "24 h": 24 * 3600, "7 d": 7 * 24 * 3600}
-DEFAULT_WINDOW = "15 min"
 
 
 def db_path() -> str:

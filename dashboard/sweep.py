@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dashboard.agent_client import Agent, AgentError
-from dashboard.transforms import size
+from store.units import human
 from store.db import Store
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def run_sweep(agent: Agent, db: str, caps: Sequence[int], n_requests: int, max_t
     store = Store(db, autoflush_s=0)
     try:
         for cap in caps:
-            progress.note(f"measuring at {size(cap)}")
+            progress.note(f"measuring at {human(cap, 'B')}")
             point = measure(agent, cap, n_requests, max_tokens)
             store.record_sweep(time.time(), point.cache_cap_bytes, point.tokens_per_s, point.hit_rate)
             progress.add(point)

@@ -6,19 +6,12 @@ from datetime import datetime, timezone
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from store.queries import Bucket
+from dashboard.figures import Marker
+from store.units import human
 
 QUANTILES = {"P50": 0.5, "P95": 0.95, "P99": 0.99}
-
-
-def scaled(rows: Sequence[Bucket], factor: float) -> list[Bucket]:
-    """Buckets with min/avg/max multiplied by `factor` (bytes -> MiB, fraction -> %)."""
-    return [(t, lo * factor, avg * factor, hi * factor) for t, lo, avg, hi in rows]
-
-
-def averages(rows: Sequence[Bucket]) -> list[tuple[float, float]]:
-    """(t, bucket average) pairs: what the thrash diagnosis judges."""
-    return [(t, avg) for t, _, avg, _ in rows]
+CAP_UNITS = ("MiB", "GiB", "% of experts")          # how the Tuning page takes the cache cap
+CAP_STEPS = {"MiB": (1.0, 0), "GiB": (0.01, 2), "% of experts": (0.5, 1)}   # slider step, decimals shown
 
 
 def latency_lines(rows: Sequence[Mapping[str, Any]], column: str = "latency_s"
@@ -26,11 +19,6 @@ def latency_lines(rows: Sequence[Mapping[str, Any]], column: str = "latency_s"
     """latency_quantiles rows -> (bucket times, {"P50": [...], "P95": [...], "P99": [...]})."""
     t = [r["t"] for r in rows]
     return t, {label: [r[column].get(q) for r in rows] for label, q in QUANTILES.items()}
-
-
-def percent(fraction: float | None) -> str:
-    """A fraction as a percentage with one decimal, or "–" when there is none."""
-    return f"{fraction:.1%}" if fraction is not None else "–"
 
 
 def live_value(point: tuple[float, float] | None, now: float, max_age_s: float) -> float | None:
@@ -62,14 +50,6 @@ def devices(names: Iterable[str], prefix: str) -> list[str]:
     return sorted({m.group(1) for n in names if (m := pattern.match(n))})
 
 
-def size(n: float) -> str:
-    """Bytes as a short human size: 384 KiB, 1.5 MiB, 2.0 GiB."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.1f} {unit}" if unit != "KiB" else f"{n / scale:,.0f} KiB"
-    return f"{n:,.0f} B"
-
-
 def age_text(t: float | None, now: float) -> str:
     if t is None:
         return "never"
@@ -85,9 +65,9 @@ def knob_table(described: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any
 
 
 def value_text(name: str, value: Any) -> str:
-    """A knob value as text; byte counts also as a human size, e.g. `786432 (768 KiB)`."""
+    """A knob value as text; byte counts as a binary size, e.g. `768 KiB`."""
     if name.endswith("_bytes") and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return f"{value} ({size(value)})"
+        return human(value, "B")
     return str(value)
 
 
@@ -109,6 +89,28 @@ def stored_knobs(latest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             for name, value in latest.items()}
 
 
+def cap_unit_bytes(unit: str, expert_bytes: int | None) -> float:
+    """Bytes in one `unit` of the cache cap (a percentage is of all expert bytes)."""
+    if unit == "% of experts":
+        if not expert_bytes:
+            raise ValueError("a cap in % needs the model's expert bytes, which only a running agent reports")
+        return expert_bytes / 100
+    return {"MiB": 1 << 20, "GiB": 1 << 30}[unit]
+
+
+def cap_bytes(chosen: float, shown: float, scale: float, spec: Mapping[str, Any]) -> int:
+    """The cap slider's value in bytes, within the knob's bounds. An untouched slider (still at
+    `shown`) keeps the agent's exact value, so unit rounding never turns into a change."""
+    if chosen == shown:
+        return spec["value"]
+    return int(min(max(round(chosen * scale), spec["min"]), spec["max"]))
+
+
+def float_step(lo: float, hi: float) -> tuple[float, int]:
+    """(step, decimals) for a float knob: whole steps over a wide range, hundredths over 0..1."""
+    return (1.0, 0) if hi - lo > 10 else (0.01, 2)
+
+
 def changed(current: Mapping[str, Any], edited: Mapping[str, Any]) -> dict[str, Any]:
     """The edited knobs whose value differs from the agent's current one."""
     return {k: v for k, v in edited.items() if current.get(k) != v}
@@ -120,16 +122,27 @@ def clock(t: float) -> str:
 
 
 def request_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Request rows for display: wall-clock time, latencies in seconds, cache traffic."""
-    return [{"time": clock(r["t"]), "id": r["request_id"], "latency s": r["latency_s"], "TTFT s": r["ttft_s"],
-             "TPOT s": r["tpot_s"], "tokens": r["completion_tokens"], "expert hits": r["hits"],
-             "misses": r["misses"], "MiB read": (r["bytes_read"] or 0) / 2**20} for r in rows]
+    """Request rows for display: wall-clock time, latencies, cache traffic, each in its unit."""
+    return [{"time": clock(r["t"]), "id": r["request_id"], "latency": human(r["latency_s"], "s"),
+             "TTFT": human(r["ttft_s"], "s"), "TPOT": human(r["tpot_s"], "s"), "tokens": r["completion_tokens"],
+             "expert hits": r["hits"], "misses": r["misses"], "read": human(r["bytes_read"] or 0, "B")}
+            for r in rows]
 
 
 def knob_history_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """knob_history rows -> display rows with a readable time."""
-    return [{"time": clock(r["t"]), "knob": r["knob"], "old": str(r["old"]), "new": str(r["new"]),
-             "source": r["source"]} for r in rows]
+    """knob_history rows -> display rows with a readable time and values in their units."""
+    return [{"time": clock(r["t"]), "knob": r["knob"], "old": value_text(r["knob"], r["old"]),
+             "new": value_text(r["knob"], r["new"]), "source": r["source"]} for r in rows]
+
+
+def markers(knob_rows: Iterable[Mapping[str, Any]], sweep_rows: Iterable[Mapping[str, Any]],
+            since: float, until: float) -> list[Marker]:
+    """Knob changes and sweep points in [since, until] as chart annotations, oldest first."""
+    out = [Marker(r["t"], f"{r['knob']}: {value_text(r['knob'], r['old'])} → {value_text(r['knob'], r['new'])} "
+                          f"({r['source']})") for r in knob_rows if since <= r["t"] <= until]
+    out += [Marker(r["t"], f"sweep: {r['tokens_per_s']:,.1f} tokens/s at cache cap {human(r['cache_cap_bytes'], 'B')}")
+            for r in sweep_rows if since <= r["t"] <= until]
+    return sorted(out, key=lambda m: m.t)
 
 
 def unavailable_sources(events: Iterable[Mapping[str, Any]]) -> dict[str, str]:

@@ -23,7 +23,7 @@ from store.schema import DEFAULT_RETENTION_DAYS
 log = logging.getLogger(__name__)
 
 
-def _time(text: str) -> float:
+def parse_time(text: str) -> float:
     """Unix seconds, or an ISO 8601 date-time (UTC unless it names a zone)."""
     try:
         return float(text)
@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "flashmoe-cli store export --db data/flashmoe.db --series mem.free_bytes --csv")
     export.add_argument("--db", required=True, type=Path)
     export.add_argument("--series", required=True, help="series name, e.g. block.vda.util")
-    export.add_argument("--since", type=_time, default=None, help="Unix seconds or ISO 8601 time")
-    export.add_argument("--until", type=_time, default=None, help="Unix seconds or ISO 8601 time")
+    export.add_argument("--since", type=parse_time, default=None, help="Unix seconds or ISO 8601 time")
+    export.add_argument("--until", type=parse_time, default=None, help="Unix seconds or ISO 8601 time")
     export.add_argument("--csv", action="store_true", help="CSV with a header t,value")
     compact = _subcommand(sub, "compact", "delete data older than the retention and merge small chunks",
                           "flashmoe-cli store compact --db data/flashmoe.db --retention-days 7")

@@ -75,6 +75,11 @@ def _smart(metric: str, unit: str, kind: str, description: str, attribute: str =
     return SeriesSpec(f"nvme.{{ctrl}}.{metric}", unit, kind, 1.0, description, "smart", attribute)
 
 
+def _cgroup(metric: str, unit: str, precision: float, description: str) -> SeriesSpec:
+    """cgroup.agent.<metric>, a field of the collector's reading of the agent's memory cgroup."""
+    return SeriesSpec(f"cgroup.agent.{metric}", unit, "gauge", precision, description, "cgroup")
+
+
 def _agent(metric: str, unit: str, precision: float, description: str, attribute: str = "") -> SeriesSpec:
     """agent.<metric>, an attribute of the agent's one-second agent.serve.metrics.Tick."""
     return SeriesSpec(f"agent.{metric}", unit, "gauge", precision, description, "tick", attribute)
@@ -106,6 +111,17 @@ CATALOGUE: tuple[SeriesSpec, ...] = (
     _status("mem.agent.swap_bytes", "VmSwap"),
     SeriesSpec("mem.agent.minflt_per_s", "1/s", "gauge", 0.1, "agent minor page faults per second", "faults", "minflt"),
     SeriesSpec("mem.agent.majflt_per_s", "1/s", "gauge", 0.1, "agent major page faults per second", "faults", "majflt"),
+    # The agent's memory cgroup: memory.stat counters as per-second rates, usage and the effective limit
+    # (cgroup v1 or v2), and memory.pressure where v2 offers it (machine.cgroup).
+    _cgroup("usage_bytes", "B", 4096.0, "memory charged to the agent's cgroup"),
+    _cgroup("limit_bytes", "B", 4096.0, "the agent's cgroup memory limit, the tightest of its own and its ancestors'"),
+    _cgroup("pgmajfault_per_s", "1/s", 0.1, "major faults in the agent's cgroup per second"),
+    _cgroup("workingset_refault_file_per_s", "1/s", 0.1, "file pages of the agent's cgroup refaulted soon after "
+            "eviction, per second"),
+    _cgroup("workingset_refault_anon_per_s", "1/s", 0.1, "anon pages of the agent's cgroup refaulted soon after "
+            "eviction, per second"),
+    _cgroup("psi_some_avg10", "%", 0.01, "agent cgroup: share of time some task stalled on memory, 10 s avg"),
+    _cgroup("psi_full_avg10", "%", 0.01, "agent cgroup: share of time all tasks stalled on memory, 10 s avg"),
     # System paging, /proc/vmstat counters as per-second rates.
     SeriesSpec("vm.pgmajfault_per_s", "1/s", "gauge", 0.1, "major faults per second, all processes",
                "vmstat", "pgmajfault"),
@@ -145,6 +161,11 @@ CATALOGUE: tuple[SeriesSpec, ...] = (
     _agent("queue_depth", "requests", 1.0, "requests waiting"),
     _agent("cache_bytes", "B", 4096.0, "bytes held in the expert cache"),
     _agent("cache_cap_bytes", "B", 4096.0, "expert cache cap", "cap_bytes"),
+    _agent("cache_cap_min_bytes", "B", 1.0, "smallest cache cap the agent accepts now", "cap_min_bytes"),
+    _agent("cache_cap_max_bytes", "B", 1.0, "largest cache cap the agent accepts now: 70% of its memory limit",
+           "cap_max_bytes"),
+    _agent("reread_share", "fraction", 0.001, "share of cache misses re-reading a block evicted within the "
+           "cache's last capacity evictions"),
     _agent("read_latency_s", "s", 1e-6, "mean expert read latency"),
     _agent("read_bytes_per_s", "B/s", 512.0, "expert bytes read from the SSD per second"),
 )

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,13 +109,17 @@ class Agent:
         return r.json()
 
 
-def start_agent(model: Path, workdir: Path, *args: str) -> Agent:
+def start_agent(model: Path, workdir: Path, *args: str, env: dict[str, str] | None = None,
+                on_spawn: Callable[[int], None] | None = None) -> Agent:
     """`flashmoe-cli serve` on a free loopback port with its store and pid file in `workdir`;
-    returns once /v1/status answers."""
+    returns once /v1/status answers. `on_spawn(pid)` runs before the model loads (e.g. to put the
+    agent in a memory cgroup, which charges only what is allocated after)."""
     port = free_port()
     db, pid_file, log = workdir / "flashmoe.db", workdir / "agent.pid", workdir / f"agent-{port}.log"
     proc = spawn([*CLI, "serve", "--model", str(model), "--port", str(port), "--db", str(db),
-                  "--pid-file", str(pid_file), *args], log)
+                  "--pid-file", str(pid_file), *args], log, env)
+    if on_spawn is not None:
+        on_spawn(proc.pid)
     agent = Agent(proc, f"http://127.0.0.1:{port}", db, pid_file, log)
     wait_http(agent.url + "/v1/status", proc, log)
     return agent
@@ -146,3 +151,22 @@ def start_prometheus(workdir: Path, config: dict) -> Prometheus:
     prometheus = Prometheus(proc, f"http://127.0.0.1:{port}", log)
     wait_http(prometheus.url + "/-/ready", proc, log)
     return prometheus
+
+
+def start_collector(agent: Agent, workdir: Path) -> subprocess.Popen:
+    """`flashmoe-cli collect` into the agent's store, sampling the agent by its pid file."""
+    return spawn([*CLI, "collect", "--db", str(agent.db), "--pid-file", str(agent.pid_file)], workdir / "collector.log")
+
+
+def start_dashboard(agent: Agent, workdir: Path, token: str) -> tuple[subprocess.Popen, str]:
+    """The Streamlit dashboard on a free loopback port over the agent's store, with its control token;
+    returns once it answers, with its URL."""
+    port, log = free_port(), workdir / "dashboard.log"
+    proc = spawn([str(Path(sys.executable).with_name("streamlit")), "run", str(ROOT / "dashboard" / "app.py"),
+                  "--server.headless", "true", "--server.port", str(port), "--server.address", "127.0.0.1",
+                  "--browser.gatherUsageStats", "false"], log,
+                 env={"FLASHMOE_DB": str(agent.db), "FLASHMOE_AGENT_URL": agent.url, "FLASHMOE_TOKEN": token})
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/_stcore/health", proc, log)
+    return proc, url
+

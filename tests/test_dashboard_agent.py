@@ -23,9 +23,11 @@ from agents import ROOT, demo_model, start_agent
 from bench import synthetic
 from dashboard import agent_client, auth, data, pages, sweep
 from store import queries
+from store.units import human
 
 APP = str(ROOT / "dashboard" / "app.py")
 TOKEN = "control-token-for-tests"
+MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -58,44 +60,65 @@ def texts(elements) -> str:
     return "\n".join(str(e.value) for e in elements)
 
 
-def number_input(at: AppTest, label: str):
-    return next(w for w in at.number_input if w.label == label)
+def slider(at: AppTest, label: str):
+    return next(w for w in at.slider if w.label == label)
 
 
-def test_tuning_applies_a_knob_and_shows_the_agents_answer(monkeypatch, agent):
+def another_cap(cap: dict) -> int:
+    """A whole number of MiB other than the cap, within its bounds: what a user picks on the slider."""
+    up = (cap["value"] // MIB + 1) * MIB
+    return up if up <= cap["max"] else -(-cap["min"] // MIB) * MIB
+
+
+def test_tuning_applies_the_cap_chosen_on_its_slider_and_shows_the_agents_answer(monkeypatch, agent):
     url, db = agent
     cap = knob(url, "cache_cap_bytes")
-    new = cap["value"] + (1 << 20) if cap["value"] + (1 << 20) <= cap["max"] else cap["min"]
+    new = another_cap(cap)
     at = open_page(monkeypatch, db, url, "tuning")
     assert "Agent online" in texts(at.success)
-    number_input(at, "cache_cap_bytes").set_value(new)
+    bar = slider(at, "cache_cap_bytes")
+    assert (bar.min, bar.max) == (cap["min"] / MIB, cap["max"] / MIB)      # the agent's bounds, in MiB
+    assert "allowed" in bar.help and all(w.help for w in [*at.number_input, *at.toggle, *at.selectbox]
+                                         if w.key not in ("window", "refresh"))
+    bar.set_value(new / MIB)
     at.button[0].click().run()
-    assert f"accepted: cache_cap_bytes = {new}" in texts(at.success)
+    assert f"accepted: cache_cap_bytes = {human(new, 'B')}" in texts(at.success)
     assert knob(url, "cache_cap_bytes")["value"] == new
     table, history = at.table[0].value, at.dataframe[0].value
-    assert table.loc["cache_cap_bytes", "value"].startswith(f"{new} (")
+    assert table.loc["cache_cap_bytes", "value"] == human(new, "B")
     latest = history.iloc[0]
-    assert (latest["knob"], latest["new"], latest["source"]) == ("cache_cap_bytes", str(new), "dashboard")
+    assert (latest["knob"], latest["new"], latest["source"]) == ("cache_cap_bytes", human(new, "B"), "dashboard")
 
 
-def test_tuning_shows_the_agents_validation_error_and_changes_nothing(monkeypatch, agent):
+def test_the_cap_can_be_chosen_in_gib_or_percent_of_expert_bytes(monkeypatch, agent):
     url, db = agent
-    before = knob(url, "cache_cap_bytes")
+    expert_bytes = httpx.get(f"{url}/v1/status").json()["cache"]["expert_bytes"]
+    cap = knob(url, "cache_cap_bytes")
     at = open_page(monkeypatch, db, url, "tuning")
-    number_input(at, "cache_cap_bytes").set_value(before["min"] - 1)
+    at.segmented_control(key="cap-unit").set_value("% of experts").run()
+    bar = slider(at, "cache_cap_bytes")
+    assert bar.max == pytest.approx(100 * cap["max"] / expert_bytes)
+    pct = 50.0 if 50.0 * expert_bytes / 100 <= cap["max"] else bar.min
+    bar.set_value(pct)
     at.button[0].click().run()
-    error = texts(at.error)
-    assert "refused (400)" in error and "cache_cap_bytes must be between" in error
+    assert knob(url, "cache_cap_bytes")["value"] == max(round(pct * expert_bytes / 100), cap["min"])
+
+
+def test_a_refused_change_is_the_agents_validation_error_and_changes_nothing(agent):
+    url, _ = agent
+    before = knob(url, "cache_cap_bytes")
+    accepted, text = data.apply_knobs(url, TOKEN, {"cache_cap_bytes": before["min"] - 1})
+    assert not accepted
+    assert "refused (400)" in text and "cache_cap_bytes must be between" in text
     assert knob(url, "cache_cap_bytes")["value"] == before["value"]
 
 
 def test_a_dashboard_without_the_token_is_refused_and_says_what_to_set(monkeypatch, agent):
     url, db = agent
     before = knob(url, "cache_cap_bytes")
-    new = before["value"] + (1 << 20) if before["value"] + (1 << 20) <= before["max"] else before["min"]
     at = open_page(monkeypatch, db, url, "tuning", token=None)
     assert "Agent online" in texts(at.success)          # reading needs no token
-    number_input(at, "cache_cap_bytes").set_value(new)
+    slider(at, "cache_cap_bytes").set_value(another_cap(before) / MIB)
     at.button[0].click().run()
     error = texts(at.error)
     assert "refused (401)" in error and "start the dashboard with FLASHMOE_TOKEN set" in error
@@ -112,15 +135,29 @@ def test_a_wrong_token_is_refused_by_name(agent):
 def test_memory_recommendation_is_applied_through_the_knobs_api(monkeypatch, agent, tmp_path):
     url, _ = agent
     thrash_db = tmp_path / "thrash.db"      # the collector's view of a thrashing box
-    synthetic.write(str(thrash_db), synthetic.Spec(start=time.time() - 300, seconds=300, thrash=True))
+    synthetic.write(str(thrash_db), synthetic.Spec(start=time.time() - 300, seconds=300, memory="agent thrashing"))
+    cap = knob(url, "cache_cap_bytes")
     at = open_page(monkeypatch, thrash_db, url, "memory")
-    assert "Thrashing" in texts(at.error)
+    assert "Agent thrashing" in texts(at.error)
+    expected = max(cap["min"], int(cap["value"] * 0.75) // MIB * MIB)     # a quarter less, never under the bound
     button = at.button(key="apply-recommendation")
-    assert not button.disabled
+    assert button.label == f"Apply: cache_cap_bytes = {human(expected, 'B')}" and not button.disabled
     button.click().run()
-    applied = knob(url, "cache_cap_bytes")["value"]
-    assert f"accepted: cache_cap_bytes = {applied}" in texts(at.info)
-    assert f"{applied >> 20:,} MiB" in button.label
+    assert knob(url, "cache_cap_bytes")["value"] == expected
+    assert f"accepted: cache_cap_bytes = {human(expected, 'B')}" in texts(at.success)
+    assert "Since the change:" in texts(at.markdown) and "agent major faults: 400 /s before" in texts(at.markdown)
+
+
+def test_a_refused_recommendation_is_shown_in_red(monkeypatch, agent, tmp_path):
+    url, _ = agent
+    thrash_db = tmp_path / "thrash.db"
+    synthetic.write(str(thrash_db), synthetic.Spec(start=time.time() - 300, seconds=300, memory="agent thrashing"))
+    before = knob(url, "cache_cap_bytes")["value"]
+    at = open_page(monkeypatch, thrash_db, url, "memory", token=None)
+    at.button(key="apply-recommendation").click().run()
+    assert "refused (401)" in texts(at.error)
+    assert "Since the change" not in texts(at.markdown)
+    assert knob(url, "cache_cap_bytes")["value"] == before
 
 
 def test_cache_sweep_measures_each_cap_stores_the_curve_and_restores_the_cap(monkeypatch, agent):

@@ -1,30 +1,55 @@
-"""Figure builders are pure: the data passed in is the data drawn."""
+"""Figure builders are pure: the data passed in is the data drawn, in the unit its size calls for."""
 from dashboard import figures
 
-ROWS = [(1_700_000_000.0, 1.0, 2.0, 3.0), (1_700_000_060.0, 4.0, 5.0, 9.0)]
+T = 1_700_000_000.0
+ROWS = [(T, 1.0, 2.0, 3.0), (T + 60, 4.0, 5.0, 9.0)]
+MIB = 1 << 20
 
 
-def test_band_chart_draws_average_line_over_min_max_band():
-    fig = figures.band_chart({"read MB/s": ROWS}, "SSD", "MB/s")
+def test_time_chart_draws_the_average_with_its_min_max_band_off_until_asked():
+    fig = figures.time_chart({"read": ROWS}, "SSD", "IO/s", T - 60, T + 120)
     band, line = fig.data
-    assert list(line.y) == [2.0, 5.0]
+    assert list(line.y) == [2.0, 5.0] and line.x[0].timestamp() == T
     assert list(band.y) == [3.0, 9.0, 4.0, 1.0]   # max forward, min backward: a closed polygon
-    assert line.x[0].timestamp() == 1_700_000_000.0
-    assert fig.layout.yaxis.title.text == "MB/s"
+    assert band.visible == "legendonly" and band.name == "read min–max per point"
+    assert [x.timestamp() for x in fig.layout.xaxis.range] == [T - 60, T + 120]     # the page's range
 
 
-def test_lines_chart_one_trace_per_line():
-    fig = figures.lines_chart([0.0, 60.0], {"P50": [0.1, 0.2], "P99": [0.5, None]}, "latency", "s", 120.0)
-    assert [d.name for d in fig.data] == ["P50", "P99"]
-    assert list(fig.data[1].y) == [0.5, None]
-    assert [x.timestamp() for x in fig.layout.xaxis.range] == [0.0, 120.0]
+def test_time_chart_shows_bytes_in_one_binary_unit_with_units_in_ticks_and_tooltips():
+    fig = figures.time_chart({"RSS": [(T, 0, 512 * MIB, 2048 * MIB)]}, "memory", "B", T, T + 60)
+    line = fig.data[1]
+    assert list(line.y) == [0.5]                                  # GiB: the largest value is 2 GiB
+    assert fig.layout.yaxis.ticksuffix == " GiB" and fig.layout.yaxis.tickformat == ",.1f"
+    assert line.hovertemplate == "%{y:,.1f} GiB"
+    assert fig.layout.yaxis.rangemode == "tozero"                 # PSI, faults, bytes: never below zero
 
 
-def test_time_bars_are_one_bucket_wide_and_run_from_the_first_bucket_to_now():
-    fig = figures.time_bars([60.0], [7], "requests", "requests", 600.0, bucket_s=60.0)
+def test_time_chart_draws_thresholds_and_marks_knob_changes_in_range():
+    markers = [figures.Marker(T + 30, "cache_cap_bytes: 4.0 GiB → 3.0 GiB (dashboard)"), figures.Marker(T - 99, "old")]
+    fig = figures.time_chart({"agent": ROWS}, "faults", "faults/s", T, T + 60, markers,
+                             [figures.Threshold(50.0, "agent major faults threshold")], bands=False)
+    line, notes = fig.data
+    assert notes.name == "knob changes" and list(notes.hovertext) == [markers[0].text]
+    shapes = {(s.type, s.line.dash) for s in fig.layout.shapes}
+    assert ("line", "dash") in shapes and ("line", "dot") in shapes    # the threshold and the knob change
+    threshold = next(s for s in fig.layout.shapes if s.line.dash == "dash")
+    assert threshold.y0 == threshold.y1 == 50.0
+    assert fig.layout.annotations[0].text == "agent major faults threshold 50.0 faults/s"
+
+
+def test_quantiles_are_told_apart_by_line_style():
+    fig = figures.quantile_chart([0.0, 60.0], {"P50": [0.1, 0.2], "P95": [0.3, 0.4], "P99": [0.5, None]},
+                                 "latency", "s", 0.0, 120.0)
+    assert [(d.name, d.line.dash) for d in fig.data] == [("P50", "solid"), ("P95", "dash"), ("P99", "dot")]
+    assert list(fig.data[2].y) == [500.0]                         # ms, the missing bucket left out
+    assert fig.layout.yaxis.ticksuffix == " ms"
+
+
+def test_time_bars_are_one_bucket_wide_over_the_pages_range():
+    fig = figures.time_bars([60.0], [7], "requests", "requests", 0.0, 600.0, bucket_s=60.0)
     assert list(fig.data[0].y) == [7]
     assert fig.data[0].width == 60_000      # ms on a date axis
-    assert [x.timestamp() for x in fig.layout.xaxis.range] == [60.0, 600.0]
+    assert [x.timestamp() for x in fig.layout.xaxis.range] == [0.0, 600.0]
 
 
 def test_heatmap_rows_are_layers():
@@ -38,10 +63,10 @@ def test_policy_comparison_groups_by_trace_and_capacity():
             {"trace": "a", "capacity": 0.5, "policy": "lru", "hit_rate": 0.8}]
     fig = figures.policy_comparison(rows, "policies")
     assert [d.name for d in fig.data] == ["a @ 12.5% of experts", "a @ 50% of experts"]
-    assert list(fig.data[0].y) == [0.5, 0.7]
+    assert list(fig.data[0].y) == [50.0, 70.0]                    # percent
 
 
-def test_sweep_curve_sorted_by_cap_in_mib():
+def test_sweep_curve_sorted_by_cap_in_binary_units():
     fig = figures.sweep_curve([(2 << 20, 30.0), (1 << 20, 10.0)], "sweep")
-    assert list(fig.data[0].x) == [1.0, 2.0]
+    assert list(fig.data[0].x) == [1.0, 2.0] and fig.layout.xaxis.ticksuffix == " MiB"
     assert list(fig.data[0].y) == [10.0, 30.0]

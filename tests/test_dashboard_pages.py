@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -68,49 +69,88 @@ def test_overview_shows_latest_values_latency_tail_and_processes(monkeypatch, of
     at = open_page(monkeypatch, db)
     last = SPAN_S - 1
     shown = metrics(at)
-    assert shown["Tokens/s (now)"] == f"{synthetic.tokens_per_s(last):.1f}"
-    assert shown["Hit rate (now)"] == f"{synthetic.hit_rate(last):.1%}"
+    assert shown["Tokens/s (now)"] == f"{synthetic.tokens_per_s(last):.1f} tokens/s"
+    # per sample: hits 10+11+12+13 = 46, misses 10+9+8+7 = 34 (the same on every page)
+    assert shown["Hit rate (last 1 min)"] == f"{100 * 46 / 80:.1f} %"
     assert shown["Requests"] == str(SPAN_S // 10)
     assert shown["P99 latency"] == "3.00 s"     # 3 of the 60 requests are 3 s tails: P99 is one of them
     figs = figures(at)
     assert {"Tokens per second", "Expert cache hit rate", "Request latency", "Requests per interval"} <= set(figs)
+    hit = next(d for d in figs["Expert cache hit rate"]["data"] if d["name"] == "hit rate")
+    assert max(hit["y"]) <= 100 and figs["Expert cache hit rate"]["layout"]["yaxis"]["ticksuffix"] == " %"
     at.selectbox(key="window").set_value("1 h").run()      # 1 min buckets: 6 requests in each
-    p50, p95, p99 = figures(at)["Request latency"]["data"]
+    p50, p95, p99 = figures(at)["Request latency"]["data"][:3]
+    assert (p50["line"]["dash"], p95["line"]["dash"], p99["line"]["dash"]) == ("solid", "dash", "dot")
     assert max(p50["y"]) < 2.0 < max(p99["y"]) <= 3.0       # the 3 s tails show in P99 only
     assert "Agent down" in texts(at.error)
     assert "Collector up" in texts(at.success)
 
 
+def test_every_time_chart_spans_the_range_and_marks_the_knob_changes_in_it(monkeypatch, offline, db):
+    at = open_page(monkeypatch, db)
+    for title in ("Tokens per second", "Request latency", "Requests per interval"):
+        spec = figures(at)[title]
+        marks = next(d for d in spec["data"] if d["name"] == "knob changes")
+        assert marks["hovertext"][:2] == ["cache_cap_bytes: 2.0 GiB → 4.0 GiB (dashboard)",
+                                          "policy: lru → flashmoe (api)"]
+        assert "sweep: 21.0 tokens/s at cache cap 4.0 GiB" in marks["hovertext"]
+        assert spec["layout"]["dragmode"] == "select"           # a drag picks a new range for the page
+
+
+def test_a_custom_range_applies_to_every_chart(monkeypatch, offline, db):
+    at = open_page(monkeypatch, db)
+    at.selectbox(key="window").set_value("Custom").run()
+    start = datetime.now(timezone.utc).replace(tzinfo=None, second=0, microsecond=0) - timedelta(minutes=5)
+    at.datetime_input(key="range-to").set_value(start + timedelta(minutes=2)).run()
+    at.datetime_input(key="range-from").set_value(start).run()
+    assert not at.exception
+    chosen = [(start + timedelta(minutes=m)).replace(tzinfo=timezone.utc).timestamp() for m in (0, 2)]
+    for title, spec in figures(at).items():
+        if spec["layout"]["xaxis"].get("type") == "date":
+            shown = [datetime.fromisoformat(x).replace(tzinfo=timezone.utc).timestamp()
+                     for x in spec["layout"]["xaxis"]["range"]]
+            assert shown == chosen, title
+    assert metrics(at)["Requests"] == "12"                     # one every 10 s in those 2 minutes
+    assert [b for b in at.button if b.key == "zoom-out"]
+
+
+def test_the_refresh_can_be_paused(monkeypatch, offline, db):
+    at = open_page(monkeypatch, db)
+    refresh = at.selectbox(key="refresh")
+    assert refresh.value == "5 s" and refresh.options[0] == "off"
+    refresh.set_value("off").run()
+    assert not at.exception
+
+
 def test_overview_now_metrics_are_a_dash_with_their_age_when_the_agent_stopped_writing(monkeypatch, offline,
                                                                                         tmp_path):
-    # the last sample is an hour old (outside the 15 min window): "60 min ago" for the next minute
+    # the last sample is an hour old (outside the 15 min range): "60 min ago" for the next minute
     at = open_page(monkeypatch, fill(tmp_path / "old.db", ended_s_ago=3570))
     last = SPAN_S - 1
     now = {m.label: m for m in at.metric}
-    assert now["Hit rate (now)"].value == "–" and now["Tokens/s (now)"].value == "–"
-    assert now["Hit rate (now)"].delta == f"last {synthetic.hit_rate(last):.1%}, 60 min ago"
-    assert now["Tokens/s (now)"].delta == f"last {synthetic.tokens_per_s(last):.1f}, 60 min ago"
-    assert "no data in this window" in texts(at.caption)
+    assert now["Hit rate (last 1 min)"].value == "–" and now["Tokens/s (now)"].value == "–"
+    assert now["Tokens/s (now)"].delta == f"last {synthetic.tokens_per_s(last):.1f} tokens/s, 60 min ago"
+    assert "no data in this range" in texts(at.caption)
     assert "Collector down" in texts(at.error)
 
 
 def test_cache_page_hit_rates_heatmap_policies_and_sweep(monkeypatch, offline, db):
     at = open_page(monkeypatch, db, "cache")
     shown = metrics(at)
-    # per sample: hits 10+11+12+13 = 46, misses 10+9+8+7 = 34, evictions 0+1+2+3 = 6
-    assert shown["Hit rate (window)"] == f"{46 / 80:.1%}"
-    assert shown["Evictions (window)"] == f"{6 * SPAN_S:,}"
+    assert shown["Hit rate (time range)"] == shown["Hit rate (last 1 min)"] == f"{100 * 46 / 80:.1f} %"
+    assert shown["Evictions (time range)"] == f"{6 * SPAN_S:,}"
     # agent offline: from the store, 1 of the PREFETCHES per layer and sample used
-    assert shown["Prefetch accuracy (window)"] == f"{1 / synthetic.PREFETCHES:.1%}"
+    assert shown["Prefetch accuracy (time range)"] == f"{100 / synthetic.PREFETCHES:.1f} %"
     figs = figures(at)
-    assert figs["Hit rate per layer"]["data"][0]["y"] == [(10 + l) / 20 for l in range(synthetic.N_LAYERS)]
+    assert figs["Hit rate per layer"]["data"][0]["y"] == pytest.approx([100 * (10 + l) / 20
+                                                                         for l in range(synthetic.N_LAYERS)])
     z = figs["Expert activations (layer × expert)"]["data"][0]["z"]
     assert len(z) == synthetic.N_LAYERS and len(z[0]) == synthetic.N_EXPERTS
     assert sum(map(sum, z)) == synthetic.N_LAYERS * SPAN_S
     bars = figs["Hit rate by policy on recorded traces"]["data"][0]
-    assert dict(zip(bars["x"], bars["y"]))["flashmoe"] == 0.71 and bars["name"] == "olmoe-report @ 25% of experts"
+    assert dict(zip(bars["x"], bars["y"]))["flashmoe"] == 71.0 and bars["name"] == "olmoe-report @ 25% of experts"
     curve = figs["Tokens/s by cache cap (latest per cap)"]["data"][0]
-    assert curve["x"] == [1024.0, 2048.0, 4096.0] and curve["y"] == [8.0, 15.0, 21.0]
+    assert curve["x"] == [1.0, 2.0, 4.0] and curve["y"] == [8.0, 15.0, 21.0]        # GiB
     assert "offline" in texts(at.caption)
     assert not [b for b in at.button if b.key == "start-sweep"]      # no sweep without an agent
 
@@ -121,7 +161,9 @@ def test_ssd_page_charts_the_device_and_shows_smart(monkeypatch, offline, db):
     figs = figures(at)
     assert {f"vda {name}" for name in ("throughput", "utilisation", "queue depth", "IOPS", "await")} == set(figs)
     read = next(d for d in figs["vda throughput"]["data"] if d["name"] == "read")
-    assert 150 <= min(read["y"]) and max(read["y"]) <= 250      # 200 ± 50 MB/s
+    assert figs["vda throughput"]["layout"]["yaxis"]["ticksuffix"] == " MiB/s"
+    assert 150e6 / 2**20 <= min(read["y"]) and max(read["y"]) <= 250e6 / 2**20      # 200 ± 50 MB/s
+    assert figs["vda await"]["layout"]["yaxis"]["ticksuffix"] == " ms"
     assert metrics(at)["Temperature"] == "41 °C"
     assert metrics(at)["Media errors"] == "0"
 
@@ -132,36 +174,65 @@ def test_ssd_page_says_why_smart_is_missing(monkeypatch, offline, tmp_path):
     assert "Temperature" not in metrics(at)
 
 
-def test_memory_page_healthy(monkeypatch, offline, db):
+def evidence(at: AppTest) -> dict[str, dict]:
+    """The Memory page's evidence table, by signal."""
+    return {row["signal"]: dict(row) for _, row in at.dataframe[0].value.iterrows()}
+
+
+def test_memory_page_healthy_states_every_signal_against_its_threshold(monkeypatch, offline, db):
     at = open_page(monkeypatch, db, "memory")
-    assert {"Agent memory", "Major faults", "Workingset refaults", "Memory pressure stall (PSI avg10)"} <= set(figures(at))
+    assert set(figures(at)) == {"Agent memory", "Major faults", "Workingset refaults", "Memory pressure stall (PSI avg10)",
+                                "Cache misses re-reading a block evicted moments ago"}
     assert "Healthy" in texts(at.success)
+    rows = evidence(at)
+    assert rows["agent major faults"] | {} == {"counts": "", "signal": "agent major faults", "whose": "agent",
+                                              "peak": "2.0 /s", "mean": "2.0 /s", "over for": "0 s",
+                                              "threshold": "50.0 /s"}
     assert not at.button
 
 
-def test_memory_page_diagnoses_thrash_with_evidence_and_recommendation(monkeypatch, offline, tmp_path):
-    at = open_page(monkeypatch, fill(tmp_path / "thrash.db", thrash=True), "memory")
-    assert "Thrashing" in texts(at.error)
-    evidence = texts(at.markdown)
-    for signal in ("memory PSI full", "memory PSI some", "agent major faults", "file refaults"):
-        assert signal in evidence
-    assert "anon refaults" not in evidence
-    # 7.5 GiB in use, 4 GiB of it the cache: the cap that keeps use within 70% of 8 GiB
-    expected_mib = int((0.7 * 8 - 3.5) * 1024)
+def test_memory_page_agent_thrashing_shows_evidence_thresholds_and_a_fix_within_the_bounds(monkeypatch, offline,
+                                                                                            tmp_path):
+    at = open_page(monkeypatch, fill(tmp_path / "thrash.db", memory="agent thrashing"), "memory")
+    assert "Agent thrashing" in texts(at.error)
+    rows = evidence(at)
+    counted = {name for name, row in rows.items() if row["counts"] == "yes"}
+    assert counted == {"agent major faults", "agent cgroup major faults", "agent cgroup file refaults",
+                       "memory PSI some (avg10)", "memory PSI full (avg10)"}
+    assert rows["agent major faults"]["peak"] == "400 /s"
+    faults = figures(at)["Major faults"]
+    assert {a["text"] for a in faults["layout"]["annotations"]} == {
+        "agent major faults threshold 50 faults/s", "agent cgroup major faults threshold 50 faults/s"}
+    # 4 GiB by a quarter: 3 GiB, inside [CAP_MIN, CAP_MAX] the agent last recorded
+    assert "Shrink the cache cap from 4.0 GiB to 3.0 GiB" in texts(at.markdown)
     button = at.button(key="apply-recommendation")
-    assert f"{expected_mib:,} MiB" in button.label
+    assert button.label == "Apply: cache_cap_bytes = 3.0 GiB"
     assert button.disabled            # the agent is offline: the recommendation cannot be applied
+
+
+def test_memory_page_pressure_from_another_process_never_offers_to_shrink_the_cache(monkeypatch, offline, tmp_path):
+    at = open_page(monkeypatch, fill(tmp_path / "other.db", memory="pressure from another process"), "memory")
+    assert "Pressure from another process" in texts(at.warning)
+    assert "The fix is outside the agent" in texts(at.markdown)
+    assert not at.button
+
+
+def test_memory_page_cache_thrashing_offers_a_larger_cap(monkeypatch, offline, tmp_path):
+    at = open_page(monkeypatch, fill(tmp_path / "churn.db", memory="cache thrashing"), "memory")
+    assert "Cache thrashing" in texts(at.warning)
+    # twice 4 GiB, but no more than half the 3 GiB available on top: 5.5 GiB, under CAP_MAX (5.6 GiB)
+    assert at.button(key="apply-recommendation").label == "Apply: cache_cap_bytes = 5.5 GiB"
 
 
 def test_tuning_page_offline_shows_stored_knobs_read_only_and_history(monkeypatch, offline, db):
     at = open_page(monkeypatch, db, "tuning")
     assert "Agent offline" in texts(at.warning)
     knobs, history = at.table[0].value, at.dataframe[0].value
-    assert dict(zip(knobs.index, knobs["value"])) == {"cache_cap_bytes": f"{synthetic.CACHE_CAP} (4.0 GiB)",
-                                                       "policy": "flashmoe"}
-    assert all(w.disabled for w in at.number_input) and at.number_input
+    assert dict(zip(knobs.index, knobs["value"])) == {"cache_cap_bytes": "4.0 GiB", "policy": "flashmoe"}
+    assert not at.slider and not at.number_input and not at.button       # nothing to apply while offline
     assert list(history["knob"]) == ["policy", "cache_cap_bytes"]          # newest first
     assert list(history["source"]) == ["api", "dashboard"]
+    assert list(history["new"]) == ["flashmoe", "4.0 GiB"]
 
 
 def walk(monkeypatch, db: Path):

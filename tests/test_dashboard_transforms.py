@@ -1,11 +1,11 @@
-"""Pure shaping of query results and the sweep's cap choice."""
+"""Pure shaping of query results, the cap slider's arithmetic and the sweep's cap choice."""
 from __future__ import annotations
+
+import pytest
 
 from dashboard import sweep, transforms
 
-
-def test_scaled_multiplies_min_avg_max_not_time():
-    assert transforms.scaled([(5.0, 1.0, 2.0, 4.0)], 0.5) == [(5.0, 0.5, 1.0, 2.0)]
+MIB, GIB = 1 << 20, 1 << 30
 
 
 def test_latency_lines_pick_each_quantile_per_bucket():
@@ -53,19 +53,14 @@ def test_knob_table_states_bounds_by_type():
                  "prefetch": {"value": True, "default": True, "type": "bool"}}
     assert [r["allowed"] for r in transforms.knob_table(described)] == ["1 … 9", "lru, arc", "true or false"]
     cap = transforms.knob_table({"cache_cap_bytes": {"value": 3 << 20, "type": "int", "min": 1024, "max": 1 << 30}})[0]
-    assert cap["value"] == f"{3 << 20} (3.0 MiB)"
-    assert cap["allowed"] == "1024 (1 KiB) … 1073741824 (1.0 GiB)"
+    assert cap["value"] == "3.0 MiB"
+    assert cap["allowed"] == "1.0 KiB … 1.0 GiB"
 
 
 def test_stored_knobs_have_no_bounds_while_the_agent_is_away():
     shaped = transforms.stored_knobs({"cache_cap_bytes": 5, "policy": "arc", "prefetch": False, "x": 0.5})
     assert [s["type"] for s in shaped.values()] == ["int", "str", "bool", "float"]
     assert transforms.bounds_text(shaped["cache_cap_bytes"]) == "unknown while the agent is offline"
-
-
-def test_size_picks_the_largest_unit():
-    assert [transforms.size(n) for n in (512, 393216, 1.5 * 2**20, 2 * 2**30)] == \
-        ["512 B", "384 KiB", "1.5 MiB", "2.0 GiB"]
 
 
 def test_changed_keeps_only_differences():
@@ -77,5 +72,33 @@ def test_default_caps_span_the_expert_bytes_within_bounds():
     assert sweep.default_caps(800, cap_min=10, cap_max=300) == [100, 200, 300]
 
 
-def test_percent_of_a_fraction_or_a_dash():
-    assert [transforms.percent(f) for f in (0.25, 1 / 3, 0.0, None)] == ["25.0%", "33.3%", "0.0%", "–"]
+def test_the_cap_slider_works_in_mib_gib_or_percent_of_expert_bytes():
+    assert transforms.cap_unit_bytes("MiB", None) == MIB and transforms.cap_unit_bytes("GiB", None) == GIB
+    assert transforms.cap_unit_bytes("% of experts", 1000 * MIB) == 10 * MIB
+    with pytest.raises(ValueError, match="running agent"):
+        transforms.cap_unit_bytes("% of experts", None)
+
+
+def test_a_moved_cap_slider_gives_bytes_within_the_bounds_and_an_untouched_one_the_exact_value():
+    spec = {"value": 1000 * MIB + 12345, "min": 192 * MIB, "max": 2 * GIB + 7}
+    shown = spec["value"] / MIB
+    assert transforms.cap_bytes(shown, shown, MIB, spec) == spec["value"]        # not rounded to a MiB
+    assert transforms.cap_bytes(512.0, shown, MIB, spec) == 512 * MIB
+    assert transforms.cap_bytes(2.01, 1.0, GIB, spec) == spec["max"]              # the slider's top, in bounds
+    assert transforms.cap_bytes(0.1, 1.0, GIB, spec) == spec["min"]
+
+
+def test_markers_are_the_knob_changes_and_sweeps_in_the_range_oldest_first():
+    knobs = [{"t": 30.0, "knob": "cache_cap_bytes", "old": 4 * GIB, "new": 3 * GIB, "source": "dashboard"},
+             {"t": 5.0, "knob": "policy", "old": "lru", "new": "arc", "source": "api"}]
+    sweeps = [{"t": 20.0, "cache_cap_bytes": GIB, "tokens_per_s": 12.34}]
+    assert [(m.t, m.text) for m in transforms.markers(knobs, sweeps, 10.0, 40.0)] == [
+        (20.0, "sweep: 12.3 tokens/s at cache cap 1.0 GiB"),
+        (30.0, "cache_cap_bytes: 4.0 GiB → 3.0 GiB (dashboard)")]
+
+
+def test_request_rows_state_each_quantity_in_its_unit():
+    row = {"t": 0.0, "request_id": "r", "latency_s": 1.234, "ttft_s": 0.0456, "tpot_s": None,
+           "completion_tokens": 8, "hits": 3, "misses": 1, "bytes_read": 3 * MIB + 1}
+    shown = transforms.request_rows([row])[0]
+    assert (shown["latency"], shown["TTFT"], shown["TPOT"], shown["read"]) == ("1.23 s", "45.6 ms", "–", "3.0 MiB")

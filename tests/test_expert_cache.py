@@ -191,25 +191,10 @@ def test_cap_below_a_tokens_working_set_is_refused_with_the_range(store):
 
 
 def test_cgroup_limit_lowers_the_ceiling(store, monkeypatch):
-    monkeypatch.setattr(cap_module, "_cgroup_limits", lambda: [10 * 2**20])
+    monkeypatch.setattr(cap_module, "memory_limit", lambda: 10 * 2**20)
     assert memory_limit_bytes() == 10 * 2**20
     with pytest.raises(ValueError, match=rf"{int(7 * 2**20)}\] bytes"):
         ExpertCache(store, 8 * 2**20)
-
-
-def test_cgroup_limits_are_read_from_the_process_cgroup_and_its_ancestors(tmp_path):
-    root = tmp_path / "cgroup"
-    (root / "memory" / "bench" / "agent").mkdir(parents=True)
-    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1: no limit
-    (root / "memory" / "bench" / "memory.limit_in_bytes").write_text("4000000000\n")
-    (root / "memory" / "bench" / "agent" / "memory.limit_in_bytes").write_text("6000000000\n")
-    (root / "memory.max").write_text("max\n")
-    own = tmp_path / "cgroup-of-self"
-    # the container's cgroup is mounted as the root, /proc/self/cgroup names it from the host's root
-    own.write_text("0::/\n4:memory:/process_api/abc/bench/agent\n")
-    assert sorted(cap_module._cgroup_limits(root, own)) == [4000000000, 6000000000]
-    own.write_text("0::/\n4:memory:/\n")
-    assert cap_module._cgroup_limits(root, own) == []
 
 
 def test_resize_shrinks_by_policy_frees_slots_and_grows_again(store):

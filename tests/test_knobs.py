@@ -30,7 +30,17 @@ def test_defaults_and_bounds_are_described(knobs):
     assert d["recompute_threshold"]["value"] == RECOMPUTE_THRESHOLD.default
     assert d["cache_cap_bytes"]["min"] == 1000 and d["cache_cap_bytes"]["max"] == 50_000
     assert d["policy"]["choices"] == ["lfu", "lru", "flashmoe"]
-    assert d["prefetch"] == {"value": True, "default": True, "type": "bool"}
+    assert d["prefetch"] == {"value": True, "default": True, "type": "bool", "help": d["prefetch"]["help"]}
+    assert all(spec.get("help") for spec in d.values())          # the dashboard shows every knob's help
+
+
+def test_new_bounds_keep_the_values_even_one_now_outside_them(knobs):
+    knobs.commit({"cache_cap_bytes": 40_000})
+    knobs.rebound(Limits(cap_min=1000, cap_max=30_000, policies=LIMITS.policies, max_prefetch_depth=1))
+    d = knobs.describe()["cache_cap_bytes"]
+    assert (d["value"], d["max"]) == (40_000, 30_000)
+    with pytest.raises(KnobError, match="between 1000 and 30000"):
+        knobs.validate({"cache_cap_bytes": 35_000})
 
 
 def test_valid_changes_are_converted(knobs):

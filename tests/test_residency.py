@@ -60,3 +60,17 @@ def test_a_mispredicted_prefetch_is_evicted_before_the_policy_is_asked():
     hit, victim = r.access((0, 2))
     assert not hit and victim == (0, 5)  # LRU alone would have evicted expert 1
     assert r.stats[0].evictions == 1 and r.stats[0].prefetch_hits == 0
+
+
+def test_a_miss_on_a_block_evicted_within_the_last_capacity_evictions_is_a_reread():
+    r = make(capacity=2, layers=1)
+    for e in (0, 1, 2, 0):          # 2 evicts 0; 0 comes back one eviction later: a re-read
+        r.route(0, [e])
+        r.access((0, e))
+    assert (r.stats[0].misses, r.stats[0].rereads) == (4, 1)
+    for e in (3, 4, 5, 6):          # four more evictions push 1 and 2 out of the last two
+        r.route(0, [e])
+        r.access((0, e))
+    r.route(0, [1])
+    r.access((0, 1))                # evicted long ago: a miss, not a re-read
+    assert (r.stats[0].misses, r.stats[0].rereads) == (9, 1)

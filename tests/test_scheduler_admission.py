@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from agent.serve.scheduler import Request, Scheduler, StepIO
+from agent.serve.scheduler import Request, Scheduler, SchedulerBusy, StepIO
 
 WINDOW_S = 0.05
 TIMEOUT_S = 30
@@ -124,3 +124,19 @@ def test_no_window_steps_a_lone_request_at_once(engine, clock):
 def test_a_window_out_of_bounds_is_refused(engine, clock, window_s):
     with pytest.raises(ValueError, match="between 0 and 1000 ms"):
         Scheduler(engine, 16, lambda stats: None, admit_window_s=window_s, clock=clock)
+
+
+def test_a_control_call_that_outwaits_a_slow_step_is_withdrawn_and_never_runs(engine, clock):
+    s = scheduler(engine, clock, window_s=0.0)
+    engine.hold.clear()
+    first, first_done = request("first")
+    s.submit(first)
+    assert engine.stepping.wait(TIMEOUT_S)          # a step that will not end (memory thrash, say)
+    ran = []
+    with pytest.raises(SchedulerBusy, match="did not finish within 0 s.*not applied"):
+        s.call(lambda: ran.append("late"), timeout=0.1)
+    engine.hold.set()
+    assert first_done.wait(TIMEOUT_S)
+    assert s.call(lambda: "next") == "next"          # the next call runs, the withdrawn one never did
+    s.stop()
+    assert ran == []

@@ -89,3 +89,24 @@ def test_every_exposed_sample_names_the_device():
     assert hits == {"0": 1.0, "1": 0.0}                      # the layer label is kept beside the device's
     assert families["flashmoe_knob_changes"].samples[0].value == 1
     assert sample(reg, "flashmoe_expert_cache_hits_total", layer="0") == 1   # the registry itself is unchanged
+
+
+def test_rereads_and_the_caps_bounds_reach_prometheus_and_the_store(tmp_path):
+    from store.db import Store
+    from store import queries
+
+    reg = CollectorRegistry()
+    m = Metrics(reg, n_layers=2)
+    m.tick(10.0, cache_stats([LayerStats(), LayerStats()], 0, 0, [], 0), 0, 0, 16, 0, {}, (1024, 8192))
+    tick = m.tick(11.0, cache_stats([LayerStats(misses=4, rereads=3), LayerStats(misses=4, rereads=1)], 0, 0, [], 0),
+                  0, 0, 16, 0, {}, (1024, 8192))
+    assert tick.reread_share == 0.5
+    assert sample(reg, "flashmoe_expert_cache_rereads_total", layer="0") == 3
+    assert sample(reg, "flashmoe_cache_cap_max_bytes") == 8192 and sample(reg, "flashmoe_cache_cap_min_bytes") == 1024
+    with Store(tmp_path / "s.db", autoflush_s=0) as store:
+        Recorder(store).write(tick, [])
+    assert queries.latest(tmp_path / "s.db", "agent.reread_share") == (11.0, 0.5)
+    assert queries.latest(tmp_path / "s.db", "agent.cache_cap_max_bytes") == (11.0, 8192)
+    idle = m.tick(12.0, cache_stats([LayerStats(misses=4, rereads=3), LayerStats(misses=4, rereads=1)], 0, 0, [], 0),
+                  0, 0, 16, 0, {}, (1024, 8192))
+    assert idle.reread_share is None and "agent.reread_share" not in Recorder.series(idle)   # no misses: no share

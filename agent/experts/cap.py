@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 from agent.experts.layout import Index
 from agent.residency import Residency
+from machine.cgroup import memory_limit
 
 MAX_MEMORY_SHARE = 0.7        # of physical memory or of the cgroup limit, whichever is smaller
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -36,43 +36,10 @@ def parse_cap(text: str | int, total_expert_bytes: int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def _cgroup_limits(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> list[int]:
-    """Memory limits set on this process's cgroup and its ancestors (v2 memory.max, v1 memory.limit_in_bytes)."""
-    paths = {}
-    try:
-        for line in own.read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            paths[controllers] = path
-    except (OSError, ValueError):
-        pass
-    limits = []
-    for mount, key, name in [(root, "", "memory.max"), (root / "memory", "memory", "memory.limit_in_bytes")]:
-        for directory in _cgroup_chain(mount, paths.get(key, "/")):
-            try:
-                value = (directory / name).read_text().strip()
-            except OSError:
-                continue
-            if value.isdigit() and int(value) < 2**60:  # "max" or v1's huge sentinel mean no limit
-                limits.append(int(value))
-    return limits
-
-
-def _cgroup_chain(mount: Path, path: str) -> list[Path]:
-    """The cgroup's directory under mount, then each parent up to mount. A container may mount its
-    own cgroup as the root while /proc/self/cgroup names the full path, so leading parts that do not
-    exist under mount are skipped."""
-    parts = [p for p in path.split("/") if p]
-    here = next((mount.joinpath(*parts[i:]) for i in range(len(parts)) if mount.joinpath(*parts[i:]).is_dir()), mount)
-    chain = [here]
-    while chain[-1] != mount:
-        chain.append(chain[-1].parent)
-    return chain
-
-
 def memory_limit_bytes() -> int:
-    """The smaller of physical memory and the cgroup memory limit."""
+    """The smaller of physical memory and the cgroup memory limit (read afresh: it may change)."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min([physical, *_cgroup_limits()])
+    return min(physical, memory_limit() or physical)
 
 
 def cap_bounds(index: Index, min_per_layer: int, scope: str = "layer") -> tuple[int, int]:

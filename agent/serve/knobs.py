@@ -33,13 +33,15 @@ def knob_specs(limits: Limits) -> list[Knob]:
     return [
         Knob("cache_cap_bytes", int, limits.cap_min, limits.cap_min, limits.cap_max,
              help="the working set of one token up to 70% of physical memory or the cgroup limit"),
-        Knob("policy", str, DEFAULT_POLICY, choices=limits.policies),
+        Knob("policy", str, DEFAULT_POLICY, choices=limits.policies,
+             help="the replacement policy that decides which experts stay in the cache"),
         *policy_knobs(),
         Knob("ssd_util_threshold", float, 0.9, 0.0, 1.0, help="SSD utilisation above which the batch limit shrinks"),
-        Knob("prefetch", bool, True),
+        Knob("prefetch", bool, True, help="read the next layer's predicted experts while this layer computes"),
         Knob("prefetch_depth", int, 1, 0, limits.max_prefetch_depth, help="layers ahead to prefetch; 0 turns it off"),
-        Knob("max_batch_size", int, 16, 1, 256),
-        Knob("auto_shrink", bool, False),
+        Knob("max_batch_size", int, 16, 1, 256, help="most requests stepped together"),
+        Knob("auto_shrink", bool, False,
+             help="the memory guard shrinks the cache cap by steps while memory pressure lasts"),
     ]
 
 
@@ -47,6 +49,7 @@ class Knobs:
     """Current knob values; `validate` never mutates, `commit` stores values already validated."""
 
     def __init__(self, limits: Limits, initial: Mapping[str, Any] | None = None) -> None:
+        self.limits = limits
         self.specs = {k.name: k for k in knob_specs(limits)}
         self.values = {k.name: k.default for k in self.specs.values()}
         if initial:
@@ -67,6 +70,12 @@ class Knobs:
     def diff(self, validated: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
         """knob -> (old, new) for the values that actually change."""
         return {k: (self.values[k], v) for k, v in validated.items() if self.values[k] != v}
+
+    def rebound(self, limits: Limits) -> None:
+        """New bounds (e.g. the memory limit changed). The values stay, even one now outside its range:
+        describe() shows it beside the new range, and the next change must respect that range."""
+        self.limits = limits
+        self.specs = {k.name: k for k in knob_specs(limits)}
 
     def commit(self, validated: Mapping[str, Any]) -> None:
         self.values.update(validated)

@@ -37,6 +37,7 @@ class LayerDelta:
     prefetches: int           # blocks prefetch brought in
     bytes_read: int           # this layer's share of the interval's bytes, by its block reads
     read_latency_s: float | None  # mean of the interval's reads (all layers: the cache keeps one series)
+    rereads: int = 0          # misses on blocks evicted moments ago (agent.residency.LayerStats.rereads)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class Tick:
     cache_bytes: int
     cap_bytes: int
     activations: dict[tuple[int, int], int]
+    cap_min_bytes: int | None = None   # the cap's bounds now (they follow the memory limit)
+    cap_max_bytes: int | None = None
 
     @property
     def hits(self) -> int:
@@ -66,6 +69,12 @@ class Tick:
     def hit_rate(self) -> float | None:
         total = self.hits + self.misses
         return self.hits / total if total else None
+
+    @property
+    def reread_share(self) -> float | None:
+        """Share of the interval's misses that re-read a block evicted moments ago (None without misses)."""
+        misses = self.misses
+        return sum(d.rereads for d in self.layers) / misses if misses else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -101,6 +110,8 @@ class Metrics:
                                      "demand hits on experts that prefetch brought in", layer, registry=registry)
         self.prefetches = Counter("flashmoe_expert_cache_prefetches", "experts that lookahead prefetch brought in",
                                   layer, registry=registry)
+        self.rereads = Counter("flashmoe_expert_cache_rereads", "misses on experts evicted moments ago (within "
+                               "their partition's last capacity evictions)", layer, registry=registry)
         self.bytes_read = Counter("flashmoe_expert_read_bytes", "expert bytes read from the SSD", registry=registry)
         self.read_latency = Histogram("flashmoe_expert_read_latency_seconds", "latency of one expert block read",
                                       buckets=READ_BUCKETS, registry=registry)
@@ -117,12 +128,16 @@ class Metrics:
         self.queue_depth = Gauge("flashmoe_queue_depth", "requests waiting to join the batch", registry=registry)
         self.cache_bytes = Gauge("flashmoe_cache_bytes", "bytes of experts resident in the cache", registry=registry)
         self.cap_bytes = Gauge("flashmoe_cache_cap_bytes", "expert cache cap", registry=registry)
+        self.cap_min_bytes = Gauge("flashmoe_cache_cap_min_bytes", "smallest cache cap the agent accepts now",
+                                   registry=registry)
+        self.cap_max_bytes = Gauge("flashmoe_cache_cap_max_bytes", "largest cache cap the agent accepts now (70% "
+                                   "of its memory limit)", registry=registry)
         self.hit_ratio = Gauge("flashmoe_expert_cache_hit_ratio",
                                f"expert cache hit ratio over the last {RECENT_TICKS} s", registry=registry)
         self.knob_changes = Counter("flashmoe_knob_changes", "knob values changed, by any source",
                                     registry=registry)
         for i in range(n_layers):  # export every layer from the start, so rate() has a zero to start from
-            for counter in (self.hits, self.misses, self.evictions, self.prefetch_hits, self.prefetches):
+            for counter in (self.hits, self.misses, self.evictions, self.prefetch_hits, self.prefetches, self.rereads):
                 counter.labels(layer=str(i))
         self._prev: _Previous | None = None
         self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=RECENT_TICKS)
@@ -147,7 +162,8 @@ class Metrics:
 
     # -- the one-second tick --------------------------------------------------------------------------
     def tick(self, t: float, cache: CacheStats, batch_size: int, queue_depth: int, batch_limit: int,
-             tokens_total: int, activations: dict[tuple[int, int], int]) -> Tick:
+             tokens_total: int, activations: dict[tuple[int, int], int],
+             cap_bounds: tuple[int, int] | None = None) -> Tick:
         prev = self._prev or _Previous(t, [LayerStats() for _ in cache.layers])
         new_reads = cache.reads - prev.reads
         latencies = cache.read_latency_s[-new_reads:] if new_reads > 0 else []
@@ -157,10 +173,11 @@ class Metrics:
         total_loads = sum(loads) or 1
         layers = [LayerDelta(i, c.hits - p.hits, c.misses - p.misses, c.evictions - p.evictions,
                              c.prefetch_hits - p.prefetch_hits, c.prefetches - p.prefetches,
-                             bytes_read * n // total_loads, mean_latency)
+                             bytes_read * n // total_loads, mean_latency, c.rereads - p.rereads)
                   for i, (c, p, n) in enumerate(zip(cache.layers, prev.layers, loads))]
         tick = Tick(t, t - prev.t, layers, bytes_read, latencies, batch_size, batch_limit, queue_depth,
-                    tokens_total - prev.tokens, cache.resident * cache.slot_bytes, cache.cap_bytes, activations)
+                    tokens_total - prev.tokens, cache.resident * cache.slot_bytes, cache.cap_bytes, activations,
+                    *(cap_bounds or (None, None)))
         self._export(tick)
         self._prev = _Previous(t, cache.layers, cache.bytes_read, cache.reads, tokens_total)
         return tick
@@ -173,6 +190,7 @@ class Metrics:
             self.evictions.labels(layer=label).inc(d.evictions)
             self.prefetch_hits.labels(layer=label).inc(d.prefetch_hits)
             self.prefetches.labels(layer=label).inc(d.prefetches)
+            self.rereads.labels(layer=label).inc(d.rereads)
         self.bytes_read.inc(tick.bytes_read)
         for s in tick.read_latencies:
             self.read_latency.observe(s)
@@ -182,6 +200,9 @@ class Metrics:
         self.queue_depth.set(tick.queue_depth)
         self.cache_bytes.set(tick.cache_bytes)
         self.cap_bytes.set(tick.cap_bytes)
+        if tick.cap_max_bytes is not None:
+            self.cap_min_bytes.set(tick.cap_min_bytes)
+            self.cap_max_bytes.set(tick.cap_max_bytes)
         self._recent.append((tick.hits, tick.misses))
         rate = self.recent_hit_rate()
         if rate is not None:

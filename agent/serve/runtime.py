@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from agent.experts.cache import ExpertCache
-from agent.experts.cap import cap_bounds, parse_cap
+from agent.experts.cap import cap_bounds, memory_limit_bytes, parse_cap
 from agent.experts.layout import CONFIG, INDEX, Index
 from agent.experts.reader import IO_THREADS
 from agent.monitor import SystemSample, SystemSampler
@@ -235,7 +235,7 @@ class Runtime:
     def tick(self) -> Tick:
         sched = self.scheduler
         tick = self.metrics.tick(time.time(), self.cache.stats(), sched.batch_size, len(sched.waiting), sched.limit,
-                                 sched.tokens_total, self.engine.routes.take())
+                                 sched.tokens_total, self.engine.routes.take(), self._follow_memory_limit())
         if self.recorder is not None:
             self.recorder.write(tick, self.metrics.drain_requests())
         else:
@@ -246,6 +246,21 @@ class Runtime:
             self._adapt_batch(sample)
             self._guard(sample)
         return tick
+
+    def _follow_memory_limit(self) -> tuple[int, int]:
+        """The cap's bounds, re-read every tick so they follow a memory limit set or changed while the
+        agent runs (e.g. its cgroup's); a change is logged and recorded as an event."""
+        lo, hi = cap_bounds(self.cache.index, self.cache.min_per_layer)
+        limits = self.knobs.limits
+        if (lo, hi) != (limits.cap_min, limits.cap_max):
+            with self._knob_lock:
+                self.knobs.rebound(replace(limits, cap_min=lo, cap_max=hi))
+            message = (f"cache cap bounds now {lo} .. {hi} bytes (were {limits.cap_min} .. {limits.cap_max}): "
+                       f"the memory limit is {memory_limit_bytes()} bytes")
+            log.warning("%s", message)
+            if self.recorder is not None:
+                self.recorder.event(time.time(), "knob_bounds", message)
+        return lo, hi
 
     def _adapt_batch(self, sample: SystemSample) -> None:
         util = sample.ssd_util

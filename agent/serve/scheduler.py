@@ -96,6 +96,10 @@ def check_admit_window(seconds: float) -> float:
     return seconds
 
 
+class SchedulerBusy(TimeoutError):
+    """A control call waited too long for the running step to end and was withdrawn."""
+
+
 class Scheduler:
     def __init__(self, engine: Engine, max_batch: int, on_finish: Callable[[RequestStats], None],
                  admit_window_s: float = ADMIT_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
@@ -132,12 +136,20 @@ class Scheduler:
             self._wake.notify()
 
     def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
-        """Run fn on the scheduler thread between two steps and return its result (or raise its error)."""
+        """Run fn on the scheduler thread between two steps and return its result (or raise its error).
+        A step still running after `timeout` (memory thrash can make one that slow) withdraws the call,
+        so it never runs later unreported: SchedulerBusy says so."""
         future: Future = Future()
         with self._wake:
             self._calls.append((fn, future))
             self._wake.notify()
-        return future.result(timeout)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            if not future.cancel():          # it started meanwhile: it is quick, wait for it
+                return future.result()
+            raise SchedulerBusy(f"the model's running step did not finish within {timeout:.0f} s (memory thrash "
+                                f"makes steps that slow), so the change was not applied; try again") from None
 
     def set_max_batch(self, n: int) -> None:
         self.max_batch, self.limit = n, min(self.limit, n)
@@ -174,6 +186,8 @@ class Scheduler:
     def _run_calls(self) -> None:
         while self._calls:
             fn, future = self._calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue                     # withdrawn by its caller, who gave up waiting
             try:
                 future.set_result(fn())
             except BaseException as exc:  # handed to the caller, who reports it

@@ -2,45 +2,51 @@
 policies, sweep."""
 from __future__ import annotations
 
+import time
+
 import streamlit as st
 
 from dashboard import auth, components, data, figures, settings, sweep, transforms
+from store.units import human
 
 TIME_BUCKETS = 60
 
 db, url, token = settings.db_path(), settings.agent_url(), settings.agent_token()
 
 
-@st.fragment(run_every=settings.REFRESH_S)
+@st.fragment(run_every=components.refresh_every())
 def live() -> None:
+    since, until = components.page_range()
     if not components.store_ready(db):
         return
-    since, until = components.window()
     stats = data.cache_stats(db, since, until, TIME_BUCKETS)
     status = data.agent_status(url, token)
     total = stats["total"] or {}
-    c1, c2, c3 = st.columns(3)
-    c1.metric("Hit rate (window)", transforms.percent(total.get("hit_rate")))
-    c2.metric("Evictions (window)", f"{total.get('evictions', 0):,}")
+    c1, c2, c3, c4 = st.columns(4)
+    c1.metric(components.HIT_RATE_NOW, human(data.hit_rate_now(db, time.time()), "fraction"),
+              help=components.HIT_RATE_NOW_HELP)
+    c2.metric("Hit rate (time range)", human(total.get("hit_rate"), "fraction"),
+              help="hits over lookups in the time range shown")
+    c3.metric("Evictions (time range)", f"{total.get('evictions', 0):,}")
     if isinstance(status, dict):
-        c3.metric("Prefetch accuracy (agent)", transforms.percent(status["cache"]["prefetch_accuracy"]),
+        c4.metric("Prefetch accuracy (agent)", human(status["cache"]["prefetch_accuracy"], "fraction"),
                   help="prefetched experts later used, over experts prefetched, since the agent started")
     else:
-        c3.metric("Prefetch accuracy (window)", transforms.percent(total.get("prefetch_accuracy")),
+        c4.metric("Prefetch accuracy (time range)", human(total.get("prefetch_accuracy"), "fraction"),
                   help="from the store while the agent is offline: prefetched experts later used, over "
-                       "experts prefetched, in this window (– when none were prefetched)")
+                       "experts prefetched, in the time range shown (– when none were prefetched)")
 
     left, right = st.columns(2)
     with left:
-        components.series_chart(db, {"agent.hit_rate": "hit rate"}, since, until, "Hit rate over time", "%", 100)
+        components.series_chart(db, {"agent.hit_rate": "hit rate"}, since, until, "Hit rate over time", "fraction")
     with right:
         if stats["per_layer"]:
             layers = stats["per_layer"]
             st.plotly_chart(figures.bar_chart([str(r["layer"]) for r in layers],
                                               [r["hit_rate"] or 0.0 for r in layers],
-                                              "Hit rate per layer", "hit rate", "layer"), key="per-layer")
+                                              "Hit rate per layer", "fraction", "layer"), key="per-layer")
         else:
-            st.caption("**Hit rate per layer**: no cache statistics in this window.")
+            st.caption("**Hit rate per layer**: no cache statistics in this range.")
     left, right = st.columns(2)
     with left:
         matrix = transforms.heatmap_matrix(data.activations(db, since, until))
@@ -48,18 +54,19 @@ def live() -> None:
             st.plotly_chart(figures.activation_heatmap(matrix, "Expert activations (layer × expert)"),
                             key="heatmap")
         else:
-            st.caption("**Expert activations**: none recorded in this window.")
+            st.caption("**Expert activations**: none recorded in this range.")
     with right:
         over = stats["over_time"]
         if over:
-            st.plotly_chart(figures.time_bars([r["t"] for r in over], [r["evictions"] for r in over],
-                                              "Evictions per interval", "evictions", until,
-                                              (until - since) / TIME_BUCKETS), key="evictions")
+            components.time_chart(figures.time_bars([r["t"] for r in over], [r["evictions"] for r in over],
+                                                    "Evictions per interval", "evictions", since, until,
+                                                    (until - since) / TIME_BUCKETS, data.markers(db, since, until)),
+                                  "evictions")
         else:
-            st.caption("**Evictions**: no cache statistics in this window.")
+            st.caption("**Evictions**: no cache statistics in this range.")
 
 
-@st.fragment(run_every=settings.REFRESH_S)
+@st.fragment(run_every=components.refresh_every())
 def online_learning() -> None:
     st.subheader("Online learning")
     status = data.agent_status(url, token)
@@ -84,7 +91,7 @@ def online_learning() -> None:
                        "rolled back": u["rolled_back"]} for u in reversed(learning["recent"])], key="online-updates")
 
 
-@st.fragment(run_every=settings.REFRESH_S)
+@st.fragment(run_every=components.refresh_every())
 def policies() -> None:
     st.subheader("Policy comparison (simulator)")
     rows = data.simulations(db) if data.store_problem(db) is None else []
@@ -95,7 +102,7 @@ def policies() -> None:
                    "(Store.record_simulation) compare the policies on recorded traces.")
 
 
-@st.fragment(run_every=settings.REFRESH_S)
+@st.fragment(run_every=components.refresh_every())
 def cap_sweep() -> None:
     st.subheader("Tokens/s against cache cap")
     runner = data.sweep_runner()
@@ -108,7 +115,7 @@ def cap_sweep() -> None:
     if online:
         cap = knobs["cache_cap_bytes"]
         caps = sweep.default_caps(status["cache"]["expert_bytes"], cap["min"], cap["max"])
-        st.caption("Caps: " + ", ".join(transforms.size(c) for c in caps))
+        st.caption("Caps: " + ", ".join(human(c, "B") for c in caps))
         lock = auth.control_lock()
         if st.button("Start sweep", disabled=runner.running or bool(lock), help=lock, key="start-sweep") and not lock:
             runner.start(data.agent(url, token), db, caps, int(n_requests), int(max_tokens))

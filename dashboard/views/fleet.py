@@ -6,12 +6,12 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dashboard import auth, components, data, fleet, settings, transforms
+from dashboard import auth, components, data, fleet, timerange, transforms
 
 prometheus_url, tokens_file, default_token = fleet.settings()
 
 
-@st.cache_data(ttl=settings.REFRESH_S, show_spinner=False)
+@st.cache_data(ttl=timerange.STEP_S, show_spinner=False)
 def snapshot(url: str) -> fleet.Snapshot:
     return fleet.Prometheus(url).snapshot()
 
@@ -36,7 +36,7 @@ COLUMNS = {
 }
 
 
-@st.fragment(run_every=settings.REFRESH_S)
+@st.fragment(run_every=components.refresh_every())
 def overview(url: str) -> None:
     try:
         rows = fleet.devices(snapshot(url))

@@ -1,69 +1,105 @@
-"""Memory: the agent's footprint, paging and pressure stalls, and the thrash diagnosis."""
+"""Memory: the thrash verdict (store.diagnosis, the same as `flashmoe-cli diagnose`) with its evidence
+and one-click fix, then the agent's footprint, faults, refaults, pressure stalls and cache re-reads
+with the verdict's thresholds drawn on them."""
 from __future__ import annotations
 
+import time
+
+import pandas as pd
 import streamlit as st
 
-from dashboard import auth, components, data, diagnosis, settings, transforms
+from dashboard import auth, components, data, figures, settings, transforms
+from store import diagnosis as thrash
+from store.units import human
 
-MIB = 2**20
-FULL = "psi.memory.full_avg10"
-THRESHOLDS = (
-    diagnosis.Threshold(FULL, "memory PSI full (avg10)", 5.0, "%"),
-    diagnosis.Threshold("psi.memory.some_avg10", "memory PSI some (avg10)", 20.0, "%"),
-    diagnosis.Threshold("mem.agent.majflt_per_s", "agent major faults", 100.0, "/s"),
-    diagnosis.Threshold("vm.workingset_refault_file_per_s", "file refaults", 1000.0, "pages/s"),
-    diagnosis.Threshold("vm.workingset_refault_anon_per_s", "anon refaults", 100.0, "pages/s"),
-)
-VERDICT_BOX = {"thrashing": st.error, "under pressure": st.warning, "healthy": st.success, "no data": st.info}
+VERDICT_BOX = {"agent thrashing": st.error, "pressure from another process": st.warning,
+               "cache thrashing": st.warning, "healthy": st.success, "no data": st.info}
+ANSWER = "memory-answer"      # session state: the agent's answer to the last applied recommendation
+CHARTS = {                    # title -> (unit, {store series: legend label})
+    "Major faults": ("faults/s", {"mem.agent.majflt_per_s": "agent", "cgroup.agent.pgmajfault_per_s": "agent cgroup",
+                                  "vm.pgmajfault_per_s": "system"}),
+    "Workingset refaults": ("pages/s", {"cgroup.agent.workingset_refault_file_per_s": "agent cgroup, file",
+                                        "cgroup.agent.workingset_refault_anon_per_s": "agent cgroup, anon",
+                                        "vm.workingset_refault_file_per_s": "system, file",
+                                        "vm.workingset_refault_anon_per_s": "system, anon"}),
+    "Memory pressure stall (PSI avg10)": ("%", {"psi.memory.some_avg10": "system, some",
+                                                "psi.memory.full_avg10": "system, full",
+                                                "cgroup.agent.psi_some_avg10": "agent cgroup, some",
+                                                "cgroup.agent.psi_full_avg10": "agent cgroup, full"}),
+    "Cache misses re-reading a block evicted moments ago": ("fraction", {"agent.reread_share": "share of misses"}),
+}
+FOOTPRINT = {"mem.agent.hwm_bytes": "peak RSS", "mem.agent.rss_bytes": "RSS", "mem.agent.rss_file_bytes": "file-backed RSS",
+             "agent.cache_cap_bytes": "cache cap", "cgroup.agent.usage_bytes": "agent cgroup usage",
+             "cgroup.agent.limit_bytes": "agent cgroup limit"}
+DASHED = {"peak RSS": "dash",        # drawn first and dashed, so RSS (solid, on top) is never hidden behind it
+           "agent cgroup limit": "dash", "cache cap": "dot"}
 
 db, url, token = settings.db_path(), settings.agent_url(), settings.agent_token()
 
 
-@st.fragment(run_every=settings.REFRESH_S)
+@st.fragment(run_every=components.refresh_every())
 def live() -> None:
+    since, until = components.page_range()
     if not components.store_ready(db):
         return
-    since, until = components.window()
+    knobs = data.agent_knobs(url, token)
+    d = data.diagnosis(db, since, until, knobs if isinstance(knobs, dict) else None, settings.BUCKETS)
+    verdict(d)
+    recommendation(d, knobs)
+    charts(d, since, until)
+
+
+def verdict(d: thrash.Diagnosis) -> None:
+    VERDICT_BOX[d.verdict](f"**{d.verdict.capitalize()}**: {d.summary}")
+    if d.signals:
+        st.dataframe(pd.DataFrame(evidence_rows(d)), hide_index=True, width="stretch")
+    st.caption(f"A signal counts when its average stays over its threshold for {thrash.SUSTAIN_S:.0f} s of the "
+               f"range shown ({transforms.clock(d.since)} – {transforms.clock(d.until)}). The agent's own signals "
+               f"decide first, then the machine's, then the cache's."
+               + (" Not sampled here: " + ", ".join(th.label for th in d.unsampled) + "." if d.unsampled else ""))
+
+
+def evidence_rows(d: thrash.Diagnosis) -> list[dict[str, str]]:
+    """One row per judged signal, the ones that decided the verdict first."""
+    ordered = sorted(d.signals, key=lambda s: not s.sustained)
+    return [{"counts": "yes" if s.sustained else "", "signal": s.threshold.label, "whose": s.threshold.side,
+             "peak": human(s.peak, s.threshold.unit), "mean": human(s.mean, s.threshold.unit),
+             "over for": f"{s.seconds_over:,.0f} s", "threshold": human(s.threshold.limit, s.threshold.unit)}
+            for s in ordered]
+
+
+def recommendation(d: thrash.Diagnosis, knobs: dict | str) -> None:
+    rec = d.recommendation
+    if rec is not None:
+        st.markdown(f"**Recommendation:** {rec.text}")
+    if rec is not None and rec.changes:
+        refused = f"agent offline: {knobs}" if not isinstance(knobs, dict) else auth.control_lock()
+        label = "Apply: " + ", ".join(f"{k} = {transforms.value_text(k, v)}" for k, v in rec.changes.items())
+        if st.button(label, key="apply-recommendation", type="primary", disabled=refused is not None, help=refused):
+            accepted, text = data.apply_knobs(url, token, rec.changes)
+            st.session_state[ANSWER] = (accepted, text, time.time(), [s.threshold.series for s in d.evidence])
+    if ANSWER in st.session_state:
+        answer(*st.session_state[ANSWER])
+
+
+def answer(accepted: bool, text: str, at: float, series: list[str]) -> None:
+    """The agent's answer, red on refusal; once accepted, whether the evidence has improved since."""
+    (st.success if accepted else st.error)(f"Agent ({transforms.clock(at)}): {text}")
+    if accepted and series:
+        effects = thrash.effect(db, at, time.time(), series)
+        st.markdown("**Since the change:**\n" + "\n".join(f"- {e.sentence()}" for e in effects))
+
+
+def charts(d: thrash.Diagnosis, since: float, until: float) -> None:
+    loaded = {s.threshold.series: s.buckets for s in d.signals}
+    lines = {th.series: figures.Threshold(th.limit, f"{th.label} threshold") for th in thrash.THRESHOLDS}
     left, right = st.columns(2)
     with left:
-        components.series_chart(db, {"mem.agent.rss_bytes": "RSS", "mem.agent.hwm_bytes": "VmHWM",
-                                     "mem.agent.rss_file_bytes": "RssFile"}, since, until,
-                                "Agent memory", "MiB", 1 / MIB)
-        components.series_chart(db, {"vm.workingset_refault_file_per_s": "file",
-                                     "vm.workingset_refault_anon_per_s": "anon"}, since, until,
-                                "Workingset refaults", "pages/s")
-    with right:
-        components.series_chart(db, {"mem.agent.majflt_per_s": "agent", "vm.pgmajfault_per_s": "system"},
-                                since, until, "Major faults", "faults/s")
-        components.series_chart(db, {"psi.memory.some_avg10": "some", FULL: "full"}, since, until,
-                                "Memory pressure stall (PSI avg10)", "%")
-    diagnose(since, until)
-
-
-def diagnose(since: float, until: float) -> None:
-    st.subheader("Thrash diagnosis")
-    samples = {th.signal: transforms.averages(data.series(db, th.signal, since, until, settings.BUCKETS))
-               for th in THRESHOLDS}
-    knobs = data.agent_knobs(url, token)
-    cap = knobs["cache_cap_bytes"]["value"] if isinstance(knobs, dict) else data.latest_value(db, "agent.cache_cap_bytes")
-    verdict = diagnosis.diagnose(samples, THRESHOLDS, FULL, mem_total=data.latest_value(db, "mem.total_bytes"),
-                                 mem_available=data.latest_value(db, "mem.available_bytes"), cache_cap=cap)
-    VERDICT_BOX[verdict.verdict](f"**{verdict.verdict.capitalize()}.** {verdict.summary}")
-    for e in verdict.evidence:
-        st.markdown(f"- {e.sentence()}, from {transforms.clock(e.first_t)} to {transforms.clock(e.last_t)}")
-    st.caption("Judged on the bucket averages of this window: "
-               + "; ".join(f"{th.label} above {th.limit:g} {th.unit}" for th in THRESHOLDS)
-               + f". {diagnosis.RULE}.")
-    rec = verdict.recommendation
-    if rec is None:
-        return
-    st.markdown(f"**Recommendation:** set the cache cap to {rec.reason}.")
-    refused = f"agent offline: {knobs}" if not isinstance(knobs, dict) else auth.control_lock()
-    if st.button(f"Apply cache cap {rec.cache_cap_bytes / MIB:,.0f} MiB", key="apply-recommendation",
-                 disabled=refused is not None, help=refused):
-        st.session_state["memory-answer"] = data.push(url, token, {"cache_cap_bytes": rec.cache_cap_bytes})
-    if "memory-answer" in st.session_state:
-        st.info(f"Agent: {st.session_state['memory-answer']}")
+        components.series_chart(db, FOOTPRINT, since, until, "Agent memory", "B", dashes=DASHED)
+    for i, (title, (unit, names)) in enumerate(CHARTS.items(), start=1):
+        with (left if i % 2 == 0 else right):
+            components.series_chart(db, names, since, until, title, unit, loaded=loaded,
+                                    thresholds=[lines[n] for n in names if n in lines and n in loaded])
 
 
 live()

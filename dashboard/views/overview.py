@@ -2,33 +2,28 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import streamlit as st
 
 from dashboard import components, data, figures, settings, transforms
+from store.units import human
 
 LIVE_S = 15               # agent and collector write every second: an older latest point is not "now"
 COLLECTOR_HEARTBEAT = "mem.available_bytes"
 TIME_BUCKETS = 60         # latency and request-count buckets: quantiles need a few requests each
 
 
-
-def number(value: float | None) -> str:
-    return f"{value:.1f}" if value is not None else "–"
-
-
-def now_metric(column, label: str, point: tuple[float, float] | None, now: float,
-               text: Callable[[float | None], str]) -> None:
+def now_metric(column, label: str, point: tuple[float, float] | None, now: float, unit: str) -> None:
     """A "(now)" metric: the latest point while it is live, else "–" and how old the last one is."""
     live = transforms.live_value(point, now, LIVE_S)
-    note = (f"last {text(point[1])}, {transforms.age_text(point[0], now)}"
+    note = (f"last {human(point[1], unit)}, {transforms.age_text(point[0], now)}"
             if point is not None and live is None else None)
-    column.metric(label, text(live), note, delta_color="off", delta_arrow="off")
+    column.metric(label, human(live, unit), note, delta_color="off", delta_arrow="off")
 
 
-@st.fragment(run_every=settings.REFRESH_S)
+@st.fragment(run_every=components.refresh_every())
 def live() -> None:
+    since, until = components.page_range()
     db, url = settings.db_path(), settings.agent_url()
     status = data.agent_status(url, settings.agent_token())
     ready = data.store_problem(db) is None
@@ -52,33 +47,36 @@ def live() -> None:
     if not components.store_ready(db):
         return
     components.lost_notice(db)
-    since, until = components.window()
     rows = data.requests(db, since, until)
-    tokens = data.latest(db, "agent.tokens_per_s")
-    hit = data.latest(db, "agent.hit_rate")
     quantiles = data.latency_quantiles(db, since, until, TIME_BUCKETS)
-    whole = data.latency_quantiles(db, since, until, 1)     # one bucket: the window's own quantiles
+    whole = data.latency_quantiles(db, since, until, 1)     # one bucket: the range's own quantiles
     c1, c2, c3, c4 = st.columns(4)
-    now_metric(c1, "Tokens/s (now)", tokens, now, number)
-    now_metric(c2, "Hit rate (now)", hit, now, transforms.percent)
-    c3.metric("Requests", f"{len(rows):,}")
-    p99 = whole[0]["latency_s"][0.99] if whole else None
-    c4.metric("P99 latency", f"{p99:.2f} s" if p99 is not None else "–")
+    now_metric(c1, "Tokens/s (now)", data.latest(db, "agent.tokens_per_s"), now, "tokens/s")
+    c2.metric(components.HIT_RATE_NOW, human(data.hit_rate_now(db, now), "fraction"),
+              help=components.HIT_RATE_NOW_HELP)
+    c3.metric("Requests", f"{len(rows):,}", help="finished in the time range shown")
+    c4.metric("P99 latency", human(whole[0]["latency_s"][0.99] if whole else None, "s"),
+              help="of the requests finished in the time range shown")
 
+    markers = data.markers(db, since, until)
     left, right = st.columns(2)
     with left:
         components.series_chart(db, {"agent.tokens_per_s": "tokens/s"}, since, until, "Tokens per second", "tokens/s")
     with right:
-        components.series_chart(db, {"agent.hit_rate": "hit rate"}, since, until, "Expert cache hit rate", "%", 100)
+        components.series_chart(db, {"agent.hit_rate": "hit rate"}, since, until, "Expert cache hit rate", "fraction")
     if quantiles:
         t, lines = transforms.latency_lines(quantiles)
         left, right = st.columns(2)
-        left.plotly_chart(figures.lines_chart(t, lines, "Request latency", "s", until), key="latency")
-        right.plotly_chart(figures.time_bars(t, [q["n"] for q in quantiles], "Requests per interval", "requests",
-                                             until, (until - since) / TIME_BUCKETS), key="requests")
+        with left:
+            components.time_chart(figures.quantile_chart(t, lines, "Request latency", "s", since, until, markers),
+                                  "latency")
+        with right:
+            components.time_chart(figures.time_bars(t, [q["n"] for q in quantiles], "Requests per interval",
+                                                    "requests", since, until, (until - since) / TIME_BUCKETS, markers),
+                                  "requests")
         st.dataframe(transforms.request_rows(rows[-20:][::-1]), hide_index=True, width="stretch")
     else:
-        st.caption("No requests in this window: send one to the agent's /v1/completions.")
+        st.caption("No requests in this range: send one to the agent's /v1/completions.")
 
 
 live()

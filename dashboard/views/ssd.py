@@ -4,25 +4,25 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import components, data, settings, transforms
+from store.units import human
 
-MB = 1e6
-SMART_FIELDS = {          # series suffix -> (label, format, scale)
-    "temperature_c": ("Temperature", "{:.0f} °C", 1),
-    "percentage_used": ("Endurance used", "{:.0f} %", 1),
-    "data_read_bytes": ("Data read", "{:,.1f} GB", 1e-9),
-    "data_written_bytes": ("Data written", "{:,.1f} GB", 1e-9),
-    "media_errors": ("Media errors", "{:,.0f}", 1),
-    "critical_warning": ("Critical warning bits", "{:.0f}", 1),
+SMART_FIELDS = {          # series suffix -> (label, unit)
+    "temperature_c": ("Temperature", "°C"),
+    "percentage_used": ("Endurance used", "%"),
+    "data_read_bytes": ("Data read", "B"),
+    "data_written_bytes": ("Data written", "B"),
+    "media_errors": ("Media errors", "count"),
+    "critical_warning": ("Critical warning bits", "bits"),
 }
 
 db = settings.db_path()
 
 
-@st.fragment(run_every=settings.REFRESH_S)
+@st.fragment(run_every=components.refresh_every())
 def live() -> None:
+    since, until = components.page_range()
     if not components.store_ready(db):
         return
-    since, until = components.window()
     names = data.series_names(db)
     devices = transforms.devices(names, "block")
     seen = data.events(db, 0.0, "collector.devices")
@@ -36,15 +36,15 @@ def live() -> None:
         left, right = st.columns(2)
         with left:
             components.series_chart(db, {b + "read_bytes_per_s": "read", b + "write_bytes_per_s": "write"},
-                                    since, until, f"{dev} throughput", "MB/s", 1 / MB)
-            components.series_chart(db, {b + "util": "%util"}, since, until, f"{dev} utilisation", "%", 100)
+                                    since, until, f"{dev} throughput", "B/s")
+            components.series_chart(db, {b + "util": "%util"}, since, until, f"{dev} utilisation", "fraction")
             components.series_chart(db, {b + "queue_depth": "queue depth"}, since, until,
                                     f"{dev} queue depth", "requests")
         with right:
             components.series_chart(db, {b + "reads_per_s": "read", b + "writes_per_s": "write"},
                                     since, until, f"{dev} IOPS", "IO/s")
             components.series_chart(db, {b + "r_await_s": "read", b + "w_await_s": "write"}, since, until,
-                                    f"{dev} await", "ms", 1000)
+                                    f"{dev} await", "s")
     smart(db, names)
 
 
@@ -53,9 +53,9 @@ def smart(db: str, names: list[str]) -> None:
     controllers = transforms.devices(names, "nvme")
     for ctrl in controllers:
         st.markdown(f"**{ctrl}**")
-        for col, (field, (label, fmt, scale)) in zip(st.columns(len(SMART_FIELDS)), SMART_FIELDS.items()):
+        for col, (field, (label, unit)) in zip(st.columns(len(SMART_FIELDS)), SMART_FIELDS.items()):
             point = data.latest(db, f"nvme.{ctrl}.{field}")
-            col.metric(label, fmt.format(point[1] * scale) if point else "–")
+            col.metric(label, human(point[1] if point else None, unit))
     down = transforms.unavailable_sources(data.events(db, 0.0, None))
     if down:
         st.warning("The collector cannot read:\n\n" + "\n".join(f"- **{s}**: {r}" for s, r in down.items()),

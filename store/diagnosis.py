@@ -1,0 +1,353 @@
+"""Memory-thrash diagnosis from the store: who thrashes, the evidence in numbers, and the fix.
+
+One function, `diagnose`, is behind the dashboard's Memory page and `flashmoe-cli diagnose`. It
+tells apart:
+- **agent thrashing**: the agent's own pages are dropped and read back — its major faults, its
+  cgroup's workingset refaults and major faults (memory.stat), its cgroup's memory PSI where cgroup
+  v2 offers it. The fix is a smaller cache, within the agent's knob bounds.
+- **pressure from another process**: the machine stalls on memory (PSI) or re-reads pages it just
+  dropped (refaults) while the agent's own counters stay flat. The fix is outside the agent;
+  shrinking its cache would only slow it down.
+- **cache thrashing**: memory is calm but most cache misses re-read a block the cache evicted
+  moments ago (within its last `capacity` evictions): the cap is below the working set, and a
+  larger one, where the bounds allow, turns those misses into hits.
+- **healthy**, or **no data** when the collector has written no memory signal in the window.
+
+A signal counts when its bucket averages stay over the threshold for SUSTAIN_S seconds of the
+window: an agent's start-up burst of faults or one busy second is not thrash. Thresholds are data
+(THRESHOLDS), so the page draws each on its chart and every verdict states the ones it used.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from store import queries
+from store.errors import StoreError
+from store.queries import Bucket, Db
+from store.cli import parse_time
+from store.units import human
+
+log = logging.getLogger(__name__)
+SUSTAIN_S = 20.0          # seconds over a threshold that make a trend rather than a spike
+SAMPLE_S = 1.0            # the collector's and the agent's sampling interval: one bucket holds at least this much
+BUCKETS = 240             # the judged resolution; the page charts the same buckets
+SHRINK = 0.75             # a thrashing agent's cache steps down by a quarter, then the evidence says if that was enough
+GROW = 2.0                # re-reads are of blocks a cache up to twice as large would still hold
+MIB = 1 << 20
+VERDICTS = ("agent thrashing", "pressure from another process", "cache thrashing", "healthy", "no data")
+CAP = "cache_cap_bytes"
+
+
+@dataclass(frozen=True)
+class Threshold:
+    series: str
+    label: str
+    limit: float
+    unit: str                 # the series' catalogue unit
+    side: str                 # "agent", "system" or "cache": whose trouble it shows
+
+    def text(self) -> str:
+        return f"{self.label} above {human(self.limit, self.unit)}"
+
+
+THRESHOLDS: tuple[Threshold, ...] = (
+    Threshold("mem.agent.majflt_per_s", "agent major faults", 50.0, "1/s", "agent"),
+    Threshold("cgroup.agent.pgmajfault_per_s", "agent cgroup major faults", 50.0, "1/s", "agent"),
+    Threshold("cgroup.agent.workingset_refault_file_per_s", "agent cgroup file refaults", 500.0, "1/s", "agent"),
+    Threshold("cgroup.agent.workingset_refault_anon_per_s", "agent cgroup anon refaults", 100.0, "1/s", "agent"),
+    Threshold("cgroup.agent.psi_full_avg10", "agent cgroup memory PSI full (avg10)", 2.0, "%", "agent"),
+    Threshold("psi.memory.some_avg10", "memory PSI some (avg10)", 10.0, "%", "system"),
+    Threshold("psi.memory.full_avg10", "memory PSI full (avg10)", 2.0, "%", "system"),
+    Threshold("vm.workingset_refault_file_per_s", "system file refaults", 10_000.0, "1/s", "system"),
+    Threshold("vm.workingset_refault_anon_per_s", "system anon refaults", 1_000.0, "1/s", "system"),
+    Threshold("agent.reread_share", "cache misses re-reading a block evicted moments ago", 0.5, "fraction", "cache"),
+)
+
+
+@dataclass(frozen=True)
+class Signal:
+    """One threshold judged over the window: the bucket averages and how long they stayed over."""
+    threshold: Threshold
+    buckets: list[Bucket]
+    peak: float               # the highest bucket average
+    mean: float               # of the bucket averages
+    seconds_over: float
+
+    @property
+    def sustained(self) -> bool:
+        return self.seconds_over >= SUSTAIN_S
+
+    def sentence(self) -> str:
+        th = self.threshold
+        over = (f"over {human(th.limit, th.unit)} for {self.seconds_over:,.0f} s" if self.seconds_over
+                else f"never over {human(th.limit, th.unit)}")
+        return f"{th.label}: peak {human(self.peak, th.unit)}, mean {human(self.mean, th.unit)}, {over}"
+
+    def as_dict(self) -> dict[str, Any]:
+        th = self.threshold
+        return {"series": th.series, "label": th.label, "side": th.side, "threshold": th.limit, "unit": th.unit,
+                "peak": self.peak, "mean": self.mean, "seconds_over": self.seconds_over,
+                "sustained": self.sustained, "text": self.sentence()}
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    text: str                                               # what to do and what to expect
+    changes: dict[str, Any] = field(default_factory=dict)   # knob -> value; empty when the fix is not a knob
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    verdict: str              # one of VERDICTS
+    summary: str
+    since: float
+    until: float
+    signals: tuple[Signal, ...]
+    unsampled: tuple[Threshold, ...]   # thresholds whose series has no point in the window
+    recommendation: Recommendation | None
+
+    @property
+    def evidence(self) -> tuple[Signal, ...]:
+        """The signals that decided the verdict: those sustained over their thresholds."""
+        return tuple(s for s in self.signals if s.sustained)
+
+    def signal(self, series: str) -> Signal | None:
+        return next((s for s in self.signals if s.threshold.series == series), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        rec = self.recommendation
+        return {"verdict": self.verdict, "summary": self.summary, "since": self.since, "until": self.until,
+                "sustain_s": SUSTAIN_S, "signals": [s.as_dict() for s in self.signals],
+                "unsampled": [th.series for th in self.unsampled],
+                "recommendation": None if rec is None else {"text": rec.text, "changes": rec.changes}}
+
+    def lines(self) -> list[str]:
+        """The verdict as the CLI prints it: verdict, evidence, the rest of the signals, the fix."""
+        out = [f"{self.verdict.upper()}: {self.summary}"]
+        out += [f"  evidence: {s.sentence()}" for s in self.evidence]
+        out += [f"  calm:     {s.sentence()}" for s in self.signals if not s.sustained]
+        if self.unsampled:
+            out.append("  not sampled: " + ", ".join(th.label for th in self.unsampled))
+        out.append(f"  rule: a signal counts when it stays over its threshold for {SUSTAIN_S:.0f} s of the window")
+        if self.recommendation is not None:
+            out.append(f"recommendation: {self.recommendation.text}")
+        return out
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a recommendation needs besides the signals: the cap, its bounds, the memory around it."""
+    cap: float | None
+    cap_min: float | None
+    cap_max: float | None
+    cgroup_limit: float | None
+    available: float | None
+
+
+def judge(threshold: Threshold, buckets: Sequence[Bucket], width_s: float) -> Signal:
+    """The threshold judged on bucket averages that are `width_s` seconds apart."""
+    averages = [avg for _, _, avg, _ in buckets]
+    over = sum(1 for v in averages if v > threshold.limit)
+    return Signal(threshold, list(buckets), max(averages), sum(averages) / len(averages),
+                  over * max(width_s, SAMPLE_S))
+
+
+def verdict_of(signals: Sequence[Signal]) -> str:
+    """The first side, in order agent, system, cache, with a sustained signal; "no data" without any
+    memory signal (the cache's re-reads alone cannot tell whether memory is short)."""
+    if all(s.threshold.side == "cache" for s in signals):
+        return "no data"
+    sides = {s.threshold.side for s in signals if s.sustained}
+    for side, verdict in (("agent", "agent thrashing"), ("system", "pressure from another process"),
+                          ("cache", "cache thrashing")):
+        if side in sides:
+            return verdict
+    return "healthy"
+
+
+SUMMARIES = {
+    "agent thrashing": "the agent's own pages are dropped and read back faster than it works.",
+    "pressure from another process": "the machine is short of memory, but the agent's own fault and refault "
+                                     "counters stayed flat: something else is thrashing.",
+    "cache thrashing": "memory is calm, but the expert cache keeps re-reading blocks it evicted moments ago: "
+                       "its cap is below the working set.",
+    "healthy": "no memory signal stayed over its threshold.",
+    "no data": "no memory signal in the store for this window: start the collector "
+               "(`flashmoe-cli collect --db ... --pid-file ...`) and come back in a few seconds.",
+}
+
+
+def _mib_floor(n: float) -> int:
+    return int(n // MIB * MIB)
+
+
+def recommend(verdict: str, facts: Facts, signals: Sequence[Signal]) -> Recommendation | None:
+    """The fix for `verdict`: a cap within [cap_min, cap_max] and what to expect, or what to do instead."""
+    cap, lo, hi = facts.cap, facts.cap_min, facts.cap_max
+    if verdict == "no data":
+        return None
+    if verdict == "pressure from another process":
+        flat = [s for s in signals if s.threshold.side == "agent"]
+        return Recommendation(
+            "The fix is outside the agent: " + ("its own counters stayed low (" + "; ".join(
+                f"{s.threshold.label} peak {human(s.peak, s.threshold.unit)}" for s in flat) + "), so "
+                if flat else "") + "shrinking its cache would slow it without freeing the memory that is short. "
+            "Find the process re-reading its pages (`ps -eo pid,maj_flt,rss,comm --sort=-maj_flt | head`, or "
+            "the workingset_refault lines of each cgroup's memory.stat) and give it more memory or stop it.")
+    if cap is None or lo is None or hi is None:
+        return None if verdict == "healthy" else Recommendation(
+            "The agent's cache cap and its bounds are unknown (no agent answering and none recorded in the "
+            "store); start the agent to get a cap recommendation.")
+    size = lambda n: human(n, "B")     # noqa: E731
+    if cap > hi:
+        return Recommendation(
+            f"Set the cache cap to {size(hi)}, the most the agent allows now (70% of its memory limit"
+            f"{f' of {size(facts.cgroup_limit)}' if facts.cgroup_limit else ''}): the cap of {size(cap)} is above "
+            f"it since the limit fell. Expect the agent's major faults and refaults to fall under their thresholds "
+            f"within a minute.", {CAP: int(hi)})
+    if verdict == "agent thrashing":
+        if cap <= lo:
+            return Recommendation(
+                f"The cache is already at its minimum ({size(lo)}, one layer's working set): the agent needs "
+                f"more memory. Raise its memory limit{f' (now {size(facts.cgroup_limit)})' if facts.cgroup_limit else ''}"
+                f" or run it on a larger machine.")
+        new = max(int(lo), _mib_floor(cap * SHRINK))
+        return Recommendation(
+            f"Shrink the cache cap from {size(cap)} to {size(new)}: its slots give {size(cap - new)} back to the "
+            f"pages the agent keeps re-reading. Expect its major faults and refaults to fall under their "
+            f"thresholds within a minute; if they do not, shrink again.", {CAP: new})
+    if verdict == "cache thrashing":
+        room = cap + facts.available / 2 if facts.available is not None else hi
+        new = min(int(hi), _mib_floor(min(cap * GROW, room)))
+        if new <= cap:
+            return Recommendation(
+                f"The cache cap ({size(cap)}) is already the most memory allows: a larger machine, or a model "
+                f"with smaller experts, is the fix.")
+        return Recommendation(
+            f"Raise the cache cap from {size(cap)} to {size(new)}: the re-read blocks were evicted within the "
+            f"cache's last {size(cap)} of evictions, so a cache up to twice as large holds them. Expect the "
+            f"re-read share and the misses to fall; the memory signals here will show what it costs.", {CAP: new})
+    return None
+
+
+@dataclass(frozen=True)
+class Effect:
+    """A signal before and after a change: what the page shows once a recommendation is applied."""
+    threshold: Threshold
+    before: float | None      # mean over the BEFORE_S before the change
+    after: float | None       # mean from SETTLE_S after the change on (None: no sample yet)
+
+    @property
+    def improved(self) -> bool:
+        return self.before is not None and self.after is not None and self.after <= min(self.before, self.threshold.limit)
+
+    def sentence(self) -> str:
+        th = self.threshold
+        if self.after is None:
+            return f"{th.label}: {human(self.before, th.unit)} before; no samples yet since the change took hold"
+        state = ("improved: under its threshold" if self.improved else
+                 "not yet under its threshold" if self.after > th.limit else "no better")
+        return f"{th.label}: {human(self.before, th.unit)} before, {human(self.after, th.unit)} since ({state})"
+
+
+BEFORE_S = 60.0
+SETTLE_S = 10.0           # PSI's avg10 and the per-second rates need this long to show a change
+
+
+def effect(db: Db, changed_at: float, until: float, series: Sequence[str]) -> list[Effect]:
+    """Each threshold's signal in `series` before the change at `changed_at` and after it (to `until`)."""
+    def mean(name: str, lo: float, hi: float) -> float | None:
+        if hi < lo:
+            return None
+        _, values = queries.points(db, name, lo, hi)
+        return float(values.mean()) if len(values) else None
+    return [Effect(th, mean(th.series, changed_at - BEFORE_S, changed_at), mean(th.series, changed_at + SETTLE_S, until))
+            for th in THRESHOLDS if th.series in series]
+
+
+def facts(db: Db, knobs: Mapping[str, Mapping[str, Any]] | None) -> Facts:
+    """The cap and its bounds from GET /v1/knobs when given (live), else as the agent last recorded them."""
+    def last(name: str) -> float | None:
+        point = queries.latest(db, name)
+        return point[1] if point else None
+    cap = knobs.get(CAP) if knobs else None
+    if cap is not None:
+        value, lo, hi = cap["value"], cap.get("min"), cap.get("max")
+    else:
+        value, lo, hi = last("agent.cache_cap_bytes"), last("agent.cache_cap_min_bytes"), last("agent.cache_cap_max_bytes")
+    return Facts(value, lo, hi, last("cgroup.agent.limit_bytes"), last("mem.available_bytes"))
+
+
+def diagnose(db: str | Path, window: float = 300.0, until: float | None = None,
+             knobs: Mapping[str, Mapping[str, Any]] | None = None, buckets: int = BUCKETS) -> Diagnosis:
+    """Judge memory thrash over the `window` seconds before `until` (default now) and recommend a
+    fix. `knobs` is the agent's GET /v1/knobs answer when it is reachable; without it the cap and
+    its bounds are the ones the agent last recorded in the store."""
+    if not (math.isfinite(window) and window > 0):
+        raise ValueError(f"window must be a positive number of seconds, not {window!r}")
+    until = time.time() if until is None else until
+    conn = queries.connect_ro(db)
+    if conn is None:
+        raise StoreError(f"there is no store at {db} yet; start the collector and the agent with "
+                         f"--db {db}, or point --db at the file they write")
+    try:
+        signals, unsampled = [], []
+        for th in THRESHOLDS:
+            rows = queries.series(conn, th.series, until - window, until, buckets)
+            if rows:
+                signals.append(judge(th, rows, window / buckets))
+            else:
+                unsampled.append(th)
+        verdict = verdict_of(signals)
+        recommendation = recommend(verdict, facts(conn, knobs), signals)
+    finally:
+        conn.close()
+    return Diagnosis(verdict, SUMMARIES[verdict], until - window, until, tuple(signals), tuple(unsampled),
+                     recommendation)
+
+
+# -- flashmoe-cli diagnose: a thin wrapper with the library's parameter names --------------------------
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from "300", "90s", "5m", "1h" or "2d"."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in DURATION_UNITS else (text, "s")
+    try:
+        seconds = float(number) * DURATION_UNITS[unit]
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: give seconds or a number with s, m, h "
+                                         f"or d, e.g. 5m")
+    return seconds
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("examples:\n  flashmoe-cli diagnose --db data/flashmoe.db\n"
+                     "  flashmoe-cli diagnose --db data/flashmoe.db --window 1h --until 2026-01-31T12:00:00 --json")
+    parser.add_argument("--db", required=True, type=Path, help="the store the collector and the agent write")
+    parser.add_argument("--window", type=parse_duration, default=300.0,
+                        help="how far back to judge: seconds or 90s, 5m, 1h, 2d (default 5m)")
+    parser.add_argument("--until", type=parse_time, default=None,
+                        help="end of the window: Unix seconds or ISO 8601 time (default now)")
+    parser.add_argument("--json", action="store_true", help="print the verdict, every signal and the fix as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = diagnose(args.db, args.window, args.until)
+    except StoreError as e:
+        log.error("%s", e)
+        return 1
+    sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n" if args.json else "\n".join(result.lines()) + "\n")
+    return 0

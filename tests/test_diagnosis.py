@@ -1,0 +1,170 @@
+"""The memory-thrash verdict (store.diagnosis) on stores written through the real Store, and its CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from agents import CLI
+from bench import synthetic
+from store import diagnosis
+from store.db import Store
+from store.errors import StoreError
+
+T0 = 1_700_000_000.0
+WINDOW = 300
+GIB, MIB = 1 << 30, 1 << 20
+KNOBS = {"cache_cap_bytes": {"value": 4 * GIB, "min": 512 * MIB, "max": 5 * GIB, "type": "int"}}
+
+
+def write(path: Path, levels: dict[str, float], seconds: int = WINDOW, bursts: dict[str, tuple[int, float]] = {}
+          ) -> Path:
+    """1 Hz samples of each series at its level, ending at T0; `bursts` lifts a series to a value for
+    its last n seconds."""
+    with Store(path, autoflush_s=0) as store:
+        for i in range(seconds):
+            t = T0 - seconds + 1 + i
+            for name, value in levels.items():
+                n, high = bursts.get(name, (0, value))
+                store.append(name, t, high if i >= seconds - n else value)
+    return path
+
+
+def judged(path: Path, knobs=KNOBS, **kwargs) -> diagnosis.Diagnosis:
+    return diagnosis.diagnose(path, WINDOW, until=T0, knobs=knobs, **kwargs)
+
+
+def calm(path: Path, **bursts: tuple[int, float]) -> diagnosis.Diagnosis:
+    levels = synthetic.MEMORY["healthy"]
+    return judged(write(path, levels, bursts={k.replace("__", "."): v for k, v in bursts.items()}))
+
+
+def test_no_store_is_an_error_naming_the_file(tmp_path):
+    with pytest.raises(StoreError, match="no store at .*absent.db"):
+        diagnosis.diagnose(tmp_path / "absent.db")
+
+
+def test_no_memory_signal_is_no_data_without_a_recommendation(tmp_path):
+    d = judged(write(tmp_path / "s.db", {"agent.reread_share": 0.9}))      # the cache's own signal alone
+    assert d.verdict == "no data" and "start the collector" in d.summary
+    assert d.recommendation is None
+    assert "mem.agent.majflt_per_s" in {th.series for th in d.unsampled}
+
+
+def test_calm_signals_are_healthy_and_each_says_its_threshold(tmp_path):
+    d = calm(tmp_path / "s.db")
+    assert d.verdict == "healthy" and d.evidence == () and d.recommendation is None
+    faults = d.signal("mem.agent.majflt_per_s")
+    assert (faults.peak, faults.mean, faults.seconds_over) == (2.0, 2.0, 0.0)
+    assert faults.sentence() == "agent major faults: peak 2.0 /s, mean 2.0 /s, never over 50.0 /s"
+
+
+def test_a_start_up_burst_of_faults_is_not_thrash(tmp_path):
+    d = calm(tmp_path / "s.db", mem__agent__majflt_per_s=(10, 5000.0))   # 10 s of loading the model
+    faults = d.signal("mem.agent.majflt_per_s")
+    assert faults.peak == 5000.0 and 9 <= faults.seconds_over <= 11
+    assert d.verdict == "healthy"
+
+
+def test_the_agents_own_faults_sustained_are_agent_thrashing_and_the_cap_shrinks_by_a_quarter(tmp_path):
+    d = calm(tmp_path / "s.db", mem__agent__majflt_per_s=(60, 800.0))
+    assert d.verdict == "agent thrashing"
+    assert [s.threshold.series for s in d.evidence] == ["mem.agent.majflt_per_s"]
+    assert 55 <= d.evidence[0].seconds_over <= 65
+    assert d.recommendation.changes == {"cache_cap_bytes": 3 * GIB}
+    assert "from 4.0 GiB to 3.0 GiB" in d.recommendation.text and "Expect" in d.recommendation.text
+
+
+def test_the_agents_cgroup_refaults_alone_are_agent_thrashing(tmp_path):
+    d = calm(tmp_path / "s.db", cgroup__agent__workingset_refault_file_per_s=(30, 20_000.0))
+    assert d.verdict == "agent thrashing"
+
+
+def test_a_shrink_never_goes_below_the_agents_minimum(tmp_path):
+    knobs = {"cache_cap_bytes": {"value": 600 * MIB, "min": 512 * MIB, "max": 5 * GIB}}
+    path = write(tmp_path / "s.db", synthetic.MEMORY["agent thrashing"])
+    assert judged(path, knobs).recommendation.changes == {"cache_cap_bytes": 512 * MIB}
+    at_min = {"cache_cap_bytes": {"value": 512 * MIB, "min": 512 * MIB, "max": 5 * GIB}}
+    rec = judged(path, at_min).recommendation
+    assert rec.changes == {} and "already at its minimum" in rec.text and "Raise its memory limit" in rec.text
+
+
+def test_a_cap_above_the_bound_after_the_limit_fell_is_brought_to_the_bound(tmp_path):
+    knobs = {"cache_cap_bytes": {"value": 4 * GIB, "min": 512 * MIB, "max": 3 * GIB + 12345}}
+    rec = judged(write(tmp_path / "s.db", synthetic.MEMORY["agent thrashing"]), knobs).recommendation
+    assert rec.changes == {"cache_cap_bytes": 3 * GIB + 12345}
+    assert "the most the agent allows now" in rec.text
+
+
+def test_system_pressure_with_the_agent_flat_is_someone_elses_and_never_shrinks_the_cache(tmp_path):
+    d = judged(write(tmp_path / "s.db", synthetic.MEMORY["pressure from another process"]))
+    assert d.verdict == "pressure from another process"
+    assert {s.threshold.series for s in d.evidence} == {"psi.memory.some_avg10", "psi.memory.full_avg10",
+                                                         "vm.workingset_refault_file_per_s"}
+    assert d.recommendation.changes == {}
+    assert "outside the agent" in d.recommendation.text and "agent major faults peak 2.0 /s" in d.recommendation.text
+
+
+def test_the_agent_thrashing_under_system_pressure_is_the_agents(tmp_path):
+    assert judged(write(tmp_path / "s.db", synthetic.MEMORY["agent thrashing"])).verdict == "agent thrashing"
+
+
+def test_re_reads_with_memory_calm_are_cache_thrashing_and_the_cap_grows_within_memory(tmp_path):
+    d = judged(write(tmp_path / "s.db", synthetic.MEMORY["cache thrashing"]))
+    assert d.verdict == "cache thrashing"
+    # twice the cap is 8 GiB; the bound is 5 GiB, half of the 3 GiB available is 1.5 GiB more: 5.5 GiB
+    assert d.recommendation.changes == {"cache_cap_bytes": 5 * GIB}
+    small = {"cache_cap_bytes": {"value": 1 * GIB, "min": 512 * MIB, "max": 5 * GIB}}
+    assert judged(tmp_path / "s.db", small).recommendation.changes == {"cache_cap_bytes": 2 * GIB}
+
+
+def test_without_the_agent_the_bounds_are_the_ones_it_recorded(tmp_path):
+    path = write(tmp_path / "s.db", synthetic.MEMORY["agent thrashing"] | {
+        "agent.cache_cap_bytes": 600 * MIB, "agent.cache_cap_min_bytes": 500 * MIB,
+        "agent.cache_cap_max_bytes": 2 * GIB})
+    assert judged(path, knobs=None).recommendation.changes == {"cache_cap_bytes": 500 * MIB}
+
+
+def test_a_window_must_be_positive_and_finite(tmp_path):
+    path = write(tmp_path / "s.db", synthetic.CALM)
+    for bad in (0, -5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="window must be a positive number"):
+            diagnosis.diagnose(path, bad)
+
+
+def test_cli_prints_the_same_verdict_as_the_library_in_text_and_json(tmp_path):
+    path = write(tmp_path / "s.db", synthetic.MEMORY["pressure from another process"])
+    args = [*CLI, "diagnose", "--db", str(path), "--window", "5m", "--until", str(T0)]
+    text = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    assert text.startswith("PRESSURE FROM ANOTHER PROCESS: ")
+    assert "evidence: memory PSI some (avg10): peak 25.0 %, mean 25.0 %, over 10.0 % for 300 s" in text
+    assert "recommendation: The fix is outside the agent" in text
+    out = json.loads(subprocess.run([*args, "--json"], capture_output=True, text=True, check=True).stdout)
+    library = diagnosis.diagnose(path, 300, until=T0)
+    assert out == json.loads(json.dumps(library.as_dict()))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--db", "absent.db"], "no store at absent.db"),
+    (["--db", "x.db", "--window", "5 minutes"], "is not a duration"),
+    (["--db", "x.db", "--window=-5m"], "is not a duration"),
+    (["--db", "x.db", "--until", "yesterday"], "neither Unix seconds nor an ISO 8601 time"),
+])
+def test_cli_bad_input_is_one_line_not_a_traceback(tmp_path, args, message):
+    result = subprocess.run([*CLI, "diagnose", *args], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode != 0 and message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_effect_compares_each_signal_before_and_after_a_change(tmp_path):
+    # 800 faults/s until the change 100 s before T0, 3/s after it; PSI stays at 30 %
+    path = write(tmp_path / "s.db", {"mem.agent.majflt_per_s": 800.0, "psi.memory.some_avg10": 30.0},
+                 seconds=200, bursts={"mem.agent.majflt_per_s": (100, 3.0)})
+    faults, psi = diagnosis.effect(path, T0 - 100, T0, ["mem.agent.majflt_per_s", "psi.memory.some_avg10"])
+    assert (faults.before, faults.after, faults.improved) == (800.0, 3.0, True)
+    assert faults.sentence() == "agent major faults: 800 /s before, 3.0 /s since (improved: under its threshold)"
+    assert not psi.improved and "not yet under its threshold" in psi.sentence()
+    (early,) = diagnosis.effect(path, T0 - 5, T0, ["mem.agent.majflt_per_s"])      # too soon to tell
+    assert early.after is None and "no samples yet" in early.sentence()
