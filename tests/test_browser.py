@@ -119,19 +119,27 @@ def open_page(page: Page, product: dict[str, str], key: str) -> None:
     expect(page.get_by_role("heading", name=shown.heading).first).to_be_visible(timeout=RENDER_TIMEOUT_MS)
 
 
+DRAWN = """n => { const plots = [...document.querySelectorAll('.js-plotly-plot')];
+    return plots.length === n && plots.every(p => p._fullLayout
+        && p.querySelector('.main-svg')?.getBoundingClientRect().width > 0); }"""
+
+
+def charts_drawn(page: Page, n: int) -> None:
+    """Wait until the page shows exactly `n` plotly charts and plotly has drawn every one (its layout
+    computed and its SVG laid out). The wait is on that condition, not a pause, so a loaded machine
+    only makes it slower."""
+    page.wait_for_function(DRAWN, arg=n, timeout=RENDER_TIMEOUT_MS)
+
+
 def test_every_page_renders_its_charts_with_real_traffic(product, page):
     with Traffic(product["agent"]) as traffic:
         traffic.wait_for(int(os.environ.get("FLASHMOE_TRAFFIC_REQUESTS", 6)))   # requests, cache stats, samples
     # The agent is idle again: its CPU goes to the browser (this machine has two cores).
     for shown in pages.PAGES:
         open_page(page, product, shown.key)
-        charts = page.locator(".js-plotly-plot")
-        expect(charts).to_have_count(CHARTS[shown.key], timeout=RENDER_TIMEOUT_MS)
-        for i in range(CHARTS[shown.key]):
-            expect(charts.nth(i).locator(".main-svg").first).to_be_visible(timeout=RENDER_TIMEOUT_MS)
+        charts_drawn(page, CHARTS[shown.key])
         if shown.key == "ssd":        # SMART values, or the collector's statement of why there are none
             expect(page.get_by_text("Temperature").or_(page.get_by_text("cannot read:")).first).to_be_visible()
-        page.wait_for_timeout(1500)  # let the remaining charts finish drawing before the picture
         name = "dashboard.png" if shown.default else f"dashboard-{shown.key}.png"
         page.screenshot(path=str(screenshot_dir(product) / name), full_page=True)
 
@@ -163,12 +171,15 @@ RANGES = """() => [...document.querySelectorAll('.js-plotly-plot')]
     .filter(p => p._fullLayout && p._fullLayout.xaxis.type === 'date').map(p => p._fullLayout.xaxis.range)"""
 
 
-def settled_ranges(page: Page, unlike: list[str] | None = None) -> list[list[str]]:
+def settled_ranges(page: Page, unlike: list[str] | None = None, span_s: float | None = None) -> list[list[str]]:
     """The x range of every time chart on the page (plotly's layout as drawn), once at least two are
-    drawn and all agree on one range (other than `unlike`)."""
-    page.wait_for_function(f"""unlike => {{ const r = ({RANGES})();
+    drawn and all agree on one range (other than `unlike`, and `span_s` seconds wide if given: the
+    charts of a range just chosen, not those of the page before it re-ran)."""
+    page.wait_for_function(f"""([unlike, span]) => {{ const r = ({RANGES})();
         return r.length >= 2 && r.every(x => JSON.stringify(x) === JSON.stringify(r[0]))
-               && JSON.stringify(r[0]) !== JSON.stringify(unlike); }}""", arg=unlike, timeout=RENDER_TIMEOUT_MS)
+               && JSON.stringify(r[0]) !== JSON.stringify(unlike)
+               && (span === null || Math.abs((Date.parse(r[0][1]) - Date.parse(r[0][0])) / 1000 - span) < 1); }}""",
+                           arg=[unlike, span_s], timeout=RENDER_TIMEOUT_MS)
     return page.evaluate(RANGES)
 
 
@@ -177,7 +188,7 @@ def test_a_drag_across_one_chart_zooms_every_chart_on_the_page(product, page):
     choose(page, "Refresh", "off")           # a paused page keeps its range, so the test compares like with like
     choose(page, "Time range", "5 min")
     charts = page.locator(".js-plotly-plot")
-    before = settled_ranges(page)
+    before = settled_ranges(page, span_s=300)
     drag = charts.first.locator("rect.nsewdrag").first
     drag.scroll_into_view_if_needed()
     area = drag.bounding_box()
