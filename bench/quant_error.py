@@ -10,6 +10,10 @@ random token sequence teacher-forced: its first half as one prefill step (many t
 conversion path of agent/experts/quant.py), then one token per step (decode: the int8 kernel in
 bf16). At every position: the largest |logit difference|, KL(source || int8) of the next-token
 distribution, and whether the top token agrees. JSON: bench/results/quant_error.json.
+
+Whether int4 would pay: the parity rows also run with every expert weight rounded to symmetric int4
+in groups of --int4-group along its input (scale max |w| / 7 per group) and back, in RAM: the error
+an int4 store of that layout would give, without a kernel for it.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from agent.convert import convert
 from agent.experts.cache import ExpertCache
 from agent.experts.cap import parse_cap
 from agent.experts.layout import CONFIG, INDEX, Index
-from agent.experts.provider import ExpertProvider, InMemoryExperts
+from agent.experts.provider import ExpertProvider, ExpertWeights, InMemoryExperts
 from agent.model.config import MoEConfig
 from agent.model.loading import load_model
 
@@ -70,7 +74,32 @@ def token_ids(vocab: int, n: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def parity(tokens: int) -> list[Error]:
+class Int4RoundTrip:
+    """Another provider's experts with every weight rounded to int4 groups and back: an int4 store's error."""
+
+    def __init__(self, inner: ExpertProvider, group: int) -> None:
+        self.inner, self.group = inner, group
+
+    def route(self, layer: int, experts: list[int]) -> list[int] | None:
+        return self.inner.route(layer, experts)
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return ExpertWeights(*(int4_round_trip(w, self.group) for w in self.inner.get(layer, expert)))
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        self.inner.prefetch(layer, experts)
+
+
+def int4_round_trip(w: torch.Tensor, group: int) -> torch.Tensor:
+    rows, cols = w.shape
+    g = group if cols % group == 0 else cols
+    w32 = w.float().view(rows, cols // g, g)
+    scale = w32.abs().amax(dim=-1, keepdim=True) / 7
+    scale = torch.where(scale > 0, scale, 1.0)
+    return (torch.round(w32 / scale).clamp(-8, 7) * scale).view(rows, cols).to(w.dtype)
+
+
+def parity(tokens: int, int4_group: int) -> list[Error]:
     errors = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ARCHS:
@@ -78,22 +107,28 @@ def parity(tokens: int) -> list[Error]:
                 work = Path(tmp) / f"{arch}-{name}"
                 ckpt = tiny_checkpoint(arch, work / "hf", dtype=dtype)
                 ids = token_ids(ckpt.model.config.vocab_size, tokens)
-                ref, got = (sequence_logits(store, InMemoryExperts(store), ids) for store in (
-                    _converted(ckpt.path, work / "plain"), _converted(ckpt.path, work / "int8", "int8")))
-                errors.append(compare(ref, got, f"{arch} {name} (tiny parity checkpoint)"))
+                plain, int8 = _converted(ckpt.path, work / "plain"), _converted(ckpt.path, work / "int8", "int8")
+                ref = sequence_logits(plain, InMemoryExperts(plain), ids)
+                label = f"{arch} {name} (tiny parity checkpoint)"
+                errors.append(compare(ref, sequence_logits(int8, InMemoryExperts(int8), ids), f"{label}, int8"))
+                int4 = Int4RoundTrip(InMemoryExperts(plain), int4_group)
+                errors.append(compare(ref, sequence_logits(plain, int4, ids), f"{label}, int4 g{int4_group} simulated"))
     return errors
 
 
-def pair(plain: Path, int8: Path, tokens: int, cap: str) -> Error:
-    """Two stores of one checkpoint, their experts read through the cache with the same cap in bytes."""
+def pair(plain: Path, int8: Path, tokens: int, cap: str, int4_group: int) -> list[Error]:
+    """Two stores of one checkpoint, their experts read through the cache with the same cap in bytes;
+    the plain store's experts also rounded through int4 groups."""
     index = Index.load(plain / INDEX)
     cap_bytes = parse_cap(cap, index.nbytes * len(index.blocks))
     ids = token_ids(MoEConfig.from_file(plain / CONFIG).vocab_size, tokens)
-    logits = []
-    for store in (plain, int8):
+    logits = {}
+    for name, store, wrap in [("plain", plain, None), ("int8", int8, None),
+                              (f"int4 g{int4_group} simulated", plain, lambda c: Int4RoundTrip(c, int4_group))]:
         with ExpertCache(store, cap_bytes, policy="lru", backend="direct") as cache:
-            logits.append(sequence_logits(store, cache, ids))
-    return compare(*logits, f"{plain.name} vs {int8.name}")
+            logits[name] = sequence_logits(store, wrap(cache) if wrap else cache, ids)
+    ref = logits.pop("plain")
+    return [compare(ref, got, f"{plain}, {name}") for name, got in logits.items()]
 
 
 def _converted(src: Path, dst: Path, quantize: str | None = None) -> Path:
@@ -108,15 +143,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="two stores of one checkpoint, unquantized and int8 (repeatable)")
     parser.add_argument("--tokens", type=int, default=64, help="length of the token sequence")
     parser.add_argument("--cap", default="2GB", help="cache cap for --pair stores")
+    parser.add_argument("--int4-group", type=int, default=32, help="group size of the simulated int4 rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    errors = parity(args.tokens) + [pair(plain, int8, args.tokens, args.cap) for plain, int8 in args.pair]
+    errors = parity(args.tokens, args.int4_group)
+    for plain, int8 in args.pair:
+        errors += pair(plain, int8, args.tokens, args.cap, args.int4_group)
     print("| model | positions | max logit diff | largest logit | mean KL | max KL | top-1 agreement |")
     print("|---|---|---|---|---|---|---|")
     for e in errors:
         print(f"| {e.model} | {e.positions} | {e.max_logit_diff:.4f} | {e.largest_logit:.2f} | {e.mean_kl:.2e} | "
               f"{e.max_kl:.2e} | {e.top1_agreement:.3f} |")
-    write_results("quant_error", {"tokens": args.tokens, "errors": [asdict(e) for e in errors],
+    write_results("quant_error", {"tokens": args.tokens, "int4_group": args.int4_group,
+                                  "errors": [asdict(e) for e in errors],
                                   "pairs": [[str(p), str(q)] for p, q in args.pair], "machine": machine()})
     return 0
 

@@ -11,7 +11,8 @@ Qwen3-30B-A3B (H 2048, I 768) with random weights, one torch thread (as the serv
   (`_int_mm`), which adds their rounding error: measured as an option, not used by the runtime;
 - dequantize on load: what a miss would pay once to turn an int8 block into bf16 in its slot (then the
   bf16 column applies); with --store, beside the read time that halving the block saves at the raw
-  O_DIRECT rate of that store's experts.bin (one sequential 16 MiB stream), measured in the same run.
+  O_DIRECT rate of that store's experts.bin (the faster of one stream and the cache's I/O threads),
+  measured in the same run.
 Times are CPU time of the calling thread (the machine is shared: others' bursts inflate wall time,
 not the work done), the minimum over `--repeats` rounds of the mean over a batch of calls; the
 configurations run interleaved. JSON: bench/results/quant_kernels.json.
@@ -29,12 +30,13 @@ import torch.nn.functional as F
 
 from agent.experts.layout import EXPERTS
 from agent.experts.provider import ExpertWeights
+from agent.experts.reader import IO_THREADS
 from agent.experts.quant import Int8Expert, linear_int8_converted, linear_int8_kernel, quantize_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from bench.common import machine, write_results  # noqa: E402
-from bench.loader import raw_direct_read  # noqa: E402
+from bench.loader import best_raw_read  # noqa: E402
 
 SHAPES = {"OLMoE-1B-7B": (2048, 1024), "Qwen3-30B-A3B": (2048, 768)}  # hidden, expert intermediate
 CALLS_PER_ROUND = 20
@@ -89,9 +91,9 @@ def measure(hidden: int, inter: int, tokens: list[int], repeats: int) -> dict:
 
 
 def raw_rate(store: Path) -> float:
-    """MB/s of one sequential O_DIRECT read of the store's experts.bin."""
+    """MB/s of O_DIRECT reads of the store's experts.bin at the device's best parallelism."""
     path = store / EXPERTS
-    return path.stat().st_size / raw_direct_read(path, 16 << 20) / 1e6
+    return path.stat().st_size / best_raw_read(path, 16 << 20, IO_THREADS)[0] / 1e6
 
 
 def dequantize(e: Int8Expert) -> ExpertWeights:

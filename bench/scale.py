@@ -114,13 +114,13 @@ def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens
 
 
 def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, traces: list[Path],
-               prompt_ids: list[int], tokens: int, threads: int) -> Run:
+               prompt_ids: list[int], tokens: int, threads: int, cap: str = "25%") -> Run:
     drop_page_cache(store / EXPERTS)
     drop_page_cache(store / DENSE)
     if cgroup.path is not None:
         cgroup.reset_peak()
     cmd = [*CLI, "generate", "--model", str(store), "--prompt-ids", ",".join(map(str, prompt_ids)),
-           "--max-new-tokens", str(tokens), "--greedy", "--cache-cap", "25%", "--threads", str(threads),
+           "--max-new-tokens", str(tokens), "--greedy", "--cache-cap", cap, "--threads", str(threads),
            "--route-trace", *map(str, traces), "--json", *config.args()]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
 
 SCRIPTS = ("codec", "collector_cost", "dashboard", "decode", "loader", "online_agent", "policies", "policy_cost",
-           "prompt_bound", "quant_error", "quant_kernels", "queries", "serve", "warmup")
+           "prompt_bound", "quant_error", "quant_kernels", "quant_scale", "queries", "serve", "warmup")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
