@@ -272,10 +272,10 @@ def _npz_arrays(path: Path) -> dict:
     if ids.ndim != 3 or ids.dtype.kind not in "ui" or 0 in ids.shape:
         raise TraceError(f"{path}: array expert_ids must be a non-empty integer [tokens, layers, k] array, "
                          f"got {ids.dtype} {ids.shape}")
-    if (offsets.ndim != 1 or len(offsets) != len(numbers) + 1 or offsets[0] != 0
+    if (offsets.ndim != 1 or numbers.ndim != 1 or len(offsets) != len(numbers) + 1 or offsets[0] != 0
             or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0)):
         raise TraceError(f"{path}: array prompt_offsets must rise from 0 to {len(ids)} with one entry more "
-                         f"than prompt_numbers ({len(numbers)})")
+                         f"than prompt_numbers, both 1-d (shapes {offsets.shape} and {numbers.shape})")
     if arrays["layers"].shape != (ids.shape[1],):
         raise TraceError(f"{path}: array layers has shape {arrays['layers'].shape}, expected ({ids.shape[1]},)")
     try:

@@ -138,7 +138,7 @@ def test_any_file_is_read_consistently_or_refused_in_one_line(tmp_path, raw):
 
 def test_overlapping_tensors_are_named(tmp_path):
     raw = serialize({"a": {"dtype": "F32", "shape": [4], "data": bytes(16)},
-                                 "b": {"dtype": "F32", "shape": [4], "data": bytes(16)}})
+                     "b": {"dtype": "F32", "shape": [4], "data": bytes(16)}})
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + n])
     header["b"]["data_offsets"] = [8, 24]  # b's first half is a's second half

@@ -113,6 +113,7 @@ def test_npz_prompts_are_sessions_and_ranges_select_them(tmp_path):
 @pytest.mark.parametrize("over, message", [
     ({"prompt_offsets": None}, r"missing array\(s\) \['prompt_offsets'\]"),
     ({"prompt_offsets": np.array([0, 2, 5])}, "array prompt_offsets must rise from 0 to 3"),
+    ({"prompt_numbers": np.array(5)}, r"both 1-d \(shapes \(3,\) and \(\)\)"),
     ({"expert_ids": np.zeros((3, 2), np.uint8)}, "array expert_ids must be"),
     ({"layers": np.array([1, 2, 3], np.int16)}, "array layers has shape"),
     ({"meta": np.array("{oops")}, "array meta is not a JSON string"),
