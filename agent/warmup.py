@@ -75,7 +75,7 @@ def load_prompts(path: Path) -> Prompts:
 def route_counts(model_dir: Path, prompts: Prompts) -> tuple[Counter, int]:
     """Run every prompt through the model (greedy) and count the routers' choices; returns (counts, tokens)."""
     from agent.experts.cache import ExpertCache
-    from agent.experts.cap import cap_bounds, parse_cap
+    from agent.experts.cap import cap_bounds, parse_cap, resident_bytes
     from agent.experts.layout import INDEX, Index
     from agent.model.config import MoEConfig
     from agent.model.generation import generate
@@ -84,7 +84,7 @@ def route_counts(model_dir: Path, prompts: Prompts) -> tuple[Counter, int]:
     from agent.tokenizer import load_tokenizer
 
     index, config = Index.load(model_dir / INDEX), MoEConfig.from_file(model_dir / "config.json")
-    lo, hi = cap_bounds(index, config.top_k)
+    lo, hi = cap_bounds(index, config.top_k, reserved=resident_bytes(model_dir, index))
     cap = min(max(parse_cap(ROUTING_CAP, index.nbytes * len(index.blocks)), lo), hi)
     tokenizer = load_tokenizer(model_dir)
     stop = () if config.eos_token_id is None else (config.eos_token_id,)

@@ -1,13 +1,28 @@
 """The edge device's memory in a benchmark: a cgroup memory limit around the agent, its peak RSS,
 and a file dropped from the page cache so a run starts cold.
 
-    cgroup = MemoryCgroup(limit_bytes)     # a child of this process's own cgroup; .path None if refused
+    cgroup = MemoryCgroup(device_memory(store, cap_bytes))   # .path None if the machine refuses
     cgroup.add(pid); ...; cgroup.peak(); cgroup.remove()
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
+
+from agent.experts.cap import MAX_MEMORY_SHARE, resident_bytes
+from agent.experts.layout import INDEX, Index
+
+WORKING_MEMORY = 1024 * 2**20   # python, torch, the policy's libraries, activations
+
+
+def device_memory(store: Path, cap_bytes: int) -> int:
+    """The edge device's memory for a run at `cap_bytes`: the cache, what the model keeps in RAM
+    (dense weights, KV budget) and working memory, and at least what the 70% rule needs to allow the
+    cap (slots + dense + KV within MAX_MEMORY_SHARE), in whole MiB."""
+    model = resident_bytes(store, Index.load(store / INDEX))
+    need = max(cap_bytes + model + WORKING_MEMORY, math.ceil((cap_bytes + model) / MAX_MEMORY_SHARE))
+    return -(-need // 2**20) * 2**20
 
 
 class MemoryCgroup:

@@ -44,13 +44,12 @@ from agent.model.loading import load_model  # noqa: E402
 from agent.tokenizer import load_tokenizer  # noqa: E402
 from bench.common import machine, write_results  # noqa: E402
 from bench.loader import best_raw_read, host_cache_check  # noqa: E402
-from bench.memory import MemoryCgroup, drop_page_cache  # noqa: E402
+from bench.memory import MemoryCgroup, device_memory, drop_page_cache  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
 TRACES = ROOT.parent / "shared" / "traces" / "decode"
 DEFAULT_TRACES = [TRACES / "olmoe_math.jsonl", TRACES / "olmoe_dialogue.jsonl"]  # held out from policy training
 PROMPT = "The expert cache keeps"
-WORKING_MEMORY = 1024 * 2**20   # python, torch, the policy, KV cache and activations
 CHUNK = 16 * 2**20
 
 
@@ -161,7 +160,7 @@ def main() -> int:
     index = Index.load(store / INDEX)
     expert_bytes = index.nbytes * len(index.blocks)
     cap = parse_cap("25%", expert_bytes)
-    cgroup = MemoryCgroup(cap + (store / DENSE).stat().st_size + WORKING_MEMORY)
+    cgroup = MemoryCgroup(device_memory(store, cap))
     print(cgroup.describe())
     prompt_ids = load_tokenizer(store).encode(PROMPT)
     facts = {**machine(store), "memory_limit": cgroup.describe(), "model": str(store), "expert_bytes": expert_bytes,

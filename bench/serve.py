@@ -1,13 +1,14 @@
 """Serving benchmark: 16 concurrent clients, a fixed request mix, three agent configurations side by side.
 
     .venv/bin/python bench/serve.py --configs b,a,c --rounds 5 [--model data/demo] [--clients 16]
-                                    [--requests-per-client 2] [--admit-window-ms MS]
+                                    [--requests-per-client 2] [--admit-window-ms MS] [--route-trace FILE ...]
 
 (a) the learned flashmoe policy with lookahead prefetch, O_DIRECT slots;
 (b) LRU with the same prefetch and slots;
 (c) the mmap backend, no prefetch: the page cache decides what stays (llama.cpp's way).
 Each run starts `flashmoe-cli serve` as its own process with the cache cap at 25% of expert bytes,
-inside a cgroup memory limit when the machine allows one (the same limit for all three), after the
+inside a cgroup memory limit when the machine allows one (the same limit for all three: the cap,
+the model's dense weights and KV budget, and working memory; bench/memory.py), after the
 expert file's pages are dropped from the page cache (posix_fadvise DONTNEED), so every run starts
 cold. The clients are set up first and start together, so their first requests arrive as a burst;
 each measures request latency (send to last byte); tokens/s is all completion tokens over the
@@ -45,11 +46,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from bench.common import machine, write_results  # noqa: E402
-from bench.memory import MemoryCgroup, drop_page_cache, peak_rss  # noqa: E402
+from bench.memory import MemoryCgroup, device_memory, drop_page_cache, peak_rss  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
 CAP = "25%"
-HEADROOM = 768 * 2**20   # memory limit = cache cap + this (python, torch, dense weights, KV caches)
 TOPICS = ["the pump log", "SSD latency", "a French translation", "Python code", "the weather", "expert caches",
           "a meeting reply", "unit conversion", "MoE routing", "memory pressure", "a haiku", "SQL queries"]
 GOAL_P99_A_OVER_C = 0.37
@@ -245,7 +245,8 @@ def round_ratios(results: list[Result]) -> dict[str, dict[str, float]]:
 
 def table(summary: dict[str, dict]) -> str:
     cols = [("P50 s", "p50_s", ".2f"), ("P95 s", "p95_s", ".2f"), ("P99 s", "p99_s", ".2f"),
-            ("tok/s", "tokens_per_s", ".2f"), ("GB read", "gb_read", ".2f"), ("hit", "hit_rate", ".3f")]
+            ("tok/s", "tokens_per_s", ".2f"), ("GB read", "gb_read", ".2f"), ("hit", "hit_rate", ".3f"),
+            ("peak RSS MiB", "peak_rss_mib", ".0f")]
     head = f"{'config (median [min-max])':<26} {'runs':>4} " + " ".join(f"{h:>19}" for h, _, _ in cols)
     rows = [head, "-" * len(head)]
     for name, s in summary.items():
@@ -272,6 +273,8 @@ def main() -> int:
     ap.add_argument("--admit-window-ms", type=float,
                     help="the agent's admission window (serve --admit-window-ms); default: the agent's own")
     ap.add_argument("--configs", default="b,a,c", help="which of a,b,c to run, in this order within every round")
+    ap.add_argument("--route-trace", type=Path, nargs="+", default=[], metavar="FILE",
+                    help="serve --route-trace: recorded real routing for a random-weight model of real shape")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -281,13 +284,16 @@ def main() -> int:
     from agent.experts.layout import INDEX, Index
     interrupt_on_sigterm()
     index = Index.load(args.model / INDEX)
-    cgroup = MemoryCgroup(parse_cap(CAP, index.nbytes * len(index.blocks)) + HEADROOM)
+    cgroup = MemoryCgroup(device_memory(args.model, parse_cap(CAP, index.nbytes * len(index.blocks))))
     print(cgroup.describe())
     facts = {**machine(args.model), "load_avg_at_start": os.getloadavg(), "memory_limit": cgroup.describe(),
-             "model": str(args.model), "expert_bytes": (args.model / "experts.bin").stat().st_size}
+             "model": str(args.model), "expert_bytes": (args.model / "experts.bin").stat().st_size,
+             "memory_limit_bytes": cgroup.limit, "routing": [str(t) for t in args.route_trace] or "the model's router"}
     serve_args = ["--max-batch-size", str(args.max_batch_size)]
     if args.admit_window_ms is not None:
         serve_args += ["--admit-window-ms", str(args.admit_window_ms)]
+    if args.route_trace:
+        serve_args += ["--route-trace", *map(str, args.route_trace)]
     mix = request_mix(args.clients, args.requests_per_client)
     by_letter = {c.name[0]: c for c in CONFIGS}
     chosen = [by_letter[x] for x in args.configs.split(",")]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from agent.experts.cap import MAX_MEMORY_SHARE, cap_bounds
+from agent.experts.cap import MAX_MEMORY_SHARE, cap_bounds, resident_bytes
 from agent.experts.layout import CONFIG, EXPERTS, INDEX, Block, Index, StoreError
 from agent.experts.provider import Expert, block_views
 from agent.experts.reader import IO_THREADS, MmapReader, open_reader
@@ -107,6 +107,7 @@ class ExpertCache:
         self.store_dir = Path(store_dir)
         self.index = Index.load(self.store_dir / INDEX)
         self.min_per_layer = min_per_layer or _top_k(self.store_dir)
+        self.reserved_bytes = resident_bytes(self.store_dir, self.index)  # dense weights and KV cache
         self.policy_name, self.scope = policy, scope
         self._check_cap(cap_bytes)
         self.cap_bytes = cap_bytes
@@ -156,12 +157,13 @@ class ExpertCache:
         return slots // self.index.n_layers if self._residency.scope == "layer" else slots
 
     def _check_cap(self, cap_bytes: int) -> None:
-        lo, hi = cap_bounds(self.index, self.min_per_layer, self.scope)
+        lo, hi = cap_bounds(self.index, self.min_per_layer, self.scope, self.reserved_bytes)
         if not lo <= cap_bytes <= hi:
             raise ValueError(f"cache cap {cap_bytes} bytes is outside the allowed range [{lo}, {hi}] bytes: at least "
                              f"one layer's {self.min_per_layer} experts ({self.scope} scope) x "
                              f"{self.index.slot_bytes} bytes, at most {MAX_MEMORY_SHARE:.0%} of physical memory "
-                             f"or of the cgroup memory limit")
+                             f"or of the cgroup memory limit less the model's dense weights and KV cache "
+                             f"({self.reserved_bytes} bytes)")
 
     # -- ExpertProvider ------------------------------------------------------------------------------------
     def session(self) -> None:

@@ -2,18 +2,22 @@
 
 parse_cap reads "300000000", "300MB", "1.5GiB" or "25%" (of all expert bytes); cap_bounds gives
 the range ExpertCache accepts, from one layer's working set of slots up to MAX_MEMORY_SHARE of the
-memory this process may use: physical memory or the tightest cgroup limit on it and its ancestors.
+memory this process may use (physical memory or the tightest cgroup limit on it and its ancestors)
+less what the model itself keeps in RAM (resident_bytes): slots, dense weights and KV cache
+together stay within the share.
 """
 from __future__ import annotations
 
 import os
 import re
 
-from agent.experts.layout import Index
+from agent.experts.layout import CONFIG, DENSE, Index
+from agent.model.config import MoEConfig
 from agent.residency import Residency
 from machine.cgroup import memory_limit
 
 MAX_MEMORY_SHARE = 0.7        # of physical memory or of the cgroup limit, whichever is smaller
+KV_BUDGET_TOKENS = 4096       # KV cache positions counted against the share (all sequences together)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -42,8 +46,20 @@ def memory_limit_bytes() -> int:
     return min(physical, memory_limit() or physical)
 
 
-def cap_bounds(index: Index, min_per_layer: int, scope: str = "layer") -> tuple[int, int]:
+def resident_bytes(store_dir: Path, index: Index) -> int:
+    """RAM the model keeps besides the expert slots: its dense weights (dense.safetensors is loaded
+    whole) and a KV cache of KV_BUDGET_TOKENS positions in the model's dtype. A store of experts
+    alone (no dense weights: no model will run on it) keeps nothing else."""
+    dense = Path(store_dir) / DENSE
+    if not dense.exists():
+        return 0
+    config = MoEConfig.from_file(Path(store_dir) / CONFIG)
+    kv_per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim * index.itemsize
+    return dense.stat().st_size + KV_BUDGET_TOKENS * kv_per_token
+
+
+def cap_bounds(index: Index, min_per_layer: int, scope: str = "layer", reserved: int = 0) -> tuple[int, int]:
     """Allowed cache cap in bytes: one layer's working set of slots (Residency.min_capacity), up to
-    70% of available memory."""
+    70% of available memory less `reserved` (resident_bytes: what the model itself keeps in RAM)."""
     floor = Residency.min_capacity(index.n_layers, min_per_layer, scope) * index.slot_bytes
-    return floor, int(memory_limit_bytes() * MAX_MEMORY_SHARE)
+    return floor, int(memory_limit_bytes() * MAX_MEMORY_SHARE) - reserved

@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from agent.experts.cache import ExpertCache
-from agent.experts.cap import cap_bounds, memory_limit_bytes, parse_cap
+from agent.experts.cap import cap_bounds, memory_limit_bytes, parse_cap, resident_bytes
 from agent.experts.layout import CONFIG, INDEX, Index
 from agent.experts.reader import IO_THREADS
 from agent.monitor import SystemSample, SystemSampler
@@ -69,7 +69,7 @@ class Runtime:
         except BaseException:
             self.cache.close()
             raise
-        lo, hi = cap_bounds(self.cache.index, self.cache.min_per_layer)
+        lo, hi = cap_bounds(self.cache.index, self.cache.min_per_layer, reserved=self.cache.reserved_bytes)
         self.knobs = Knobs(Limits(lo, hi, live_policies(), max_prefetch_depth=1))
         self.knobs.commit({"cache_cap_bytes": self.cache.cap_bytes, "policy": self.cache.policy_name})
         self.metrics = Metrics(registry, self.cache.index.n_layers)
@@ -250,13 +250,14 @@ class Runtime:
     def _follow_memory_limit(self) -> tuple[int, int]:
         """The cap's bounds, re-read every tick so they follow a memory limit set or changed while the
         agent runs (e.g. its cgroup's); a change is logged and recorded as an event."""
-        lo, hi = cap_bounds(self.cache.index, self.cache.min_per_layer)
+        lo, hi = cap_bounds(self.cache.index, self.cache.min_per_layer, reserved=self.cache.reserved_bytes)
         limits = self.knobs.limits
         if (lo, hi) != (limits.cap_min, limits.cap_max):
             with self._knob_lock:
                 self.knobs.rebound(replace(limits, cap_min=lo, cap_max=hi))
             message = (f"cache cap bounds now {lo} .. {hi} bytes (were {limits.cap_min} .. {limits.cap_max}): "
-                       f"the memory limit is {memory_limit_bytes()} bytes")
+                       f"the memory limit is {memory_limit_bytes()} bytes, "
+                       f"{self.cache.reserved_bytes} of it kept by the model besides the slots")
             log.warning("%s", message)
             if self.recorder is not None:
                 self.recorder.event(time.time(), "knob_bounds", message)
@@ -291,5 +292,6 @@ def _first_cap(opts: ServeOptions) -> int:
     cap = parse_cap(opts.cache_cap or DEFAULT_CAP, index.nbytes * len(index.blocks))
     if opts.cache_cap:
         return cap
-    lo, hi = cap_bounds(index, MoEConfig.from_file(Path(opts.model_dir) / CONFIG).top_k)
+    lo, hi = cap_bounds(index, MoEConfig.from_file(Path(opts.model_dir) / CONFIG).top_k,
+                        reserved=resident_bytes(opts.model_dir, index))
     return min(max(cap, lo), hi)
