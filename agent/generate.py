@@ -111,12 +111,12 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
         def on_step() -> None:
             recorder.end_step()
             if len(recorder.records) == prefill_steps:
-                after_prefill.append(cache.stats())
+                after_prefill.append((cache.stats(), dict(net.profile.seconds)))
 
         cache.session()
         gen = generate(net, ids, max_new_tokens, greedy=greedy, seed=seed, stop_ids=_stop_ids(net.config),
                        prefill_chunk=None if prefill == "batched" else 1, on_step=on_step)
-        stats = _stats(gen, net, after_prefill[0], cache.stats())
+        stats = _stats(gen, net, *after_prefill[0], cache.stats())
     stats.update(prefetch=prefetch, prefill=prefill, steps=len(recorder.records),
                  routing=net.route_trace.describe() if net.route_trace else "the model's router")
     if record_trace is not None:
@@ -128,10 +128,14 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
     return GenerateResult(ids, gen.token_ids, tokenizer.decode(gen.token_ids), stats)
 
 
-def _stats(gen: Generation, net: Transformer, before: CacheStats, after: CacheStats) -> dict[str, Any]:
-    """The whole run's cache counters, plus the decode steps' alone (the prefill's cold misses left out)."""
+def _stats(gen: Generation, net: Transformer, before: CacheStats, profile_before: dict[str, float],
+           after: CacheStats) -> dict[str, Any]:
+    """The whole run's cache counters, plus the decode steps' alone (the prefill's cold misses left out),
+    and where a decode step's time went (ms per token, by phase)."""
     decode_steps = len(gen.token_ids) - 1
     hits, misses = after.hits - before.hits, after.misses - before.misses
+    phases = {**net.profile.since(profile_before), "crc": after.crc_s - before.crc_s,
+              "policy": after.policy_s - before.policy_s}
     return {
         "hit_rate": after.hit_rate, "hits": after.hits, "misses": after.misses, "bytes_read": after.bytes_read,
         "mb_read_per_token": after.bytes_read / 1e6 / len(gen.token_ids),
@@ -143,6 +147,7 @@ def _stats(gen: Generation, net: Transformer, before: CacheStats, after: CacheSt
         "prefetch_correct": net.lookahead.correct, "prefetches": after.prefetches,
         "prefetch_hits": after.prefetch_hits, "cap_bytes": after.cap_bytes, "capacity_slots": after.capacity,
         "policy": after.policy, "scope": after.scope, "backend": after.backend,
+        "decode_profile_ms_per_token": {k: 1000 * v / max(decode_steps, 1) for k, v in phases.items()},
     }
 
 

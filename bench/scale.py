@@ -103,6 +103,7 @@ class Run:
     cgroup_peak_bytes: int | None
     token_ids: list[int]
     load_avg: float
+    profile_ms: dict[str, float]  # where a decode token's time went, by phase (agent/model/profile.py)
 
 
 def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int) -> float:
@@ -138,7 +139,7 @@ def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, t
     stats = result["stats"]
     return Run(config.name, round_, stats["decode_tokens_per_s"], stats["decode_mb_read_per_token"],
                stats["decode_hit_rate"], stats["prefetch_accuracy"], usage.ru_maxrss * 1024, cgroup.peak(),
-               result["token_ids"], os.getloadavg()[0])
+               result["token_ids"], os.getloadavg()[0], stats["decode_profile_ms_per_token"])
 
 
 def limit_tok_s(compute_tok_s: float, mb_per_token: float, raw_mb_s: float) -> tuple[float, float, float]:
@@ -206,6 +207,7 @@ def summarize(rounds: list[dict]) -> dict:
         runs = [run for r in rounds for run in r["runs"] if run["config"] == name]
         out["configs"][name] = {k: med(run[k] for run in runs) for k in
                                 ("decode_tok_s", "limit_tok_s", "mb_per_token", "hit_rate", "peak_rss_bytes")}
+        out["configs"][name]["profile_ms"] = {k: med(run["profile_ms"][k] for run in runs) for k in runs[0]["profile_ms"]}
         out["configs"][name]["of_limit"] = med(run["decode_tok_s"] / run["limit_tok_s"] for run in runs)
         out["configs"][name]["cgroup_peak_bytes"] = max((run["cgroup_peak_bytes"] or 0) for run in runs)
     by = {name[0]: name for name in names}
@@ -225,10 +227,16 @@ def print_table(summary: dict, cgroup: MemoryCgroup, facts: dict, args: argparse
           f"{facts['expert_bytes'] / 1e9:.1f} GB of experts; cap 25%; {args.tokens} tokens; {args.rounds} rounds; "
           f"routing from {', '.join(Path(t).name for t in args.route_trace)}; raw {summary['raw_mb_s']:.0f} MB/s; "
           f"compute-only {summary['compute_tok_s']:.2f} tok/s; {cgroup.describe()}")
-    print(f"{'configuration':<34} {'tok/s':>6} {'limit':>6} {'x limit':>7} {'MB/tok':>7} {'hit':>6} {'peak RSS':>9}")
+    print(f"{'configuration':<34} {'tok/s':>6} {'limit':>6} {'x limit':>7} {'MB/tok':>7} {'hit':>6} {'peak RSS':>9} "
+          f"{'cgroup peak':>11} {'of memory':>9}")
     for name, c in summary["configs"].items():
         print(f"{name:<34} {c['decode_tok_s']:>6.2f} {c['limit_tok_s']:>6.2f} {c['of_limit']:>7.2f} "
-              f"{c['mb_per_token']:>7.0f} {c['hit_rate']:>6.3f} {c['peak_rss_bytes'] / 2**20:>7.0f}Mi")
+              f"{c['mb_per_token']:>7.0f} {c['hit_rate']:>6.3f} {c['peak_rss_bytes'] / 2**20:>7.0f}Mi "
+              f"{c['cgroup_peak_bytes'] / 2**20:>9.0f}Mi {c['cgroup_peak_bytes'] / cgroup.limit:>9.2f}")
+    phases = next(iter(summary["configs"].values()))["profile_ms"]
+    print(f"\nms per decode token by phase: {'configuration':<34} " + " ".join(f"{p:>9}" for p in phases))
+    for name, c in summary["configs"].items():
+        print(f"{'':<29}{name:<34} " + " ".join(f"{c['profile_ms'][p]:>9.1f}" for p in phases))
     for key in ("tok_s_a_over_c", "tok_s_a_over_b"):
         if key in summary:
             print(f"{key}: {summary[key]['median']:.2f} (rounds {', '.join(f'{x:.2f}' for x in summary[key]['per_round'])})")

@@ -35,13 +35,13 @@ def slots(store: Path, n: int) -> int:
 
 
 class GatedReads:
-    """Wraps the cache's real reader: counts loads and holds each one until the gate opens."""
+    """Wraps the cache's real reader: counts reads and holds each one until the gate opens."""
 
     def __init__(self, cache: ExpertCache) -> None:
-        self.real, self.calls, self.gate, self.started = cache._reader.load, [], threading.Event(), threading.Event()
-        cache._reader.load = self.load
+        self.real, self.calls, self.gate, self.started = cache._reader.read, [], threading.Event(), threading.Event()
+        cache._reader.read = self.read
 
-    def load(self, block, slot):
+    def read(self, block, slot):
         self.calls.append((block.layer, block.expert))
         self.started.set()
         self.gate.wait(10)

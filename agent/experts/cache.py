@@ -61,6 +61,8 @@ class CacheStats:
     scope: str
     layers: list[LayerStats] = field(default_factory=list)
     read_latency_s: list[float] = field(default_factory=list)  # the most recent LATENCY_SAMPLES reads
+    crc_s: float = 0.0           # spent checking CRC32s, on the I/O threads
+    policy_s: float = 0.0        # spent in Residency and the policy, on the thread that routes and gets
 
     @property
     def accesses(self) -> int:
@@ -133,6 +135,7 @@ class ExpertCache:
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
         self._ahead = io_threads      # reads a step larger than a partition keeps in flight
         self._bytes_read = self._reads = 0
+        self._crc_s = self._policy_s = 0.0  # CPU time of CRC checks (I/O threads) and of the policy (under the lock)
         self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.monitor = monitor or SystemSampler()  # told of every read; asked for a sample at most every second
         self._fed_t = -float("inf")  # the monitoring sample last passed to the policy
@@ -180,7 +183,7 @@ class ExpertCache:
         sample = self.monitor.sample(SYSTEM_SAMPLE_INTERVAL_S)
         with self._lock:
             self._feed_system(sample)  # before the route: a recorded trace replays it at the same point
-            self._residency.route(layer, unique)
+            self._policy(self._residency.route, layer, unique)
             if len(unique) <= self._room(self._residency.capacity):
                 step = _Step(unique)
             else:
@@ -197,6 +200,14 @@ class ExpertCache:
         with self._lock:
             self._residency.pin(())
             self._routed = (0, [])
+
+    def _policy(self, decision, *args):
+        """A Residency decision (called under the lock), its time counted as the policy's."""
+        start = time.perf_counter()
+        try:
+            return decision(*args)
+        finally:
+            self._policy_s += time.perf_counter() - start
 
     def _tier(self, key: Key) -> int:
         """0 ready, 1 resident but still being read (a prefetch), 2 a miss."""
@@ -252,7 +263,7 @@ class ExpertCache:
 
     def _access(self, key: Key) -> _Load | None:
         """One demand access; returns the read the caller must wait for, or None when the block is ready."""
-        hit, victim = self._residency.access(key)
+        hit, victim = self._policy(self._residency.access, key)
         if not hit:
             return self._start(key, victim)
         return self._inflight.get(key)
@@ -289,7 +300,7 @@ class ExpertCache:
     def _prefetch_one(self, key: Key, protect: Iterable[Key] = ()) -> _Load | None:
         if key in self._residency:
             return None
-        admitted, victim = self._residency.prefetch(key, protect)
+        admitted, victim = self._policy(self._residency.prefetch, key, protect)
         return self._start(key, victim) if admitted else None
 
     # -- loading (called under the lock) ---------------------------------------------------------------------
@@ -323,8 +334,10 @@ class ExpertCache:
         try:
             before = self._mmap.resident_bytes(block) if self._mmap is not None else 0
             start = time.perf_counter()
-            data = self._reader.load(block, None if load.slot is None else self._pool.buffer(load.slot))
-            elapsed = time.perf_counter() - start
+            data = self._reader.read(block, None if load.slot is None else self._pool.buffer(load.slot))
+            read_done = time.perf_counter()
+            self._reader.check(block, data)
+            elapsed, crc_s = time.perf_counter() - start, time.perf_counter() - read_done
             weights = block_views(torch.from_numpy(data), self.index)
         except BaseException as exc:
             with self._lock:  # cleanup and failure are seen together: no get() re-reads in between
@@ -341,6 +354,7 @@ class ExpertCache:
             return
         with self._lock:
             self._reads += 1
+            self._crc_s += crc_s
             self._bytes_read += self.index.nbytes - min(before, self.index.nbytes)
             self._latency.append(elapsed)
             self.monitor.read_done(elapsed)
@@ -402,7 +416,8 @@ class ExpertCache:
                 prefetch_hits=sum(s.prefetch_hits for s in layers), bytes_read=self._bytes_read, reads=self._reads,
                 resident=len(self._residency), capacity=self._residency.capacity, cap_bytes=self.cap_bytes,
                 slot_bytes=self.index.slot_bytes, backend=self.backend, policy=self.policy_name,
-                scope=self._residency.scope, layers=layers, read_latency_s=list(self._latency))
+                scope=self._residency.scope, layers=layers, read_latency_s=list(self._latency),
+                crc_s=self._crc_s, policy_s=self._policy_s)
 
     def close(self) -> None:
         self._io.shutdown(wait=True, cancel_futures=False)

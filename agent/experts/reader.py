@@ -56,13 +56,17 @@ class BlockReader:
         self.path, self.index, self.verify = Path(path), index, verify
 
     def load(self, block: Block, slot: memoryview | None) -> np.ndarray:
-        data = self._read(block, slot)
+        data = self.read(block, slot)
+        self.check(block, data)
+        return data
+
+    def check(self, block: Block, data: np.ndarray) -> None:
+        """StoreError if verifying and the block's bytes fail its CRC32."""
         if self.verify and fast_crc32(data) != block.crc32:  # on the miss path: zlib's would halve throughput
             raise StoreError(f"expert block layer {block.layer} expert {block.expert} fails its CRC32 check in "
                              f"{self.path}: the file is corrupt; re-run flashmoe-cli convert")
-        return data
 
-    def _read(self, block: Block, slot: memoryview | None) -> np.ndarray:
+    def read(self, block: Block, slot: memoryview | None) -> np.ndarray:
         raise NotImplementedError
 
     def _short(self, block: Block, got: int) -> StoreError:
@@ -87,7 +91,7 @@ class _PreadReader(BlockReader):
     def _length(self) -> int:
         return self.index.nbytes
 
-    def _read(self, block: Block, slot: memoryview | None) -> np.ndarray:
+    def read(self, block: Block, slot: memoryview | None) -> np.ndarray:
         want, done = self._length(), 0
         while done < self.index.nbytes:
             n = os.preadv(self.fd, [slot[done:want]], block.offset + done)
@@ -141,7 +145,7 @@ class MmapReader(BlockReader):
         self._base = self._bytes.ctypes.data
         self._local = threading.local()
 
-    def _read(self, block: Block, slot: memoryview | None) -> np.ndarray:
+    def read(self, block: Block, slot: memoryview | None) -> np.ndarray:
         data = self._bytes[block.offset:block.offset + self.index.nbytes]
         if len(data) < self.index.nbytes:
             raise self._short(block, len(data))

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from agent.experts.provider import ExpertProvider
 from agent.model.config import MoEConfig
 from agent.model.lookahead import CoActivation, Lookahead, RouterGuess
+from agent.model.profile import Profile
 from agent.model.route_trace import Placement, RouteTrace
 from agent.model.routed import RoutedExperts, Routing
 
@@ -181,14 +182,15 @@ class MoE(nn.Module):
 
     def __init__(self, c: MoEConfig, layer: int, experts: RoutedExperts) -> None:
         super().__init__()
-        self.layer, self.experts = layer, experts    # store layer; the step's access to the provider
+        self.layer, self.experts = layer, experts    # store layer; the model's access to the provider
         self.gate = Router(c)
         self.shared_expert = MLP(c.dim, c.shared_expert_dim) if c.shared_expert_dim else None
         self.shared_expert_gate = nn.Linear(c.dim, 1, bias=False) if c.shared_expert_dim else None
 
     def forward(self, h: Tensor, residual: Tensor, routes: Tensor | None) -> Tensor:
         """h [T, D] normalised; `residual` [T, D] the stream it came from (for the lookahead's guess)."""
-        routing = self.gate(h, None if routes is None else routes[:, self.layer])
+        with self.experts.profile.phase("router"):
+            routing = self.gate(h, None if routes is None else routes[:, self.layer])
         out = self.experts(self.layer, h, routing, residual)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
@@ -198,15 +200,16 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, c: MoEConfig, i: int, store_layer: int | None, experts: RoutedExperts) -> None:
         super().__init__()
-        self.i = i
+        self.i, self.profile = i, experts.profile
         self.self_attn = Attention(c, c.sliding_window[i])
         self.mlp = MLP(c.dim, c.dense_dim) if store_layer is None else MoE(c, store_layer, experts)
         self.input_layernorm = RMSNorm(c.dim, c.rms_eps)
         self.post_attention_layernorm = RMSNorm(c.dim, c.rms_eps)
 
     def forward(self, x: Tensor, step: Step) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), self.i, step.segments, step.rope)   # [T, D]
-        h = self.post_attention_layernorm(x)
+        with self.profile.phase("attention"):
+            x = x + self.self_attn(self.input_layernorm(x), self.i, step.segments, step.rope)   # [T, D]
+            h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, x, step.routes) if isinstance(self.mlp, MoE) else self.mlp(h))
 
     def guess(self, residual: Tensor) -> list[int]:
@@ -219,8 +222,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         store_layer = {d: i for i, d in enumerate(config.moe_layer_ids)}  # decoder layer -> store layer
-        self.lookahead = Lookahead(RouterGuess({}), prefetch)
-        self.experts = RoutedExperts(provider, self.lookahead)
+        self.lookahead, self.profile = Lookahead(RouterGuess({}), prefetch), Profile()
+        self.experts = RoutedExperts(provider, self.lookahead, self.profile)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config, i, store_layer.get(i), self.experts) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.rms_eps)
@@ -258,16 +261,18 @@ class Transformer(nn.Module):
         positions = torch.cat([torch.arange(s.pos, s.pos + s.n) for s in segments])    # [T]
         step = Step(segments, rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype),
                     self._imposed_routes(batch, segments))
-        x = self.embed_tokens(tokens)                                                   # [T, D]
+        with self.profile.phase("head"):
+            x = self.embed_tokens(tokens)                                               # [T, D]
         for block in self.layers:
             x = block(x, step)
-        x = self.norm(x)
         for s in segments:
             s.seq.pos += s.n
-        if all_logits:
-            return [self.lm_head(x[s.start:s.start + s.n]).float() for s in segments]
-        last = torch.tensor([s.start + s.n - 1 for s in segments])
-        return list(self.lm_head(x[last]).float())                                       # B x [V]
+        with self.profile.phase("head"):
+            x = self.norm(x)
+            if all_logits:
+                return [self.lm_head(x[s.start:s.start + s.n]).float() for s in segments]
+            last = torch.tensor([s.start + s.n - 1 for s in segments])
+            return list(self.lm_head(x[last]).float())                                   # B x [V]
 
     def _imposed_routes(self, batch: Seq[tuple[Sequence, Tensor]], segments: list[Segment]) -> Tensor | None:
         """[T, MoE layers, k] from the route trace, if any; a new sequence is placed by its first tokens."""

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from agent.experts.provider import ExpertProvider
 from agent.model.lookahead import Lookahead
+from agent.model.profile import Profile
 
 
 @dataclass
@@ -42,19 +43,24 @@ class Routing:
 class RoutedExperts:
     provider: ExpertProvider
     lookahead: Lookahead
+    profile: Profile
 
     def __call__(self, layer: int, h: Tensor, routing: Routing, residual: Tensor) -> Tensor:
         """Route the step's union to the provider, let the lookahead guess the next layer from
         `residual`, then run the experts on h [T, D] in the order the provider answered."""
         experts = routing.experts
-        order = self.provider.route(layer, experts) or experts  # a cache may answer the order it wants
-        guess = self.lookahead.after_route(layer, experts, residual)
+        with self.profile.phase("route"):
+            order = self.provider.route(layer, experts) or experts  # a cache may answer the order it wants
+        with self.profile.phase("router"):
+            guess = self.lookahead.after_route(layer, experts, residual)
         if guess is not None:
-            self.provider.prefetch(*guess)
-        return run_experts(h, routing, self.provider, layer, order)
+            with self.profile.phase("route"):
+                self.provider.prefetch(*guess)
+        return run_experts(h, routing, self.provider, layer, order, self.profile)
 
 
-def run_experts(h: Tensor, routing: Routing, provider: ExpertProvider, layer: int, order: Sequence[int]) -> Tensor:
+def run_experts(h: Tensor, routing: Routing, provider: ExpertProvider, layer: int, order: Sequence[int],
+                profile: Profile) -> Tensor:
     """Sum over each token's chosen experts of gate weight x SwiGLU(expert weights from the provider).
 
     Experts are fetched in `order` (the provider's choice); their outputs are summed in ascending
@@ -63,10 +69,13 @@ def run_experts(h: Tensor, routing: Routing, provider: ExpertProvider, layer: in
     outputs: dict[int, Tensor] = {}
     for e in order:
         tok, rank = routing.assignments[e]
-        expert = provider.get(layer, e)                                # SwiGLU of its weights, plain or int8
-        y = expert(h.index_select(0, tok))                             # [t, D]
-        outputs[e] = y * routing.weights[tok, rank, None]
-    out = torch.zeros_like(h)                                          # [T, D]
-    for e in sorted(outputs):
-        out.index_put_((routing.assignments[e][0],), outputs[e], accumulate=True)
+        with profile.phase("wait"):
+            expert = provider.get(layer, e)                            # SwiGLU of its weights, plain or int8
+        with profile.phase("experts"):
+            y = expert(h.index_select(0, tok))                         # [t, D]
+            outputs[e] = y * routing.weights[tok, rank, None]
+    with profile.phase("experts"):
+        out = torch.zeros_like(h)                                      # [T, D]
+        for e in sorted(outputs):
+            out.index_put_((routing.assignments[e][0],), outputs[e], accumulate=True)
     return out

@@ -1,0 +1,57 @@
+"""bench/scale.py on a small shape: the compute-only bound, one configuration inside a real cgroup
+limit, the limit arithmetic and the summary over rounds (the 13 GB runs are benches, not tests)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from test_model_parity import one_torch_thread  # noqa: F401  (autouse fixture)
+from test_route_trace import records, write_trace
+from test_shapes import tiny
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from agent.convert import convert  # noqa: E402
+from agent.shapes import write_checkpoint  # noqa: E402
+from bench import scale  # noqa: E402
+from bench.memory import MemoryCgroup, device_memory  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def shaped(tmp_path_factory) -> tuple[Path, list[Path]]:
+    """OLMoE's shape cut small (2 layers x 16 experts, top-8) and a trace that fits it."""
+    tmp = tmp_path_factory.mktemp("scale")
+    config = {**tiny("olmoe-1b-7b"), "num_experts_per_tok": 2}
+    convert(write_checkpoint(config, tmp / "hf"), tmp / "store")
+    sets = [[sorted({(t + l) % 16, (5 * t + 3 * l + 1) % 16} | {(t + 9) % 16})[:2] for l in range(2)] for t in range(64)]
+    return tmp / "store", [write_trace(tmp / "trace.jsonl", sets, layers=2, top_k=2, n_experts=16)]
+
+
+def test_limit_is_the_slower_of_compute_and_reads():
+    assert scale.limit_tok_s(compute_tok_s=4.0, mb_per_token=500, raw_mb_s=1000) == (2.0, 0.25, 0.5)
+    assert scale.limit_tok_s(compute_tok_s=1.0, mb_per_token=100, raw_mb_s=1000)[0] == 1.0
+
+
+def test_one_round_of_compute_and_a_configuration(shaped):
+    store, traces = shaped
+    prompt = [5, 6, 7]
+    assert scale.compute_bound(store, traces, prompt, tokens=4) > 0
+    cgroup = MemoryCgroup(device_memory(store, 4 * 2**20))
+    try:
+        run = scale.run_config(store, scale.CONFIGS["b"], 0, cgroup, traces, prompt, tokens=4, threads=1)
+    finally:
+        cgroup.remove()
+    assert run.mb_per_token > 0 and 0 <= run.hit_rate <= 1 and len(run.token_ids) == 4
+    assert run.peak_rss_bytes > 50 * 2**20                                # a whole python + torch process
+    assert set(run.profile_ms) >= {"attention", "router", "route", "wait", "experts", "head", "crc", "policy"}
+
+
+def test_summary_takes_medians_and_ratios_within_rounds():
+    def run(config, tok_s):
+        return {"config": config, "decode_tok_s": tok_s, "limit_tok_s": 2.0, "mb_per_token": 10.0, "hit_rate": 0.5,
+                "peak_rss_bytes": 1, "cgroup_peak_bytes": 2, "profile_ms": {"wait": tok_s}}
+    rounds = [{"raw_mb_s": r, "compute_tok_s": 3.0, "runs": [run("a: x", 1.0 * r), run("c: y", 0.25 * r)]}
+              for r in (1, 2, 4)]
+    s = scale.summarize(rounds)
+    assert s["configs"]["a: x"]["decode_tok_s"] == 2.0 and s["configs"]["a: x"]["of_limit"] == 1.0
+    assert s["tok_s_a_over_c"] == {"median": 4.0, "per_round": [4.0, 4.0, 4.0]} and "tok_s_a_over_b" not in s
