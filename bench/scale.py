@@ -10,13 +10,17 @@ traces, which the learned policy never saw). Each round measures, interleaved:
   stream and as many streams as the cache has I/O threads), and one region read twice to see
   whether the (virtual) disk's host serves repeated reads from its own RAM;
 - compute: the same greedy decode with every expert resident (each layer served by one layer's
-  blocks held in RAM: the same shapes, dtype and matmuls, no SSD), in this process;
+  blocks held in RAM: the same shapes, dtype and matmuls, no SSD), in this process, with one torch
+  thread and with --threads; the faster is the compute bound;
 - (a) the learned policy + lookahead prefetch, O_DIRECT; (b) LRU + prefetch, O_DIRECT; (c) mmap of
-  the store, the page cache decides, no prefetch: each `flashmoe-cli generate` in its own process
+  the store, the page cache decides, no prefetch; (d) = (a) with --threads torch threads for the
+  matmuls (the reads wait in the kernel meanwhile): each `flashmoe-cli generate` in its own process
   inside the same cgroup memory limit (cap + dense weights + working memory), from a cold page cache.
 A configuration's limit is 1 / max(compute s/token, its MB missed per token / raw MB/s): perfect
 overlap of reads and compute. Reported: decode tokens/s, its fraction of the limit, MB read and hit
-rate per decode token, peak RSS and the cgroup's peak against the limit. Writes bench/results/scale.json.
+rate per decode token, where a token's time went, peak RSS and the cgroup's peak against the limit,
+and one layer's experts computed in the stored dtype and in float32 (the slot dtype choice).
+Writes bench/results/scale.json.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,14 +64,17 @@ class Config:
     policy: str
     backend: str
     prefetch: bool
+    more_threads: bool = False    # --threads torch threads instead of one
 
-    def args(self) -> list[str]:
-        return ["--policy", self.policy, "--backend", self.backend] + ([] if self.prefetch else ["--no-prefetch"])
+    def args(self, threads: int) -> list[str]:
+        return ["--policy", self.policy, "--backend", self.backend, "--threads", str(threads if self.more_threads else 1)
+                ] + ([] if self.prefetch else ["--no-prefetch"])
 
 
 CONFIGS = {"a": Config("a: flashmoe + prefetch, O_DIRECT", "flashmoe", "direct", True),
            "b": Config("b: lru + prefetch, O_DIRECT", "lru", "direct", True),
-           "c": Config("c: mmap, page cache decides", "lru", "mmap", False)}
+           "c": Config("c: mmap, page cache decides", "lru", "mmap", False),
+           "d": Config("d: (a) with --threads threads", "flashmoe", "direct", True, more_threads=True)}
 
 
 class OneLayerResident:
@@ -106,11 +114,31 @@ class Run:
     profile_ms: dict[str, float]  # where a decode token's time went, by phase (agent/model/profile.py)
 
 
-def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int) -> float:
+def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int, threads: int = 1) -> float:
     """Decode tokens/s with every expert resident. The routing follows the same trace records as the
     cached runs (placed by the same prompt), so every step multiplies the same shapes."""
     model = load_model(store, OneLayerResident(store), prefetch=False, route_trace=traces)
+    torch.set_num_threads(threads)
     return generate(model, prompt_ids, tokens, greedy=True, prefill_chunk=1).decode_tokens_per_s
+
+
+def slot_dtype_ms(store: Path, repeat: int = 20) -> dict[str, float]:
+    """One token through one layer's top-k experts: ms in the stored dtype, in float32, and the ms a
+    float32 conversion of one block would add to each miss (the slot dtype choice)."""
+    experts = OneLayerResident(store)._blocks[:json.loads((store / "config.json").read_text())["num_experts_per_tok"]]
+    wide = [ExpertWeights(*(w.float() for w in e)) for e in experts]
+    x = torch.randn(1, experts[0].gate.shape[1])
+
+    def ms(fn) -> float:
+        fn()
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - start) / repeat * 1000
+    stored = experts[0].gate.dtype
+    return {f"{stored}".removeprefix("torch."): ms(lambda: [e(x.to(stored)) for e in experts]),
+            "float32": ms(lambda: [e(x) for e in wide]),
+            "convert_one_block": ms(lambda: [w.float() for w in experts[0]])}
 
 
 def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, traces: list[Path],
@@ -120,8 +148,8 @@ def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, t
     if cgroup.path is not None:
         cgroup.reset_peak()
     cmd = [*CLI, "generate", "--model", str(store), "--prompt-ids", ",".join(map(str, prompt_ids)),
-           "--max-new-tokens", str(tokens), "--greedy", "--cache-cap", cap, "--threads", str(threads),
-           "--route-trace", *map(str, traces), "--json", *config.args()]
+           "--max-new-tokens", str(tokens), "--greedy", "--cache-cap", cap,
+           "--route-trace", *map(str, traces), "--json", *config.args(threads)]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
         try:
@@ -154,8 +182,8 @@ def main() -> int:
     ap.add_argument("--route-trace", type=Path, nargs="+", default=DEFAULT_TRACES, metavar="FILE")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per run (default 32)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians are reported")
-    ap.add_argument("--configs", default="a,b,c", help="which of a,b,c, in this order within every round")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of every decode (default 1)")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of (d) (default 2)")
+    ap.add_argument("--configs", default="a,b,c,d", help="which of a,b,c,d, in this order within every round")
     args = ap.parse_args()
     store, traces = args.model, args.route_trace
     index = Index.load(store / INDEX)
@@ -166,18 +194,20 @@ def main() -> int:
     prompt_ids = load_tokenizer(store).encode(PROMPT)
     facts = {**machine(store), "memory_limit": cgroup.describe(), "model": str(store), "expert_bytes": expert_bytes,
              "config": json.loads((store / "config.json").read_text()), "route_trace": [str(t) for t in traces]}
-    torch.set_num_threads(args.threads)
     chosen = [CONFIGS[c] for c in args.configs.split(",")]
     rounds, reference = [], []
     try:
         for n in range(args.rounds):
             raw_s, streams = best_raw_read(store / EXPERTS, CHUNK, IO_THREADS)
             host = host_cache_check(store / EXPERTS, CHUNK)
-            compute_tok_s = compute_bound(store, traces, prompt_ids, args.tokens)
+            by_threads = {t: compute_bound(store, traces, prompt_ids, args.tokens, t) for t in dict.fromkeys((1, args.threads))}
+            compute_tok_s = max(by_threads.values())
             r = {"round": n, "raw_mb_s": (store / EXPERTS).stat().st_size / raw_s / 1e6, "raw_streams": streams,
-                 "host_cache_mb_s": host, "compute_tok_s": compute_tok_s, "runs": []}
+                 "host_cache_mb_s": host, "compute_tok_s": compute_tok_s, "compute_tok_s_by_threads": by_threads,
+                 "slot_dtype_ms": slot_dtype_ms(store), "runs": []}
             print(f"round {n + 1}: raw {r['raw_mb_s']:.0f} MB/s ({streams} stream(s)); the same region twice "
-                  f"{host[0]:.0f} / {host[1]:.0f} MB/s; compute-only {compute_tok_s:.2f} tok/s", flush=True)
+                  f"{host[0]:.0f} / {host[1]:.0f} MB/s; compute-only tok/s by threads {by_threads}; "
+                  f"one layer's experts for a token, ms: {r['slot_dtype_ms']}", flush=True)
             for config in chosen:
                 run = run_config(store, config, n, cgroup, traces, prompt_ids, args.tokens, args.threads)
                 lim, _, _ = limit_tok_s(compute_tok_s, run.mb_per_token, r["raw_mb_s"])
