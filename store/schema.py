@@ -80,6 +80,13 @@ def _cgroup(metric: str, unit: str, precision: float, description: str) -> Serie
     return SeriesSpec(f"cgroup.agent.{metric}", unit, "gauge", precision, description, "cgroup")
 
 
+# Where a generated token's time goes (agent/model/profile.py and the expert cache), one series each.
+TOKEN_PHASES = {"attention": "attention", "router": "the routers and the lookahead's guess",
+                "route": "routing to the expert cache", "wait": "waiting for expert reads",
+                "experts": "expert matmuls", "head": "embedding and LM head",
+                "crc": "CRC checks (I/O threads)", "policy": "the cache policy"}
+
+
 def _agent(metric: str, unit: str, precision: float, description: str, attribute: str = "") -> SeriesSpec:
     """agent.<metric>, an attribute of the agent's one-second agent.serve.metrics.Tick."""
     return SeriesSpec(f"agent.{metric}", unit, "gauge", precision, description, "tick", attribute)
@@ -162,12 +169,15 @@ CATALOGUE: tuple[SeriesSpec, ...] = (
     _agent("cache_bytes", "B", 4096.0, "bytes held in the expert cache"),
     _agent("cache_cap_bytes", "B", 4096.0, "expert cache cap", "cap_bytes"),
     _agent("cache_cap_min_bytes", "B", 1.0, "smallest cache cap the agent accepts now", "cap_min_bytes"),
-    _agent("cache_cap_max_bytes", "B", 1.0, "largest cache cap the agent accepts now: 70% of its memory limit",
+    _agent("cache_cap_max_bytes", "B", 1.0, "largest cache cap the agent accepts now: 70% of its memory limit less what the "
+           "model keeps besides the slots",
            "cap_max_bytes"),
     _agent("reread_share", "fraction", 0.001, "share of cache misses re-reading a block evicted within the "
            "cache's last capacity evictions"),
     _agent("read_latency_s", "s", 1e-6, "mean expert read latency"),
     _agent("read_bytes_per_s", "B/s", 512.0, "expert bytes read from the SSD per second"),
+    *(_agent(f"token_ms.{phase}", "ms", 0.01, f"ms of a generated token spent in {what}", f"token_ms_{phase}")
+      for phase, what in TOKEN_PHASES.items()),
 )
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
@@ -56,6 +56,12 @@ class Tick:
     activations: dict[tuple[int, int], int]
     cap_min_bytes: int | None = None   # the cap's bounds now (they follow the memory limit)
     cap_max_bytes: int | None = None
+    phase_s: dict[str, float] = field(default_factory=dict)  # seconds of the interval's steps by phase (model, cache)
+
+    @property
+    def token_ms(self) -> dict[str, float]:
+        """ms of a generated token spent in each phase (token_ms_<phase>); empty in an idle second."""
+        return {f"token_ms_{p}": 1000 * s / self.tokens for p, s in self.phase_s.items()} if self.tokens else {}
 
     @property
     def hits(self) -> int:
@@ -97,6 +103,7 @@ class _Previous:
     bytes_read: int = 0
     reads: int = 0
     tokens: int = 0
+    phases: Mapping[str, float] = field(default_factory=dict)
 
 
 class Metrics:
@@ -136,6 +143,9 @@ class Metrics:
                                f"expert cache hit ratio over the last {RECENT_TICKS} s", registry=registry)
         self.knob_changes = Counter("flashmoe_knob_changes", "knob values changed, by any source",
                                     registry=registry)
+        self.phase_seconds = Counter("flashmoe_step_phase_seconds", "time the model's steps spent in each phase "
+                                     "(attention, router, route, wait, experts, head; the cache's crc, policy)",
+                                     ["phase"], registry=registry)
         for i in range(n_layers):  # export every layer from the start, so rate() has a zero to start from
             for counter in (self.hits, self.misses, self.evictions, self.prefetch_hits, self.prefetches, self.rereads):
                 counter.labels(layer=str(i))
@@ -163,7 +173,8 @@ class Metrics:
     # -- the one-second tick --------------------------------------------------------------------------
     def tick(self, t: float, cache: CacheStats, batch_size: int, queue_depth: int, batch_limit: int,
              tokens_total: int, activations: dict[tuple[int, int], int],
-             cap_bounds: tuple[int, int] | None = None) -> Tick:
+             cap_bounds: tuple[int, int] | None = None, profile: Mapping[str, float] | None = None) -> Tick:
+        """`profile`: the model's cumulative seconds by phase (agent/model/profile.py), if it keeps one."""
         prev = self._prev or _Previous(t, [LayerStats() for _ in cache.layers])
         new_reads = cache.reads - prev.reads
         latencies = cache.read_latency_s[-new_reads:] if new_reads > 0 else []
@@ -175,11 +186,12 @@ class Metrics:
                              c.prefetch_hits - p.prefetch_hits, c.prefetches - p.prefetches,
                              bytes_read * n // total_loads, mean_latency, c.rereads - p.rereads)
                   for i, (c, p, n) in enumerate(zip(cache.layers, prev.layers, loads))]
+        phases = {**(profile or {}), "crc": cache.crc_s, "policy": cache.policy_s}
         tick = Tick(t, t - prev.t, layers, bytes_read, latencies, batch_size, batch_limit, queue_depth,
                     tokens_total - prev.tokens, cache.resident * cache.slot_bytes, cache.cap_bytes, activations,
-                    *(cap_bounds or (None, None)))
+                    *(cap_bounds or (None, None)), {p: s - prev.phases.get(p, 0.0) for p, s in phases.items()})
         self._export(tick)
-        self._prev = _Previous(t, cache.layers, cache.bytes_read, cache.reads, tokens_total)
+        self._prev = _Previous(t, cache.layers, cache.bytes_read, cache.reads, tokens_total, phases)
         return tick
 
     def _export(self, tick: Tick) -> None:
@@ -192,6 +204,8 @@ class Metrics:
             self.prefetches.labels(layer=label).inc(d.prefetches)
             self.rereads.labels(layer=label).inc(d.rereads)
         self.bytes_read.inc(tick.bytes_read)
+        for phase, seconds in tick.phase_s.items():
+            self.phase_seconds.labels(phase=phase).inc(max(seconds, 0.0))
         for s in tick.read_latencies:
             self.read_latency.observe(s)
         self.tokens.inc(tick.tokens)

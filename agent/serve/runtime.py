@@ -235,7 +235,8 @@ class Runtime:
     def tick(self) -> Tick:
         sched = self.scheduler
         tick = self.metrics.tick(time.time(), self.cache.stats(), sched.batch_size, len(sched.waiting), sched.limit,
-                                 sched.tokens_total, self.engine.routes.take(), self._follow_memory_limit())
+                                 sched.tokens_total, self.engine.routes.take(), self._follow_memory_limit(),
+                                 dict(self.engine.model.profile.seconds))
         if self.recorder is not None:
             self.recorder.write(tick, self.metrics.drain_requests())
         else:

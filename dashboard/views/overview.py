@@ -6,6 +6,7 @@ import time
 import streamlit as st
 
 from dashboard import components, data, figures, settings, transforms
+from store.schema import TOKEN_PHASES
 from store.units import human
 
 LIVE_S = 15               # agent and collector write every second: an older latest point is not "now"
@@ -64,6 +65,8 @@ def live() -> None:
         components.series_chart(db, {"agent.tokens_per_s": "tokens/s"}, since, until, "Tokens per second", "tokens/s")
     with right:
         components.series_chart(db, {"agent.hit_rate": "hit rate"}, since, until, "Expert cache hit rate", "fraction")
+    components.series_chart(db, {f"agent.token_ms.{p}": p for p in TOKEN_PHASES}, since, until,
+                            "Where a generated token's time goes", "ms")
     if quantiles:
         t, lines = transforms.latency_lines(quantiles)
         left, right = st.columns(2)
