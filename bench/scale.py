@@ -5,7 +5,8 @@
 
 The model is a random-weight checkpoint with real shapes (`flashmoe-cli init-demo --shape ...`);
 its routing follows recorded real routing traces (`--route-trace`, by default OLMoE's held-out decode
-traces, which the learned policy never saw). Each round measures, interleaved:
+traces, which the learned policy never saw; `--route-trace` with no file: the random router's own
+routing, for a shape no recorded trace fits). Each round measures, interleaved:
 - raw: the expert file read whole with O_DIRECT at the device's best parallelism (the faster of one
   stream and as many streams as the cache has I/O threads), and one region read twice to see
   whether the (virtual) disk's host serves repeated reads from its own RAM;
@@ -149,7 +150,7 @@ def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, t
         cgroup.reset_peak()
     cmd = [*CLI, "generate", "--model", str(store), "--prompt-ids", ",".join(map(str, prompt_ids)),
            "--max-new-tokens", str(tokens), "--greedy", "--cache-cap", cap,
-           "--route-trace", *map(str, traces), "--json", *config.args(threads)]
+           *(["--route-trace", *map(str, traces)] if traces else []), "--json", *config.args(threads)]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
         try:
@@ -179,7 +180,8 @@ def limit_tok_s(compute_tok_s: float, mb_per_token: float, raw_mb_s: float) -> t
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True, help="an expert store of a real-shaped model")
-    ap.add_argument("--route-trace", type=Path, nargs="+", default=DEFAULT_TRACES, metavar="FILE")
+    ap.add_argument("--route-trace", type=Path, nargs="*", default=DEFAULT_TRACES, metavar="FILE",
+                    help="routing traces (default: OLMoE's held-out decode traces); none: the model's own router")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per run (default 32)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians are reported")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of (d) (default 2)")
@@ -248,6 +250,10 @@ def summarize(rounds: list[dict]) -> dict:
     return out
 
 
+def _routing(traces: list[Path]) -> str:
+    return f"routing from {', '.join(Path(t).name for t in traces)}" if traces else "the random router's own routing"
+
+
 def _tok(round_: dict, name: str) -> float:
     return next(run["decode_tok_s"] for run in round_["runs"] if run["config"] == name)
 
@@ -255,7 +261,7 @@ def _tok(round_: dict, name: str) -> float:
 def print_table(summary: dict, cgroup: MemoryCgroup, facts: dict, args: argparse.Namespace) -> None:
     print(f"\n{facts['config'].get('model_type')} {facts['config'].get('num_hidden_layers')} layers, "
           f"{facts['expert_bytes'] / 1e9:.1f} GB of experts; cap 25%; {args.tokens} tokens; {args.rounds} rounds; "
-          f"routing from {', '.join(Path(t).name for t in args.route_trace)}; raw {summary['raw_mb_s']:.0f} MB/s; "
+          f"{_routing(args.route_trace)}; raw {summary['raw_mb_s']:.0f} MB/s; "
           f"compute-only {summary['compute_tok_s']:.2f} tok/s; {cgroup.describe()}")
     print(f"{'configuration':<34} {'tok/s':>6} {'limit':>6} {'x limit':>7} {'MB/tok':>7} {'hit':>6} {'peak RSS':>9} "
           f"{'cgroup peak':>11} {'of memory':>9}")
