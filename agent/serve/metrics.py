@@ -63,6 +63,12 @@ class Tick:
         """ms of a generated token spent in each phase (token_ms_<phase>); empty in an idle second."""
         return {f"token_ms_{p}": 1000 * s / self.tokens for p, s in self.phase_s.items()} if self.tokens else {}
 
+    def __getattr__(self, name: str) -> float | None:
+        """token_ms_<phase> as an attribute, as the catalogue's tick fields are (None in an idle second)."""
+        if name.startswith("token_ms_"):
+            return self.token_ms.get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @property
     def hits(self) -> int:
         return sum(d.hits for d in self.layers)

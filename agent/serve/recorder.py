@@ -37,8 +37,7 @@ class Recorder:
     @staticmethod
     def series(tick: Tick) -> dict[str, float]:
         """The tick's series points (None, e.g. no hit rate in an idle second, is not written)."""
-        plain = {name: getattr(tick, name) for name in fields_of("tick") if not name.startswith("token_ms_")}
-        return series_of("tick", plain | tick.token_ms)
+        return series_of("tick", {name: getattr(tick, name) for name in fields_of("tick")})
 
     def knob_change(self, t: float, knob: str, old: Any, new: Any, source: str) -> None:
         self.store.record_knob_change(t, knob, old, new, source)  # written through, kept as JSON
