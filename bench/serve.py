@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/serve.py --configs b,a,c --rounds 5 [--model data/demo] [--clients 16]
                                     [--requests-per-client 2] [--admit-window-ms MS] [--route-trace FILE ...]
+                                    [--results NAME]
 
 (a) the learned flashmoe policy with lookahead prefetch, O_DIRECT slots;
 (b) LRU with the same prefetch and slots;
@@ -21,7 +22,7 @@ interleaved in the order given (b,a,c, b,a,c, ...: the runs of one round see muc
 load), and the table gives per configuration the median over rounds of each run's P50/P95/P99,
 tokens/s and GB read, with min–max. Ratios to (c) and (b) are taken within each round and their
 median reported. Prints the table; writes every run's detail, the summary and the percentiles of
-all rounds' requests pooled to bench/results/serve.json.
+all rounds' requests pooled to bench/results/serve.json (or --results NAME).
 """
 from __future__ import annotations
 
@@ -275,6 +276,7 @@ def main() -> int:
     ap.add_argument("--configs", default="b,a,c", help="which of a,b,c to run, in this order within every round")
     ap.add_argument("--route-trace", type=Path, nargs="+", default=[], metavar="FILE",
                     help="serve --route-trace: recorded real routing for a random-weight model of real shape")
+    ap.add_argument("--results", default="serve", help="write bench/results/<NAME>.json (default serve)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -323,7 +325,7 @@ def main() -> int:
         print("\n" + describe_ratios(ratios))
     for f in failed:
         print(f"{f['config']} round {f['round'] + 1}: failed: {f['error']}")
-    write_results("serve", {
+    write_results(args.results, {
         "command": " ".join(sys.argv), "cache_cap": CAP, "clients": args.clients,
         "requests_per_client": args.requests_per_client, "max_batch_size": args.max_batch_size,
         "admit_window_ms": args.admit_window_ms, "rounds": args.rounds, "order": args.configs, "machine": facts,
