@@ -31,7 +31,7 @@ from test_dashboard_agent import TOKEN
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-CHARTS = {"overview": 4, "cache": 4, "ssd": 5, "memory": 5, "tuning": 0,   # with traffic, before any sweep
+CHARTS = {"overview": 5, "cache": 4, "ssd": 5, "memory": 5, "tuning": 0,   # with traffic, before any sweep
           "fleet": 0}                                                     # without Prometheus (tests/test_fleet.py)
 RENDER_TIMEOUT_MS = 60_000
 MIB = 1 << 20
