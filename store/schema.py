@@ -169,9 +169,8 @@ CATALOGUE: tuple[SeriesSpec, ...] = (
     _agent("cache_bytes", "B", 4096.0, "bytes held in the expert cache"),
     _agent("cache_cap_bytes", "B", 4096.0, "expert cache cap", "cap_bytes"),
     _agent("cache_cap_min_bytes", "B", 1.0, "smallest cache cap the agent accepts now", "cap_min_bytes"),
-    _agent("cache_cap_max_bytes", "B", 1.0, "largest cache cap the agent accepts now: 70% of its memory limit less what the "
-           "model keeps besides the slots",
-           "cap_max_bytes"),
+    _agent("cache_cap_max_bytes", "B", 1.0, "largest cache cap the agent accepts now: 70% of its memory limit "
+           "less what the model keeps besides the slots", "cap_max_bytes"),
     _agent("reread_share", "fraction", 0.001, "share of cache misses re-reading a block evicted within the "
            "cache's last capacity evictions"),
     _agent("read_latency_s", "s", 1e-6, "mean expert read latency"),
