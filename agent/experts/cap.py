@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 from agent.experts.layout import CONFIG, DENSE, Index
 from agent.model.config import MoEConfig
