@@ -28,14 +28,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from agent.experts.cap import parse_cap  # noqa: E402
-from agent.experts.layout import DENSE, EXPERTS, INDEX, Index  # noqa: E402
+from agent.experts.layout import EXPERTS, INDEX, Index  # noqa: E402
 from agent.experts.reader import IO_THREADS  # noqa: E402
 from agent.tokenizer import load_tokenizer  # noqa: E402
 from bench.common import machine, write_results  # noqa: E402
 from bench.loader import best_raw_read  # noqa: E402
-from bench.memory import MemoryCgroup  # noqa: E402
-from bench.scale import (CHUNK, CONFIGS, DEFAULT_TRACES, PROMPT, WORKING_MEMORY, compute_bound,  # noqa: E402
-                         limit_tok_s, run_config)
+from bench.memory import MemoryCgroup, device_memory  # noqa: E402
+from bench.scale import CHUNK, CONFIGS, DEFAULT_TRACES, PROMPT, compute_bound, limit_tok_s, run_config  # noqa: E402
 
 STORES = ("bf16", "int8")
 
@@ -89,7 +88,7 @@ def main() -> int:
     if Index.load(args.int8 / INDEX).quant != "int8" or index.quant is not None:
         raise SystemExit(f"{args.int8} must be an int8 store and {args.plain} an unquantized one")
     cap = parse_cap("25%", index.nbytes * len(index.blocks))
-    cgroup = MemoryCgroup(cap + (args.plain / DENSE).stat().st_size + WORKING_MEMORY)
+    cgroup = MemoryCgroup(device_memory(args.plain, cap))   # the same limit as bench/scale.py's
     print(cgroup.describe())
     prompt_ids = load_tokenizer(args.plain).encode(PROMPT)
     configs = [CONFIGS[c] for c in args.configs.split(",")]
