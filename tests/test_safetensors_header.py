@@ -2,9 +2,9 @@
 reference library (`safetensors.torch.save` writes, `safetensors.deserialize` reads).
 
 Files the reference writes read back exactly. Any damaged file (the header respaced, a dtype swapped for
-another of its size, an entry or field replaced by an arbitrary JSON value, offsets moved, a wrong
-length prefix, a truncation, a flipped header byte) is either read consistently or refused with one
-CheckpointError line, and never refused when the reference reads it.
+another of its size, an entry or field replaced by an arbitrary JSON value, offsets moved or a tensor's
+span shifted whole, a wrong length prefix, a truncation, a flipped header byte) is either read
+consistently or refused with one CheckpointError line, and never refused when the reference reads it.
 """
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def damaged_files(draw) -> bytes:
     n = int.from_bytes(raw[:8], "little")
     header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
     name = draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")))
-    how = draw(st.sampled_from(["respaced", "dtype", "entry", "field", "offsets", "length", "truncate", "byte"]))
+    how = draw(st.sampled_from(["respaced", "dtype", "entry", "field", "offsets", "shift", "length", "truncate",
+                                "byte"]))
     if how == "dtype":  # another code of the same size: still a file the reference reads
         size = ITEMSIZES[header[name]["dtype"]]
         header[name]["dtype"] = draw(st.sampled_from(sorted(c for c, s in ITEMSIZES.items() if s == size)))
@@ -74,7 +75,11 @@ def damaged_files(draw) -> bytes:
         header[name][draw(st.sampled_from(["dtype", "shape", "data_offsets"]))] = draw(JSON_VALUES)
     elif how == "offsets":
         header[name]["data_offsets"] = draw(st.lists(st.integers(-8, len(data) + 8), min_size=2, max_size=2))
-    if how in ("respaced", "dtype", "entry", "field", "offsets"):
+    elif how == "shift":  # the same length elsewhere: over a neighbour's bytes, or past the end
+        begin, end = header[name]["data_offsets"]
+        delta = draw(st.integers(-begin, len(data) - begin))
+        header[name]["data_offsets"] = [begin + delta, end + delta]
+    if how in ("respaced", "dtype", "entry", "field", "offsets", "shift"):
         text = json.dumps(header, indent=draw(st.none() | st.integers(0, 2))).encode()
         return len(text).to_bytes(8, "little") + text + data
     if how == "length":
