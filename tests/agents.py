@@ -158,14 +158,15 @@ def start_collector(agent: Agent, workdir: Path) -> subprocess.Popen:
     return spawn([*CLI, "collect", "--db", str(agent.db), "--pid-file", str(agent.pid_file)], workdir / "collector.log")
 
 
-def start_dashboard(agent: Agent, workdir: Path, token: str) -> tuple[subprocess.Popen, str]:
-    """The Streamlit dashboard on a free loopback port over the agent's store, with its control token;
-    returns once it answers, with its URL."""
-    port, log = free_port(), workdir / "dashboard.log"
+def start_dashboard(db: Path, agent_url: str, workdir: Path, token: str) -> tuple[subprocess.Popen, str]:
+    """The Streamlit dashboard on a free loopback port over the store `db` and the agent at `agent_url`,
+    with its control token; returns once it answers, with its URL."""
+    port = free_port()
+    log = workdir / f"dashboard-{port}.log"
     proc = spawn([str(Path(sys.executable).with_name("streamlit")), "run", str(ROOT / "dashboard" / "app.py"),
                   "--server.headless", "true", "--server.port", str(port), "--server.address", "127.0.0.1",
                   "--browser.gatherUsageStats", "false"], log,
-                 env={"FLASHMOE_DB": str(agent.db), "FLASHMOE_AGENT_URL": agent.url, "FLASHMOE_TOKEN": token})
+                 env={"FLASHMOE_DB": str(db), "FLASHMOE_AGENT_URL": agent_url, "FLASHMOE_TOKEN": token})
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/_stcore/health", proc, log)
     return proc, url

@@ -24,7 +24,9 @@ import pytest
 from playwright.sync_api import BrowserContext, Page, expect, sync_playwright
 
 from agents import demo_model, start_agent, start_collector, start_dashboard, stop
+from bench import synthetic
 from dashboard import pages
+from store import diagnosis
 from store.units import human
 from test_dashboard_agent import TOKEN
 
@@ -82,7 +84,7 @@ def product(tmp_path_factory) -> Iterator[dict[str, str]]:
     agent = start_agent(demo_model(tmp_path_factory), root, "--token", TOKEN)      # control calls need the token
     collector = start_collector(agent, root)
     try:
-        dashboard, dash_url = start_dashboard(agent, root, TOKEN)
+        dashboard, dash_url = start_dashboard(agent.db, agent.url, root, TOKEN)
     except BaseException:
         for proc in (collector, agent.proc):
             stop(proc)
@@ -159,6 +161,34 @@ def test_the_cap_set_with_the_tuning_pages_slider_reaches_the_agent(product, pag
     row = page.locator("table tr", has_text="cache_cap_bytes")
     expect(row).to_contain_text(human(new, "B"), timeout=RENDER_TIMEOUT_MS)
     page.screenshot(path=str(screenshot_dir(product) / "dashboard-tuning-applied.png"), full_page=True)
+
+
+def test_the_memory_pages_one_click_fix_reaches_the_agent(product, browser_context, tmp_path):
+    """A second dashboard over a store of a thrashing agent (bench/synthetic.py's), in front of the real
+    agent: the Memory page names the verdict, its button applies the smaller cap the agent allows,
+    and the page shows the agent's answer."""
+    thrash_db = tmp_path / "thrash.db"
+    synthetic.write(str(thrash_db), synthetic.Spec(start=time.time() - 300, seconds=300, memory="agent thrashing"))
+    knobs_url = f"{product['agent']}/v1/knobs"
+    cap = httpx.get(knobs_url).json()["cache_cap_bytes"]
+    expected = max(cap["min"], int(cap["value"] * diagnosis.SHRINK) // MIB * MIB)
+    dashboard, dash_url = start_dashboard(thrash_db, product["agent"], tmp_path, TOKEN)
+    page = browser_context.new_page()
+    try:
+        page.goto(f"{dash_url}/{pages.page('memory').url_path}")
+        expect(page.get_by_text("Agent thrashing").first).to_be_visible(timeout=RENDER_TIMEOUT_MS)
+        page.get_by_role("button", name=f"Apply: cache_cap_bytes = {human(expected, 'B')}").click()
+        expect(page.get_by_text(f"accepted: cache_cap_bytes = {human(expected, 'B')}")).to_be_visible(
+            timeout=RENDER_TIMEOUT_MS)
+        assert httpx.get(knobs_url).json()["cache_cap_bytes"]["value"] == expected
+        expect(page.get_by_text("Since the change:")).to_be_visible(timeout=RENDER_TIMEOUT_MS)
+        page.screenshot(path=str(screenshot_dir(product) / "dashboard-memory-fix.png"), full_page=True)
+    finally:
+        page.close()
+        stop(dashboard)
+        restored = httpx.put(knobs_url, json={"cache_cap_bytes": cap["value"]}, timeout=90,
+                             headers={"Authorization": f"Bearer {TOKEN}"})
+        assert restored.status_code == 200, restored.text
 
 
 def choose(page: Page, label: str, option: str) -> None:
