@@ -12,6 +12,7 @@ from dataclasses import dataclass
 BINARY = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 TIME = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
 WHOLE = {"count": "", "bits": "", "degC": "°C", "°C": "°C"}     # counted or read in whole units
+MISSING = "–"             # a value not known, in text and in tables
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class Display:
 
     def text(self, value: float | None) -> str:
         if value is None or not math.isfinite(value):
-            return "–"
+            return MISSING
         return f"{value * self.factor:,.{self.decimals}f} {self.label}".rstrip()
 
     def tick_format(self) -> str:

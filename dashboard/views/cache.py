@@ -7,7 +7,7 @@ import time
 import streamlit as st
 
 from dashboard import auth, components, data, figures, settings, sweep, transforms
-from store.units import human
+from store.units import MISSING, human
 
 TIME_BUCKETS = 60
 
@@ -88,7 +88,8 @@ def online_learning() -> None:
         st.dataframe([{"update": u["number"], "at step": u["step"], "decisions": u["decisions"],
                        "CPU s": round(u["cpu_s"], 1), "judged": u["number"] - 1 if u["judged_steps"] else None,
                        "its hit rate": u["new_hit_rate"], "without it": u["old_hit_rate"],
-                       "rolled back": u["rolled_back"]} for u in reversed(learning["recent"])], key="online-updates")
+                       "rolled back": u["rolled_back"]} for u in reversed(learning["recent"])], key="online-updates",
+                     placeholder=MISSING)
 
 
 @st.fragment(run_every=components.refresh_every())

@@ -7,6 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import auth, components, data, fleet, timerange, transforms
+from store.units import MISSING
 
 prometheus_url, tokens_file, default_token = fleet.settings()
 
@@ -55,7 +56,8 @@ def overview(url: str) -> None:
     for name in fleet.duplicate_names(rows):
         st.warning(f"Two agents call themselves {name!r}: their figures are summed; give each its own "
                    f"`serve --device-name`.", icon=":material/warning:")
-    st.dataframe(table(rows), hide_index=True, width="stretch", column_config=COLUMNS)
+    st.dataframe(table(rows), hide_index=True, width="stretch", column_config=COLUMNS,
+                 placeholder=MISSING)
     if all(d.hit_rate is None for d in rows if d.up):
         st.caption("No recorded figures yet: they appear a few scrapes after traffic starts, once Prometheus "
                    "evaluates examples/alerts.yml (its `rule_files`).")
@@ -94,7 +96,7 @@ def current(device: str, knobs: dict[str, Any] | str, name: str) -> dict[str, st
         return {"device": device, "now": "unknown", "allowed": knobs}
     spec = knobs.get(name)
     if spec is None:
-        return {"device": device, "now": "no such knob", "allowed": "–"}
+        return {"device": device, "now": "no such knob", "allowed": MISSING}
     return {"device": device, "now": transforms.value_text(name, spec["value"]), "allowed": transforms.bounds_text(spec)}
 
 
