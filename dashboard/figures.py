@@ -32,7 +32,7 @@ class Marker:
 
 @dataclass(frozen=True)
 class Threshold:
-    """A dashed horizontal line at `value` (in the series' stored unit), labelled `text`."""
+    """A dashed horizontal line at `value` (in the series' stored unit) for `text`, what it bounds."""
     value: float
     text: str
 
@@ -86,10 +86,13 @@ def time_chart(series: Mapping[str, Sequence[BandRow]], title: str, unit: str, s
         dash = (dashes or {}).get(name, "solid")
         fig.add_trace(go.Scatter(x=t, y=[r[2] * shown.factor for r in rows], mode=mode, name=name,
                                  legendgroup=name, line=dict(dash=dash), hovertemplate=hover))
+    same: dict[float, list[str]] = {}          # one line, one label, for thresholds at the same value
     for th in thresholds:
-        fig.add_hline(y=th.value * shown.factor, line=dict(color=THRESHOLD_COLOUR, width=1, dash="dash"),
-                      annotation=dict(text=f"{th.text} {shown.text(th.value)}", font=dict(color=THRESHOLD_COLOUR,
-                                                                                         size=11)),
+        same.setdefault(th.value, []).append(th.text)
+    for value, texts in same.items():
+        fig.add_hline(y=value * shown.factor, line=dict(color=THRESHOLD_COLOUR, width=1, dash="dash"),
+                      annotation=dict(text=f"threshold {shown.text(value)}: {', '.join(texts)}",
+                                      font=dict(color=THRESHOLD_COLOUR, size=11)),
                       annotation_position="top left")
     return _time_axes(_layout(fig, title, shown.label), since, until, shown, markers)
 

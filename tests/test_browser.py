@@ -100,7 +100,9 @@ def product(tmp_path_factory) -> Iterator[dict[str, str]]:
 def browser_context(product) -> Iterator[BrowserContext]:
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        yield browser.new_context(viewport={"width": 1600, "height": 1100})
+        context = browser.new_context(viewport={"width": 1600, "height": 1100})
+        context.set_default_timeout(RENDER_TIMEOUT_MS)     # a click waits for Streamlit's rerun; slow under load
+        yield context
         browser.close()
 
 
@@ -126,6 +128,12 @@ DRAWN = """n => { const plots = [...document.querySelectorAll('.js-plotly-plot')
         && p.querySelector('.main-svg')?.getBoundingClientRect().width > 0); }"""
 
 
+def picture(page: Page, path: Path) -> None:
+    """A full-page screenshot once no element is stale (faded while a rerun replaces it)."""
+    page.wait_for_function("() => !document.querySelector('[data-stale=\"true\"]')", timeout=RENDER_TIMEOUT_MS)
+    page.screenshot(path=str(path), full_page=True)
+
+
 def charts_drawn(page: Page, n: int) -> None:
     """Wait until the page shows exactly `n` plotly charts and plotly has drawn every one (its layout
     computed and its SVG laid out). The wait is on that condition, not a pause, so a loaded machine
@@ -143,7 +151,7 @@ def test_every_page_renders_its_charts_with_real_traffic(product, page):
         if shown.key == "ssd":        # SMART values, or the collector's statement of why there are none
             expect(page.get_by_text("Temperature").or_(page.get_by_text("cannot read:")).first).to_be_visible()
         name = "dashboard.png" if shown.default else f"dashboard-{shown.key}.png"
-        page.screenshot(path=str(screenshot_dir(product) / name), full_page=True)
+        picture(page, screenshot_dir(product) / name)
 
 
 def test_the_cap_set_with_the_tuning_pages_slider_reaches_the_agent(product, page):
@@ -160,7 +168,7 @@ def test_the_cap_set_with_the_tuning_pages_slider_reaches_the_agent(product, pag
     expect(page.get_by_text(f"accepted: cache_cap_bytes = {human(new, 'B')}")).to_be_visible()
     row = page.locator("table tr", has_text="cache_cap_bytes")
     expect(row).to_contain_text(human(new, "B"), timeout=RENDER_TIMEOUT_MS)
-    page.screenshot(path=str(screenshot_dir(product) / "dashboard-tuning-applied.png"), full_page=True)
+    picture(page, screenshot_dir(product) / "dashboard-tuning-applied.png")
 
 
 def test_the_memory_pages_one_click_fix_reaches_the_agent(product, browser_context, tmp_path):
@@ -182,7 +190,7 @@ def test_the_memory_pages_one_click_fix_reaches_the_agent(product, browser_conte
             timeout=RENDER_TIMEOUT_MS)
         assert httpx.get(knobs_url).json()["cache_cap_bytes"]["value"] == expected
         expect(page.get_by_text("Since the change:")).to_be_visible(timeout=RENDER_TIMEOUT_MS)
-        page.screenshot(path=str(screenshot_dir(product) / "dashboard-memory-fix.png"), full_page=True)
+        picture(page, screenshot_dir(product) / "dashboard-memory-fix.png")
     finally:
         page.close()
         stop(dashboard)

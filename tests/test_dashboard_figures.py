@@ -27,14 +27,16 @@ def test_time_chart_shows_bytes_in_one_binary_unit_with_units_in_ticks_and_toolt
 def test_time_chart_draws_thresholds_and_marks_knob_changes_in_range():
     markers = [figures.Marker(T + 30, "cache_cap_bytes: 4.0 GiB → 3.0 GiB (dashboard)"), figures.Marker(T - 99, "old")]
     fig = figures.time_chart({"agent": ROWS}, "faults", "faults/s", T, T + 60, markers,
-                             [figures.Threshold(50.0, "agent major faults threshold")], bands=False)
+                             [figures.Threshold(50.0, "agent major faults"), figures.Threshold(50.0, "cgroup major faults"),
+                              figures.Threshold(80.0, "other")], bands=False)
     line, notes = fig.data
     assert notes.name == "knob changes" and list(notes.hovertext) == [markers[0].text]
     shapes = {(s.type, s.line.dash) for s in fig.layout.shapes}
     assert ("line", "dash") in shapes and ("line", "dot") in shapes    # the threshold and the knob change
-    threshold = next(s for s in fig.layout.shapes if s.line.dash == "dash")
-    assert threshold.y0 == threshold.y1 == 50.0
-    assert fig.layout.annotations[0].text == "agent major faults threshold 50.0 faults/s"
+    thresholds = [s for s in fig.layout.shapes if s.line.dash == "dash"]
+    assert [(s.y0, s.y1) for s in thresholds] == [(50.0, 50.0), (80.0, 80.0)]   # one line per value, labels joined
+    assert [a.text for a in fig.layout.annotations if a.text.startswith("threshold")] == [
+        "threshold 50.0 faults/s: agent major faults, cgroup major faults", "threshold 80.0 faults/s: other"]
 
 
 def test_quantiles_are_told_apart_by_line_style():

@@ -92,7 +92,7 @@ def answer(accepted: bool, text: str, at: float, series: list[str]) -> None:
 
 def charts(d: thrash.Diagnosis, since: float, until: float) -> None:
     loaded = {s.threshold.series: s.buckets for s in d.signals}
-    lines = {th.series: figures.Threshold(th.limit, f"{th.label} threshold") for th in thrash.THRESHOLDS}
+    lines = {th.series: figures.Threshold(th.limit, th.label) for th in thrash.THRESHOLDS}
     left, right = st.columns(2)
     with left:
         components.series_chart(db, FOOTPRINT, since, until, "Agent memory", "B", dashes=DASHED)
