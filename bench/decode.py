@@ -1,6 +1,6 @@
 """Decode speed and SSD traffic per token at several cache caps, O_DIRECT vs mmap, beside all experts in RAM.
 
-    .venv/bin/python bench/decode.py [--model DIR] [--size default|small] [--tokens 48] [--repeat 2]
+    .venv/bin/python bench/decode.py [--model DIR] [--size default|small] [--tokens 48] [--repeat 2] [--results NAME]
 
 Every configuration runs `run_generate` (what `flashmoe-cli generate` runs) on the same prompt,
 greedy, from a cold cache, and must produce the same tokens as the all-in-RAM run (InMemoryExperts,
@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--scope", choices=("layer", "global"), default="layer",
                         help="cache scope (global lets a cap below top-k per layer run)")
     parser.add_argument("--policy", default="lru", help="replacement policy (default lru, as BENCHMARKS.md's table)")
+    parser.add_argument("--results", default="decode", help="write bench/results/<NAME>.json (default decode)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     store = args.model or init_demo(ROOT / "data" / f"decode-demo-{args.size}", args.size)
@@ -159,10 +160,11 @@ def main() -> None:
           f"{facts['filesystem']}, kernel {facts['kernel']}")
     print_table(rows)
     print()
-    write_results("decode", {"store": str(store), "layers": index.n_layers, "experts": index.n_experts,
-                             "block_bytes": index.nbytes, "tokens": args.tokens, "repeat": args.repeat,
-                             "threads": args.threads, "prefetch": args.prefetch, "scope": args.scope, "policy": args.policy,
-                             "prompt": PROMPT, "machine": facts, "rows": [asdict(r) for r in rows]})
+    write_results(args.results, {"command": " ".join(sys.argv), "store": str(store), "layers": index.n_layers,
+                                 "experts": index.n_experts, "block_bytes": index.nbytes, "tokens": args.tokens,
+                                 "repeat": args.repeat, "threads": args.threads, "prefetch": args.prefetch,
+                                 "scope": args.scope, "policy": args.policy, "prompt": PROMPT, "machine": facts,
+                                 "rows": [asdict(r) for r in rows]})
 
 
 if __name__ == "__main__":
