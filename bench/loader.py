@@ -24,6 +24,7 @@ copy: see bench_store).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import mmap
 import os
@@ -72,6 +73,7 @@ def drop_from_page_cache(store: Path, index: Index, attempts: int = 5) -> None:
     """Start cold: drop experts.bin's pages and check (mincore) that they are gone; readahead still in
     flight when the previous sweep ended can land just after a drop, hence a few attempts."""
     total = index.nbytes * len(index.blocks)
+    gc.collect()  # an earlier run's mmap, kept alive by a reference cycle (the model's), pins its pages until then
     for _ in range(attempts):
         fd = os.open(store / EXPERTS, os.O_RDONLY)
         try:
