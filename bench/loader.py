@@ -1,14 +1,16 @@
 """Loader vs device: expert-miss read throughput through ExpertCache beside a raw O_DIRECT read of the same file.
 
-    .venv/bin/python bench/loader.py [--model DIR] [--repeat 3] [--io-threads 8]
+    .venv/bin/python bench/loader.py [--model DIR] [--repeat 4] [--io-threads 8]
 
 Every cache access is a miss: the cap is the smallest allowed (top-k slots per layer) and one
 sweep routes every (layer, expert) block exactly once, top-k experts per step, in file order
 ("sequential") and in a seeded shuffled order per layer ("shuffled"). The raw reference reads the
 whole experts.bin with O_DIRECT in large aligned chunks at the device's best parallelism: one
 stream, and as many concurrent streams (each a contiguous share of the file) as the cache has I/O
-threads, whichever is faster in that round. Each configuration's sweep directly follows its own raw
-read (the machine is shared; pairing cancels most of the load's drift), and every column comes from
+threads, whichever is faster in that round. Each configuration's sweep is paired with its own raw
+read (the machine is shared; pairing cancels most of the load's drift), the sweep after the raw read
+in even rounds and before it in odd ones (on a virtual disk a read's rate can depend on the reads
+just before it; alternating cancels that over an even --repeat), and every column comes from
 the same pairs: a configuration's MB/s and its raw MB/s are bytes over seconds summed over its
 rounds, and the ratio is their quotient. O_DIRECT needs no cache dropping; the buffered and mmap
 backends start cold because the file's pages are dropped with posix_fadvise(DONTNEED) before each
@@ -180,17 +182,22 @@ def configurations(store: Path, chunk_bytes: int, io_threads: int) -> dict[str, 
 
 
 def run(store: Path, repeat: int, chunk_bytes: int, io_threads: int) -> tuple[list[Row], list[int]]:
-    """Each configuration is measured right after its own raw read, so a pair shares the machine's load.
-    Returns the rows (the raw reads themselves first) and, per raw read, how many streams won."""
+    """Each configuration is measured beside its own raw read (after it in even rounds, before it in odd
+    ones), so a pair shares the machine's load. Returns the rows (the raw reads themselves first) and,
+    per raw read, how many streams won."""
     configs = configurations(store, chunk_bytes, io_threads)
     raw_bytes = (store / EXPERTS).stat().st_size
     pairs: dict[str, list[tuple[int, float, float]]] = {name: [] for name in configs}  # (bytes, seconds, raw seconds)
     winners = []
-    for _ in range(repeat):
+    for round_ in range(repeat):
         for name, (measure, nbytes) in configs.items():
+            sweep_first = round_ % 2 == 1
+            seconds = measure() if sweep_first else 0.0
             raw_s, streams = best_raw_read(store / EXPERTS, chunk_bytes, io_threads)
+            if not sweep_first:
+                seconds = measure()
             winners.append(streams)
-            pairs[name].append((nbytes, measure(), raw_s))
+            pairs[name].append((nbytes, seconds, raw_s))
     return [_row(name, p, raw_bytes) for name, p in pairs.items()], winners
 
 
@@ -204,7 +211,8 @@ def _row(name: str, pairs: list[tuple[int, float, float]], raw_bytes: int) -> Ro
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="an expert store (default: the demo model in data/loader-demo)")
-    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median is reported")
+    parser.add_argument("--repeat", type=int, default=4,
+                        help="interleaved rounds (even, so each order of sweep and raw read is used equally)")
     parser.add_argument("--chunk-mb", type=int, default=16, help="raw read chunk size in MiB")
     parser.add_argument("--io-threads", type=int, default=IO_THREADS, help=f"default {IO_THREADS}, as the agent")
     args = parser.parse_args()
