@@ -233,8 +233,8 @@ def main() -> None:
     for r in rows:
         spread = f"{min(r.rounds_mb_s):.0f}-{max(r.rounds_mb_s):.0f}"
         print(f"{r.config:<{width}}  {r.mb_s:>8.0f}  {r.raw_mb_s:>9.0f}  {r.ratio:>6.2f}  {spread:>13}")
-    print(f"\nraw = the faster of 1 and {args.io_threads} O_DIRECT streams, read just before each sweep "
-          f"({winners.count(1)} of {len(winners)} won by 1 stream).")
+    print(f"\nraw = the faster of 1 and {args.io_threads} O_DIRECT streams, read before each sweep in even rounds "
+          f"and after it in odd ones ({winners.count(1)} of {len(winners)} won by 1 stream).")
     print(f"host cache: one 256 MiB region read twice with O_DIRECT: {first:.0f} then {second:.0f} MB/s"
           f"{' (the host serves repeated reads from its RAM)' if second > 1.5 * first else ''}.")
     print("direct bypasses the page cache; buffered and mmap start cold (posix_fadvise DONTNEED before each sweep).")
