@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from agent.bf16_matvec import linear
 from agent.experts.layout import EXPERTS, INDEX, Index, StoreError, crc32
 from agent.experts.quant import Int8Expert
 
@@ -26,7 +27,7 @@ class ExpertWeights(NamedTuple):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The expert's SwiGLU: x [t, H] -> [t, H]."""
-        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+        return linear(F.silu(linear(x, self.gate)) * linear(x, self.up), self.down)
 
 
 Expert = ExpertWeights | Int8Expert  # what get() returns: called on the tokens routed to it

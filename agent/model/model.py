@@ -19,12 +19,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from agent.bf16_matvec import linear
 from agent.experts.provider import ExpertProvider
 from agent.model.config import MoEConfig
 from agent.model.lookahead import CoActivation, Lookahead, RouterGuess
 from agent.model.profile import Profile
 from agent.model.route_trace import Placement, RouteTrace
 from agent.model.routed import RoutedExperts, Routing
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose one-token bf16 steps take the compiled matvec (agent/bf16_matvec.py)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -101,10 +109,10 @@ class Attention(nn.Module):
     def __init__(self, c: MoEConfig, window: int | None) -> None:
         super().__init__()
         self.c, self.window = c, window
-        self.q_proj = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=c.o_bias)
+        self.q_proj = Linear(c.dim, c.n_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = Linear(c.n_heads * c.head_dim, c.dim, bias=c.o_bias)
         if c.qk_norm == "full":  # OLMoE: over the whole projection
             self.q_norm = RMSNorm(c.n_heads * c.head_dim, c.rms_eps)
             self.k_norm = RMSNorm(c.n_kv_heads * c.head_dim, c.rms_eps)
@@ -149,9 +157,9 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden, bias=False)
+        self.up_proj = Linear(dim, hidden, bias=False)
+        self.down_proj = Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -167,7 +175,7 @@ class Router(nn.Module):
 
     def forward(self, h: Tensor, imposed: Tensor | None = None) -> Routing:
         """Route h [T, D]; `imposed` [T, k] (a route trace) replaces the top-k choice, not the softmax."""
-        probs = F.softmax(F.linear(h, self.weight).float(), dim=-1)  # [T, E]
+        probs = F.softmax(linear(h, self.weight).float(), dim=-1)  # [T, E]
         if imposed is None:
             weights, ids = torch.topk(probs, self.top_k, dim=-1)       # [T, k]
         else:
@@ -227,7 +235,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config, i, store_layer.get(i), self.experts) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.rms_eps)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.dim, config.vocab_size, bias=False)
         self.lookahead.predictor.guesses = {store_layer[d]: self.layers[d + 1].guess
                                             for d in store_layer if d + 1 in store_layer}
         self.route_trace: RouteTrace | None = None
