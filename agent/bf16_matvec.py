@@ -4,8 +4,8 @@ A decode step multiplies each weight matrix by one row of activations, so it is 
 weights: the matrix is read once and every byte is used for one multiply-add. torch 2.13's bf16
 F.linear takes ~1.5 ms for an OLMoE expert's 12.6 MB on this CPU (~8.5 GB/s); the compiled loop here
 widens each weight row to float32 in a small buffer that stays in L1 and dots it with x, at ~14 GB/s
-(bench/matvec.py). With more rows of x torch's blocked GEMM reuses each weight it loads, so it stays
-the faster one; `linear` takes this loop only for a single bf16 row.
+(bench/scale.py measures both on one layer's top-8 experts). With more rows of x torch's blocked GEMM
+reuses each weight it loads and is the faster one, so `linear` takes this loop only for one bf16 row.
 
 Numerics as torch's: products accumulate in float32 and the result is rounded to bf16 once (the
 order of the additions differs, so a result may differ from torch's in its last bf16 bit).

@@ -20,7 +20,8 @@ routing, for a shape no recorded trace fits). Each round measures, interleaved:
 A configuration's limit is 1 / max(compute s/token, its MB missed per token / raw MB/s): perfect
 overlap of reads and compute. Reported: decode tokens/s, its fraction of the limit, MB read and hit
 rate per decode token, where a token's time went, peak RSS and the cgroup's peak against the limit,
-and one layer's experts computed in the stored dtype and in float32 (the slot dtype choice).
+and one layer's experts computed in the stored dtype (the model's matvec and torch's F.linear) and in
+float32 (the slot dtype choice).
 Writes bench/results/scale.json.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
@@ -128,8 +130,9 @@ def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens
 
 
 def slot_dtype_ms(store: Path, repeat: int = 20) -> dict[str, float]:
-    """One token through one layer's top-k experts, one thread: ms in the stored dtype, in float32,
-    and the ms a float32 conversion of one block would add to each miss (the slot dtype choice)."""
+    """One token through one layer's top-k experts, one thread: ms in the stored dtype (as the model
+    computes it, and with torch's own F.linear: agent/bf16_matvec.py's choice), in float32, and the ms
+    a float32 conversion of one block would add to each miss (the slot dtype choice)."""
     experts = OneLayerResident(store)._blocks[:json.loads((store / "config.json").read_text())["num_experts_per_tok"]]
     wide = [ExpertWeights(*(w.float() for w in e)) for e in experts]
     x = torch.randn(1, experts[0].gate.shape[1])
@@ -141,9 +144,16 @@ def slot_dtype_ms(store: Path, repeat: int = 20) -> dict[str, float]:
             fn()
         return (time.perf_counter() - start) / repeat * 1000
     stored = experts[0].gate.dtype
-    return {f"{stored}".removeprefix("torch."): ms(lambda: [e(x.to(stored)) for e in experts]),
+    name = f"{stored}".removeprefix("torch.")
+    return {name: ms(lambda: [e(x.to(stored)) for e in experts]),
+            f"{name}_torch": ms(lambda: [torch_swiglu(e, x.to(stored)) for e in experts]),
             "float32": ms(lambda: [e(x) for e in wide]),
             "convert_one_block": ms(lambda: [w.float() for w in experts[0]])}
+
+
+def torch_swiglu(e: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
+    """An expert's SwiGLU with torch's F.linear throughout (what ExpertWeights did before its matvec)."""
+    return F.linear(F.silu(F.linear(x, e.gate)) * F.linear(x, e.up), e.down)
 
 
 def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, traces: list[Path],

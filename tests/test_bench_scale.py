@@ -36,7 +36,7 @@ def test_one_round_of_compute_and_a_configuration(shaped):
     store, traces = shaped
     prompt = [5, 6, 7]
     assert scale.compute_bound(store, traces, prompt, tokens=4) > 0
-    assert set(scale.slot_dtype_ms(store, repeat=2)) == {"bfloat16", "float32", "convert_one_block"}
+    assert set(scale.slot_dtype_ms(store, repeat=2)) == {"bfloat16", "bfloat16_torch", "float32", "convert_one_block"}
     cgroup = MemoryCgroup(device_memory(store, 4 * 2**20))
     try:
         run = scale.run_config(store, scale.CONFIGS["b"], 0, cgroup, traces, prompt, tokens=4, threads=1)
