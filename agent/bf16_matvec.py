@@ -38,8 +38,9 @@ def _matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias); one row of bf16 x [1, in] against a contiguous bf16 weight takes the loop."""
-    if not (x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1
-            and weight.is_contiguous() and not torch.is_grad_enabled()):
+    recorded = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)   # autograd needs torch's op
+    if recorded or not (x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1
+                        and weight.is_contiguous()):
         return F.linear(x, weight, bias)
     out = torch.zeros(weight.shape[0]) if bias is None else bias.to(torch.float32, copy=True)  # added before rounding
     _matvec(weight.detach().view(torch.uint16).numpy(), x[0].float().contiguous().numpy(), out.numpy())

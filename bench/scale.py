@@ -12,7 +12,8 @@ routing, for a shape no recorded trace fits). Each round measures, interleaved:
   whether the (virtual) disk's host serves repeated reads from its own RAM;
 - compute: the same greedy decode with every expert resident (each layer served by one layer's
   blocks held in RAM: the same shapes, dtype and matmuls, no SSD), in this process, with one torch
-  thread and with --threads; the faster is the compute bound;
+  thread and with --threads; the faster is the compute bound; and with one thread and torch's own
+  F.linear for every linear (the A/B of agent/bf16_matvec.py's one-token matvec);
 - (a) the learned policy + lookahead prefetch, O_DIRECT; (b) LRU + prefetch, O_DIRECT; (c) mmap of
   the store, the page cache decides, no prefetch; (d) = (a) with --threads torch threads for the
   matmuls (the reads wait in the kernel meanwhile): each `flashmoe-cli generate` in its own process
@@ -34,6 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,6 +46,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
+import agent.experts.provider  # noqa: E402
+import agent.model.model  # noqa: E402
 from agent.experts.cap import parse_cap  # noqa: E402
 from agent.experts.layout import DENSE, EXPERTS, INDEX, Index, crc32  # noqa: E402
 from agent.experts.provider import ExpertWeights, block_views  # noqa: E402
@@ -127,6 +132,20 @@ def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens
         return generate(model, prompt_ids, tokens, greedy=True, prefill_chunk=1).decode_tokens_per_s
     finally:
         torch.set_num_threads(1)
+
+
+@contextmanager
+def torch_linears() -> Iterator[None]:
+    """The model computes every linear with torch's F.linear, as before agent/bf16_matvec.py (the A/B)."""
+    modules = (agent.model.model, agent.experts.provider)
+    saved = [m.linear for m in modules]
+    for m in modules:
+        m.linear = F.linear
+    try:
+        yield
+    finally:
+        for m, f in zip(modules, saved):
+            m.linear = f
 
 
 def slot_dtype_ms(store: Path, repeat: int = 20) -> dict[str, float]:
@@ -224,11 +243,15 @@ def main() -> int:
             host = host_cache_check(store / EXPERTS, CHUNK)
             by_threads = {t: compute_bound(store, traces, prompt_ids, args.tokens, t) for t in dict.fromkeys((1, args.threads))}
             compute_tok_s = max(by_threads.values())
+            with torch_linears():
+                torch_tok_s = compute_bound(store, traces, prompt_ids, args.tokens)
             r = {"round": n, "raw_mb_s": (store / EXPERTS).stat().st_size / raw_s / 1e6, "raw_streams": streams,
                  "host_cache_mb_s": host, "compute_tok_s": compute_tok_s, "compute_tok_s_by_threads": by_threads,
+                 "compute_tok_s_torch_linear": torch_tok_s,
                  "slot_dtype_ms": slot_dtype_ms(store), "runs": []}
             print(f"round {n + 1}: raw {r['raw_mb_s']:.0f} MB/s ({streams} stream(s)); the same region twice "
-                  f"{host[0]:.0f} / {host[1]:.0f} MB/s; compute-only tok/s by threads {by_threads}; "
+                  f"{host[0]:.0f} / {host[1]:.0f} MB/s; compute-only tok/s by threads {by_threads}, "
+                  f"{torch_tok_s:.2f} with torch's F.linear for every linear; "
                   f"one layer's experts for a token, ms: {r['slot_dtype_ms']}", flush=True)
             for config in chosen:
                 run = run_config(store, config, n, cgroup, traces, prompt_ids, args.tokens, args.threads)
@@ -254,6 +277,7 @@ def summarize(rounds: list[dict]) -> dict:
     """Per configuration: medians over rounds; ratios (a)/(c) and (a)/(b) of tokens/s within rounds."""
     med = statistics.median
     out = {"raw_mb_s": med(r["raw_mb_s"] for r in rounds), "compute_tok_s": med(r["compute_tok_s"] for r in rounds),
+           "compute_tok_s_torch_linear": med(r["compute_tok_s_torch_linear"] for r in rounds),
            "configs": {}}
     names = [run["config"] for run in rounds[0]["runs"]]
     for name in names:
@@ -283,7 +307,8 @@ def print_table(summary: dict, cgroup: MemoryCgroup, facts: dict, args: argparse
     print(f"\n{facts['config'].get('model_type')} {facts['config'].get('num_hidden_layers')} layers, "
           f"{facts['expert_bytes'] / 1e9:.1f} GB of experts; cap 25%; {args.tokens} tokens; {args.rounds} rounds; "
           f"{_routing(args.route_trace)}; raw {summary['raw_mb_s']:.0f} MB/s; "
-          f"compute-only {summary['compute_tok_s']:.2f} tok/s; {cgroup.describe()}")
+          f"compute-only {summary['compute_tok_s']:.2f} tok/s ({summary['compute_tok_s_torch_linear']:.2f} with torch's "
+          f"F.linear); {cgroup.describe()}")
     print(f"{'configuration':<34} {'tok/s':>6} {'limit':>6} {'x limit':>7} {'MB/tok':>7} {'hit':>6} {'own ms':>7} "
           f"{'peak RSS':>9} {'cgroup peak':>11} {'of memory':>9}")
     for name, c in summary["configs"].items():

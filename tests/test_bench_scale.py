@@ -6,11 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.nn.functional as F
 from test_model_parity import one_torch_thread  # noqa: F401  (autouse fixture)
 from test_route_trace import records, write_trace
 from test_shapes import tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from agent import bf16_matvec  # noqa: E402
 from agent.convert import convert  # noqa: E402
 from agent.shapes import write_checkpoint  # noqa: E402
 from bench import scale  # noqa: E402
@@ -36,6 +38,10 @@ def test_one_round_of_compute_and_a_configuration(shaped):
     store, traces = shaped
     prompt = [5, 6, 7]
     assert scale.compute_bound(store, traces, prompt, tokens=4) > 0
+    with scale.torch_linears():                                           # the A/B: torch's F.linear throughout
+        assert scale.agent.model.model.linear is F.linear and scale.agent.experts.provider.linear is F.linear
+        assert scale.compute_bound(store, traces, prompt, tokens=4) > 0
+    assert scale.agent.model.model.linear is bf16_matvec.linear
     assert set(scale.slot_dtype_ms(store, repeat=2)) == {"bfloat16", "bfloat16_torch", "float32", "convert_one_block"}
     cgroup = MemoryCgroup(device_memory(store, 4 * 2**20))
     try:
@@ -51,7 +57,7 @@ def test_summary_takes_medians_and_ratios_within_rounds():
     def run(config, tok_s):
         return {"config": config, "decode_tok_s": tok_s, "limit_tok_s": 2.0, "mb_per_token": 10.0, "hit_rate": 0.5,
                 "peak_rss_bytes": 1, "cgroup_peak_bytes": 2, "profile_ms": {"wait": tok_s}}
-    rounds = [{"raw_mb_s": r, "compute_tok_s": 3.0, "runs": [run("a: x", 1.0 * r), run("c: y", 0.25 * r)]}
+    rounds = [{"raw_mb_s": r, "compute_tok_s": 3.0, "compute_tok_s_torch_linear": 1.0, "runs": [run("a: x", 1.0 * r), run("c: y", 0.25 * r)]}
               for r in (1, 2, 4)]
     s = scale.summarize(rounds)
     assert s["configs"]["a: x"]["decode_tok_s"] == 2.0 and s["configs"]["a: x"]["of_limit"] == 1.0

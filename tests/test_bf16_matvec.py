@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from agent import bf16_matvec
 from agent.bf16_matvec import linear
 
 
@@ -22,8 +23,7 @@ def test_one_bf16_row_is_the_exact_product_rounded_once(rows, cols, with_bias):
     bias = torch.randn(rows, generator=g).bfloat16() if with_bias else None
     before = None if bias is None else bias.clone()
     exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
-    with torch.inference_mode():
-        got = linear(x, w, bias)
+    got = linear(x, w, bias)   # no tensor requires grad: no inference mode needed
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows)
     assert ((got.double() - exact).abs() <= bf16_ulp(exact)).all()   # float32 sums, one rounding to bf16
     assert bias is None or torch.equal(bias, before)
@@ -40,4 +40,19 @@ def test_other_inputs_are_torchs_own_linear():
             assert torch.equal(linear(x, weight), F.linear(x, weight))
     x = torch.randn(1, 64).bfloat16()
     param = torch.nn.Parameter(w)
-    assert linear(x, param).requires_grad                              # with autograd on, torch computes it
+    assert linear(x, param).requires_grad                              # autograd records: torch computes it
+    with torch.inference_mode():
+        assert not linear(x, param).requires_grad                      # a model's weights at inference: the loop
+
+
+def test_the_loop_serves_inference_and_plain_tensors(monkeypatch):
+    calls = []
+    real = bf16_matvec._matvec
+    monkeypatch.setattr(bf16_matvec, "_matvec", lambda *a: calls.append(1) or real(*a))
+    param = torch.nn.Parameter(torch.randn(32, 64).bfloat16())
+    x = torch.randn(1, 64).bfloat16()
+    linear(x, param.detach())
+    with torch.inference_mode():
+        linear(x, param)
+    linear(x, param)                                                   # autograd records this one: torch
+    assert len(calls) == 2
