@@ -30,6 +30,7 @@ import gc
 import json
 import mmap
 import os
+import queue
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -42,7 +43,7 @@ import numpy as np
 from agent.demo import init_demo
 from agent.experts.cache import ExpertCache
 from agent.experts.cap import cap_bounds
-from agent.experts.layout import CONFIG, EXPERTS, INDEX, Index
+from agent.experts.layout import CONFIG, EXPERTS, INDEX, Block, Index
 from agent.experts.reader import IO_THREADS, MmapReader
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,6 +123,35 @@ def _read_range(fd: int, chunk_bytes: int, offset: int, end: int) -> int:
         view.release()
         buf.close()
     return done
+
+
+def raw_block_read(path: Path, index: Index, streams: int, seed: int = 0) -> float:
+    """Seconds to read every expert block once with O_DIRECT, whole (its slot's extent), in a shuffled
+    order with `streams` reads in flight: the cache's own pattern of misses, without the cache."""
+    order = np.random.default_rng(seed).permutation(len(index.blocks))
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buffers = [mmap.mmap(-1, index.slot_bytes) for _ in range(streams)]
+    free = queue.SimpleQueue()
+    for buf in buffers:
+        free.put(buf)
+
+    def read(block: Block) -> int:
+        buf = free.get()
+        try:
+            return os.preadv(fd, [buf], block.offset)
+        finally:
+            free.put(buf)
+    try:
+        began = time.perf_counter()
+        with ThreadPoolExecutor(streams) as pool:
+            done = list(pool.map(read, (index.blocks[i] for i in order)))
+        elapsed = time.perf_counter() - began
+    finally:
+        os.close(fd)
+        for buf in buffers:
+            buf.close()
+    assert all(n >= index.nbytes for n in done), "a raw block read ended early"
+    return elapsed
 
 
 def best_raw_read(path: Path, chunk_bytes: int, streams: int) -> tuple[float, int]:

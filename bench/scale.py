@@ -8,8 +8,10 @@ its routing follows recorded real routing traces (`--route-trace`, by default OL
 traces, which the learned policy never saw; `--route-trace` with no file: the random router's own
 routing, for a shape no recorded trace fits). Each round measures, interleaved:
 - raw: the expert file read whole with O_DIRECT at the device's best parallelism (the faster of one
-  stream and as many streams as the cache has I/O threads), and one region read twice to see
-  whether the (virtual) disk's host serves repeated reads from its own RAM;
+  stream and as many streams as the cache has I/O threads, in file order), and as the cache reads
+  it (every block whole, in a shuffled order, as many in flight as it has I/O threads); the faster
+  is the raw bandwidth; and one region read twice to see whether the (virtual) disk's host serves
+  repeated reads from its own RAM;
 - compute: the same greedy decode with every expert resident (each layer served by one layer's
   blocks held in RAM: the same shapes, dtype and matmuls, no SSD), in this process, with one torch
   thread and with --threads; the faster is the compute bound; and with one thread and torch's own
@@ -56,7 +58,7 @@ from agent.model.generation import generate  # noqa: E402
 from agent.model.loading import load_model  # noqa: E402
 from agent.tokenizer import load_tokenizer  # noqa: E402
 from bench.common import machine, write_results  # noqa: E402
-from bench.loader import best_raw_read, host_cache_check  # noqa: E402
+from bench.loader import best_raw_read, host_cache_check, raw_block_read  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory, drop_page_cache  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
@@ -240,16 +242,20 @@ def main() -> int:
     try:
         for n in range(args.rounds):
             raw_s, streams = best_raw_read(store / EXPERTS, CHUNK, IO_THREADS)
+            blocks_s = raw_block_read(store / EXPERTS, index, IO_THREADS)
             host = host_cache_check(store / EXPERTS, CHUNK)
             by_threads = {t: compute_bound(store, traces, prompt_ids, args.tokens, t) for t in dict.fromkeys((1, args.threads))}
             compute_tok_s = max(by_threads.values())
             with torch_linears():
                 torch_tok_s = compute_bound(store, traces, prompt_ids, args.tokens)
-            r = {"round": n, "raw_mb_s": (store / EXPERTS).stat().st_size / raw_s / 1e6, "raw_streams": streams,
+            file_mb_s, blocks_mb_s = (store / EXPERTS).stat().st_size / raw_s / 1e6, expert_bytes / blocks_s / 1e6
+            r = {"round": n, "raw_mb_s": max(file_mb_s, blocks_mb_s), "raw_file_mb_s": file_mb_s, "raw_streams": streams,
+                 "raw_blocks_mb_s": blocks_mb_s,
                  "host_cache_mb_s": host, "compute_tok_s": compute_tok_s, "compute_tok_s_by_threads": by_threads,
                  "compute_tok_s_torch_linear": torch_tok_s,
                  "slot_dtype_ms": slot_dtype_ms(store), "runs": []}
-            print(f"round {n + 1}: raw {r['raw_mb_s']:.0f} MB/s ({streams} stream(s)); the same region twice "
+            print(f"round {n + 1}: raw {file_mb_s:.0f} MB/s in file order ({streams} stream(s)), {blocks_mb_s:.0f} MB/s "
+                  f"as shuffled whole blocks ({IO_THREADS} in flight); the same region twice "
                   f"{host[0]:.0f} / {host[1]:.0f} MB/s; compute-only tok/s by threads {by_threads}, "
                   f"{torch_tok_s:.2f} with torch's F.linear for every linear; "
                   f"one layer's experts for a token, ms: {r['slot_dtype_ms']}", flush=True)

@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent import bf16_matvec  # noqa: E402
 from agent.convert import convert  # noqa: E402
 from agent.shapes import write_checkpoint  # noqa: E402
-from bench import scale  # noqa: E402
+from agent.experts.layout import EXPERTS, INDEX, Index  # noqa: E402
+from bench import loader, scale  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory  # noqa: E402
 
 
@@ -51,6 +52,16 @@ def test_one_round_of_compute_and_a_configuration(shaped):
     assert run.mb_per_token > 0 and 0 <= run.hit_rate <= 1 and len(run.token_ids) == 4
     assert run.peak_rss_bytes > 50 * 2**20                                # a whole python + torch process
     assert set(run.profile_ms) >= {"attention", "router", "route", "wait", "experts", "head", "crc", "policy"}
+
+
+def test_raw_block_read_reads_every_block_and_refuses_a_short_file(shaped, tmp_path):
+    store, _ = shaped
+    index = Index.load(store / INDEX)
+    assert loader.raw_block_read(store / EXPERTS, index, streams=3) > 0
+    short = tmp_path / "short.bin"
+    short.write_bytes((store / EXPERTS).read_bytes()[:index.blocks[-1].offset + index.nbytes // 2])
+    with pytest.raises(AssertionError, match="ended early"):
+        loader.raw_block_read(short, index, streams=3)
 
 
 def test_summary_takes_medians_and_ratios_within_rounds():
