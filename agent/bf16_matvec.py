@@ -19,11 +19,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-@numba.njit(cache=True, fastmath=True, nogil=True, boundscheck=False)
+@numba.njit(cache=True, fastmath={"reassoc", "contract"}, nogil=True, boundscheck=False)
 def _matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[i] += sum_j w[i, j] * x[j]: w [R, C] the bf16 bit patterns (uint16), x [C] and out [R] float32.
 
-    fastmath lets LLVM split the sum over vector lanes; nogil lets the cache's I/O threads run."""
+    Reassociation lets LLVM split the sum over vector lanes (no fastmath flag assumes NaN or infinity
+    away: they propagate as in torch); nogil lets the cache's I/O threads run."""
     rows, cols = w.shape
     bits = np.empty(cols, np.uint32)
     row = bits.view(np.float32)                   # a bf16 is the top half of a float32

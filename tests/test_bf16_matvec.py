@@ -56,3 +56,14 @@ def test_the_loop_serves_inference_and_plain_tensors(monkeypatch):
         linear(x, param)
     linear(x, param)                                                   # autograd records this one: torch
     assert len(calls) == 2
+
+
+def test_nan_and_infinity_propagate_as_in_torch():
+    w = torch.randn(8, 40).bfloat16()
+    x = torch.randn(1, 40).bfloat16()
+    x[0, 3] = float("nan")
+    assert linear(x, w).isnan().all()
+    w[2, 7] = float("inf")
+    x[0, 3], x[0, 7] = 1.0, 1.0
+    got = linear(x, w)
+    assert got[0, 2] == float("inf") and got[0, [0, 1, 3, 4, 5, 6, 7]].isfinite().all()
