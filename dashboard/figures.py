@@ -11,16 +11,25 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
+import numpy as np
 import plotly.graph_objects as go
 
 from store.units import Display, display
 
 BandRow = tuple[float, float, float, float]   # (t, min, avg, max) per downsampling bucket
-HEIGHT = 300
+HEIGHT = 300              # of the plot and its axes; a legend's rows add to it
+LEGEND_ROW_PX = 22
+LEGEND_COLUMNS = 2
 DASHES = ("solid", "dash", "dot", "dashdot")   # P50, P95, P99...: told apart without colour too
+# Streamlit's palette, strongest first: neighbouring lines differ, and each band takes its line's colour
+PALETTE = ("#0068c9", "#ff2b2b", "#29b09d", "#ff8700", "#6d3fc0", "#83c9ff", "#ffabab", "#7defa1", "#ffd16a",
+           "#d5dae5")
 MARKER_COLOUR = "rgba(120, 120, 120, 0.6)"
 THRESHOLD_COLOUR = "#d62728"
+BANDS = "min–max per point"   # one legend entry shows or hides every line's band
+LAST = 2000                   # legendrank after the lines (plotly's default is 1000)
 
 
 @dataclass(frozen=True)
@@ -41,60 +50,82 @@ def to_datetimes(ts: Sequence[float]) -> list[datetime]:
     return [datetime.fromtimestamp(t, tz=timezone.utc) for t in ts]
 
 
-def _layout(fig: go.Figure, title: str, y_title: str, x_title: str = "") -> go.Figure:
-    fig.update_layout(title=title, height=HEIGHT, margin=dict(l=10, r=10, t=40, b=10),
-                      yaxis_title=y_title, xaxis_title=x_title,
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=1.0, xanchor="right"))
-    return fig
+def _times(ts: Sequence[float] | np.ndarray) -> np.ndarray:
+    """UTC instants as datetime64[ms]: plotly checks and writes an array at once, where a list of
+    datetimes costs it a call per point (most of a 24 h page's render, bench/dashboard.py)."""
+    return (np.asarray(ts, dtype=np.float64) * 1000).astype("datetime64[ms]")
 
 
-def _time_axes(fig: go.Figure, since: float, until: float, shown: Display, markers: Sequence[Marker]) -> go.Figure:
+def _layout(title: str, y_title: str, x_title: str = "", entries: int = 0) -> dict[str, Any]:
+    """The layout every chart shares. The legend sits under the chart, `LEGEND_COLUMNS` entries a row,
+    and the figure grows by its rows so the plot keeps its height (above the plot, a legend of
+    several rows ran into the title)."""
+    rows = -(-entries // LEGEND_COLUMNS) if entries > 1 else 0
+    return dict(title=title, height=HEIGHT + rows * LEGEND_ROW_PX, margin=dict(l=10, r=10, t=40, b=10),
+                xaxis=dict(title=dict(text=x_title)), yaxis=dict(title=dict(text=y_title)), showlegend=entries > 1,
+                legend=dict(orientation="h", yref="container", y=0, yanchor="bottom", x=0, xanchor="left",
+                            entrywidth=1 / LEGEND_COLUMNS, entrywidthmode="fraction"))
+
+
+def _time_figure(traces: list[dict[str, Any]], title: str, since: float, until: float, shown: Display,
+                 markers: Sequence[Marker], shapes: Sequence[dict[str, Any]] = (),
+                 notes: Sequence[dict[str, Any]] = ()) -> go.Figure:
     """The shape every time chart shares: the page's range, y from zero in `shown` units, a drag
-    selects a time range (the page turns it into its new range), knob changes marked."""
-    fig.update_xaxes(range=to_datetimes([since, until]), type="date")
-    fig.update_yaxes(rangemode="tozero", tickformat=shown.tick_format(), ticksuffix=f" {shown.label}",
-                     title=None)
-    fig.update_layout(hovermode="x unified", dragmode="select", selectdirection="h")
+    selects a time range (the page turns it into its new range), knob changes marked. Built in one
+    go: each add_trace, add_vline or update_layout would check the whole figure again."""
     inside = [m for m in markers if since <= m.t <= until]
-    for m in inside:
-        fig.add_vline(x=to_datetimes([m.t])[0], line=dict(color=MARKER_COLOUR, width=1, dash="dot"))
+    layout = _layout(title, "", entries=sum(1 for tr in traces if tr.get("showlegend", True)) + bool(inside))
+    layout["xaxis"] |= dict(range=to_datetimes([since, until]), type="date")
+    layout["yaxis"] |= dict(rangemode="tozero", tickformat=shown.tick_format(), ticksuffix=f" {shown.label}")
+    layout |= dict(hovermode="x unified", dragmode="select", selectdirection="h", annotations=list(notes),
+                   shapes=list(shapes) + [dict(type="line", xref="x", x0=t, x1=t, yref="y domain", y0=0, y1=1,
+                                               line=dict(color=MARKER_COLOUR, width=1, dash="dot"))
+                                          for t in _times([m.t for m in inside])])
     if inside:       # hover targets at the top of the plot, on a hidden 0..1 axis of their own
-        fig.add_trace(go.Scatter(x=to_datetimes([m.t for m in inside]), y=[1.0] * len(inside), yaxis="y2",
-                                 mode="markers", name="knob changes", hovertext=[m.text for m in inside],
-                                 hoverinfo="text", marker=dict(symbol="triangle-down", size=9, color=MARKER_COLOUR)))
-        fig.update_layout(yaxis2=dict(overlaying="y", range=[0, 1.05], visible=False, fixedrange=True))
-    return fig
+        traces = traces + [dict(type="scatter", x=_times([m.t for m in inside]), y=[1.0] * len(inside), yaxis="y2",
+                                mode="markers", name="knob changes", hovertext=[m.text for m in inside],
+                                hoverinfo="text", marker=dict(symbol="triangle-down", size=9, color=MARKER_COLOUR))]
+        layout["yaxis2"] = dict(overlaying="y", range=[0, 1.05], visible=False, fixedrange=True)
+    return go.Figure(data=traces, layout=layout)
+
+
+def _threshold_lines(thresholds: Sequence[Threshold], shown: Display) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(shapes, annotations): a dashed line across the plot per value, labelled at its left end;
+    thresholds at one value share the line and the label."""
+    same: dict[float, list[str]] = {}
+    for th in thresholds:
+        same.setdefault(th.value, []).append(th.text)
+    shapes = [dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=v * shown.factor, y1=v * shown.factor,
+                   line=dict(color=THRESHOLD_COLOUR, width=1, dash="dash")) for v in same]
+    notes = [dict(xref="x domain", x=0, xanchor="left", yref="y", y=v * shown.factor, yanchor="bottom", showarrow=False,
+                  text=f"threshold {shown.text(v)}: {', '.join(texts)}", font=dict(color=THRESHOLD_COLOUR, size=11))
+             for v, texts in same.items()]
+    return shapes, notes
 
 
 def time_chart(series: Mapping[str, Sequence[BandRow]], title: str, unit: str, since: float, until: float,
                markers: Sequence[Marker] = (), thresholds: Sequence[Threshold] = (),
                dashes: Mapping[str, str] | None = None, bands: bool = True, mode: str = "lines") -> go.Figure:
-    """One line per series (bucket averages), values in store `unit`. Each series' min–max band is a
-    legend entry, off until clicked; `dashes` sets a line style per series name (default: by order,
-    solid first); every threshold is a dashed line."""
+    """One line per series (bucket averages), values in store `unit`. The min–max bands of all series
+    are one legend entry, off until clicked, each band in its line's colour; `dashes` sets a line style
+    per series name (default solid); every threshold is a dashed line."""
     largest = max([r[3] for rows in series.values() for r in rows] + [th.value for th in thresholds], default=0.0)
     shown = display(unit, largest)
     hover = f"%{{y:{shown.tick_format()}}} {shown.label}"
-    fig = go.Figure()
+    lines, shades = [], []
     for i, (name, rows) in enumerate(series.items()):
-        t = to_datetimes([r[0] for r in rows])
+        a = np.asarray(rows, dtype=np.float64).reshape(-1, 4)        # [bucket, (t, min, avg, max)]
+        t, colour = _times(a[:, 0]), PALETTE[i % len(PALETTE)]
+        lines.append(dict(type="scatter", x=t, y=(a[:, 2] * shown.factor).tolist(), mode=mode, name=name,
+                          line=dict(dash=(dashes or {}).get(name, "solid"), color=colour), marker=dict(color=colour),
+                          hovertemplate=hover))
         if bands:
-            fig.add_trace(go.Scatter(x=t + t[::-1], y=[r[3] * shown.factor for r in rows]
-                                     + [r[1] * shown.factor for r in rows][::-1],
-                                     fill="toself", line=dict(width=0), opacity=0.2, hoverinfo="skip",
-                                     legendgroup=name, name=f"{name} min–max per point", visible="legendonly"))
-        dash = (dashes or {}).get(name, "solid")
-        fig.add_trace(go.Scatter(x=t, y=[r[2] * shown.factor for r in rows], mode=mode, name=name,
-                                 legendgroup=name, line=dict(dash=dash), hovertemplate=hover))
-    same: dict[float, list[str]] = {}          # one line, one label, for thresholds at the same value
-    for th in thresholds:
-        same.setdefault(th.value, []).append(th.text)
-    for value, texts in same.items():
-        fig.add_hline(y=value * shown.factor, line=dict(color=THRESHOLD_COLOUR, width=1, dash="dash"),
-                      annotation=dict(text=f"threshold {shown.text(value)}: {', '.join(texts)}",
-                                      font=dict(color=THRESHOLD_COLOUR, size=11)),
-                      annotation_position="top left")
-    return _time_axes(_layout(fig, title, shown.label), since, until, shown, markers)
+            shades.append(dict(type="scatter", x=np.concatenate([t, t[::-1]]),
+                               y=(np.concatenate([a[:, 3], a[::-1, 1]]) * shown.factor).tolist(), fill="toself",
+                               fillcolor=colour, line=dict(width=0, color=colour), opacity=0.2, hoverinfo="skip",
+                               name=BANDS, legendgroup=BANDS, showlegend=not shades, legendrank=LAST,
+                               visible="legendonly"))
+    return _time_figure(shades + lines, title, since, until, shown, markers, *_threshold_lines(thresholds, shown))
 
 
 def quantile_chart(t: Sequence[float], lines: Mapping[str, Sequence[float | None]], title: str, unit: str,
@@ -109,10 +140,10 @@ def time_bars(t: Sequence[float], values: Sequence[float], title: str, unit: str
               bucket_s: float, markers: Sequence[Marker] = ()) -> go.Figure:
     """Counts per time bucket (bucket start times `t`), e.g. requests or evictions per interval."""
     shown = display(unit, max(values, default=0.0))
-    fig = go.Figure(go.Bar(x=to_datetimes(t), y=[v * shown.factor for v in values], name=title,
-                           width=bucket_s * 1000, offset=0,
-                           hovertemplate=f"%{{y:{shown.tick_format()}}} {shown.label}<extra></extra>"))
-    return _time_axes(_layout(fig, title, shown.label), since, until, shown, markers)
+    bars = dict(type="bar", x=_times(t), y=[v * shown.factor for v in values], name=title, width=bucket_s * 1000,
+                offset=0, marker=dict(color=PALETTE[0]),
+                hovertemplate=f"%{{y:{shown.tick_format()}}} {shown.label}<extra></extra>")
+    return _time_figure([bars], title, since, until, shown, markers)
 
 
 def bar_chart(labels: Sequence[str], values: Sequence[float], title: str, unit: str, x_title: str) -> go.Figure:
@@ -122,7 +153,7 @@ def bar_chart(labels: Sequence[str], values: Sequence[float], title: str, unit: 
                            hovertemplate=f"{x_title} %{{x}}: %{{y:{shown.tick_format()}}} {shown.label}<extra></extra>"))
     fig.update_xaxes(type="category")
     fig.update_yaxes(rangemode="tozero", tickformat=shown.tick_format(), ticksuffix=f" {shown.label}")
-    return _layout(fig, title, "", x_title)
+    return fig.update_layout(_layout(title, "", x_title))
 
 
 def activation_heatmap(counts: Sequence[Sequence[float]], title: str) -> go.Figure:
@@ -131,7 +162,7 @@ def activation_heatmap(counts: Sequence[Sequence[float]], title: str) -> go.Figu
                                colorbar=dict(title="activations", tickformat=",d"),
                                hovertemplate="layer %{y}, expert %{x}: %{z:,d} activations<extra></extra>"))
     fig.update_yaxes(dtick=1)
-    return _layout(fig, title, "layer", "expert")
+    return fig.update_layout(_layout(title, "layer", "expert"))
 
 
 def policy_comparison(rows: Sequence[Mapping[str, object]], title: str) -> go.Figure:
@@ -147,7 +178,7 @@ def policy_comparison(rows: Sequence[Mapping[str, object]], title: str) -> go.Fi
                              hovertemplate=f"%{{x}}: %{{y:{shown.tick_format()}}} %<extra>%{{fullData.name}}</extra>"))
     fig.update_layout(barmode="group")
     fig.update_yaxes(rangemode="tozero", tickformat=shown.tick_format(), ticksuffix=" %")
-    return _layout(fig, title, "hit rate", "policy")
+    return fig.update_layout(_layout(title, "hit rate", "policy", entries=len(groups)))
 
 
 def sweep_curve(points: Sequence[tuple[float, float]], title: str) -> go.Figure:
@@ -160,4 +191,4 @@ def sweep_curve(points: Sequence[tuple[float, float]], title: str) -> go.Figure:
                                              f"%{{y:,.1f}} tokens/s<extra></extra>"))
     fig.update_xaxes(tickformat=shown.tick_format(), ticksuffix=f" {shown.label}")
     fig.update_yaxes(rangemode="tozero", tickformat=",.1f", ticksuffix=" tokens/s")
-    return _layout(fig, title, "", f"cache cap ({shown.label})")
+    return fig.update_layout(_layout(title, "", f"cache cap ({shown.label})"))

@@ -1,4 +1,6 @@
 """Figure builders are pure: the data passed in is the data drawn, in the unit its size calls for."""
+import numpy as np
+
 from dashboard import figures
 
 T = 1_700_000_000.0
@@ -6,13 +8,34 @@ ROWS = [(T, 1.0, 2.0, 3.0), (T + 60, 4.0, 5.0, 9.0)]
 MIB = 1 << 20
 
 
+def seconds(x) -> float:
+    """A plotly x value (datetime64 or datetime) as Unix seconds."""
+    return np.datetime64(x, "ms").astype(np.int64) / 1000 if isinstance(x, np.datetime64) else x.timestamp()
+
+
 def test_time_chart_draws_the_average_with_its_min_max_band_off_until_asked():
-    fig = figures.time_chart({"read": ROWS}, "SSD", "IO/s", T - 60, T + 120)
-    band, line = fig.data
-    assert list(line.y) == [2.0, 5.0] and line.x[0].timestamp() == T
-    assert list(band.y) == [3.0, 9.0, 4.0, 1.0]   # max forward, min backward: a closed polygon
-    assert band.visible == "legendonly" and band.name == "read min–max per point"
-    assert [x.timestamp() for x in fig.layout.xaxis.range] == [T - 60, T + 120]     # the page's range
+    fig = figures.time_chart({"read": ROWS, "write": ROWS}, "SSD", "IO/s", T - 60, T + 120)
+    read_band, write_band, read, write = fig.data
+    assert list(read.y) == [2.0, 5.0] and [seconds(x) for x in read.x] == [T, T + 60]
+    assert list(read_band.y) == [3.0, 9.0, 4.0, 1.0]   # max forward, min backward: a closed polygon
+    assert [seconds(x) for x in read_band.x] == [T, T + 60, T + 60, T]
+    assert read_band.visible == write_band.visible == "legendonly"
+    # one legend entry shows or hides every band; each band is in its own line's colour
+    assert read_band.legendgroup == write_band.legendgroup == read_band.name == "min–max per point"
+    assert (read_band.showlegend, write_band.showlegend) == (True, False)
+    assert read_band.fillcolor == read.line.color != write.line.color == write_band.fillcolor
+    assert [seconds(x) for x in fig.layout.xaxis.range] == [T - 60, T + 120]     # the page's range
+
+
+def test_a_legend_of_several_rows_goes_under_the_chart_which_grows_by_its_rows():
+    names = ["system, some", "system, full", "agent cgroup, some", "agent cgroup, full"]
+    fig = figures.time_chart({n: ROWS for n in names}, "Memory pressure stall (PSI avg10)", "%", T, T + 60)
+    legend = fig.layout.legend
+    assert (legend.yref, legend.y, legend.yanchor) == ("container", 0, "bottom")   # away from the title
+    # 4 lines and the bands' entry, 2 a row: 3 rows more than a chart without a legend
+    assert fig.layout.height == figures.HEIGHT + 3 * figures.LEGEND_ROW_PX
+    alone = figures.time_chart({"read": ROWS}, "SSD", "IO/s", T, T + 60, bands=False)
+    assert alone.layout.height == figures.HEIGHT and alone.layout.showlegend is False
 
 
 def test_time_chart_shows_bytes_in_one_binary_unit_with_units_in_ticks_and_tooltips():
@@ -51,7 +74,7 @@ def test_time_bars_are_one_bucket_wide_over_the_pages_range():
     fig = figures.time_bars([60.0], [7], "requests", "requests", 0.0, 600.0, bucket_s=60.0)
     assert list(fig.data[0].y) == [7]
     assert fig.data[0].width == 60_000      # ms on a date axis
-    assert [x.timestamp() for x in fig.layout.xaxis.range] == [0.0, 600.0]
+    assert [seconds(x) for x in fig.layout.xaxis.range] == [0.0, 600.0]
 
 
 def test_heatmap_rows_are_layers():
