@@ -12,19 +12,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
 import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from urllib3.util.retry import Retry
 
 from dashboard.agent_client import TOKEN_ENV, Agent
+from dashboard.transforms import clock
+from store.units import MISSING
 
 PROMETHEUS_ENV = "FLASHMOE_PROMETHEUS_URL"
 TOKENS_ENV = "FLASHMOE_FLEET_TOKENS"
@@ -40,11 +45,27 @@ FIGURES = {                     # Device field -> the series examples/alerts.yml
     "ssd_util": "device_name:node_disk_io_time_seconds:max_rate5m",
 }
 THRASH_ALERT = "FlashMoEAgentThrashing"
+SEVERITIES = ("critical", "warning", "info")          # examples/alerts.yml's, most urgent first
 COLLECTOR_SERIES = "node_memory_MemAvailable_bytes"   # any series the collector always exports
 
 
 class FleetError(RuntimeError):
     """Prometheus or the tokens file cannot be read; the message says what to check."""
+
+
+@dataclass(frozen=True)
+class Alert:
+    """A firing alert as Prometheus's /api/v1/alerts gives it: its rule's labels and templated annotations."""
+    name: str
+    severity: str | None
+    summary: str | None
+    description: str | None
+    value: float | None          # the rule's expression when it was last evaluated
+    active_since: float | None   # Unix seconds: when it began pending
+
+    @property
+    def urgency(self) -> int:
+        return SEVERITIES.index(self.severity) if self.severity in SEVERITIES else len(SEVERITIES)
 
 
 @dataclass
@@ -60,7 +81,7 @@ class Device:
     ssd_read_bytes_per_s: float | None = None
     ssd_util: float | None = None
     memory: str = "no collector"
-    alerts: list[str] = field(default_factory=list)
+    alerts: list[Alert] = field(default_factory=list)     # firing
 
 
 @dataclass(frozen=True)
@@ -69,7 +90,7 @@ class Snapshot:
     targets: list[dict[str, Any]]            # the agent job's active targets (/api/v1/targets)
     names: list[dict[str, Any]]              # flashmoe_agent_info results: instance -> device_name
     figures: list[dict[str, Any]]            # the recorded series, every device
-    alerts: list[dict[str, Any]]             # ALERTS results, firing and pending
+    alerts: list[dict[str, Any]]             # /api/v1/alerts: firing and pending, with annotations
     collected: list[dict[str, Any]]          # COLLECTOR_SERIES results: devices whose collector reports
 
 
@@ -88,7 +109,16 @@ class Prometheus:
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
-        self._api = PrometheusConnect(self.url, retry=Retry(total=0), timeout=TIMEOUT_S)
+        self._session = requests.Session()
+        self._api = PrometheusConnect(self.url, retry=Retry(total=0), timeout=TIMEOUT_S, session=self._session)
+
+    def _alerts(self) -> list[dict[str, Any]]:
+        """Active alerts with their annotations (the ALERTS series carries labels only); the client has
+        no call for this endpoint, so it is read on the client's session."""
+        response = self._session.get(f"{self.url}/api/v1/alerts", timeout=TIMEOUT_S)
+        if response.status_code != 200:
+            raise PrometheusApiClientException(f"HTTP Status Code {response.status_code} from /api/v1/alerts")
+        return response.json()["data"]["alerts"]
 
     def snapshot(self) -> Snapshot:
         figures = "|".join(FIGURES.values())
@@ -98,7 +128,7 @@ class Prometheus:
                 targets=[t for t in targets if t["labels"].get("job") == AGENT_JOB],
                 names=self._api.custom_query(f"last_over_time(flashmoe_agent_info[{NAME_LOOKBACK}])"),
                 figures=self._api.custom_query(f'{{__name__=~"{figures}"}}'),
-                alerts=self._api.custom_query("ALERTS"),
+                alerts=self._alerts(),
                 collected=self._api.custom_query(f"count by (device_name) ({COLLECTOR_SERIES})"))
         except requests.RequestException as err:
             raise FleetError(f"Prometheus at {self.url} did not answer ({type(err).__name__}); check "
@@ -123,15 +153,44 @@ def devices(snap: Snapshot) -> list[Device]:
     for r in snap.collected:
         if r["metric"].get("device_name") in by_name:
             by_name[r["metric"]["device_name"]].memory = "ok"
-    for labels in (r["metric"] for r in snap.alerts):
+    for active in snap.alerts:
+        labels = active["labels"]
         row = by_name.get(labels.get("device_name")) or by_instance.get(labels.get("instance"))
         if row is None:
             continue
         if labels["alertname"] == THRASH_ALERT:
-            row.memory = "thrashing" if labels["alertstate"] == "firing" else "under pressure"
-        if labels["alertstate"] == "firing":
-            row.alerts.append(labels["alertname"])
+            row.memory = "thrashing" if active["state"] == "firing" else "under pressure"
+        if active["state"] == "firing":
+            row.alerts.append(_alert(active))
+    for row in rows:
+        row.alerts.sort(key=lambda a: (a.urgency, a.name))
     return sorted(rows, key=lambda d: d.name)
+
+
+def _alert(active: Mapping[str, Any]) -> Alert:
+    notes = active.get("annotations", {})
+    return Alert(active["labels"]["alertname"], active["labels"].get("severity"), notes.get("summary"),
+                 notes.get("description"), _number(active.get("value", "NaN")), _instant(active.get("activeAt")))
+
+
+def _instant(text: str | None) -> float | None:
+    """Unix seconds of Prometheus's RFC 3339 time, e.g. 2026-12-01T10:00:00.123456789Z (nanoseconds cut to
+    the microseconds Python reads)."""
+    match = re.fullmatch(r"([^.]+?)(\.\d{1,6})?\d*(Z|[+-]\d\d:\d\d)", text or "")
+    if match is None:
+        return None
+    head, fraction, zone = match.groups()
+    return datetime.fromisoformat(head + (fraction or "") + ("+00:00" if zone == "Z" else zone)).timestamp()
+
+
+def alert_rows(rows: Iterable[Device]) -> list[dict[str, str]]:
+    """Every firing alert as the page lists it, most urgent first: what fired where, how bad, what it
+    says, the rule's value and since when."""
+    firing = sorted(((d.name, a) for d in rows for a in d.alerts), key=lambda p: (p[1].urgency, p[1].name, p[0]))
+    return [{"severity": a.severity or MISSING, "device": name, "alert": a.name, "summary": a.summary or MISSING,
+             "value": MISSING if a.value is None else np.format_float_positional(a.value, 4, fractional=False, trim="-"),
+             "active since": MISSING if a.active_since is None else clock(a.active_since),
+             "description": a.description or MISSING} for name, a in firing]
 
 
 def duplicate_names(rows: Iterable[Device]) -> list[str]:

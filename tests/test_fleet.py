@@ -1,7 +1,7 @@
 """The fleet through Prometheus: three real agents (three ports, three device names, three tokens),
 edge-a's collector (`collect --listen`) and a fourth address where no agent answers, scraped by
 Debian's Prometheus with examples/alerts.yml loaded; the Fleet page in Chromium lists every device
-and the firing FlashMoEAgentDown alert, and
+and the firing FlashMoEAgentDown alert with its severity and summary, and
 pushes a knob change to two agents, which alone change. Under AppTest, a push that one agent
 refuses (a wrong token) changes nothing there and shows that agent's answer. Unit tests cover the
 pure parts of dashboard/fleet.py.
@@ -122,10 +122,14 @@ def test_fleet_page_shows_every_device_and_pushes_to_the_two_chosen(real_fleet, 
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
             page = browser.new_context(viewport={"width": 1600, "height": 1100}).new_page()
             page.goto(f"http://127.0.0.1:{port}/fleet")
-            cells = page.get_by_test_id("stDataFrame").locator("td[role=gridcell]")   # the grid's accessible copy
+            tables = page.get_by_test_id("stDataFrame")
+            cells = tables.first.locator("td[role=gridcell]")     # the grid's accessible copy
             for text in (*DEVICES, real_fleet.dead, "FlashMoEAgentDown"):
                 expect(cells.filter(has_text=re.compile(f"^{re.escape(text)}$"))).to_have_count(
                     1, timeout=RENDER_TIMEOUT_MS)
+            alerts = tables.nth(1).locator("td[role=gridcell]")     # the firing alerts, with what they say
+            for text in ("critical", f"FlashMoE agent {real_fleet.dead} is not answering its scrape"):
+                expect(alerts.filter(has_text=text).first).to_be_attached(timeout=RENDER_TIMEOUT_MS)
             expect(page.get_by_test_id("stMetric").filter(has_text="Firing alerts")).to_contain_text("1")
 
             devices = page.get_by_test_id("stMultiSelect")
@@ -164,9 +168,20 @@ def test_an_agent_that_refuses_a_push_keeps_its_value_and_its_answer_is_shown(re
     assert list(rows.index) == sorted([*DEVICES, real_fleet.dead])
     assert list(rows["agent"]) == ["down", "up", "up", "up"] and rows.loc[real_fleet.dead, "firing alerts"] == (
         "FlashMoEAgentDown")
-    assert rows.loc["edge-a", "memory"] == "ok" and 0 <= rows.loc["edge-a", "SSD utilisation"] <= 1
-    assert list(rows.loc[list(DEVICES), "memory"]) == ["ok", "no collector", "no collector"]
+    # edge-a's collector reports, so its memory is a verdict; which one follows this machine's memory
+    # pressure (the thrash alert reads the node's PSI, high while other work thrashes), and any but "ok"
+    # needs that alert in Prometheus
+    memory = rows.loc["edge-a", "memory"]
+    assert memory in ("ok", "under pressure", "thrashing") and 0 <= rows.loc["edge-a", "SSD utilisation"] <= 1
+    assert memory == "ok" or real_fleet.prometheus.query(
+        f'max_over_time(ALERTS{{alertname="{fleet.THRASH_ALERT}", device_name="edge-a"}}[5m])')
+    assert list(rows.loc[["edge-b", "edge-c"], "memory"]) == ["no collector", "no collector"]
     assert all(0 <= rows.loc[name, "hit rate"] <= 1 for name in DEVICES)
+    # each firing alert with what a user needs: severity, where, its summary filled in, its value, since when
+    down = at.dataframe[1].value.set_index("alert").loc["FlashMoEAgentDown"]
+    assert (down["severity"], down["device"], down["value"]) == ("critical", real_fleet.dead, "0")    # up == 0
+    assert down["summary"] == f"FlashMoE agent {real_fleet.dead} is not answering its scrape"
+    assert down["active since"].endswith(" UTC") and "could not scrape" in down["description"]
     at.multiselect(key="fleet-devices").set_value(["edge-b", "edge-c"]).run()
     at.selectbox(key="fleet-knob").set_value("prefetch_depth").run()
     spec = httpx.get(f"{real_fleet.agents['edge-b'].url}/v1/knobs", timeout=10).json()["prefetch_depth"]
@@ -194,6 +209,13 @@ def result(labels: dict, value: float = 1.0) -> dict:
     return {"metric": labels, "value": [0, str(value)]}
 
 
+def alert(name: str, state: str, severity: str | None = None, **labels: str) -> dict:
+    """One entry of /api/v1/alerts, its annotations templated as Prometheus sends them."""
+    return {"labels": {"alertname": name, **({"severity": severity} if severity else {}), **labels},
+            "annotations": {"summary": f"{name} summary", "description": f"{name} description"},
+            "state": state, "activeAt": "2026-12-01T10:00:00.123456789Z", "value": "2.5e-01"}
+
+
 def test_devices_joins_targets_figures_alerts_and_memory_by_device_name():
     snap = fleet.Snapshot(
         targets=[target("10.0.0.1:8600"), target("10.0.0.2:8600", dashboard="https://b.lan/dash"),
@@ -204,20 +226,40 @@ def test_devices_joins_targets_figures_alerts_and_memory_by_device_name():
                  result({"__name__": fleet.FIGURES["p99_s"], "device_name": "edge-a"}, float("nan")),
                  result({"__name__": fleet.FIGURES["ssd_util"], "device_name": "edge-b"}, 0.5),
                  result({"__name__": fleet.FIGURES["tokens_per_s"], "device_name": "unknown"}, 9)],
-        alerts=[result({"alertname": "FlashMoEAgentDown", "alertstate": "firing", "instance": "[fd00::3]:8600"}),
-                result({"alertname": fleet.THRASH_ALERT, "alertstate": "pending", "device_name": "edge-a"}),
-                result({"alertname": fleet.THRASH_ALERT, "alertstate": "firing", "device_name": "edge-b"})],
+        alerts=[alert("FlashMoEAgentDown", "firing", "critical", instance="[fd00::3]:8600"),
+                alert(fleet.THRASH_ALERT, "pending", "warning", device_name="edge-a"),
+                alert(fleet.THRASH_ALERT, "firing", "warning", device_name="edge-b"),
+                alert("FlashMoESSDMediaErrors", "firing", "critical", device_name="edge-b")],
         collected=[result({"device_name": "edge-a"}), result({"device_name": "edge-b"})])
     down, a, b = fleet.devices(snap)     # by name
     assert (a.name, a.hit_rate, a.p99_s, a.memory, a.alerts) == ("edge-a", 0.75, None, "under pressure", [])
     assert (a.agent_url, a.dashboard_url) == ("http://10.0.0.1:8600", "http://10.0.0.1:8501")
-    assert (b.ssd_util, b.memory, b.alerts, b.dashboard_url) == (0.5, "thrashing", [fleet.THRASH_ALERT],
-                                                                 "https://b.lan/dash")
-    assert (down.name, down.up, down.memory, down.alerts) == ("[fd00::3]:8600", False, "no collector",
-                                                              ["FlashMoEAgentDown"])
+    assert (b.ssd_util, b.memory, b.dashboard_url) == (0.5, "thrashing", "https://b.lan/dash")
+    assert [x.name for x in b.alerts] == ["FlashMoESSDMediaErrors", fleet.THRASH_ALERT]    # critical first
+    assert (down.name, down.up, down.memory, [x.name for x in down.alerts]) == (
+        "[fd00::3]:8600", False, "no collector", ["FlashMoEAgentDown"])
     assert down.dashboard_url == "http://[fd00::3]:8501"
     assert fleet.duplicate_names([a, b, down]) == []
     assert fleet.duplicate_names([a, a, b]) == ["edge-a"]
+    # the page's list of firing alerts: severity, where, what it says, the rule's value, since when
+    assert fleet.alert_rows([down, a, b]) == [
+        {"severity": "critical", "device": "[fd00::3]:8600", "alert": "FlashMoEAgentDown",
+         "summary": "FlashMoEAgentDown summary", "value": "0.25", "active since": "2026-12-01 10:00:00 UTC",
+         "description": "FlashMoEAgentDown description"},
+        {"severity": "critical", "device": "edge-b", "alert": "FlashMoESSDMediaErrors",
+         "summary": "FlashMoESSDMediaErrors summary", "value": "0.25", "active since": "2026-12-01 10:00:00 UTC",
+         "description": "FlashMoESSDMediaErrors description"},
+        {"severity": "warning", "device": "edge-b", "alert": fleet.THRASH_ALERT,
+         "summary": f"{fleet.THRASH_ALERT} summary", "value": "0.25", "active since": "2026-12-01 10:00:00 UTC",
+         "description": f"{fleet.THRASH_ALERT} description"}]
+
+
+def test_an_alert_without_severity_annotations_or_a_number_reads_as_missing_not_none():
+    bare = {"labels": {"alertname": "Custom", "instance": "10.0.0.1:8600"}, "state": "firing", "value": "NaN"}
+    snap = fleet.Snapshot(targets=[target("10.0.0.1:8600")], names=[], figures=[], alerts=[bare], collected=[])
+    (row,) = fleet.alert_rows(fleet.devices(snap))
+    assert row == {"severity": "–", "device": "10.0.0.1:8600", "alert": "Custom", "summary": "–", "value": "–",
+                   "active since": "–", "description": "–"}
 
 
 @pytest.mark.parametrize("content, words", [

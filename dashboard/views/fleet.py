@@ -21,7 +21,7 @@ def table(rows: list[fleet.Device]) -> pd.DataFrame:
     return pd.DataFrame([{
         "device": d.name, "agent": "up" if d.up else "down", "hit rate": d.hit_rate, "tokens/s": d.tokens_per_s,
         "P99 latency (s)": d.p99_s, "SSD MB/s": None if d.ssd_read_bytes_per_s is None else d.ssd_read_bytes_per_s / 1e6,
-        "SSD utilisation": d.ssd_util, "memory": d.memory, "firing alerts": ", ".join(d.alerts),
+        "SSD utilisation": d.ssd_util, "memory": d.memory, "firing alerts": ", ".join(a.name for a in d.alerts),
         "dashboard": d.dashboard_url} for d in rows])
 
 
@@ -36,6 +36,14 @@ COLUMNS = {
     "dashboard": st.column_config.LinkColumn(display_text="open", help="the device's own dashboard"),
 }
 
+ALERT_COLUMNS = {
+    "severity": st.column_config.TextColumn(help="the rule's severity label (examples/alerts.yml): critical first"),
+    "summary": st.column_config.TextColumn(help="the rule's summary annotation, filled in by Prometheus"),
+    "value": st.column_config.TextColumn(help="the rule's expression at its last evaluation"),
+    "active since": st.column_config.TextColumn(help="when the condition began to hold (pending, then firing)"),
+    "description": st.column_config.TextColumn(help="the rule's description annotation: what it means and what to do"),
+}
+
 
 @st.fragment(run_every=components.refresh_every())
 def overview(url: str) -> None:
@@ -48,7 +56,7 @@ def overview(url: str) -> None:
         st.info(f"Prometheus at {url} scrapes no agent yet: add each device's agent to the job "
                 f"`{fleet.AGENT_JOB}` (examples/prometheus.yml).")
         return
-    firing = [(d.name, a) for d in rows for a in d.alerts]
+    firing = fleet.alert_rows(rows)
     c1, c2, c3 = st.columns(3)
     c1.metric("Devices", len(rows))
     c2.metric("Agents up", sum(d.up for d in rows))
@@ -58,6 +66,9 @@ def overview(url: str) -> None:
                    f"`serve --device-name`.", icon=":material/warning:")
     st.dataframe(table(rows), hide_index=True, width="stretch", column_config=COLUMNS,
                  placeholder=MISSING)
+    if firing:
+        st.markdown("**Firing alerts**")
+        st.dataframe(pd.DataFrame(firing), hide_index=True, width="stretch", column_config=ALERT_COLUMNS)
     if all(d.hit_rate is None for d in rows if d.up):
         st.caption("No recorded figures yet: they appear a few scrapes after traffic starts, once Prometheus "
                    "evaluates examples/alerts.yml (its `rule_files`).")
