@@ -9,6 +9,7 @@ thresholds a verdict used are drawn as dashed lines.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -20,8 +21,11 @@ from store.units import Display, display
 
 BandRow = tuple[float, float, float, float]   # (t, min, avg, max) per downsampling bucket
 HEIGHT = 300              # of the plot and its axes; a legend's rows add to it
-LEGEND_ROW_PX = 22
+LEGEND_ROW_PX = 29         # a legend row at plotly's default font, as Chromium draws it
 LEGEND_COLUMNS = 2
+PLOT_PX = 180             # about the plot area's height (HEIGHT less title, ticks and legend), to place threshold labels
+LABEL_PX = 15             # a threshold label's height at its font size
+AXIS_HEADROOM = 1.06      # plotly's autorange reaches a little over the largest value
 DASHES = ("solid", "dash", "dot", "dashdot")   # P50, P95, P99...: told apart without colour too
 # Streamlit's palette, strongest first: neighbouring lines differ, and each band takes its line's colour
 PALETTE = ("#0068c9", "#ff2b2b", "#29b09d", "#ff8700", "#6d3fc0", "#83c9ff", "#ffabab", "#7defa1", "#ffd16a",
@@ -64,7 +68,7 @@ def _layout(title: str, y_title: str, x_title: str = "", entries: int = 0) -> di
     return dict(title=title, height=HEIGHT + rows * LEGEND_ROW_PX, margin=dict(l=10, r=10, t=40, b=10),
                 xaxis=dict(title=dict(text=x_title)), yaxis=dict(title=dict(text=y_title)), showlegend=entries > 1,
                 legend=dict(orientation="h", yref="container", y=0, yanchor="bottom", x=0, xanchor="left",
-                            entrywidth=1 / LEGEND_COLUMNS, entrywidthmode="fraction"))
+                            entrywidth=0.9 / LEGEND_COLUMNS, entrywidthmode="fraction"))
 
 
 def _time_figure(traces: list[dict[str, Any]], title: str, since: float, until: float, shown: Display,
@@ -89,17 +93,24 @@ def _time_figure(traces: list[dict[str, Any]], title: str, since: float, until: 
     return go.Figure(data=traces, layout=layout)
 
 
-def _threshold_lines(thresholds: Sequence[Threshold], shown: Display) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _threshold_lines(thresholds: Sequence[Threshold], shown: Display,
+                     top: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(shapes, annotations): a dashed line across the plot per value, labelled at its left end;
-    thresholds at one value share the line and the label."""
+    thresholds at one value share the line and the label. On an axis up to about `top` (stored
+    unit), a label that would print over the one below it is lifted just clear of it."""
     same: dict[float, list[str]] = {}
-    for th in thresholds:
+    for th in sorted(thresholds, key=lambda th: th.value):
         same.setdefault(th.value, []).append(th.text)
-    shapes = [dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=v * shown.factor, y1=v * shown.factor,
-                   line=dict(color=THRESHOLD_COLOUR, width=1, dash="dash")) for v in same]
-    notes = [dict(xref="x domain", x=0, xanchor="left", yref="y", y=v * shown.factor, yanchor="bottom", showarrow=False,
-                  text=f"threshold {shown.text(v)}: {', '.join(texts)}", font=dict(color=THRESHOLD_COLOUR, size=11))
-             for v, texts in same.items()]
+    px_per_unit = PLOT_PX / top if top > 0 else 0.0
+    shapes, notes, clear_from = [], [], -math.inf       # the pixel height the next label may start at
+    for v, texts in same.items():
+        lift = max(0.0, clear_from - v * px_per_unit)
+        clear_from = v * px_per_unit + lift + LABEL_PX
+        shapes.append(dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=v * shown.factor,
+                           y1=v * shown.factor, line=dict(color=THRESHOLD_COLOUR, width=1, dash="dash")))
+        notes.append(dict(xref="x domain", x=0, xanchor="left", yref="y", y=v * shown.factor, yanchor="bottom",
+                          yshift=lift, showarrow=False, text=f"threshold {shown.text(v)}: {', '.join(texts)}",
+                          font=dict(color=THRESHOLD_COLOUR, size=11)))
     return shapes, notes
 
 
@@ -125,7 +136,8 @@ def time_chart(series: Mapping[str, Sequence[BandRow]], title: str, unit: str, s
                                fillcolor=colour, line=dict(width=0, color=colour), opacity=0.2, hoverinfo="skip",
                                name=BANDS, legendgroup=BANDS, showlegend=not shades, legendrank=LAST,
                                visible="legendonly"))
-    return _time_figure(shades + lines, title, since, until, shown, markers, *_threshold_lines(thresholds, shown))
+    return _time_figure(shades + lines, title, since, until, shown, markers,
+                        *_threshold_lines(thresholds, shown, largest * AXIS_HEADROOM))
 
 
 def quantile_chart(t: Sequence[float], lines: Mapping[str, Sequence[float | None]], title: str, unit: str,

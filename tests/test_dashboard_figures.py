@@ -1,5 +1,6 @@
 """Figure builders are pure: the data passed in is the data drawn, in the unit its size calls for."""
 import numpy as np
+import pytest
 
 from dashboard import figures
 
@@ -95,3 +96,16 @@ def test_sweep_curve_sorted_by_cap_in_binary_units():
     fig = figures.sweep_curve([(2 << 20, 30.0), (1 << 20, 10.0)], "sweep")
     assert list(fig.data[0].x) == [1.0, 2.0] and fig.layout.xaxis.ticksuffix == " MiB"
     assert list(fig.data[0].y) == [10.0, 30.0]
+
+
+def test_threshold_labels_close_on_the_axis_are_lifted_apart_and_far_ones_stay_on_their_line():
+    # 100, 500 and 1,000 /s on an axis to 15,000 /s are a few pixels apart; 10,000 /s is far above
+    fig = figures.time_chart({"refaults": [(T, 0, 0, 15_000)]}, "refaults", "1/s", T, T + 60,
+                             thresholds=[figures.Threshold(v, str(v)) for v in (10_000, 500, 100, 1_000)])
+    lifts = {a.text.split(": ")[1]: a.yshift for a in fig.layout.annotations}
+    assert lifts["100"] == 0 and lifts["10000"] == 0
+    assert 0 < lifts["500"] < lifts["1000"]
+    # each label clears the one below it by a label's height
+    px = figures.PLOT_PX / (15_000 * figures.AXIS_HEADROOM)
+    assert 500 * px + lifts["500"] == pytest.approx(100 * px + figures.LABEL_PX)
+    assert 1_000 * px + lifts["1000"] == pytest.approx(500 * px + lifts["500"] + figures.LABEL_PX)
