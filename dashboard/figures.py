@@ -32,6 +32,7 @@ PALETTE = ("#0068c9", "#ff2b2b", "#29b09d", "#ff8700", "#6d3fc0", "#83c9ff", "#f
            "#d5dae5")
 MARKER_COLOUR = "rgba(120, 120, 120, 0.6)"
 THRESHOLD_COLOUR = "#d62728"
+LABEL_BACKGROUND = "rgba(255, 255, 255, 0.85)"   # a lifted label stays legible over the lines below it
 BANDS = "min–max per point"   # one legend entry shows or hides every line's band
 LAST = 2000                   # legendrank after the lines (plotly's default is 1000)
 
@@ -110,7 +111,7 @@ def _threshold_lines(thresholds: Sequence[Threshold], shown: Display,
                            y1=v * shown.factor, line=dict(color=THRESHOLD_COLOUR, width=1, dash="dash")))
         notes.append(dict(xref="x domain", x=0, xanchor="left", yref="y", y=v * shown.factor, yanchor="bottom",
                           yshift=lift, showarrow=False, text=f"threshold {shown.text(v)}: {', '.join(texts)}",
-                          font=dict(color=THRESHOLD_COLOUR, size=11)))
+                          font=dict(color=THRESHOLD_COLOUR, size=11), bgcolor=LABEL_BACKGROUND))
     return shapes, notes
 
 

@@ -128,10 +128,23 @@ DRAWN = """n => { const plots = [...document.querySelectorAll('.js-plotly-plot')
         && p.querySelector('.main-svg')?.getBoundingClientRect().width > 0); }"""
 
 
+NOT_STALE = "() => !document.querySelector('[data-stale=\"true\"]')"
+MAIN_HEIGHT = "() => document.querySelector('[data-testid=stMain]').scrollHeight"
+
+
 def picture(page: Page, path: Path) -> None:
-    """A full-page screenshot once no element is stale (faded while a rerun replaces it)."""
-    page.wait_for_function("() => !document.querySelector('[data-stale=\"true\"]')", timeout=RENDER_TIMEOUT_MS)
-    page.screenshot(path=str(path), full_page=True)
+    """A screenshot of the whole page once no element is stale (faded while a rerun replaces it).
+    Streamlit scrolls its main area inside the window, so a full-page screenshot stops at the
+    window's height (the Overview lost its last charts): the window grows to the main area first."""
+    page.wait_for_function(NOT_STALE, timeout=RENDER_TIMEOUT_MS)
+    size = page.viewport_size
+    page.set_viewport_size({"width": size["width"], "height": max(size["height"], page.evaluate(MAIN_HEIGHT))})
+    try:
+        page.wait_for_function(DRAWN, arg=page.locator(".js-plotly-plot").count(), timeout=RENDER_TIMEOUT_MS)
+        page.wait_for_function(NOT_STALE, timeout=RENDER_TIMEOUT_MS)
+        page.screenshot(path=str(path), full_page=True)
+    finally:
+        page.set_viewport_size(size)
 
 
 def charts_drawn(page: Page, n: int) -> None:
@@ -166,7 +179,7 @@ def test_the_cap_set_with_the_tuning_pages_slider_reaches_the_agent(product, pag
     new = httpx.get(knobs_url).json()["cache_cap_bytes"]["value"]
     assert 0 < (new - cap["value"]) * (1 if up else -1) <= MIB and cap["min"] <= new <= cap["max"]
     expect(page.get_by_text(f"accepted: cache_cap_bytes = {human(new, 'B')}")).to_be_visible()
-    row = page.locator("table tr", has_text="cache_cap_bytes")
+    row = page.get_by_test_id("stTable").locator("tr", has_text="cache_cap_bytes")   # not the history grid's copy
     expect(row).to_contain_text(human(new, "B"), timeout=RENDER_TIMEOUT_MS)
     picture(page, screenshot_dir(product) / "dashboard-tuning-applied.png")
 
