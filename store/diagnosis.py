@@ -190,39 +190,53 @@ def _mib_floor(n: float) -> int:
     return int(n // MIB * MIB)
 
 
+def _size(n: float) -> str:
+    return human(n, "B")
+
+
+def _most_allowed(facts: Facts) -> str:
+    """Why the cap's upper bound is what it is, e.g. "70% of its memory limit of 700 MiB"."""
+    return f"70% of its memory limit{f' of {_size(facts.cgroup_limit)}' if facts.cgroup_limit else ''}"
+
+
 def recommend(verdict: str, facts: Facts, signals: Sequence[Signal]) -> Recommendation | None:
-    """The fix for `verdict`: a cap within [cap_min, cap_max] and what to expect, or what to do instead."""
+    """The fix for `verdict`: a cap within [cap_min, cap_max] and what to expect, or what to do instead.
+    A cap above its bound (the agent's memory limit fell) is brought to the bound whatever the verdict."""
     cap, lo, hi = facts.cap, facts.cap_min, facts.cap_max
+    over = cap is not None and hi is not None and cap > hi
     if verdict == "no data":
         return None
     if verdict == "pressure from another process":
         flat = [s for s in signals if s.threshold.side == "agent"]
-        return Recommendation(
-            "The fix is outside the agent: " + ("its own counters stayed low (" + "; ".join(
-                f"{s.threshold.label} peak {human(s.peak, s.threshold.unit)}" for s in flat) + "), so "
-                if flat else "") + "shrinking its cache would slow it without freeing the memory that is short. "
+        outside = ("The fix is outside the agent: " + ("its own counters stayed low (" + "; ".join(
+            f"{s.threshold.label} peak {human(s.peak, s.threshold.unit)}" for s in flat) + "), so "
+            if flat else "") + "shrinking its cache would slow it without freeing the memory that is short. "
             "Find the process re-reading its pages (`ps -eo pid,maj_flt,rss,comm --sort=-maj_flt | head`, or "
             "the workingset_refault lines of each cgroup's memory.stat) and give it more memory or stop it.")
+        if not over:
+            return Recommendation(outside)
+        return Recommendation(
+            f"{outside} Apart from that, the agent's cache cap of {_size(cap)} is above the most it allows now "
+            f"({_size(hi)}, {_most_allowed(facts)}): set it to {_size(hi)} so its own cache fits inside that "
+            f"limit once it fills.", {CAP: int(hi)})
     if cap is None or lo is None or hi is None:
         return None if verdict == "healthy" else Recommendation(
             "The agent's cache cap and its bounds are unknown (no agent answering and none recorded in the "
             "store); start the agent to get a cap recommendation.")
-    size = lambda n: human(n, "B")     # noqa: E731
-    if cap > hi:
+    if over:
         return Recommendation(
-            f"Set the cache cap to {size(hi)}, the most the agent allows now (70% of its memory limit"
-            f"{f' of {size(facts.cgroup_limit)}' if facts.cgroup_limit else ''}): the cap of {size(cap)} is above "
-            f"it since the limit fell. Expect the agent's major faults and refaults to fall under their thresholds "
-            f"within a minute.", {CAP: int(hi)})
+            f"Set the cache cap to {_size(hi)}, the most the agent allows now ({_most_allowed(facts)}): the cap of "
+            f"{_size(cap)} is above it since the limit fell. Expect the agent's major faults and refaults to fall "
+            f"under their thresholds within a minute.", {CAP: int(hi)})
     if verdict == "agent thrashing":
         if cap <= lo:
             return Recommendation(
-                f"The cache is already at its minimum ({size(lo)}, one layer's working set): the agent needs "
-                f"more memory. Raise its memory limit{f' (now {size(facts.cgroup_limit)})' if facts.cgroup_limit else ''}"
+                f"The cache is already at its minimum ({_size(lo)}, one layer's working set): the agent needs "
+                f"more memory. Raise its memory limit{f' (now {_size(facts.cgroup_limit)})' if facts.cgroup_limit else ''}"
                 f" or run it on a larger machine.")
         new = max(int(lo), _mib_floor(cap * SHRINK))
         return Recommendation(
-            f"Shrink the cache cap from {size(cap)} to {size(new)}: its slots give {size(cap - new)} back to the "
+            f"Shrink the cache cap from {_size(cap)} to {_size(new)}: its slots give {_size(cap - new)} back to the "
             f"pages the agent keeps re-reading. Expect its major faults and refaults to fall under their "
             f"thresholds within a minute; if they do not, shrink again.", {CAP: new})
     if verdict == "cache thrashing":
@@ -230,11 +244,11 @@ def recommend(verdict: str, facts: Facts, signals: Sequence[Signal]) -> Recommen
         new = min(int(hi), _mib_floor(min(cap * GROW, room)))
         if new <= cap:
             return Recommendation(
-                f"The cache cap ({size(cap)}) is already the most memory allows: a larger machine, or a model "
+                f"The cache cap ({_size(cap)}) is already the most memory allows: a larger machine, or a model "
                 f"with smaller experts, is the fix.")
         return Recommendation(
-            f"Raise the cache cap from {size(cap)} to {size(new)}: the re-read blocks were evicted within the "
-            f"cache's last {size(cap)} of evictions, so a cache up to twice as large holds them. Expect the "
+            f"Raise the cache cap from {_size(cap)} to {_size(new)}: the re-read blocks were evicted within the "
+            f"cache's last {_size(cap)} of evictions, so a cache up to twice as large holds them. Expect the "
             f"re-read share and the misses to fall; the memory signals here will show what it costs.", {CAP: new})
     return None
 

@@ -168,3 +168,14 @@ def test_effect_compares_each_signal_before_and_after_a_change(tmp_path):
     assert not psi.improved and "not yet under its threshold" in psi.sentence()
     (early,) = diagnosis.effect(path, T0 - 5, T0, ["mem.agent.majflt_per_s"])      # too soon to tell
     assert early.after is None and "no samples yet" in early.sentence()
+
+
+def test_a_cap_above_the_bound_is_brought_to_it_even_when_another_process_is_to_blame(tmp_path):
+    """The agent's limit fell under its cap while something else thrashes: the fix is still outside
+    the agent, and the cap comes down to the bound so its own cache fits the limit once it fills."""
+    knobs = {"cache_cap_bytes": {"value": 384 * MIB, "min": 192 * MIB, "max": 328 * MIB}}
+    d = judged(write(tmp_path / "s.db", synthetic.MEMORY["pressure from another process"]), knobs)
+    assert d.verdict == "pressure from another process"
+    assert d.recommendation.changes == {"cache_cap_bytes": 328 * MIB}            # the bound, never a shrink below it
+    assert d.recommendation.text.startswith("The fix is outside the agent")
+    assert "cache cap of 384 MiB is above the most it allows now (328 MiB" in d.recommendation.text
