@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -151,8 +151,9 @@ def quantile_chart(t: Sequence[float], lines: Mapping[str, Sequence[float | None
 
 def time_bars(t: Sequence[float], values: Sequence[float], title: str, unit: str, since: float, until: float,
               bucket_s: float, markers: Sequence[Marker] = ()) -> go.Figure:
-    """Counts per time bucket (bucket start times `t`), e.g. requests or evictions per interval."""
-    shown = display(unit, max(values, default=0.0))
+    """Counts per time bucket (bucket start times `t`), e.g. requests or evictions per interval: whole
+    numbers, on the axis and in the tooltip."""
+    shown = replace(display(unit, max(values, default=0.0)), decimals=0)
     bars = dict(type="bar", x=_times(t), y=[v * shown.factor for v in values], name=title, width=bucket_s * 1000,
                 offset=0, marker=dict(color=PALETTE[0]),
                 hovertemplate=f"%{{y:{shown.tick_format()}}} {shown.label}<extra></extra>")

@@ -75,6 +75,7 @@ def test_time_bars_are_one_bucket_wide_over_the_pages_range():
     fig = figures.time_bars([60.0], [7], "requests", "requests", 0.0, 600.0, bucket_s=60.0)
     assert list(fig.data[0].y) == [7]
     assert fig.data[0].width == 60_000      # ms on a date axis
+    assert fig.layout.yaxis.tickformat == ",.0f" and fig.data[0].hovertemplate.startswith("%{y:,.0f} requests")
     assert [seconds(x) for x in fig.layout.xaxis.range] == [0.0, 600.0]
 
 
