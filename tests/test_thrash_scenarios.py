@@ -3,7 +3,8 @@ controller; the cgroups are children of the test's own), each scenario bounded i
 
 (a) an idle agent and its collector for two minutes: healthy;
 (b) the agent squeezed by its own memory cgroup while it serves: "agent thrashing" within 60 s, with
-    a smaller cache cap, within the bounds that followed the limit down, as the fix;
+    a smaller cache cap, within the bounds that followed the limit down, as the fix; that fix clicked
+    on the Memory page in Chromium, the agent's answer shown, and its major-fault rate falls;
 (c) another process thrashing its own small cgroup: "pressure from another process", and no advice
     to shrink the agent's cache.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,21 +24,25 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from playwright.sync_api import expect, sync_playwright
 
-from agents import CLI, demo_model, start_agent, start_collector, stop, wait_for
+from agents import CLI, Agent, demo_model, start_agent, start_collector, start_dashboard, stop, wait_for
 from agent.experts.cap import MAX_MEMORY_SHARE, resident_bytes
 from agent.experts.layout import INDEX, Index
 from bench.memory import MemoryCgroup
+from dashboard import pages
 from machine.cgroup import memory_cgroup
 from machine.memory import parse_proc_stat, parse_vmstat
 from store import diagnosis, queries
-from test_browser import Traffic
+from test_browser import CHROMIUM, CHROMIUM_ARGS, RENDER_TIMEOUT_MS, Traffic
 
 pytestmark = pytest.mark.slow
 MIB = 1 << 20
 IDLE_S = 120
 VERDICT_WITHIN_S = 60
+FAULT_SAMPLE_S = 10       # the agent's major-fault rate, before and after the fix
 FAULTS = "mem.agent.majflt_per_s"
 REFAULTS = "cgroup.agent.workingset_refault_file_per_s"
 
@@ -245,6 +251,12 @@ def test_an_agent_squeezed_by_its_cgroup_is_found_thrashing_within_a_minute(defa
                                    3 * VERDICT_WITHIN_S, "the verdict to find the agent thrashing")
                 recorded_max = queries.latest(agent.db, "agent.cache_cap_max_bytes")[1]
                 limit = squeeze.limit
+                cap_before = knob(agent.url, "cache_cap_bytes")
+                faults_before = fault_rate(agent_pid := int(agent.pid_file.read_text()), FAULT_SAMPLE_S)
+                answer = apply_the_fix_in_chromium(agent, tmp_path)
+                time.sleep(diagnosis.SETTLE_S)       # the freed slots go back; the code pages stay
+                faults_after = fault_rate(agent_pid, FAULT_SAMPLE_S)
+                cap_after = knob(agent.url, "cache_cap_bytes")
     finally:
         stop(collector)
         stop(agent.proc)
@@ -260,6 +272,36 @@ def test_an_agent_squeezed_by_its_cgroup_is_found_thrashing_within_a_minute(defa
     cap = queries.latest(agent.db, "agent.cache_cap_bytes")[1]
     assert queries.latest(agent.db, "agent.cache_cap_min_bytes")[1] <= change < cap and change <= recorded_max
     assert verdict["recommendation"]["text"].startswith(("Shrink the cache cap", "Set the cache cap"))
+    # one click on the Memory page in Chromium: the agent's answer shown, the cap down within its bounds,
+    # and the agent's major faults fall while the squeeze holds
+    assert answer.startswith("Agent (") and "accepted: cache_cap_bytes = " in answer, answer
+    assert queries.latest(agent.db, "agent.cache_cap_min_bytes")[1] <= cap_after < cap_before
+    assert faults_after < faults_before / 2, (faults_before, faults_after)
+
+
+def knob(url: str, name: str) -> int:
+    return httpx.get(f"{url}/v1/knobs", timeout=90).json()[name]["value"]
+
+
+def apply_the_fix_in_chromium(agent: Agent, workdir: Path) -> str:
+    """A dashboard over the agent's store in front of the agent; in Chromium, the Memory page's verdict
+    and its one-click fix clicked; the agent's answer as the page shows it."""
+    dashboard, url = start_dashboard(agent.db, agent.url, workdir, "")
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            page = browser.new_context(viewport={"width": 1600, "height": 1100}).new_page()
+            page.set_default_timeout(RENDER_TIMEOUT_MS)
+            page.goto(f"{url}/{pages.page('memory').url_path}")
+            expect(page.get_by_text("Agent thrashing").first).to_be_visible()
+            page.get_by_role("button", name=re.compile(r"^Apply: cache_cap_bytes = ")).click()
+            shown = page.get_by_text(re.compile(r"^Agent \(.+\): "))
+            expect(shown.first).to_be_visible(timeout=2 * RENDER_TIMEOUT_MS)   # the agent may take 60 s to apply
+            answer = shown.first.inner_text()
+            browser.close()
+    finally:
+        stop(dashboard)
+    return answer
 
 
 def found_after(db: Path, since: float) -> float:
