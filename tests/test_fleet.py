@@ -29,7 +29,7 @@ from streamlit.testing.v1 import AppTest
 from agents import CLI, ROOT, Agent, Prometheus, demo_model, free_port, spawn, start_agent, start_prometheus, stop, wait_http
 from dashboard import fleet
 from dashboard.agent_client import TOKEN_ENV
-from test_browser import CHROMIUM, CHROMIUM_ARGS, RENDER_TIMEOUT_MS
+from test_browser import CHROMIUM, CHROMIUM_ARGS, RENDER_TIMEOUT_MS, picture
 from test_serve import wait_for
 
 APP = str(ROOT / "dashboard" / "app.py")
@@ -146,9 +146,8 @@ def test_fleet_page_shows_every_device_and_pushes_to_the_two_chosen(real_fleet, 
             for name in ("edge-a", "edge-b"):
                 expect(page.get_by_test_id("stTable").first.locator("tr", has_text=name)).to_contain_text(
                     f"accepted: max_batch_size = {new}")
-            page.wait_for_timeout(1000)
             out = Path(os.environ.get("FLASHMOE_SCREENSHOT_DIR", tmp_path))
-            page.screenshot(path=str(out / "fleet.png"), full_page=True)
+            picture(page, out / "fleet.png")
             browser.close()
     finally:
         stop(dashboard)
