@@ -1,6 +1,7 @@
 """Policies side by side: every setting chosen on the validation split, hit rates on the untouched report split.
 
     .venv/bin/python bench/policies.py [--traces ../shared/traces] [--jobs N] [--policies lru,lfu,...]
+        [--chosen '{"lfu-window": {"window": 512}, ...}']
 
 The splits are agent/learned/splits.py's: the learned policy's weights are trained on the train split
 only (agent/policies/weights/), and nothing is fitted or chosen on the report split.
@@ -17,6 +18,10 @@ only (agent/policies/weights/), and nothing is fitted or chosen on the report sp
    train split (flashmoe-no-<arch>.safetensors), offline and online, on that architecture's report
    traces (per layer, capacity 0.25).
 
+`--chosen` skips step 1 and reports with the settings a past selection chose (its JSON's
+"selection"/"chosen": label -> setting; a policy it does not name runs with no options): the report
+stage alone, whose results do not depend on how the settings were come by.
+
 Every run is one simulate() call of the library the CLI uses (the online loop is the agent's, run
 in-line). `--jobs N` spreads the runs over N processes; every run is deterministic and independent,
 so the results do not depend on N. JSON: bench/results/policies.json.
@@ -27,8 +32,8 @@ import argparse
 import json
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +125,18 @@ def run_all(tasks: list[Task], root: Path, jobs: int) -> dict[Task, Run]:
     order = sorted(tasks, key=lambda t: (t.candidate.online is None, t.part.prompts is None))
     if jobs <= 1:
         _init(root)
-        return {t: run(t) for t in order}
+        return {t: _done(t, run(t), i, len(order)) for i, t in enumerate(order, 1)}
     with ProcessPoolExecutor(jobs, initializer=_init, initargs=(root,)) as pool:
-        return dict(zip(order, pool.map(run, order)))
+        futures = {pool.submit(run, t): t for t in order}
+        done = {futures[f]: _done(futures[f], f.result(), i, len(order)) for i, f in enumerate(as_completed(futures), 1)}
+    return {t: done[t] for t in order}
+
+
+def _done(task: Task, result: Run, i: int, n: int) -> Run:
+    """Say that a run finished (the report stage takes an hour on a loaded machine)."""
+    print(f"[{i}/{n}] {result.trace} {task.candidate.label} {task.scope} {task.capacity:g}: "
+          f"{result.hit_rate:.4f} in {result.seconds:.0f} s", file=sys.stderr, flush=True)
+    return result
 
 
 def tasks_for(candidates: list[Candidate], parts: tuple[Part, ...], configs: list[tuple[str, float]]) -> list[Task]:
@@ -151,6 +165,20 @@ def choose(candidates: list[Candidate], runs: dict[Task, Run]) -> tuple[dict[str
     return chosen, scores
 
 
+def select(policies: list[str], traces: Path, jobs: int, online: bool) -> tuple[dict[str, Candidate], dict[str, list]]:
+    """Step 1: every candidate setting on the validation split; the chosen ones and every candidate's score."""
+    candidates = [Candidate.of(p, p, o) for p in policies for o in SETTINGS.get(p, [{}])]
+    runs = run_all(tasks_for(candidates, SPLITS["validation"], [SELECT_AT]), traces, jobs)
+    chosen, scores = choose(candidates, runs)
+    if online and LEARNED in chosen:
+        base = json.loads(chosen[LEARNED].options)
+        learning = [Candidate.of(ONLINE_LABEL, LEARNED, base, c) for c in ONLINE]
+        runs |= run_all(tasks_for(learning, SPLITS["validation"], [SELECT_AT]), traces, jobs)
+        more, more_scores = choose(candidates + learning, runs)
+        chosen[ONLINE_LABEL], scores[ONLINE_LABEL] = more[ONLINE_LABEL], more_scores[ONLINE_LABEL]
+    return chosen, scores
+
+
 def selection_table(scores: dict[str, list], chosen: dict[str, Candidate]) -> str:
     lines = []
     for label, scored in scores.items():
@@ -159,6 +187,30 @@ def selection_table(scores: dict[str, list], chosen: dict[str, Candidate]) -> st
             mark = "  <- chosen" if s["candidate"] == chosen[label] else ""
             lines.append(f"{label:<16}{json.dumps(s['setting']):<90.90}{rates}  {s['mean_share']:7.1%}{mark}")
     return "\n".join(lines)
+
+
+def given(text: str, policies: list[str], online: bool) -> dict[str, Candidate]:
+    """The chosen candidates from a past selection's `{label: setting}` (JSON text, or a file holding it)."""
+    path = Path(text)
+    settings = json.loads(path.read_text() if path.is_file() else text)
+    labels = policies + ([ONLINE_LABEL] if online and LEARNED in policies else [])
+    if not isinstance(settings, dict) or set(settings) - set(labels):
+        raise SystemExit(f"--chosen must map some of {labels} to their settings, got {text!r}")
+    learned = settings.get(LEARNED, {})  # online runs on top of the learned policy's setting unless told
+    return {label: candidate(label, settings.get(label, learned if label == ONLINE_LABEL else {})) for label in labels}
+
+
+def candidate(label: str, setting: dict[str, Any]) -> Candidate:
+    """The candidate whose setting() is `setting`: the inverse of Candidate.setting."""
+    options = {k: v for k, v in setting.items() if k != "online"}
+    if label != ONLINE_LABEL:
+        return Candidate.of(label, label, options)
+    known = {f.name for f in fields(OnlineConfig)}
+    changed = setting.get("online", {})
+    if set(changed) - known:
+        raise SystemExit(f"--chosen: {ONLINE_LABEL} has no online setting {sorted(set(changed) - known)}")
+    config = replace(DEFAULT_ONLINE, **{k: tuple(v) if isinstance(v, list) else v for k, v in changed.items()})
+    return Candidate.of(label, LEARNED, options, config)
 
 
 # -- the report tables ------------------------------------------------------------------------------------
@@ -236,22 +288,19 @@ def main() -> None:
                         "always run: they are the ends of the gap")
     parser.add_argument("--no-online", dest="online", action="store_false", help="leave the online loop out")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    parser.add_argument("--chosen", metavar="JSON", help="skip the selection: report with these settings "
+                        "({label: setting} as a past run's JSON records under selection/chosen; text or a file)")
     args = parser.parse_args()
     policies = default_policies() if not args.policies else \
         ["lru", *[p for p in args.policies.split(",") if p not in ("lru", ORACLE)], ORACLE]
     started = time.perf_counter()
 
-    candidates = [Candidate.of(p, p, o) for p in policies for o in SETTINGS.get(p, [{}])]
-    runs = run_all(tasks_for(candidates, SPLITS["validation"], [SELECT_AT]), args.traces, args.jobs)
-    chosen, scores = choose(candidates, runs)
-    if args.online and LEARNED in chosen:
-        base = json.loads(chosen[LEARNED].options)
-        online = [Candidate.of(ONLINE_LABEL, LEARNED, base, c) for c in ONLINE]
-        runs |= run_all(tasks_for(online, SPLITS["validation"], [SELECT_AT]), args.traces, args.jobs)
-        more, more_scores = choose(candidates + online, runs)
-        chosen[ONLINE_LABEL], scores[ONLINE_LABEL] = more[ONLINE_LABEL], more_scores[ONLINE_LABEL]
-    print(f"== selection: validation split, {SELECT_AT[0]} scope, capacity {SELECT_AT[1]:g}; "
-          f"hit rates per trace, mean share of the gap ==\n{selection_table(scores, chosen)}")
+    if args.chosen:
+        chosen, scores = given(args.chosen, policies, args.online), {}
+    else:
+        chosen, scores = select(policies, args.traces, args.jobs, args.online)
+        print(f"== selection: validation split, {SELECT_AT[0]} scope, capacity {SELECT_AT[1]:g}; "
+              f"hit rates per trace, mean share of the gap ==\n{selection_table(scores, chosen)}")
 
     labels = ["lru", *[p for p in chosen if p not in ("lru", LEARNED, ONLINE_LABEL, ORACLE)],
               *[p for p in (LEARNED, ONLINE_LABEL) if p in chosen], ORACLE]
@@ -264,7 +313,7 @@ def main() -> None:
     report_names, degenerate = [names[p] for p in SPLITS["report"]], names[DEGENERATE]
     doc = {"machine": machine(), "jobs": args.jobs, "cold_misses_counted": True,
            "splits": {s: [asdict(p) | {"prompts": _range(p.prompts)} for p in parts] for s, parts in SPLITS.items()},
-           "selection": {"at": SELECT_AT, "scores": {label: [{k: v for k, v in s.items() if k != "candidate"}
+           "selection": {"at": SELECT_AT, "given": bool(args.chosen), "scores": {label: [{k: v for k, v in s.items() if k != "candidate"}
                                                              for s in scored] for label, scored in scores.items()},
                          "chosen": {label: c.setting() for label, c in chosen.items()}},
            "report_traces": report_names, "degenerate_trace": degenerate, "configs": []}
