@@ -17,6 +17,17 @@ from agent.prefetch_ledger import PrefetchLedger
 SCOPES = ("layer", "global")
 
 
+def step_window(size: int, at: int, residents: int, room: int, ahead: int) -> tuple[int, int]:
+    """The part [start, stop) of a layer's step to pin while its expert at `at` is in use: the step's
+    `size` experts in the order they are taken (its `residents` resident ones first), a partition of
+    `room` slots. A step that fits is pinned whole; a larger one (a batch's union) `ahead` experts from
+    `at` on, and its residents until their use, so none is evicted before it is used and every miss
+    finds an expert to evict (at most `ahead` - 1 stay pinned)."""
+    span = room if size <= room else min(room, ahead)
+    start = max(0, min(at, size - span))
+    return start, max(start + span, residents)
+
+
 @dataclass
 class LayerStats:
     hits: int = 0
@@ -113,6 +124,26 @@ class Residency:
         """Narrow the pinned set to `keys`: a step larger than a partition is used in windows, and
         only the window still to be used must stay (the policy already saw the whole step in route())."""
         self._pinned = set(keys)
+
+    def take(self, layer: int, experts: list[int], ahead: int) -> None:
+        """A layer's whole step the way the runtime cache takes it (agent.experts.cache, with no reads
+        to wait for): route, then every expert once. A step larger than its partition goes resident
+        experts first, in the windows step_window() pins as the model moves through it."""
+        self.route(layer, experts)
+        room = self._parts[layer if self.scope == "layer" else 0].capacity
+        if len(experts) <= room:
+            for e in experts:
+                self.access((layer, e))
+            return
+        order = sorted(experts, key=lambda e: (layer, e) not in self)
+        residents, taken = sum((layer, e) in self for e in experts), 0
+        for at in range(len(order)):
+            start, stop = step_window(len(order), at, residents, room, ahead)
+            if stop > taken:
+                self.pin([(layer, e) for e in order[start:stop]])
+                for e in order[taken:stop]:
+                    self.access((layer, e))
+                taken = stop
 
     def access(self, key: Key) -> tuple[bool, Key | None]:
         """Demand access. Returns (hit, evicted key or None); on a miss the key becomes resident."""

@@ -1,9 +1,11 @@
 """Replay routing traces through the runtime's cache core (agent.residency.Residency) and a policy.
 
 This is the runtime cache with the I/O taken out: per token and layer, route() pins the chosen
-experts, then each is accessed in order; a session start calls session(). Capacity is a
-fraction of all experts, floored, and never below one step's working set (top-k, or the largest
-batched set of a recorded trace) per layer. Cold misses count: the cache starts empty.
+experts, then each is accessed in order; a session start calls session(). A batched step of a
+recorded trace larger than its partition (the union of a batch's experts) is taken the way the
+runtime takes it: resident experts first, a sliding window of them pinned (Residency.take).
+Capacity is a fraction of all experts, floored, and never below top-k per layer. Cold misses
+count: the cache starts empty.
 
 Monitoring samples for policies that use them (the learned policy reads "read_latency_s" and
 "mem_pressure") come from a SystemReplay: a deterministic synthetic series by default, or a
@@ -24,6 +26,7 @@ from pathlib import Path
 from agent.policies import policy_factory, policy_names
 from agent.policies.belady import BeladyOracle
 from agent.policies.lfu import DEFAULT_WINDOW
+from agent.experts.reader import IO_THREADS
 from agent.residency import SCOPES, Residency
 from agent.traces import Trace, TraceError, access_sequence, load, parse_prompts, walk
 
@@ -92,10 +95,10 @@ class SimResult:
 
 
 def capacity_slots(trace: Trace, fraction: float, scope: str) -> int:
-    """Slots for `fraction` of all experts: per layer in layer scope, at least one step's working set."""
+    """Slots for `fraction` of all experts: per layer in layer scope, at least one sequence's top-k."""
     if not 0 < fraction <= 1:
         raise ValueError(f"capacity must be a fraction of all experts in (0, 1], got {fraction}")
-    floor = trace.max_set
+    floor = trace.top_k
     if scope == "layer":
         return max(floor, math.floor(round(fraction * trace.n_experts, 9))) * trace.n_layers
     total = trace.n_layers * trace.n_experts
@@ -120,11 +123,11 @@ def cache_for(trace: Trace, policy: str, capacity: float, scope: str = "layer", 
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     slots = capacity_slots(trace, capacity, scope)
     if policy == "belady" and "oracle" not in options:
-        options["oracle"] = BeladyOracle(access_sequence(trace))
+        options["oracle"] = BeladyOracle(access_sequence(trace), trace.offsets)
     learner = None
     if online is not None:
         learner = options["learner"] = _learner(trace, policy, slots, scope, online, options.pop("model_path", None))
-    return Residency(slots, trace.n_layers, policy_factory(policy, **options), scope, trace.max_set), learner
+    return Residency(slots, trace.n_layers, policy_factory(policy, **options), scope, trace.top_k), learner
 
 
 def _learner(trace: Trace, policy: str, slots: int, scope: str, config: OnlineConfig, model_path: str | None):
@@ -135,14 +138,15 @@ def _learner(trace: Trace, policy: str, slots: int, scope: str, config: OnlineCo
     from agent.learned.scorer import shared_net
     from agent.policies.flashmoe import DEFAULT_WEIGHTS
     return OnlineLearner(shared_net(str(Path(model_path or DEFAULT_WEIGHTS).resolve())),
-                         CacheShape(slots, trace.n_layers, trace.n_experts, scope, trace.max_set), config)
+                         CacheShape(slots, trace.n_layers, trace.n_experts, scope, trace.top_k), config)
 
 
-def replay(trace: Trace, residency: Residency, system: SystemReplay, tokens: range | None = None) -> None:
-    """Drive `residency` through every step of `trace` (or those of `tokens`), as the runtime would.
-    A trace the runtime recorded with monitoring samples gets those, where its cache fed them,
-    instead of `system`."""
-    route, access = residency.route, residency.access
+def replay(trace: Trace, residency: Residency, system: SystemReplay, tokens: range | None = None,
+           ahead: int = IO_THREADS) -> None:
+    """Drive `residency` through every step of `trace` (or those of `tokens`), as the runtime would
+    with `ahead` reads in flight. A trace the runtime recorded with monitoring samples gets those,
+    where its cache fed them, instead of `system`."""
+    take = residency.take
     recorded = trace.system
     tokens = tokens if tokens is not None else range(trace.n_tokens)
     token = -1
@@ -159,9 +163,7 @@ def replay(trace: Trace, residency: Residency, system: SystemReplay, tokens: ran
                 residency.system(sample)
         if row in recorded:
             residency.system(recorded[row])
-        route(layer, experts)
-        for e in experts:
-            access((layer, e))
+        take(layer, experts, ahead)
 
 
 def gap_closed(policy: float, lru: float, belady: float) -> float | None:

@@ -8,7 +8,8 @@ right after start), interleaved off, on, off, on... for `--rounds`. Each run las
 `--clients` clients each send one completion after another. Reported per run: the learning
 worker's CPU time over the run as a share of one core (the worker's utime+stime from /proc, as the
 agent's /v1/status reports it, start-up and imports included), the updates swapped in and rolled
-back, the agent process's own CPU share, tokens/s and the per-request latency percentiles. The
+back, the jobs that failed, each judged update's hindsight hit rate with the weights before it (old)
+and with its own (new) on the steps since it took effect, the agent process's own CPU share, tokens/s and the per-request latency percentiles. The
 on/off ratios of tokens/s and latency show what the steps pay; the machine is shared, so compare
 within a round. JSON: bench/results/online_agent.json.
 """
@@ -82,13 +83,25 @@ def run(model: Path, online: bool, args: argparse.Namespace, log_path: Path) -> 
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
     learning = status["online_learning"]
+    judged = [u for u in learning.get("recent", []) if u["judged_steps"]]
     return {"online": online, "wall_s": wall, "requests": len(latencies), "tokens": tokens,
             "tokens_per_s": tokens / wall, "p50_s": float(np.percentile(latencies, 50)),
             "p99_s": float(np.percentile(latencies, 99)), "agent_cpu_share": agent_cpu / wall,
             "worker_cpu_s": learning.get("cpu_s", 0.0), "worker_cpu_share": learning.get("cpu_s", 0.0) / wall,
             "updates": learning.get("updates", 0), "rollbacks": learning.get("rollbacks", 0),
-            "decisions": learning.get("decisions", 0), "hit_rate": status["cache"]["hit_rate"],
+            "decisions": learning.get("decisions", 0), "worker_failures": learning.get("worker_failures", 0),
+            "judged": judged, "hindsight_old": _mean(u["old_hit_rate"] for u in judged),
+            "hindsight_new": _mean(u["new_hit_rate"] for u in judged), "hit_rate": status["cache"]["hit_rate"],
             "load_avg": os.getloadavg()}
+
+
+def _fmt(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.4f}"
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return statistics.fmean(values) if values else None
 
 
 def main() -> None:
@@ -110,7 +123,9 @@ def main() -> None:
             print(f"round {round_} online {'on ' if online else 'off'}: {r['tokens_per_s']:.2f} tokens/s, "
                   f"P50 {r['p50_s']:.2f} s, P99 {r['p99_s']:.2f} s, hit rate {r['hit_rate']:.4f}, agent CPU "
                   f"{r['agent_cpu_share']:.1%}, worker CPU {r['worker_cpu_share']:.2%} of one core, "
-                  f"{r['updates']} updates ({r['rollbacks']} rolled back), load {r['load_avg'][0]:.1f}", flush=True)
+                  f"{r['updates']} updates ({r['rollbacks']} rolled back, {r['worker_failures']} failed; hindsight "
+                  f"old {_fmt(r['hindsight_old'])} new {_fmt(r['hindsight_new'])} over {len(r['judged'])}), "
+                  f"load {r['load_avg'][0]:.1f}", flush=True)
     pairs = [(runs[i], runs[i + 1]) for i in range(0, len(runs), 2)]
     ratios = {k: statistics.median(on[k] / off[k] for off, on in pairs) for k in ("tokens_per_s", "p50_s", "p99_s")}
     print(f"median on/off within rounds: tokens/s {ratios['tokens_per_s']:.3f}, P50 {ratios['p50_s']:.3f}, "

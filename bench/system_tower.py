@@ -221,7 +221,7 @@ def evaluate(trace: Trace, net: SharedNet, feed: str) -> dict:
     shadowed = feed == "real"
     cache = Residency(capacity_slots(trace, CAP, "layer"), trace.n_layers,
                       lambda: Probe(FlashMoE(net=net), tally, feed, FlashMoE(net=net) if shadowed else None),
-                      "layer", trace.max_set)
+                      "layer", trace.top_k)
     replay(trace, cache, SystemReplay.synthetic())
     hits = sum(s.hits for s in cache.stats)
     out = {"hit_rate": hits / trace.n_accesses, "miss_s": tally["miss_s"]}

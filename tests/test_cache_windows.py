@@ -3,6 +3,7 @@ reads, and a lookahead prefetch that waits for the step's own reads and never ev
 step will hit."""
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ from agent.cli import main as cli
 from agent.experts.cache import ExpertCache
 from agent.experts.provider import InMemoryExperts
 from agent.model.loading import load_model
-from agent.policies import Policy
+from agent.policies import Policy, policy_factory
+from agent.residency import Residency
 
 LAYERS, EXPERTS, TOP_K = 3, 8, 2
 
@@ -130,3 +132,23 @@ def test_a_batch_whose_union_exceeds_the_cache_gives_the_in_memory_logits(model_
     for got, want in zip(cached.logits, reference.logits):
         assert torch.equal(got, want)  # same sums in the same order, whatever the cache held
     assert s.misses > 2 * LAYERS * TOP_K  # the unions did not fit: experts went through the slots in windows
+
+
+@pytest.mark.parametrize("policy, io_threads", [("lru", 2), ("lfu", 8), (EvictHighestId.name, 1)])
+def test_replays_take_a_step_larger_than_a_partition_as_the_runtime_does(store, policy, io_threads):
+    """Residency.take (the simulator's and the online learner's replays) against the runtime cache on the
+    same batched steps: the same resident set after every step, the same hits, misses and evictions."""
+    rng = random.Random(io_threads)
+    steps = [(rng.randrange(LAYERS), rng.sample(range(EXPERTS), rng.randint(1, EXPERTS))) for _ in range(60)]
+    replayed = Residency(LAYERS * 3, LAYERS, policy_factory(policy), "layer", TOP_K)
+    with ExpertCache(store, slots(store, LAYERS * 3), policy=policy, io_threads=io_threads) as cache:
+        for layer, experts in steps:
+            for e in cache.route(layer, experts):
+                cache.get(layer, e)
+            cache.idle()
+            replayed.take(layer, experts, io_threads)
+            assert set(cache._residency.resident()) == set(replayed.resident())
+        s = cache.stats()
+    assert [(x.hits, x.misses, x.evictions) for x in s.layers] == \
+        [(x.hits, x.misses, x.evictions) for x in replayed.stats]
+    assert max(len(e) for _, e in steps) > 3 and s.evictions > 20  # steps beyond the partition, and choices made

@@ -148,3 +148,17 @@ def test_simulate_online_beside_the_offline_policy(tmp_path, capsys):
     assert rows["flashmoe", True]["online"]["updates"] == 0  # 80 tokens: shorter than one update's 128
     assert main(["simulate", "--trace", str(head), "--policy", "lru", "--online"]) == 0
     assert "flashmoe online" in capsys.readouterr().out.splitlines()[1]
+
+
+def test_a_window_of_batched_steps_larger_than_a_layers_slots_is_learned_from(qwen):
+    """A batched step routes the union of its requests' experts: here four tokens' top-4, up to 16 experts
+    in a layer of 15 slots. The window's replays take such steps as the cache does (Residency.take)."""
+    unions = [[sorted({e for t in range(i, i + 4) for e in qwen.routed(t, layer).tolist()})
+               for layer in range(qwen.n_layers)] for i in range(0, qwen.n_tokens - 4, 2)]
+    slots = capacity_slots(qwen, 0.25, "layer")
+    shape = CacheShape(slots, qwen.n_layers, qwen.n_experts, "layer", qwen.top_k)
+    assert max(len(s) for step in unions for s in step) > slots // qwen.n_layers
+    shipped = to_weights(shared_net(str(DEFAULT_WEIGHTS)).net)
+    result = run_job(Job(2, unions, 0, [], [0], 30, shape, shipped, shipped, shipped, SMALL))
+    assert result.decisions > 100 and result.judgement.steps == len(unions) - 30
+    assert 0 < result.judgement.new_hit_rate < 1

@@ -209,6 +209,18 @@ def test_belady_oracle_next_use_and_order_check():
         oracle.advance((0, 1))
 
 
+def test_belady_oracle_takes_a_steps_accesses_in_any_order_but_no_other_steps():
+    seq = [(0, 1), (0, 2), (0, 3), (0, 2), (0, 1)]  # steps {1, 2, 3} and {2, 1}: offsets 0, 3, 5
+    oracle = BeladyOracle(seq, offsets=[0, 3, 5])
+    assert [oracle.advance((0, e)) for e in (3, 1, 2)] == [5, 4, 3]  # resident-first order, say
+    with pytest.raises(ValueError, match="step 1"):
+        oracle.advance((0, 3))  # not in the second step
+    again = oracle.fresh()
+    assert [again.advance((0, e)) for e in (1, 2, 3)] == [4, 3, 5]
+    with pytest.raises(ValueError, match="does not follow"):
+        again.advance((0, 3))  # taken once already in this step
+
+
 def test_one_oracle_serves_every_layer_partition():
     trace = random_trace(seed=11, layers=3)
     _, hits = drive("belady", trace, 3 * 3, "layer")

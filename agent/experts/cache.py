@@ -34,7 +34,7 @@ from agent.experts.reader import IO_THREADS, MmapReader, open_reader
 from agent.experts.slots import SlotPool
 from agent.monitor import SystemSample, SystemSampler
 from agent.policies import Key, policy_factory
-from agent.residency import LayerStats, Residency
+from agent.residency import LayerStats, Residency, step_window
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class ExpertCache:
         self._routed: tuple[int, list[int]] = (0, [])  # the window of experts Residency pins
         self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
-        self._ahead = io_threads      # reads a step larger than a partition keeps in flight
+        self.read_ahead = io_threads  # reads a step larger than a partition keeps in flight
         self._bytes_read = self._reads = 0
         self._crc_s = self._policy_s = 0.0  # CPU time of CRC checks (I/O threads) and of the policy (under the lock)
         self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
@@ -220,10 +220,9 @@ class ExpertCache:
         full, and an expert's slot is free once get() has moved past it), and its residents stay
         pinned until their use; the rest of the partition is the policy's to keep. The last window
         stays to the step's end."""
-        room = self._room(self._residency.capacity)
-        ahead = room if len(step.order) <= room else min(room, self._ahead)
-        start = max(0, min(step.at, len(step.order) - ahead))
-        window = step.order[start:max(start + ahead, step.residents)]
+        start, stop = step_window(len(step.order), step.at, step.residents, self._room(self._residency.capacity),
+                                  self.read_ahead)
+        window = step.order[start:stop]
         self._residency.pin([(layer, e) for e in window])
         self._routed = (layer, window)
         for e in window:

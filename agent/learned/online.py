@@ -39,6 +39,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from agent.experts.reader import IO_THREADS
 from agent.learned.model import NetConfig, RetentionNet
 from agent.learned.scorer import SharedNet
 from agent.learned.train import MAX_CANDIDATES, Decisions, collect, fit, padded
@@ -82,12 +83,14 @@ class OnlineConfig:
 
 @dataclass(frozen=True)
 class CacheShape:
-    """The device cache a window is replayed through: the same slots, scope and working set."""
+    """The device cache a window is replayed through: the same slots, scope, top-k (the least a layer
+    holds) and reads in flight (how far a batched step larger than a partition is pinned ahead)."""
     slots: int
     n_layers: int
     n_experts: int
     scope: str = "layer"
     min_per_layer: int = 1
+    ahead: int = IO_THREADS
 
     def residency(self, factory) -> Residency:
         return Residency(self.slots, self.n_layers, factory, self.scope, self.min_per_layer)
@@ -172,7 +175,7 @@ def run_job(job: Job) -> Result:
             weights = job.parent
     rng = np.random.default_rng([job.config.seed, job.number])
     parts = [collect(trace, job.shape.slots, _driver(name, weights), job.config.decisions, rng, job.shape.scope,
-                     after=job.config.warmup) for name in job.config.drivers]
+                     job.config.warmup, job.shape.ahead) for name in job.config.drivers]
     data = Decisions.concat(parts + [label_live(trace, job.live, job.first_access)])
     new_weights = weights
     if len(data):
@@ -220,7 +223,7 @@ def _driver(name: str, weights: Weights):
 
 
 def window_trace(job: Job) -> Trace:
-    return from_sets(job.steps, f"online window {job.number}", job.shape.n_experts,
+    return from_sets(job.steps, f"online window {job.number}", job.shape.n_experts, job.shape.min_per_layer,
                      session_starts=job.sessions or [0])
 
 
@@ -231,9 +234,9 @@ def hit_rate(trace: Trace, shape: CacheShape, weights: Weights, start: int, warm
     shared = SharedNet(to_net(weights))
     cache = shape.residency(lambda: FlashMoE(net=shared))
     system = SystemReplay.synthetic()
-    replay(trace, cache, system, range(max(0, start - warmup), start))
+    replay(trace, cache, system, range(max(0, start - warmup), start), shape.ahead)
     before = sum(s.hits for s in cache.stats), sum(s.misses for s in cache.stats)
-    replay(trace, cache, system, range(start, trace.n_tokens))
+    replay(trace, cache, system, range(start, trace.n_tokens), shape.ahead)
     hits, misses = sum(s.hits for s in cache.stats) - before[0], sum(s.misses for s in cache.stats) - before[1]
     return hits / (hits + misses) if hits + misses else 0.0
 

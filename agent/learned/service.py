@@ -98,7 +98,8 @@ class OnlineLearning:
 
     def _shape(self) -> CacheShape:
         s, index = self.cache.stats(), self.cache.index
-        return CacheShape(s.capacity, index.n_layers, index.n_experts, s.scope, self.cache.min_per_layer)
+        return CacheShape(s.capacity, index.n_layers, index.n_experts, s.scope, self.cache.min_per_layer,
+                          self.cache.read_ahead)
 
 
 def update_row(u: Update) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from agent.experts.reader import IO_THREADS
 from agent.learned.features import FEATURES, HISTORY_BITS, LayerHistory
 from agent.learned.model import NetConfig, RetentionNet, save
 from agent.learned.scorer import SERIES_LEN, layer_inputs, system_input
@@ -89,7 +90,7 @@ FIELDS = ("signature", "features", "distance", "mask", "series")
 @dataclass
 class Tape:
     """Shared by the recorders of all partitions: the one replay order and the sampled rows."""
-    next_use: np.ndarray  # BeladyOracle.next_use: position of each access's next use
+    future: BeladyOracle  # each access's next use (a reader of its own: Belady, if it decides, has another)
     rate: float           # share of eviction decisions recorded
     rng: np.random.Generator
     start: int = 0        # no decision is recorded before this access (the features need a history)
@@ -155,7 +156,7 @@ class Recorder(Policy):
         return choice
 
     def _touch(self, key: Key) -> None:
-        self._next[key] = int(self.tape.next_use[self.tape.position])
+        self._next[key] = self.tape.future.advance(key)
         self.tape.position += 1
 
     def _record(self, candidates: list[Key], furthest: Key) -> None:
@@ -175,18 +176,20 @@ class Recorder(Policy):
 
 
 def collect(trace: Trace, slots: int, driver: str | Callable[[], Policy], max_decisions: int,
-            rng: np.random.Generator, scope: str = "layer", after: int = 0) -> Decisions:
+            rng: np.random.Generator, scope: str = "layer", after: int = 0, ahead: int = IO_THREADS) -> Decisions:
     """Replay `trace` through a cache of `slots` (`scope`) with `driver` deciding (a policy name, or a
-    constructor of one); record about `max_decisions` sampled decisions from token `after` on."""
-    oracle = BeladyOracle(access_sequence(trace))
+    constructor of one); record about `max_decisions` sampled decisions from token `after` on. The cache
+    holds top-k per layer at least; a batched step larger than a partition is narrowed as the runtime
+    narrows it with `ahead` reads in flight (Residency.take)."""
+    oracle = BeladyOracle(access_sequence(trace), trace.offsets)
     start = int(trace.offsets[min(after, trace.n_tokens) * trace.n_layers])
     # about a third of accesses miss at these sizes: sample to about max_decisions
-    tape = Tape(oracle.next_use, rate=min(1.0, 3 * max_decisions / max(1, trace.n_accesses - start)), rng=rng,
+    tape = Tape(oracle.fresh(), rate=min(1.0, 3 * max_decisions / max(1, trace.n_accesses - start)), rng=rng,
                 start=start, real=bool(trace.system))
     make = (lambda: Belady(oracle)) if driver == "belady" else policy_factory(driver) if isinstance(driver, str) \
         else driver
-    cache = Residency(slots, trace.n_layers, lambda: Recorder(make(), tape), scope, min_per_layer=trace.max_set)
-    replay(trace, cache, SystemReplay.synthetic())
+    cache = Residency(slots, trace.n_layers, lambda: Recorder(make(), tape), scope, min_per_layer=trace.top_k)
+    replay(trace, cache, SystemReplay.synthetic(), ahead=ahead)
     return padded(tape.rows)
 
 
