@@ -24,7 +24,8 @@ stage alone, whose results do not depend on how the settings were come by.
 
 Every run is one simulate() call of the library the CLI uses (the online loop is the agent's, run
 in-line). `--jobs N` spreads the runs over N processes; every run is deterministic and independent,
-so the results do not depend on N. JSON: bench/results/policies.json.
+so the results do not depend on N. JSON: bench/results/policies.json; each run also goes to
+bench/results/policies-runs.jsonl as it finishes.
 """
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ from agent.traces import Trace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import RESULTS_DIR, machine, write_results  # noqa: E402
+
+RUNS_LOG = RESULTS_DIR / "policies-runs.jsonl"  # every run as it finishes, this invocation's only
 
 SELECT_AT = ("layer", 0.25)
 CONFIGS = [("layer", 0.25), ("layer", 0.125), ("layer", 0.5), ("global", 0.25)]
@@ -121,8 +124,10 @@ def run(task: Task) -> Run:
 
 
 def run_all(tasks: list[Task], root: Path, jobs: int) -> dict[Task, Run]:
-    """Every task, the slowest (online, then prefill) first so that the pool drains evenly."""
-    order = sorted(tasks, key=lambda t: (t.candidate.online is None, t.part.prompts is None))
+    """Every task: the slowest run of the target configuration first (it alone may take an hour), then the
+    rest cheapest first, so that on a loaded machine the most runs are done soonest."""
+    first = max(tasks, key=lambda t: cost(t) if (t.scope, t.capacity) == SELECT_AT else 0)
+    order = [first] + sorted((t for t in tasks if t is not first), key=cost)
     if jobs <= 1:
         _init(root)
         return {t: _done(t, run(t), i, len(order)) for i, t in enumerate(order, 1)}
@@ -132,10 +137,17 @@ def run_all(tasks: list[Task], root: Path, jobs: int) -> dict[Task, Run]:
     return {t: done[t] for t in order}
 
 
+def cost(task: Task) -> int:
+    """A rough relative CPU cost: learning online ~100 replays, a prefill part ~40 decode traces, global scope ~4x."""
+    return (100 if task.candidate.online else 1) * (40 if task.part.prompts else 1) * (4 if task.scope == "global" else 1)
+
+
 def _done(task: Task, result: Run, i: int, n: int) -> Run:
-    """Say that a run finished (the report stage takes an hour on a loaded machine)."""
+    """Say that a run finished and add it to RUNS_LOG (the report stage takes hours on a loaded machine)."""
     print(f"[{i}/{n}] {result.trace} {task.candidate.label} {task.scope} {task.capacity:g}: "
           f"{result.hit_rate:.4f} in {result.seconds:.0f} s", file=sys.stderr, flush=True)
+    with RUNS_LOG.open("a") as log:
+        log.write(json.dumps(vars(result)) + "\n")
     return result
 
 
@@ -294,7 +306,7 @@ def main() -> None:
     policies = default_policies() if not args.policies else \
         ["lru", *[p for p in args.policies.split(",") if p not in ("lru", ORACLE)], ORACLE]
     started = time.perf_counter()
-
+    RUNS_LOG.unlink(missing_ok=True)
     if args.chosen:
         chosen, scores = given(args.chosen, policies, args.online), {}
     else:
