@@ -25,7 +25,7 @@ stage alone, whose results do not depend on how the settings were come by.
 Every run is one simulate() call of the library the CLI uses (the online loop is the agent's, run
 in-line). `--jobs N` spreads the runs over N processes; every run is deterministic and independent,
 so the results do not depend on N. JSON: bench/results/policies.json; each run also goes to
-bench/results/policies-runs.jsonl as it finishes.
+bench/results/policies-runs.json as it finishes.
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from bench.common import RESULTS_DIR, machine, write_results  # noqa: E402
 
-RUNS_LOG = RESULTS_DIR / "policies-runs.jsonl"  # every run as it finishes, this invocation's only
+RUNS_LOG = RESULTS_DIR / "policies-runs.json"  # this invocation's runs so far, rewritten as each finishes
+_FINISHED: list[dict] = []
 
 SELECT_AT = ("layer", 0.25)
 CONFIGS = [("layer", 0.25), ("layer", 0.125), ("layer", 0.5), ("global", 0.25)]
@@ -146,8 +147,8 @@ def _done(task: Task, result: Run, i: int, n: int) -> Run:
     """Say that a run finished and add it to RUNS_LOG (the report stage takes hours on a loaded machine)."""
     print(f"[{i}/{n}] {result.trace} {task.candidate.label} {task.scope} {task.capacity:g}: "
           f"{result.hit_rate:.4f} in {result.seconds:.0f} s", file=sys.stderr, flush=True)
-    with RUNS_LOG.open("a") as log:
-        log.write(json.dumps(vars(result)) + "\n")
+    _FINISHED.append(vars(result))
+    RUNS_LOG.write_text(json.dumps({"runs": _FINISHED}, indent=1) + "\n")
     return result
 
 
