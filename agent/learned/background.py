@@ -96,8 +96,9 @@ class Background:
         """Stop the worker (a job it is running is dropped) and the thread that talks to it."""
         self._closing = True
         self._outbox.put(None)
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.terminate()
+        proc = self._proc  # the serving thread may reap it (and clear self._proc) at any moment from here on
+        if proc is not None and proc.is_alive():
+            proc.terminate()
         if self._thread is not None:
             self._thread.join(10)
         self._reap()
