@@ -9,8 +9,6 @@ from agents import ROOT
 
 DOC = ROOT / "BENCHMARKS.md"
 NAMED = re.compile(r"bench/results/([\w.-]+\.json)")
-# Named in the doc for a run whose JSON is not committed yet; its section belongs to issue 14's report.
-PENDING = {"policies.json": "bench/policies.py's report stage has not finished on this machine (issue 14)"}
 
 
 def sections() -> dict[str, str]:
@@ -30,8 +28,7 @@ def named_results() -> list[str]:
     return sorted(set(NAMED.findall(DOC.read_text())))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=PENDING[n], strict=False))
-                                  if n in PENDING else n for n in named_results()])
+@pytest.mark.parametrize("name", named_results())
 def test_every_results_file_the_doc_names_is_committed(name):
     assert (ROOT / "bench" / "results" / name).is_file()
 
