@@ -162,7 +162,8 @@ def test_every_page_renders_its_charts_with_real_traffic(product, page):
         open_page(page, product, shown.key)
         charts_drawn(page, CHARTS[shown.key])
         if shown.key == "ssd":        # SMART values, or the collector's statement of why there are none
-            expect(page.get_by_text("Temperature").or_(page.get_by_text("cannot read:")).first).to_be_visible()
+            smart = page.get_by_text("Temperature").or_(page.get_by_text("cannot read:")).first
+            expect(smart).to_be_visible(timeout=RENDER_TIMEOUT_MS)
         name = "dashboard.png" if shown.default else f"dashboard-{shown.key}.png"
         picture(page, screenshot_dir(product) / name)
 

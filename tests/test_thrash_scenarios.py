@@ -308,7 +308,8 @@ def apply_the_fix_in_chromium(agent: Agent, workdir: Path) -> str:
             page = browser.new_context(viewport={"width": 1600, "height": 1100}).new_page()
             page.set_default_timeout(RENDER_TIMEOUT_MS)
             page.goto(f"{url}/{pages.page('memory').url_path}")
-            expect(page.get_by_text("Agent thrashing").first).to_be_visible()
+            # the page renders slowly while the disk serves the thrash: wait as long as for any render
+            expect(page.get_by_text("Agent thrashing").first).to_be_visible(timeout=RENDER_TIMEOUT_MS)
             page.get_by_role("button", name=re.compile(r"^Apply: cache_cap_bytes = ")).click()
             shown = page.get_by_text(re.compile(r"^Agent \(.+\): "))
             expect(shown.first).to_be_visible(timeout=2 * RENDER_TIMEOUT_MS)   # the agent may take 60 s to apply
