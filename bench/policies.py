@@ -309,7 +309,10 @@ def main() -> None:
     started = time.perf_counter()
     RUNS_LOG.unlink(missing_ok=True)
     if args.chosen:
-        chosen, scores = given(args.chosen, policies, args.online), {}
+        try:
+            chosen, scores = given(args.chosen, policies, args.online), {}
+        except ValueError as e:      # bad JSON or an unknown setting: one line, not a traceback
+            parser.error(f"--chosen: {e}")
     else:
         chosen, scores = select(policies, args.traces, args.jobs, args.online)
         print(f"== selection: validation split, {SELECT_AT[0]} scope, capacity {SELECT_AT[1]:g}; "
