@@ -306,13 +306,14 @@ def main() -> None:
     args = parser.parse_args()
     policies = default_policies() if not args.policies else \
         ["lru", *[p for p in args.policies.split(",") if p not in ("lru", ORACLE)], ORACLE]
+    try:
+        chosen = given(args.chosen, policies, args.online) if args.chosen else None
+    except ValueError as e:          # bad JSON or an unknown setting: one line, not a traceback
+        parser.error(f"--chosen: {e}")
     started = time.perf_counter()
-    RUNS_LOG.unlink(missing_ok=True)
-    if args.chosen:
-        try:
-            chosen, scores = given(args.chosen, policies, args.online), {}
-        except ValueError as e:      # bad JSON or an unknown setting: one line, not a traceback
-            parser.error(f"--chosen: {e}")
+    RUNS_LOG.unlink(missing_ok=True)  # only once the arguments are good: a typo must not lose the last log
+    if chosen is not None:
+        scores = {}
     else:
         chosen, scores = select(policies, args.traces, args.jobs, args.online)
         print(f"== selection: validation split, {SELECT_AT[0]} scope, capacity {SELECT_AT[1]:g}; "
