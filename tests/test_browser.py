@@ -53,8 +53,11 @@ class Traffic:
 
     def _run(self, prompt: str) -> None:
         while not self._stop.is_set():
-            reply = httpx.post(f"{self.url}/v1/completions", timeout=120,
-                               json={"prompt": f"{prompt}: an expert cache", "max_tokens": 4})
+            try:
+                reply = httpx.post(f"{self.url}/v1/completions", timeout=120,
+                                   json={"prompt": f"{prompt}: an expert cache", "max_tokens": 4})
+            except httpx.HTTPError as exc:   # e.g. a squeezed agent slower than the timeout: said, not raised
+                reply = httpx.Response(599, text=f"{type(exc).__name__}: {exc}")
             with self._lock:
                 if reply.status_code != 200:
                     self.errors.append(f"{reply.status_code}: {reply.text[:300]}")

@@ -228,6 +228,37 @@ def test_shrinking_below_the_pinned_step_is_refused_and_changes_nothing(store):
         assert cache.resize(slots(store, LAYERS * 2)) == [(0, 0), (0, 2)]
 
 
+def test_a_shrink_the_running_layer_does_not_fit_waits_for_the_layer_to_end(store):
+    """Under memory thrash a step lasts minutes but its layers end every few seconds: the cap's
+    relief comes at the next layer boundary, not after the step."""
+    reference = InMemoryExperts(store)
+    with ExpertCache(store, slots(store, LAYERS * 4)) as cache:
+        step(cache, 0, [0, 1, 2, 3])             # layer 0's four experts are in use
+        answer = {}
+        shrink = threading.Thread(target=lambda: answer.update(evicted=cache.resize(slots(store, LAYERS * 2),
+                                                                                     wait_s=30)))
+        shrink.start()
+        wait_until(lambda: cache._waiting is not None)
+        assert cache.stats().capacity == LAYERS * 4      # not while layer 0 still runs
+        got = step(cache, 1, [5])                # the next layer starts: layer 0 is done with
+        shrink.join(10)
+        assert sorted(answer["evicted"]) == [(0, 0), (0, 1)] and cache.stats().capacity == LAYERS * 2
+        assert len(cache._pool) == LAYERS * 2
+        assert torch.equal(got[0].up, reference.get(1, 5).up)
+        for e in (2, 3, 4):
+            assert torch.equal(step(cache, 0, [e])[0].down, reference.get(0, e).down)
+
+
+def test_a_waiting_shrink_that_times_out_changes_nothing_and_never_applies_later(store):
+    with ExpertCache(store, slots(store, LAYERS * 4)) as cache:
+        step(cache, 0, [0, 1, 2, 3])
+        with pytest.raises(TimeoutError, match="did not end within 0 s"):
+            cache.resize(slots(store, LAYERS * 2), wait_s=0.2)
+        step(cache, 1, [5])
+        cache.idle()
+        assert cache.stats().capacity == LAYERS * 4 and len(cache._pool) == LAYERS * 4
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "least-stale"])
 def test_random_routing_prefetch_and_resizes_always_serve_the_right_weights(store, policy):
     reference = InMemoryExperts(store)

@@ -86,6 +86,12 @@ class _Load:
 
 
 @dataclass
+class _Resize:
+    cap_bytes: int
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
 class _Step:
     """One layer's routed experts in the order get() should ask for them, and how far it has come."""
     order: list[int]
@@ -132,6 +138,7 @@ class ExpertCache:
         self._guess: tuple[int, list[int]] | None = None  # a prefetch not started yet (see _start_guess)
         self._routed: tuple[int, list[int]] = (0, [])  # the window of experts Residency pins
         self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
+        self._waiting: _Resize | None = None  # a shrink waiting for the running layer to end
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
         self.read_ahead = io_threads  # reads a step larger than a partition keeps in flight
         self._bytes_read = self._reads = 0
@@ -183,6 +190,7 @@ class ExpertCache:
         sample = self.monitor.sample(SYSTEM_SAMPLE_INTERVAL_S)
         with self._lock:
             self._feed_system(sample)  # before the route: a recorded trace replays it at the same point
+            self._layer_done()
             self._policy(self._residency.route, layer, unique)
             if len(unique) <= self._room(self._residency.capacity):
                 step = _Step(unique)
@@ -198,8 +206,7 @@ class ExpertCache:
         """The forward pass is over: no expert is in use, so none stays pinned, and a resize or
         policy change between two steps may use every slot."""
         with self._lock:
-            self._residency.pin(())
-            self._routed = (0, [])
+            self._layer_done()
 
     def _policy(self, decision, *args):
         """A Residency decision (called under the lock), its time counted as the policy's."""
@@ -371,25 +378,52 @@ class ExpertCache:
             self.system_fed = (self.system_fed[0] + 1, inputs)
 
     # -- live changes -----------------------------------------------------------------------------------------
-    def resize(self, cap_bytes: int) -> list[Key]:
-        """A new cap: shrinking evicts by the policy and frees slots, growing allocates. Returns evicted keys."""
+    def resize(self, cap_bytes: int, wait_s: float = 0.0) -> list[Key]:
+        """A new cap: shrinking evicts by the policy and frees slots, growing allocates. Returns evicted keys.
+        A shrink the running layer's pinned experts do not fit waits up to `wait_s` for that layer's end
+        (the next route() or idle(), when none of them is in use): under memory thrash a step can last
+        minutes, yet its layers still end every few seconds, and relief is needed then, not after."""
         self._check_cap(cap_bytes)
         with self._lock:
-            pinned = len(self._routed[1])
-            if self._room(self._slots_for(cap_bytes)) < pinned:
-                raise ValueError(f"cache cap {cap_bytes} bytes cannot hold the {pinned} experts the current step "
-                                 f"is using; retry after the step or choose a larger cap")
-            evicted = self._residency.resize(self._slots_for(cap_bytes))
-            for key in evicted:
-                self._forget(key)
-            self.cap_bytes = cap_bytes
-            if self._pool is not None:
-                change = self._pool_size() - len(self._pool)
-                self._pool.grow(change) if change > 0 else self._pool.shrink(-change)
-                for slot in [s for s in self._busy if s not in self._pool]:
-                    del self._busy[slot]
+            if self._room(self._slots_for(cap_bytes)) >= len(self._routed[1]):
+                return self._resize(cap_bytes)
+            if wait_s <= 0 or self._waiting is not None:
+                raise ValueError(f"cache cap {cap_bytes} bytes cannot hold the {len(self._routed[1])} experts the "
+                                 f"current step is using; retry after the step or choose a larger cap")
+            waiting = self._waiting = _Resize(cap_bytes)
+        try:
+            return waiting.future.result(wait_s)
+        except TimeoutError:
+            with self._lock:
+                if self._waiting is waiting:  # withdrawn, so it never applies later unreported
+                    self._waiting = None
+                    raise TimeoutError(f"the model's running layer did not end within {wait_s:.0f} s, so the cache "
+                                       f"cap was not changed; try again") from None
+            return waiting.future.result()    # applied meanwhile
+
+    def _resize(self, cap_bytes: int) -> list[Key]:
+        evicted = self._residency.resize(self._slots_for(cap_bytes))
+        for key in evicted:
+            self._forget(key)
+        self.cap_bytes = cap_bytes
+        if self._pool is not None:
+            change = self._pool_size() - len(self._pool)
+            self._pool.grow(change) if change > 0 else self._pool.shrink(-change)
+            for slot in [s for s in self._busy if s not in self._pool]:
+                del self._busy[slot]
         log.info("expert cache resized to %d bytes (%d slots), %d evicted", cap_bytes, self._residency.capacity, len(evicted))
         return evicted
+
+    def _layer_done(self) -> None:
+        """The running layer ended and none of its experts is in use: unpin them, and apply a waiting shrink."""
+        self._residency.pin(())
+        self._routed = (0, [])
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            try:
+                waiting.future.set_result(self._resize(waiting.cap_bytes))
+            except ValueError as exc:
+                waiting.future.set_exception(exc)
 
     def set_policy(self, name: str, **options) -> None:
         """Switch policy live. The resident set stays; the new policy learns it afresh (no recency carried over)."""

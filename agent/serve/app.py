@@ -33,7 +33,7 @@ from agent.serve.knobs import SOURCES, KnobError
 from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
 from agent.serve.metrics import DeviceLabelled
 from agent.serve.runtime import Runtime
-from agent.serve.scheduler import Event, SchedulerBusy
+from agent.serve.scheduler import Event
 from agent.serve.scheduler import Request as Job
 
 CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
@@ -113,7 +113,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
             return runtime.set_knobs(changes, who)
         except KnobError as exc:
             raise HTTPException(400, str(exc)) from None
-        except SchedulerBusy as exc:
+        except TimeoutError as exc:  # the running step or layer did not end in time: nothing changed
             raise HTTPException(503, str(exc)) from None
 
     @app.post("/v1/cache/preload", dependencies=[Depends(control)])

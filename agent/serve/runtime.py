@@ -30,7 +30,7 @@ from agent.serve.engine import ModelEngine
 from agent.serve.knobs import KnobError, Knobs, Limits
 from agent.serve.metrics import Metrics, Tick
 from agent.serve.recorder import Recorder
-from agent.serve.scheduler import ADMIT_WINDOW_S, Request, Scheduler, check_admit_window
+from agent.serve.scheduler import ADMIT_WINDOW_S, CONTROL_WAIT_S, Request, Scheduler, check_admit_window
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,11 @@ class Runtime:
             diff = self.knobs.diff(validated)
             self._check_policy({k: new for k, (_, new) in diff.items()})
             if diff:
-                self.scheduler.call(lambda: self._apply({k: new for k, (_, new) in diff.items()}))
+                new = {k: value for k, (_, value) in diff.items()}
+                if new.keys() == {"cache_cap_bytes"}:  # the cache resizes under its own lock, at a layer's end
+                    self._apply(new)
+                else:
+                    self.scheduler.call(lambda: self._apply(new))
                 t = time.time()
                 self.metrics.knob_changes.inc(len(diff))
                 for knob, (old, new) in diff.items():
@@ -168,7 +172,7 @@ class Runtime:
         """Runs on the scheduler thread. Commits knob by knob, so a failure leaves the knobs true to the runtime."""
         if "cache_cap_bytes" in new:
             try:
-                self.cache.resize(new["cache_cap_bytes"])
+                self.cache.resize(new["cache_cap_bytes"], wait_s=CONTROL_WAIT_S)
             except ValueError as exc:  # e.g. too small for the memory it must lock
                 raise KnobError("cache_cap_bytes", str(exc)) from None
             self.knobs.commit({"cache_cap_bytes": new["cache_cap_bytes"]})

@@ -86,6 +86,7 @@ class Engine(Protocol):
 
 ADMIT_WINDOW_S = 0.05       # the default: 16 requests sent at once reach the scheduler within ~30 ms (load 7)
 MAX_ADMIT_WINDOW_S = 1.0    # a longer wait would cost a lone request more than a shared prefill saves
+CONTROL_WAIT_S = 60.0       # how long a control call waits for the running step (or layer) to end
 
 
 def check_admit_window(seconds: float) -> float:
@@ -135,7 +136,7 @@ class Scheduler:
             self.waiting.append(request)
             self._wake.notify()
 
-    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+    def call(self, fn: Callable[[], Any], timeout: float = CONTROL_WAIT_S) -> Any:
         """Run fn on the scheduler thread between two steps and return its result (or raise its error).
         A step still running after `timeout` (memory thrash can make one that slow) withdraws the call,
         so it never runs later unreported: SchedulerBusy says so."""
