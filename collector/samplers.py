@@ -101,7 +101,7 @@ class CgroupSampler:
         same = self._previous is not None and self._previous[0] == group.directory
         previous = self._previous[1:] if same else None
         self._previous = (group.directory, t, reading)
-        return series.cgroup_series(previous, reading, t)
+        return series.cgroup_series(previous, reading, t, group.others(pid))
 
 
 @dataclass

@@ -39,10 +39,13 @@ def fault_series(previous: Faults, current: Faults) -> dict[str, float]:
                                 "majflt": max(0, current.majflt - previous.majflt) / dt})
 
 
-def cgroup_series(previous: tuple[float, MemoryReading] | None, reading: MemoryReading, t: float) -> dict[str, float]:
-    """cgroup.agent.*: usage, limit and memory pressure of one reading; with the reading before it
-    (at monotonic time previous[0]), its counters as per-second rates."""
-    values: dict[str, float | None] = {"usage_bytes": reading.usage_bytes, "limit_bytes": reading.limit_bytes}
+def cgroup_series(previous: tuple[float, MemoryReading] | None, reading: MemoryReading, t: float,
+                  others: int | None = None) -> dict[str, float]:
+    """cgroup.agent.*: usage, limit and memory pressure of one reading, and how many other processes
+    share the cgroup; with the reading before it (at monotonic time previous[0]), its counters as
+    per-second rates."""
+    values: dict[str, float | None] = {"usage_bytes": reading.usage_bytes, "limit_bytes": reading.limit_bytes,
+                                       "other_processes": others}
     for kind, fields in (reading.psi or {}).items():
         values[f"psi_{kind}_avg10"] = fields["avg10"]
     if previous is not None:

@@ -44,7 +44,8 @@ FIGURES = {                     # Device field -> the series examples/alerts.yml
     "ssd_read_bytes_per_s": "device_name:flashmoe_expert_read_bytes:rate5m",
     "ssd_util": "device_name:node_disk_io_time_seconds:max_rate5m",
 }
-THRASH_ALERT = "FlashMoEAgentThrashing"
+MEMORY_ALERTS = {"FlashMoEAgentThrashing": "agent thrashing",         # examples/alerts.yml's verdicts, the
+                 "FlashMoEMemoryPressure": "pressure from another process"}  # Memory page's words, graver first
 SEVERITIES = ("critical", "warning", "info")          # examples/alerts.yml's, most urgent first
 COLLECTOR_SERIES = "node_memory_MemAvailable_bytes"   # any series the collector always exports
 
@@ -158,13 +159,20 @@ def devices(snap: Snapshot) -> list[Device]:
         row = by_name.get(labels.get("device_name")) or by_instance.get(labels.get("instance"))
         if row is None:
             continue
-        if labels["alertname"] == THRASH_ALERT:
-            row.memory = "thrashing" if active["state"] == "firing" else "under pressure"
+        if labels["alertname"] in MEMORY_ALERTS:
+            row.memory = _graver(row.memory, MEMORY_ALERTS[labels["alertname"]]
+                                 + ("" if active["state"] == "firing" else " (pending)"))
         if active["state"] == "firing":
             row.alerts.append(_alert(active))
     for row in rows:
         row.alerts.sort(key=lambda a: (a.urgency, a.name))
     return sorted(rows, key=lambda d: d.name)
+
+
+def _graver(shown: str, verdict: str) -> str:
+    """Of two memory verdicts, the one to show: firing before pending, the agent's before another's."""
+    order = [v + state for state in ("", " (pending)") for v in MEMORY_ALERTS.values()]
+    return min((shown, verdict), key=lambda v: order.index(v) if v in order else len(order))
 
 
 def _alert(active: Mapping[str, Any]) -> Alert:

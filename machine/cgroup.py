@@ -107,6 +107,12 @@ class MemoryCgroup:
         return MemoryReading(int((self.directory / usage).read_text()), min(limits(self.own, self.root), default=None),
                              {name: stat[name] for name in COUNTERS if name in stat}, self._pressure())
 
+    def others(self, pid: int) -> int:
+        """Processes in this cgroup other than `pid` and its descendants (e.g. the agent's online
+        learner): with any, the cgroup's counters are not the agent's alone."""
+        procs = {int(p) for p in (self.directory / "cgroup.procs").read_text().split()}
+        return sum(1 for p in procs if not _descends_from(p, pid))
+
     def _pressure(self) -> dict[str, dict[str, float]] | None:
         """The cgroup's memory.pressure (cgroup v2 keeps one per cgroup, whether or not its memory
         controller is on; in a v1 setup the unified hierarchy's copy), unless it is the root's,
@@ -119,6 +125,21 @@ class MemoryCgroup:
             return parse_psi((directory / "memory.pressure").read_text())
         except OSError:
             return None
+
+
+def parent(pid: int) -> int | None:
+    """The parent of process `pid` (/proc/<pid>/stat's fourth field), None once it has exited."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])   # the name in parentheses may hold spaces
+
+
+def _descends_from(pid: int | None, ancestor: int) -> bool:
+    while pid and pid != ancestor:
+        pid = parent(pid)
+    return pid == ancestor
 
 
 def memory_cgroup(pid: int, root: Path = ROOT) -> MemoryCgroup:

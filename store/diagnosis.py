@@ -26,7 +26,7 @@ import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ GROW = 2.0                # re-reads are of blocks a cache up to twice as large 
 MIB = 1 << 20
 VERDICTS = ("agent thrashing", "pressure from another process", "cache thrashing", "healthy", "no data")
 CAP = "cache_cap_bytes"
+SHARED = "cgroup.agent.other_processes"
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,16 @@ THRESHOLDS: tuple[Threshold, ...] = (
     Threshold("vm.workingset_refault_anon_per_s", "system anon refaults", 1_000.0, "1/s", "system"),
     Threshold("agent.reread_share", "cache misses re-reading a block evicted moments ago", 0.5, "fraction", "cache"),
 )
+
+
+def shared(threshold: Threshold, others: int) -> Threshold:
+    """A threshold on the agent's cgroup when `others` processes share that cgroup: its counters are
+    theirs too, so they tell of pressure from another process, and only the agent's own faults
+    (mem.agent.*) can tell that the agent thrashes."""
+    if not others or not threshold.series.startswith("cgroup.agent."):
+        return threshold
+    return replace(threshold, side="system",
+                   label=f"{threshold.label} (a cgroup shared with {others} other process{'es' * (others > 1)})")
 
 
 @dataclass(frozen=True)
@@ -151,6 +162,7 @@ class Facts:
     cap_max: float | None
     cgroup_limit: float | None
     available: float | None
+    cgroup_others: int = 0    # processes besides the agent in its memory cgroup: its counters are theirs too
 
 
 def judge(threshold: Threshold, buckets: Sequence[Bucket], width_s: float) -> Signal:
@@ -212,7 +224,10 @@ def recommend(verdict: str, facts: Facts, signals: Sequence[Signal]) -> Recommen
             f"{s.threshold.label} peak {human(s.peak, s.threshold.unit)}" for s in flat) + "), so "
             if flat else "") + "shrinking its cache would slow it without freeing the memory that is short. "
             "Find the process re-reading its pages (`ps -eo pid,maj_flt,rss,comm --sort=-maj_flt | head`, or "
-            "the workingset_refault lines of each cgroup's memory.stat) and give it more memory or stop it.")
+            "the workingset_refault lines of each cgroup's memory.stat) and give it more memory or stop it."
+            + (f" The agent's memory cgroup holds {facts.cgroup_others} other process"
+               f"{'es' * (facts.cgroup_others > 1)} too: give the agent a cgroup of its own, so that its "
+               f"cgroup's counters are its own." if facts.cgroup_others else ""))
         if not over:
             return Recommendation(outside)
         return Recommendation(
@@ -288,8 +303,9 @@ def effect(db: Db, changed_at: float, until: float, series: Sequence[str]) -> li
             for th in THRESHOLDS if th.series in series]
 
 
-def facts(db: Db, knobs: Mapping[str, Mapping[str, Any]] | None) -> Facts:
-    """The cap and its bounds from GET /v1/knobs when given (live), else as the agent last recorded them."""
+def facts(db: Db, knobs: Mapping[str, Mapping[str, Any]] | None, since: float, until: float) -> Facts:
+    """The cap and its bounds from GET /v1/knobs when given (live), else as the agent last recorded them;
+    the most processes that shared the agent's cgroup from `since` to `until`."""
     def last(name: str) -> float | None:
         point = queries.latest(db, name)
         return point[1] if point else None
@@ -298,7 +314,8 @@ def facts(db: Db, knobs: Mapping[str, Mapping[str, Any]] | None) -> Facts:
         value, lo, hi = cap["value"], cap.get("min"), cap.get("max")
     else:
         value, lo, hi = last("agent.cache_cap_bytes"), last("agent.cache_cap_min_bytes"), last("agent.cache_cap_max_bytes")
-    return Facts(value, lo, hi, last("cgroup.agent.limit_bytes"), last("mem.available_bytes"))
+    others = max((most for *_, most in queries.series(db, SHARED, since, until, 1)), default=0)
+    return Facts(value, lo, hi, last("cgroup.agent.limit_bytes"), last("mem.available_bytes"), int(others))
 
 
 def diagnose(db: str | Path, window: float = 300.0, until: float | None = None,
@@ -315,14 +332,15 @@ def diagnose(db: str | Path, window: float = 300.0, until: float | None = None,
                          f"--db {db}, or point --db at the file they write")
     try:
         signals, unsampled = [], []
+        known = facts(conn, knobs, until - window, until)
         for th in THRESHOLDS:
             rows = queries.series(conn, th.series, until - window, until, buckets)
             if rows:
-                signals.append(judge(th, rows, window / buckets))
+                signals.append(judge(shared(th, known.cgroup_others), rows, window / buckets))
             else:
                 unsampled.append(th)
         verdict = verdict_of(signals)
-        recommendation = recommend(verdict, facts(conn, knobs), signals)
+        recommendation = recommend(verdict, known, signals)
     finally:
         conn.close()
     return Diagnosis(verdict, SUMMARIES[verdict], until - window, until, tuple(signals), tuple(unsampled),

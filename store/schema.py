@@ -122,6 +122,8 @@ CATALOGUE: tuple[SeriesSpec, ...] = (
     # (cgroup v1 or v2), and memory.pressure where v2 offers it (machine.cgroup).
     _cgroup("usage_bytes", "B", 4096.0, "memory charged to the agent's cgroup"),
     _cgroup("limit_bytes", "B", 4096.0, "the agent's cgroup memory limit, the tightest of its own and its ancestors'"),
+    _cgroup("other_processes", "count", 1.0, "processes in the agent's memory cgroup besides the agent and its "
+                                              "children: with any, the cgroup's counters are not the agent's alone"),
     _cgroup("pgmajfault_per_s", "1/s", 0.1, "major faults in the agent's cgroup per second"),
     _cgroup("workingset_refault_file_per_s", "1/s", 0.1, "file pages of the agent's cgroup refaulted soon after "
             "eviction, per second"),

@@ -33,4 +33,4 @@ def test_a_broken_rule_fails_its_unit_test(tmp_path):
     shutil.copy(EXAMPLES / "alerts.test.yml", tmp_path)
     result = promtool("test", "rules", "alerts.test.yml", cwd=tmp_path)
     assert result.returncode != 0
-    assert "alertname: FlashMoEAgentThrashing" in result.stdout + result.stderr
+    assert "alertname: FlashMoEMemoryPressure" in result.stdout + result.stderr

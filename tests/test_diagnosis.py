@@ -82,6 +82,20 @@ def test_the_agents_cgroup_refaults_alone_are_agent_thrashing(tmp_path):
     assert d.verdict == "agent thrashing"
 
 
+def test_refaults_of_a_cgroup_the_agent_shares_are_not_blamed_on_it_unless_its_own_faults_rise(tmp_path):
+    """With other processes in the agent's cgroup (e.g. a dashboard and a collector in one container),
+    the cgroup's counters are theirs too: only the agent's own major faults make it the agent's fault."""
+    levels = synthetic.MEMORY["healthy"] | {"cgroup.agent.other_processes": 0}
+    crowded = {"cgroup.agent.workingset_refault_file_per_s": (30, 20_000.0), "cgroup.agent.other_processes": (1, 2)}
+    d = judged(write(tmp_path / "s.db", levels, bursts=crowded))
+    assert d.verdict == "pressure from another process" and d.recommendation.changes == {}
+    assert [s.threshold.label for s in d.evidence] == ["agent cgroup file refaults (a cgroup shared with 2 other "
+                                                       "processes)"]
+    assert "give the agent a cgroup of its own" in d.recommendation.text
+    faulting = judged(write(tmp_path / "t.db", levels, bursts=crowded | {"mem.agent.majflt_per_s": (60, 800.0)}))
+    assert faulting.verdict == "agent thrashing"
+
+
 def test_a_shrink_never_goes_below_the_agents_minimum(tmp_path):
     knobs = {"cache_cap_bytes": {"value": 600 * MIB, "min": 512 * MIB, "max": 5 * GIB}}
     path = write(tmp_path / "s.db", synthetic.MEMORY["agent thrashing"])

@@ -3,6 +3,7 @@ real cgroup v1 memory controller (a child cgroup made for the test, with a limit
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -130,6 +131,37 @@ def test_the_collector_samples_the_agents_cgroup_from_its_pid_file(sleeper_in_a_
     assert first["cgroup.agent.limit_bytes"] == 512 << 20 and "cgroup.agent.pgmajfault_per_s" not in first
     second = sampler.sample(time.monotonic() + 1)
     assert second["cgroup.agent.pgmajfault_per_s"] >= 0 and "cgroup.agent.workingset_refault_file_per_s" in second
+
+
+def test_other_processes_in_the_cgroup_are_counted_but_not_the_agents_children():
+    """A real parent that forks a child inside the cgroup, then a stranger joins it."""
+    group = MemoryCgroup(512 << 20, name=f"flashmoe-test-shared-{os.getpid()}")
+    assert group.path is not None, group.describe()
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; sys.stdin.readline(); "
+                               "child = subprocess.Popen(['sleep', '60']); print(child.pid, flush=True); child.wait()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    stranger, child = subprocess.Popen(["sleep", "60"]), None
+    try:
+        group.add(parent.pid)
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
+        child = int(parent.stdout.readline())       # forked inside the cgroup: a member too
+        found = cgroup.memory_cgroup(parent.pid)
+        assert found.others(parent.pid) == 0        # its own child is the agent's, not another process
+        assert found.others(child) == 1             # the parent is not the child's
+        group.add(stranger.pid)
+        assert found.others(parent.pid) == 1
+        reading = series.cgroup_series(None, found.read(), 1.0, found.others(parent.pid))
+        assert reading["cgroup.agent.other_processes"] == 1
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+        for proc in (parent, stranger):
+            proc.kill()
+            proc.wait()
+        while (group.path / "cgroup.procs").read_text().strip():   # the kernel lets the child go last
+            time.sleep(0.05)
+        group.remove()
 
 
 def test_a_process_in_the_root_cgroup_or_gone_has_no_cgroup_to_sample(tmp_path):

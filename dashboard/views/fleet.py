@@ -31,8 +31,9 @@ COLUMNS = {
     "P99 latency (s)": st.column_config.NumberColumn(format="%.2f", help="request latency P99, last 5 min"),
     "SSD MB/s": st.column_config.NumberColumn(format="%.1f", help="expert bytes read from the SSD, last 5 min"),
     "SSD utilisation": st.column_config.NumberColumn(format="percent", help="busiest disk (collector), last 5 min"),
-    "memory": st.column_config.TextColumn(help="thrashing / under pressure (FlashMoEAgentThrashing firing / "
-                                               "pending), ok, or no collector reporting"),
+    "memory": st.column_config.TextColumn(help="agent thrashing (FlashMoEAgentThrashing), pressure from another "
+                                               "process (FlashMoEMemoryPressure), either pending, ok, or no "
+                                               "collector reporting"),
     "dashboard": st.column_config.LinkColumn(display_text="open", help="the device's own dashboard"),
 }
 
