@@ -254,7 +254,9 @@ _CACHE_COUNTERS = ("hits", "misses", "evictions", "prefetches", "prefetch_hits",
 
 
 def _cache_row(cells: list[dict[str, Any]], **head: Any) -> dict[str, Any]:
-    """Rollup cells summed into one row: the counters, hit_rate, prefetch_accuracy (prefetched
+    """Rollup cells summed into one row: the counters, hit_rate, reads_per_lookup (misses and
+    prefetches over lookups: a hit on a block prefetch brought in was read too, ahead of time; rows
+    from before prefetches were recorded count their misses only), prefetch_accuracy (prefetched
     experts later used, over experts prefetched, from the rows that recorded prefetches) and
     read_latency_s (mean of the recorded ones); a ratio is None where its denominator is 0."""
     row = head | {c: sum(cell[c] for cell in cells) for c in _CACHE_COUNTERS}
@@ -262,6 +264,7 @@ def _cache_row(cells: list[dict[str, Any]], **head: Any) -> dict[str, Any]:
     latency_n = sum(cell["latency_n"] for cell in cells)
     counted_hits = sum(cell["counted_prefetch_hits"] for cell in cells)
     return row | {"hit_rate": row["hits"] / lookups if lookups else None,
+                  "reads_per_lookup": (row["misses"] + row["prefetches"]) / lookups if lookups else None,
                   "prefetch_accuracy": counted_hits / row["prefetches"] if row["prefetches"] else None,
                   "read_latency_s": sum(cell["latency_sum"] for cell in cells) / latency_n if latency_n else None}
 

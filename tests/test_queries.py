@@ -109,6 +109,7 @@ def test_cache_stats_over_time_per_layer_and_total(store_path):
     assert stats["over_time"][0]["hit_rate"] == pytest.approx(55 / 100)
     layer0, layer1 = stats["per_layer"]
     assert (layer0["layer"], layer0["hit_rate"], layer0["prefetch_accuracy"]) == (0, 0.9, 0.5)
+    assert layer0["reads_per_lookup"] == 0.5     # 90% hits, yet every other lookup cost a read: 1 miss, 4 prefetches
     assert layer0["read_latency_s"] == pytest.approx(0.001)
     assert (layer1["hits"], layer1["misses"], layer1["read_latency_s"]) == (45, 55, None)
     assert (layer1["prefetches"], layer1["prefetch_accuracy"]) == (0, None)    # not counted: no ratio
@@ -116,6 +117,7 @@ def test_cache_stats_over_time_per_layer_and_total(store_path):
     assert (total["hits"], total["misses"], total["evictions"], total["prefetches"], total["prefetch_hits"]) == \
         (135, 65, 10, 40, 50)
     assert (total["hit_rate"], total["prefetch_accuracy"], total["bytes_read"]) == (135 / 200, 0.5, 11_000)
+    assert total["reads_per_lookup"] == (65 + 40) / 200
     assert total["read_latency_s"] == pytest.approx(0.001)
     assert queries.cache_stats(store_path, T0 + 100, T0 + 200) == {"over_time": [], "per_layer": [], "total": None}
 

@@ -22,17 +22,20 @@ def live() -> None:
     stats = data.cache_stats(db, since, until, TIME_BUCKETS)
     status = data.agent_status(url, token)
     total = stats["total"] or {}
-    c1, c2, c3, c4 = st.columns(4)
+    c1, c2, c3, c4, c5 = st.columns(5)
     c1.metric(components.HIT_RATE_NOW, human(data.hit_rate_now(db, time.time()), "fraction"),
               help=components.HIT_RATE_NOW_HELP)
     c2.metric("Hit rate (time range)", human(total.get("hit_rate"), "fraction"),
               help="hits over lookups in the time range shown")
-    c3.metric("Evictions (time range)", f"{total.get('evictions', 0):,}")
+    c3.metric("SSD reads per lookup (time range)", human(total.get("reads_per_lookup"), "fraction"),
+              help="misses and prefetches over lookups: what the SSD did for each lookup. A hit on a block a "
+                   "prefetch brought in counts as a hit, but it was read too, ahead of time")
+    c4.metric("Evictions (time range)", f"{total.get('evictions', 0):,}")
     if isinstance(status, dict):
-        c4.metric("Prefetch accuracy (agent)", human(status["cache"]["prefetch_accuracy"], "fraction"),
+        c5.metric("Prefetch accuracy (agent)", human(status["cache"]["prefetch_accuracy"], "fraction"),
                   help="prefetched experts later used, over experts prefetched, since the agent started")
     else:
-        c4.metric("Prefetch accuracy (time range)", human(total.get("prefetch_accuracy"), "fraction"),
+        c5.metric("Prefetch accuracy (time range)", human(total.get("prefetch_accuracy"), "fraction"),
                   help="from the store while the agent is offline: prefetched experts later used, over "
                        "experts prefetched, in the time range shown (– when none were prefetched)")
 
