@@ -40,7 +40,7 @@ from agent.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import count, machine, write_results  # noqa: E402
 from bench.loader import drop_from_page_cache  # noqa: E402
 
 PROMPT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
@@ -133,12 +133,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="an expert store (default: a private demo copy in data/)")
     parser.add_argument("--size", choices=("default", "small"), default="default", help="demo size if --model is absent")
-    parser.add_argument("--tokens", type=int, default=48, help="new tokens per run (default 48)")
-    parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds; the median is reported")
+    parser.add_argument("--tokens", type=count, default=48, help="new tokens per run (default 48)")
+    parser.add_argument("--repeat", type=count, default=2, help="interleaved rounds; the median is reported")
     parser.add_argument("--caps", default="10,25,50,100", help="cache caps in %% of expert bytes")
     parser.add_argument("--backends", default="direct,mmap")
     parser.add_argument("--prefetch", choices=("on", "off", "both"), default="on", help="lookahead prefetch")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as flashmoe-cli generate)")
+    parser.add_argument("--threads", type=count, default=1, help="torch intra-op threads (as flashmoe-cli generate)")
     parser.add_argument("--scope", choices=("layer", "global"), default="layer",
                         help="cache scope (global lets a cap below top-k per layer run)")
     parser.add_argument("--policy", default="lru", help="replacement policy (default lru, as BENCHMARKS.md's table)")

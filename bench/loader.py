@@ -48,7 +48,7 @@ from agent.experts.reader import IO_THREADS, MmapReader
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import count, machine, write_results  # noqa: E402
 
 DEMO = ROOT / "data" / "loader-demo"
 
@@ -241,10 +241,10 @@ def _row(name: str, pairs: list[tuple[int, float, float]], raw_bytes: int) -> Ro
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="an expert store (default: the demo model in data/loader-demo)")
-    parser.add_argument("--repeat", type=int, default=4,
+    parser.add_argument("--repeat", type=count, default=4,
                         help="interleaved rounds (even, so each order of sweep and raw read is used equally)")
-    parser.add_argument("--chunk-mb", type=int, default=16, help="raw read chunk size in MiB")
-    parser.add_argument("--io-threads", type=int, default=IO_THREADS, help=f"default {IO_THREADS}, as the agent")
+    parser.add_argument("--chunk-mb", type=count, default=16, help="raw read chunk size in MiB")
+    parser.add_argument("--io-threads", type=count, default=IO_THREADS, help=f"default {IO_THREADS}, as the agent")
     args = parser.parse_args()
     store = bench_store(args.model)
     index = Index.load(store / INDEX)

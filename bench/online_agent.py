@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from agent.learned.background import cpu_seconds  # noqa: E402
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import count, machine, write_results  # noqa: E402
 from bench.serve import free_port, interrupt_on_sigterm, stopped_on_failure, wait_for_agent  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
@@ -108,9 +108,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=ROOT / "data" / "demo", help="the demo model (init-demo)")
     parser.add_argument("--minutes", type=float, default=10.0, help="length of each run")
-    parser.add_argument("--rounds", type=int, default=2, help="off/on pairs")
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=count, default=2, help="off/on pairs")
+    parser.add_argument("--clients", type=count, default=4)
+    parser.add_argument("--max-tokens", type=count, default=32)
     parser.add_argument("--logs", type=Path, default=Path("/tmp/flashmoe-online-agent"))
     args = parser.parse_args()
     interrupt_on_sigterm()

@@ -31,7 +31,7 @@ from agent.traces import Trace, load
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import count, machine, write_results  # noqa: E402
 TRACES = ROOT / "tests" / "data" / "traces"
 VARIANTS = {  # label -> (policy, options, online) beside every live policy with its defaults
     "flashmoe tv=.03": ("flashmoe", {"recompute_threshold": 0.03}, None),  # rescore on a 0.03 TV shift
@@ -79,8 +79,8 @@ def table(name: str, runs: dict[str, dict], read_s: float) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", default="olmoe_dialogue,qwen_dialogue")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--expert-bytes", type=int, default=OLMOE_EXPERT_BYTES)
+    parser.add_argument("--repeats", type=count, default=3)
+    parser.add_argument("--expert-bytes", type=count, default=OLMOE_EXPERT_BYTES)
     parser.add_argument("--bandwidth-gbs", type=float, default=3.0, help="nominal NVMe read bandwidth, GB/s")
     args = parser.parse_args()
     read_s = SSD_LATENCY_S + args.expert_bytes / (args.bandwidth_gbs * 1e9)

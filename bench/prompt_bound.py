@@ -35,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from agent.serve.limits import MAX_PROMPT_BYTES  # noqa: E402
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import count, machine, write_results  # noqa: E402
 from bench.serve import CLI, free_port, stopped_on_failure, wait_for_agent  # noqa: E402
 
 PROBE_S = 0.05
@@ -97,7 +97,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="prompt_bound.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="expert store (default: the small demo in a temporary dir)")
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each scenario (default 15)")
-    parser.add_argument("--clients", type=int, default=2, help="threads sending the heavy requests (default 2)")
+    parser.add_argument("--clients", type=count, default=2, help="threads sending the heavy requests (default 2)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model

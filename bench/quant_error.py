@@ -36,7 +36,7 @@ from agent.model.loading import load_model
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 sys.path.insert(0, str(ROOT / "tests"))  # the parity checkpoints
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import count, machine, write_results  # noqa: E402
 from hf_models import ARCHS, tiny_checkpoint  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", nargs=2, type=Path, action="append", default=[], metavar=("PLAIN", "INT8"),
                         help="two stores of one checkpoint, unquantized and int8 (repeatable)")
-    parser.add_argument("--tokens", type=int, default=64, help="length of the token sequence")
+    parser.add_argument("--tokens", type=count, default=64, help="length of the token sequence")
     parser.add_argument("--cap", default="2GB", help="cache cap for --pair stores")
-    parser.add_argument("--int4-group", type=int, default=32, help="group size of the simulated int4 rows")
+    parser.add_argument("--int4-group", type=count, default=32, help="group size of the simulated int4 rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     errors = parity(args.tokens, args.int4_group)

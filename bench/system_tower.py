@@ -49,7 +49,7 @@ from agent.traces import Trace, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import count, machine, write_results  # noqa: E402
 from bench.memory import MemoryCgroup  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
@@ -251,8 +251,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=ROOT / "data" / "demo", help="the demo model (init-demo)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/flashmoe-system-tower"),
                         help="recorded traces and the SSD-contention scratch file")
-    parser.add_argument("--runs", type=int, default=4, help="generate runs per condition: half train, half test")
-    parser.add_argument("--tokens", type=int, default=192, help="tokens per run")
+    parser.add_argument("--runs", type=count, default=4, help="generate runs per condition: half train, half test")
+    parser.add_argument("--tokens", type=count, default=192, help="tokens per run")
     parser.add_argument("--recorded", action="store_true", help="reuse the traces already in --workdir")
     args = parser.parse_args()
     if args.runs < 2 or args.runs % 2:

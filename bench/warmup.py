@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repo, so `bench` imports
-from bench.common import RESULTS_DIR, machine, write_results  # noqa: E402
+from bench.common import RESULTS_DIR, count, machine, write_results  # noqa: E402
 from bench.memory import drop_page_cache  # noqa: E402
 from bench.serve import CLI, ROOT, free_port, interrupt_on_sigterm, stopped_on_failure, wait_for_agent  # noqa: E402
 
@@ -70,8 +70,8 @@ def measure(model: Path, policy: str, requests: int, max_tokens: int, warm: bool
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=ROOT / "data" / "demo")
-    ap.add_argument("--requests", type=int, default=8, choices=range(1, len(PROMPTS) + 1), metavar=f"1..{len(PROMPTS)}")
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--requests", type=count, default=8, choices=range(1, len(PROMPTS) + 1), metavar=f"1..{len(PROMPTS)}")
+    ap.add_argument("--max-tokens", type=count, default=8)
     ap.add_argument("--policy", default="lru")
     args = ap.parse_args()
     interrupt_on_sigterm()

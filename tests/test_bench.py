@@ -24,6 +24,14 @@ def test_bench_script_imports_and_parses_its_arguments(script):
     assert done.stdout.startswith(f"usage: {script}.py")
 
 
+@pytest.mark.parametrize(("script", "args", "says"), [("decode", ["--tokens", "0"], "--tokens: must be at least 1, got 0"),
+                                                      ("warmup", ["--max-tokens", "x"], "expected a whole number, got 'x'")])
+def test_a_bad_count_is_one_usage_line_not_a_traceback(script, args, says):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_machine_facts_and_those_of_a_stores_filesystem(tmp_path_factory):
     facts = common.machine()
     assert facts["cores"] >= 1 and facts["ram_bytes"] > 0 and facts["cpu"] and facts["kernel"]
