@@ -110,8 +110,9 @@ class MemoryCgroup:
     def others(self, pid: int) -> int:
         """Processes in this cgroup other than `pid` and its descendants (e.g. the agent's online
         learner): with any, the cgroup's counters are not the agent's alone."""
-        procs = {int(p) for p in (self.directory / "cgroup.procs").read_text().split()}
-        return sum(1 for p in procs if not _descends_from(p, pid))
+        procs = [int(p) for p in (self.directory / "cgroup.procs").read_text().split()]
+        mine = _descent(procs, pid)
+        return sum(1 for p in procs if not mine[p])
 
     def _pressure(self) -> dict[str, dict[str, float]] | None:
         """The cgroup's memory.pressure (cgroup v2 keeps one per cgroup, whether or not its memory
@@ -136,10 +137,17 @@ def parent(pid: int) -> int | None:
     return int(stat[stat.rindex(")") + 2:].split()[1])   # the name in parentheses may hold spaces
 
 
-def _descends_from(pid: int | None, ancestor: int) -> bool:
-    while pid and pid != ancestor:
-        pid = parent(pid)
-    return pid == ancestor
+def _descent(procs: list[int], ancestor: int) -> dict[int | None, bool]:
+    """Whether each of `procs` is `ancestor` or descends from it, reading each process's parent once
+    (the chains of a cgroup's processes share most of their ancestors)."""
+    known: dict[int | None, bool] = {ancestor: True, None: False, 0: False}
+    for p in procs:
+        chain = []
+        while p not in known:
+            chain.append(p)
+            p = parent(p)
+        known.update(dict.fromkeys(chain, known[p]))
+    return known
 
 
 def memory_cgroup(pid: int, root: Path = ROOT) -> MemoryCgroup:
