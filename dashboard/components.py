@@ -13,7 +13,7 @@ from dashboard import data, figures, settings, timerange, transforms
 
 HIT_RATE_NOW = f"Hit rate (last {data.HIT_RATE_NOW_S // 60} min)"
 HIT_RATE_NOW_HELP = ("expert-cache hits over lookups in the last minute, from the agent's cache statistics; a hit "
-                     "on a block a prefetch brought in counts (the Cache page's SSD reads per lookup counts its read)")
+                     "on a block a prefetch brought in counts (the Cache page's reads per lookup counts its read)")
 CAP = "cache_cap_bytes"
 RANGE = "range"               # session state: the custom (since, until)
 ZOOMED = "zoomed"             # session state: a drag picked a new range; the whole page must follow

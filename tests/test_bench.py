@@ -5,14 +5,16 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from agent.traces import from_sets
 from agents import ROOT, demo_model
 
 sys.path.insert(0, str(ROOT))
-from bench import common  # noqa: E402
+from bench import batching, common  # noqa: E402
 
-SCRIPTS = ("codec", "collector_cost", "dashboard", "decode", "loader", "online_agent", "policies", "policy_cost",
+SCRIPTS = ("batching", "codec", "collector_cost", "dashboard", "decode", "loader", "online_agent", "policies", "policy_cost",
            "prompt_bound", "quant_error", "quant_kernels", "quant_scale", "queries", "serve", "warmup")
 
 
@@ -48,3 +50,15 @@ def test_results_go_to_one_json_file_per_benchmark(tmp_path, monkeypatch, capsys
     assert path == tmp_path / "results" / "codec.json"
     assert json.loads(path.read_text()) == {"rows": [1, 2], "machine": {"cores": 2}}
     assert f"wrote {path}" in capsys.readouterr().out
+
+
+def test_a_batched_step_routes_the_union_of_its_requests_at_their_positions():
+    source = from_sets([[[t % 4, 4 + t % 3], [8 + t % 2, 9]] for t in range(20)], n_experts=12)
+    trace = batching.batched(source, batch=3, tokens=4, waves=2, seed=1)
+    assert (trace.n_tokens, trace.n_layers, trace.session_starts.tolist()) == (8, 2, [0, 4])   # a wave is a session
+    starts = np.random.default_rng(1).integers(0, source.n_tokens - 4, 3)          # the first wave's requests
+    for step in range(4):
+        for layer in range(2):
+            want = {e for s in starts for e in source.routed(s + step, layer).tolist()}
+            got = trace.routed(step, layer).tolist()
+            assert sorted(got) == sorted(want) and len(got) == len(set(got))

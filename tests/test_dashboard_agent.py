@@ -9,6 +9,8 @@ on the disabled button sends nothing either); without a token the dashboard is r
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -136,16 +138,33 @@ def test_memory_recommendation_is_applied_through_the_knobs_api(monkeypatch, age
     url, _ = agent
     thrash_db = tmp_path / "thrash.db"      # the collector's view of a thrashing box
     synthetic.write(str(thrash_db), synthetic.Spec(start=time.time() - 300, seconds=300, memory="agent thrashing"))
-    cap = knob(url, "cache_cap_bytes")
-    at = open_page(monkeypatch, thrash_db, url, "memory")
-    assert "Agent thrashing" in texts(at.error)
-    expected = max(cap["min"], int(cap["value"] * 0.75) // MIB * MIB)     # a quarter less, never under the bound
-    button = at.button(key="apply-recommendation")
-    assert button.label == f"Apply: cache_cap_bytes = {human(expected, 'B')}" and not button.disabled
-    button.click().run()
-    assert knob(url, "cache_cap_bytes")["value"] == expected
-    assert f"accepted: cache_cap_bytes = {human(expected, 'B')}" in texts(at.success)
-    assert "Since the change:" in texts(at.markdown) and "agent major faults: 400 /s before" in texts(at.markdown)
+    lowest = knob(url, "cache_cap_bytes")["min"]
+    with set_cap(url, 4 * MIB + lowest):    # room for two steps of a quarter down
+        at = open_page(monkeypatch, thrash_db, url, "memory")
+        assert "Agent thrashing" in texts(at.error)
+        expected = (3 * MIB + lowest * 3 // 4) // MIB * MIB                       # a quarter less, in whole MiB
+        button = at.button(key="apply-recommendation")
+        assert button.label == f"Apply: cache_cap_bytes = {human(expected, 'B')}" and not button.disabled
+        button.click().run()
+        assert knob(url, "cache_cap_bytes")["value"] == expected
+        assert f"accepted: cache_cap_bytes = {human(expected, 'B')}" in texts(at.success)
+        assert "Since the change:" in texts(at.markdown) and "agent major faults: 400 /s before" in texts(at.markdown)
+        # the verdict still covers the minutes before the change: no second step until the change shows
+        at.run()
+        assert "Shrink the cache cap from" in texts(at.markdown)
+        assert "apply-recommendation" not in [b.key for b in at.button]
+        assert "is taking hold: the next recommendation waits" in texts(at.caption)
+
+
+@contextlib.contextmanager
+def set_cap(url: str, cap: int) -> Iterator[None]:
+    before = knob(url, "cache_cap_bytes")["value"]
+    put = functools.partial(httpx.put, f"{url}/v1/knobs", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=90)
+    assert put(json={"cache_cap_bytes": cap}).status_code == 200
+    try:
+        yield
+    finally:
+        assert put(json={"cache_cap_bytes": before}).status_code == 200
 
 
 def test_a_refused_recommendation_is_shown_in_red(monkeypatch, agent, tmp_path):

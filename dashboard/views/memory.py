@@ -69,24 +69,42 @@ def evidence_rows(d: thrash.Diagnosis) -> list[dict[str, str]]:
 
 
 def recommendation(d: thrash.Diagnosis, knobs: dict | str) -> None:
+    """The fix, one click away, unless the last change applied here still awaits its evidence: the
+    verdict covers the minutes before that change, so it would only ask for the same step again."""
     rec = d.recommendation
     if rec is not None:
         st.markdown(f"**Recommendation:** {rec.text}")
+    last = st.session_state.get(ANSWER)
+    effects = since_change(last)
     if rec is not None and rec.changes:
-        refused = f"agent offline: {knobs}" if not isinstance(knobs, dict) else auth.control_lock()
-        label = "Apply: " + ", ".join(f"{k} = {transforms.value_text(k, v)}" for k, v in rec.changes.items())
-        if st.button(label, key="apply-recommendation", type="primary", disabled=refused is not None, help=refused):
-            accepted, text = data.apply_knobs(url, token, rec.changes)
-            st.session_state[ANSWER] = (accepted, text, time.time(), [s.threshold.series for s in d.evidence])
-    if ANSWER in st.session_state:
-        answer(*st.session_state[ANSWER])
+        if effects and any(e.after is None for e in effects):
+            st.caption(f"The change at {transforms.clock(last[2])} is taking hold: the next recommendation "
+                       f"waits for {thrash.SETTLE_S:.0f} s of samples after it.")
+        else:
+            refused = f"agent offline: {knobs}" if not isinstance(knobs, dict) else auth.control_lock()
+            label = "Apply: " + ", ".join(f"{k} = {transforms.value_text(k, v)}" for k, v in rec.changes.items())
+            if st.button(label, key="apply-recommendation", type="primary", disabled=refused is not None,
+                         help=refused):
+                accepted, text = data.apply_knobs(url, token, rec.changes)
+                evidence = [s.threshold.series for s in d.evidence]
+                last = st.session_state[ANSWER] = (accepted, text, time.time(), evidence)
+                effects = since_change(last)
+    if last is not None:
+        answer(last, effects)
 
 
-def answer(accepted: bool, text: str, at: float, series: list[str]) -> None:
+def since_change(last: tuple | None) -> list[thrash.Effect] | None:
+    """Each piece of evidence before and after the last change applied here, if the agent took it."""
+    if last is None or not last[0] or not last[3]:
+        return None
+    return thrash.effect(db, last[2], time.time(), last[3])
+
+
+def answer(last: tuple, effects: list[thrash.Effect] | None) -> None:
     """The agent's answer, red on refusal; once accepted, whether the evidence has improved since."""
+    accepted, text, at, _ = last
     (st.success if accepted else st.error)(f"Agent ({transforms.clock(at)}): {text}")
-    if accepted and series:
-        effects = thrash.effect(db, at, time.time(), series)
+    if effects:
         st.markdown("**Since the change:**\n" + "\n".join(f"- {e.sentence()}" for e in effects))
 
 
