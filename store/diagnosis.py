@@ -41,6 +41,7 @@ SUSTAIN_S = 20.0          # seconds over a threshold that make a trend rather th
 SAMPLE_S = 1.0            # the collector's and the agent's sampling interval: one bucket holds at least this much
 BUCKETS = 240             # the judged resolution; the page charts the same buckets
 SHRINK = 0.75             # a thrashing agent's cache steps down by a quarter, then the evidence says if that was enough
+SHORT_SHARE = 0.10        # the machine is short of memory as a whole below this share available
 GROW = 2.0                # re-reads are of blocks a cache up to twice as large would still hold
 MIB = 1 << 20
 VERDICTS = ("agent thrashing", "pressure from another process", "cache thrashing", "healthy", "no data")
@@ -163,6 +164,7 @@ class Facts:
     cgroup_limit: float | None
     available: float | None
     cgroup_others: int = 0    # processes besides the agent in its memory cgroup: its counters are theirs too
+    total: float | None = None  # the machine's memory
 
 
 def judge(threshold: Threshold, buckets: Sequence[Bucket], width_s: float) -> Signal:
@@ -211,6 +213,32 @@ def _most_allowed(facts: Facts) -> str:
     return f"70% of its memory limit{f' of {_size(facts.cgroup_limit)}' if facts.cgroup_limit else ''}"
 
 
+def _outside(facts: Facts, signals: Sequence[Signal]) -> str:
+    """Why the fix for another process's shortage is not the agent's cache, and what it is. Whether a
+    smaller cache would help at all depends on where memory is short: the machine as a whole (then
+    the cache's slots are memory handed back) or inside the other process's own limit (then not)."""
+    flat = [s for s in signals if s.threshold.side == "agent"]
+    calm = ("its own counters stayed low (" + "; ".join(f"{s.threshold.label} peak {human(s.peak, s.threshold.unit)}"
+                                                       for s in flat) + "). ") if flat else ""
+    available, total = facts.available, facts.total
+    if available is None or not total:
+        why = ("A smaller cache would slow the agent, and help only if the machine as a whole is short of memory "
+               "(not sampled here). ")
+    elif available < SHORT_SHARE * total:
+        why = (f"The machine as a whole is short too ({_size(available)} of {_size(total)} available): a smaller "
+               f"cache cap would hand memory back at the cost of the agent's hit rate, but the cause is elsewhere. ")
+    else:
+        why = (f"Shrinking the agent's cache would slow it without freeing the memory that is short: the machine "
+               f"has {_size(available)} of {_size(total)} available, so the shortage is inside another process's "
+               f"own memory limit. ")
+    shared = (f" The agent's memory cgroup holds {facts.cgroup_others} other process"
+              f"{'es' * (facts.cgroup_others > 1)} too: give the agent a cgroup of its own, so that its cgroup's "
+              f"counters are its own." if facts.cgroup_others else "")
+    return (f"The fix is outside the agent: {calm}{why}Find the process re-reading its pages (`ps -eo "
+            f"pid,maj_flt,rss,comm --sort=-maj_flt | head`, or the workingset_refault lines of each cgroup's "
+            f"memory.stat) and give it more memory or stop it.{shared}")
+
+
 def recommend(verdict: str, facts: Facts, signals: Sequence[Signal]) -> Recommendation | None:
     """The fix for `verdict`: a cap within [cap_min, cap_max] and what to expect, or what to do instead.
     A cap above its bound (the agent's memory limit fell) is brought to the bound whatever the verdict."""
@@ -219,15 +247,7 @@ def recommend(verdict: str, facts: Facts, signals: Sequence[Signal]) -> Recommen
     if verdict == "no data":
         return None
     if verdict == "pressure from another process":
-        flat = [s for s in signals if s.threshold.side == "agent"]
-        outside = ("The fix is outside the agent: " + ("its own counters stayed low (" + "; ".join(
-            f"{s.threshold.label} peak {human(s.peak, s.threshold.unit)}" for s in flat) + "), so "
-            if flat else "") + "shrinking its cache would slow it without freeing the memory that is short. "
-            "Find the process re-reading its pages (`ps -eo pid,maj_flt,rss,comm --sort=-maj_flt | head`, or "
-            "the workingset_refault lines of each cgroup's memory.stat) and give it more memory or stop it."
-            + (f" The agent's memory cgroup holds {facts.cgroup_others} other process"
-               f"{'es' * (facts.cgroup_others > 1)} too: give the agent a cgroup of its own, so that its "
-               f"cgroup's counters are its own." if facts.cgroup_others else ""))
+        outside = _outside(facts, signals)
         if not over:
             return Recommendation(outside)
         return Recommendation(
@@ -315,7 +335,8 @@ def facts(db: Db, knobs: Mapping[str, Mapping[str, Any]] | None, since: float, u
     else:
         value, lo, hi = last("agent.cache_cap_bytes"), last("agent.cache_cap_min_bytes"), last("agent.cache_cap_max_bytes")
     others = max((most for *_, most in queries.series(db, SHARED, since, until, 1)), default=0)
-    return Facts(value, lo, hi, last("cgroup.agent.limit_bytes"), last("mem.available_bytes"), int(others))
+    return Facts(value, lo, hi, last("cgroup.agent.limit_bytes"), last("mem.available_bytes"), int(others),
+                 last("mem.total_bytes"))
 
 
 def diagnose(db: str | Path, window: float = 300.0, until: float | None = None,

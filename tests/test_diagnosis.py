@@ -121,6 +121,19 @@ def test_system_pressure_with_the_agent_flat_is_someone_elses_and_never_shrinks_
     assert "outside the agent" in d.recommendation.text and "agent major faults peak 2.0 /s" in d.recommendation.text
 
 
+@pytest.mark.parametrize(("available", "says"), [
+    (6 * GIB, "the machine has 6.0 GiB of 8.0 GiB available, so the shortage is inside another process's own"),
+    (0.3 * GIB, "The machine as a whole is short too (307 MiB of 8.0 GiB available): a smaller cache cap would hand"),
+    (None, "help only if the machine as a whole is short of memory (not sampled here)")])
+def test_another_processs_pressure_says_whether_the_agents_memory_would_help(tmp_path, available, says):
+    """Inside the other process's own limit the agent's slots would not help it; with the whole machine
+    short they would, at the agent's cost; neither is a one-click shrink: the cause is elsewhere."""
+    levels = {k: v for k, v in synthetic.MEMORY["pressure from another process"].items() if k != "mem.available_bytes"}
+    levels |= {"mem.total_bytes": 8 * GIB} | ({"mem.available_bytes": available} if available is not None else {})
+    rec = judged(write(tmp_path / "s.db", levels)).recommendation
+    assert says in rec.text and rec.changes == {}
+
+
 def test_the_agent_thrashing_under_system_pressure_is_the_agents(tmp_path):
     assert judged(write(tmp_path / "s.db", synthetic.MEMORY["agent thrashing"])).verdict == "agent thrashing"
 

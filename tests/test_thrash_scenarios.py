@@ -149,6 +149,7 @@ def test_another_process_thrashing_its_own_cgroup_is_not_blamed_on_the_agent(tmp
     assert not [s for s in verdict["signals"] if s["side"] == "agent" and s["sustained"]]
     assert verdict["recommendation"]["changes"] == {}
     assert verdict["recommendation"]["text"].startswith("The fix is outside the agent")
+    assert "the shortage is inside another process's own memory limit" in verdict["recommendation"]["text"]
 
 
 @pytest.fixture(scope="module")
