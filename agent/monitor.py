@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from machine.block import BlockStat, block_rates, read_stat
-from machine.memory import Faults, parse_proc_stat
+from machine.memory import Faults, available_share, parse_kib_table, parse_proc_stat
 from machine.pressure import read_psi
 from machine.sources import SourceUnavailable
 
@@ -45,6 +45,7 @@ class SystemSample:
     ssd_util: float | None = None           # 0..1: share of time the disk had I/O in flight
     psi_full_avg10: float | None = None     # percent of the last 10 s every task stalled on memory
     major_faults_per_s: float | None = None  # of this process, since the previous reading
+    mem_available_share: float | None = None  # 0..1: MemAvailable over MemTotal, the machine's
     sources: dict[str, str] = field(default_factory=dict)  # signal -> where its value came from
 
     def policy_inputs(self) -> dict[str, float]:
@@ -64,9 +65,9 @@ class SystemSampler:
 
     def __init__(self, disk: str | None = None, telemetry: Path | None = None,
                  psi_root: Path = Path("/proc/pressure"), stat_path: Path = Path("/proc/self/stat"),
-                 sys_block: Path = Path("/sys/block")) -> None:
+                 sys_block: Path = Path("/sys/block"), meminfo: Path = Path("/proc/meminfo")) -> None:
         self.disk, self.telemetry = disk, telemetry        # the disk holding the experts; the store file
-        self.psi_root, self.stat_path, self.sys_block = psi_root, stat_path, sys_block
+        self.psi_root, self.stat_path, self.sys_block, self.meminfo = psi_root, stat_path, sys_block, meminfo
         self.last = SystemSample(t=-INF)
         self._lock = threading.Lock()                       # one reading at a time
         self._reads_lock = threading.Lock()
@@ -117,6 +118,8 @@ class SystemSampler:
                                ("collector psi.memory.full_avg10", lambda: self._collected("psi.memory.full_avg10"))],
             "ssd_util": disk + [("expert cache read-busy time", lambda: min(1.0, read_time / dt) if dt < INF else None)],
             "major_faults_per_s": [(str(self.stat_path), lambda: self._fault_rate(now))],
+            "mem_available_share": [(str(self.meminfo),
+                                     lambda: available_share(parse_kib_table(self.meminfo.read_text())))],
         }
         values, sources = {}, {}
         for signal, candidates in signals.items():

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KIB = 1024
+SHORT_SHARE = 0.10    # below this share of its memory available, the machine as a whole is short of memory
 
 
 def parse_kib_table(text: str) -> dict[str, int]:
@@ -17,6 +18,11 @@ def parse_kib_table(text: str) -> dict[str, int]:
         if len(parts) == 2 and parts[1] == "kB":
             out[key] = int(parts[0]) * KIB
     return out
+
+
+def available_share(meminfo: dict[str, int]) -> float:
+    """MemAvailable over MemTotal of a parsed /proc/meminfo."""
+    return meminfo["MemAvailable"] / meminfo["MemTotal"]
 
 
 def parse_vmstat(text: str) -> dict[str, int]:

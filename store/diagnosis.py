@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from machine.memory import SHORT_SHARE
 from store import queries
 from store.errors import StoreError
 from store.queries import Bucket, Db
@@ -41,7 +42,6 @@ SUSTAIN_S = 20.0          # seconds over a threshold that make a trend rather th
 SAMPLE_S = 1.0            # the collector's and the agent's sampling interval: one bucket holds at least this much
 BUCKETS = 240             # the judged resolution; the page charts the same buckets
 SHRINK = 0.75             # a thrashing agent's cache steps down by a quarter, then the evidence says if that was enough
-SHORT_SHARE = 0.10        # the machine is short of memory as a whole below this share available
 GROW = 2.0                # re-reads are of blocks a cache up to twice as large would still hold
 MIB = 1 << 20
 VERDICTS = ("agent thrashing", "pressure from another process", "cache thrashing", "healthy", "no data")

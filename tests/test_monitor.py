@@ -29,18 +29,20 @@ def machine(tmp_path):
     (tmp_path / "pressure" / "memory").write_text(PSI)
     write_stat(tmp_path / "stat", 1234)
     write_block(tmp_path / "block", "vdz", 0)
+    (tmp_path / "meminfo").write_text("MemTotal:       8000000 kB\nMemFree:         100000 kB\n"
+                                      "MemAvailable:    400000 kB\n")
     return tmp_path
 
 
 def sampler(machine: Path, disk: str | None = "vdz", telemetry: Path | None = None) -> SystemSampler:
     return SystemSampler(disk, telemetry, psi_root=machine / "pressure", stat_path=machine / "stat",
-                         sys_block=machine / "block")
+                         sys_block=machine / "block", meminfo=machine / "meminfo")
 
 
 def test_own_readings_come_first_and_rates_wait_for_a_second_reading(machine):
     s = sampler(machine)
     first = s.sample()
-    assert (first.mem_pressure, first.psi_full_avg10) == (0.031, 12.5)
+    assert (first.mem_pressure, first.psi_full_avg10, first.mem_available_share) == (0.031, 12.5, 0.05)
     assert first.ssd_util is None and first.major_faults_per_s is None  # rates: no previous reading yet
     assert first.sources["ssd_util"] == "/sys/block/vdz/stat"  # waits for its own source, no fallback
     write_stat(machine / "stat", 1334)
@@ -73,6 +75,8 @@ def test_without_any_source_a_signal_is_none_and_the_cache_estimates_ssd_utilisa
     time.sleep(0.05)
     sample = s.sample()
     assert sample.mem_pressure is None and sample.sources["mem_pressure"] == "none"
+    (machine / "meminfo").unlink()
+    assert s.sample().mem_available_share is None                      # no /proc/meminfo: the guard counts PSI alone
     assert sample.read_latency_s == pytest.approx(0.003)
     assert 0 < sample.ssd_util <= 0.006 / 0.05 and sample.sources["ssd_util"] == "expert cache read-busy time"
     assert "mem_pressure" not in sample.policy_inputs()

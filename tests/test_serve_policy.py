@@ -51,3 +51,16 @@ def test_guard_reacts_to_major_faults_and_stops_at_the_working_set():
             cap = act.new_cap
             caps.append(cap)
     assert caps == [360, 324, 300]  # 10% steps, clamped at the floor, then nothing more to give
+
+
+def test_guard_leaves_a_stall_alone_while_the_machine_has_memory_to_spare():
+    """Another process stalling inside its own memory limit: the agent's cache would not relieve it."""
+    elsewhere = SystemSample(psi_full_avg10=25.0, major_faults_per_s=5.0, mem_available_share=0.6)
+    short = SystemSample(psi_full_avg10=25.0, major_faults_per_s=5.0, mem_available_share=0.04)
+    streak = 0
+    for _ in range(10):
+        streak, act = decide(streak, elsewhere, 1000, 300, CFG)
+        assert (streak, act) == (0, None)
+    for _ in range(3):
+        streak, act = decide(streak, short, 1000, 300, CFG)
+    assert act.new_cap == 900 and "PSI memory full avg10 25.0% > 10% with 4% of memory available" in act.reason

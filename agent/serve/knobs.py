@@ -41,7 +41,8 @@ def knob_specs(limits: Limits) -> list[Knob]:
         Knob("prefetch_depth", int, 1, 0, limits.max_prefetch_depth, help="layers ahead to prefetch; 0 turns it off"),
         Knob("max_batch_size", int, 16, 1, 256, help="most requests stepped together"),
         Knob("auto_shrink", bool, False,
-             help="the memory guard shrinks the cache cap by steps while memory pressure lasts"),
+             help="the memory guard shrinks the cache cap by steps while the agent thrashes or the machine "
+                  "as a whole is short of memory"),
     ]
 
 
