@@ -28,6 +28,8 @@ def test_sustained_memory_pressure_shrinks_the_cache_step_by_step_and_records_wh
     psi = tmp_path / "memory"
     psi.write_text("some avg10=60.00 avg60=40.00 avg300=10.00 total=1\nfull avg10=42.00 avg60=30.00 avg300=5.00 total=1\n")
     runtime.monitor.psi_root = tmp_path
+    runtime.monitor.meminfo = tmp_path / "meminfo"     # and the machine as a whole short of memory
+    runtime.monitor.meminfo.write_text("MemTotal: 8000000 kB\nMemAvailable: 240000 kB\n")
     runtime.guard_config = GuardConfig(psi_full_avg10=10.0, intervals=3, step=0.10)
     cap = runtime.cache.cap_bytes
     for _ in range(3):
@@ -40,7 +42,7 @@ def test_sustained_memory_pressure_shrinks_the_cache_step_by_step_and_records_wh
     runtime.tick()  # the third consecutive pressured interval
     assert runtime.cache.cap_bytes == int(cap * 0.9) and runtime.knobs["cache_cap_bytes"] == int(cap * 0.9)
     events = queries.events(runtime.recorder.store.path, kind="memory_guard")
-    assert len(events) == 1 and "PSI memory full avg10 42.0% > 10%" in events[0]["message"]
+    assert len(events) == 1 and "PSI memory full avg10 42.0% > 10% with 3% of memory available" in events[0]["message"]
     assert ("cache_cap_bytes", int(cap * 0.9), "guard") in {
         (h["knob"], h["new"], h["source"]) for h in queries.knob_history(runtime.recorder.store.path)}
     psi.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=1\n")
