@@ -126,8 +126,9 @@ class Runtime:
 
     # -- knobs ------------------------------------------------------------------------------------
     def set_knobs(self, changes: dict[str, Any], source: str, partial: bool = False) -> dict[str, Any]:
-        """Validate all, apply between two steps, record each change. With `partial` (restore), a value
-        that no longer fits the bounds (e.g. less memory now) is skipped with a warning instead of refused."""
+        """Validate all, apply between two steps (the cache cap alone: at the running layer's end), record
+        each change. With `partial` (restore), a value that no longer fits the bounds (e.g. less memory
+        now) is skipped with a warning instead of refused."""
         with self._knob_lock:
             if partial:
                 changes = self._fitting(changes)
@@ -135,11 +136,11 @@ class Runtime:
             diff = self.knobs.diff(validated)
             self._check_policy({k: new for k, (_, new) in diff.items()})
             if diff:
-                new = {k: value for k, (_, value) in diff.items()}
-                if new.keys() == {"cache_cap_bytes"}:  # the cache resizes under its own lock, at a layer's end
-                    self._apply(new)
+                wanted = {k: value for k, (_, value) in diff.items()}
+                if wanted.keys() == {"cache_cap_bytes"}:  # the cache resizes under its own lock, at a layer's end
+                    self._apply(wanted)
                 else:
-                    self.scheduler.call(lambda: self._apply(new))
+                    self.scheduler.call(lambda: self._apply(wanted))
                 t = time.time()
                 self.metrics.knob_changes.inc(len(diff))
                 for knob, (old, new) in diff.items():
@@ -169,7 +170,8 @@ class Runtime:
         return ok
 
     def _apply(self, new: dict[str, Any]) -> None:
-        """Runs on the scheduler thread. Commits knob by knob, so a failure leaves the knobs true to the runtime."""
+        """Runs on the scheduler thread between two steps, or for the cache cap alone on the caller's (the
+        cache resizes under its own lock). Commits knob by knob, so a failure leaves the knobs true to the runtime."""
         if "cache_cap_bytes" in new:
             try:
                 self.cache.resize(new["cache_cap_bytes"], wait_s=CONTROL_WAIT_S)
