@@ -76,7 +76,7 @@ def drop_from_page_cache(store: Path, index: Index, attempts: int = 5) -> None:
     """Start cold: drop experts.bin's pages and check (mincore) that they are gone; readahead still in
     flight when the previous sweep ended can land just after a drop, hence a few attempts."""
     total = index.nbytes * len(index.blocks)
-    gc.collect()  # an earlier run's mmap, kept alive by a reference cycle (the model's), pins its pages until then
+    gc.collect()  # the process's first model keeps its run's mmap in torch's first-import cycle until then
     for _ in range(attempts):
         fd = os.open(store / EXPERTS, os.O_RDONLY)
         try:

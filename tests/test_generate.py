@@ -1,15 +1,18 @@
 """flashmoe-cli generate over a real converted store: O_DIRECT / mmap expert cache, stats, recorded traces."""
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 from hf_models import tiny_checkpoint
 from test_model_parity import one_torch_thread  # noqa: F401  (autouse fixture)
 
+from agent import generate as generate_module
 from agent.cli import main as cli
 from agent.experts import cache as cache_module
 from agent.experts.layout import INDEX, Index
@@ -143,3 +146,26 @@ def test_console_script_prints_one_json_object(store, reference):
     out = json.loads(proc.stdout)
     assert out["token_ids"] == reference
     assert {"hit_rate", "hits", "misses", "bytes_read", "tokens_per_s", "prefetch_accuracy"} <= out["stats"].keys()
+
+
+def test_a_finished_run_lets_go_of_its_cache_and_store_without_waiting_for_the_garbage_collector(store, monkeypatch):
+    """No reference cycle through the model (its lookahead held its blocks' bound methods, which lead
+    back to it), so an mmap store's mapping is released when the run returns. The first model built in
+    a process is left out: torch's first meta-device init imports torch._dynamo, whose import keeps
+    its frames, and with them their callers', in a cycle of its own."""
+    caches = []
+
+    class Watched(cache_module.ExpertCache):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            caches.append(weakref.ref(self))
+
+    monkeypatch.setattr(generate_module, "ExpertCache", Watched)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):
+            generate_module.run_generate(store, prompt_ids=[5, 17, 42], max_new_tokens=2, backend="mmap")
+        assert caches[-1]() is None
+    finally:
+        gc.enable()

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from agent.bf16_matvec import linear
 from agent.experts.provider import ExpertProvider
 from agent.model.config import MoEConfig
-from agent.model.lookahead import CoActivation, Lookahead, RouterGuess
+from agent.model.lookahead import CoActivation, Guess, Lookahead, RouterGuess
 from agent.model.profile import Profile
 from agent.model.route_trace import Placement, RouteTrace
 from agent.model.routed import RoutedExperts, Routing
@@ -220,9 +220,13 @@ class Block(nn.Module):
             h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, x, step.routes) if isinstance(self.mlp, MoE) else self.mlp(h))
 
-    def guess(self, residual: Tensor) -> list[int]:
-        """The experts this block's router would choose for `residual` [T, D] (a MoE block's lookahead)."""
-        return self.mlp.gate(self.post_attention_layernorm(residual)).experts
+    def guess(self) -> Guess:
+        """How to guess this MoE block's experts from a residual stream [T, D]: its router after its norm.
+        The guess holds those two modules, not the block: a block leads to the lookahead (through its
+        experts), so a bound method would close a cycle that keeps the model, and an mmap store's
+        mapping, alive after use until the garbage collector runs."""
+        norm, gate = self.post_attention_layernorm, self.mlp.gate
+        return lambda residual: gate(norm(residual)).experts
 
 
 class Transformer(nn.Module):
@@ -236,7 +240,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, i, store_layer.get(i), self.experts) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.rms_eps)
         self.lm_head = Linear(config.dim, config.vocab_size, bias=False)
-        self.lookahead.predictor.guesses = {store_layer[d]: self.layers[d + 1].guess
+        self.lookahead.predictor.guesses = {store_layer[d]: self.layers[d + 1].guess()
                                             for d in store_layer if d + 1 in store_layer}
         self.route_trace: RouteTrace | None = None
 
