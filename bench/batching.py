@@ -6,9 +6,9 @@ A served step runs every running request's token through each layer at once, so 
 routes the union of the requests' top-k. This builds that union from real routing: each of a
 batch's B requests decodes `--tokens` tokens from its own place in a recorded OLMoE decode trace
 (`olmoe_math`, `olmoe_dialogue`: held out from policy training), `--waves` batches one after the
-other (new requests at new places, seeded), and replays the steps through every live policy and
-Belady with the simulator, per layer at capacity 0.25 (16 of OLMoE's 64 experts: the seed-scale
-benches' cap). Reported per B: the union a layer's step routes, each policy's hit rate, and the
+other (new requests at new places, seeded), and replays the steps through every live policy (the
+learned one with each of its decision rules) and Belady with the simulator, per layer at capacity
+0.25 (16 of OLMoE's 64 experts: the seed-scale benches' cap). Reported per B: the union a layer's step routes, each policy's hit rate, and the
 expert reads per generated token (misses summed over layers ÷ tokens: bytes ∝ that), with what
 share of LRU's reads Belady — no policy can do better — still saves.
 JSON: bench/results/batching.json.
@@ -32,6 +32,7 @@ TRACES = ROOT.parent / "shared" / "traces" / "decode"
 NAMES = ("olmoe_math", "olmoe_dialogue")
 CAPACITY = 0.25
 ORACLE = "belady"
+LEARNED = {"flashmoe score": {"decision": "score"}, "flashmoe lfu/30": {"decision": "lfu"}}  # both decision rules
 
 
 def batched(source: Trace, batch: int, tokens: int, waves: int, seed: int = 0) -> Trace:
@@ -51,10 +52,11 @@ def batched(source: Trace, batch: int, tokens: int, waves: int, seed: int = 0) -
 def measure(source: Trace, batch: int, tokens: int, waves: int) -> dict:
     trace = batched(source, batch, tokens, waves)
     generated = batch * trace.n_tokens
+    runs = {p: (p, {}) for p in live_policies() if p != "flashmoe"} | {k: ("flashmoe", o) for k, o in LEARNED.items()}
     rows = {}
-    for policy in [*live_policies(), ORACLE]:
-        r = simulate(trace, policy, CAPACITY, "layer")
-        rows[policy] = {"hit_rate": r.hits / r.accesses, "reads_per_token": (r.accesses - r.hits) / generated}
+    for label, (policy, options) in (runs | {ORACLE: (ORACLE, {})}).items():
+        r = simulate(trace, policy, CAPACITY, "layer", **options)
+        rows[label] = {"hit_rate": r.hits / r.accesses, "reads_per_token": (r.accesses - r.hits) / generated}
     lru, best = rows["lru"]["reads_per_token"], rows[ORACLE]["reads_per_token"]
     return {"trace": source.name, "batch": batch, "steps": trace.n_tokens, "tokens": generated,
             "union_per_layer": float(np.mean(np.diff(trace.offsets))), "policies": rows,
