@@ -87,11 +87,14 @@ def test_scores_are_recomputed_only_when_the_distribution_shifts(untrained):
     assert recomputes(0.3, drifting)[0] < shifted
 
 
-def test_a_step_larger_than_its_scored_residents_evicts_the_oldest_arrival_first(untrained):
-    # a batch's step brings in more experts than were resident at the last scoring: once every
-    # scored candidate is gone, the unscored arrivals leave in arrival order, with no rescoring
+def test_a_step_larger_than_its_scored_residents_evicts_the_least_used_arrivals_first(untrained):
+    # a batch's step brings in more experts than were resident at the last scoring: once every scored
+    # candidate is gone, the unscored arrivals leave least frequently used first, without rescoring them
+    # (in arrival order the policy was LRU's twin under large batches: bench/batching.py)
     cache = Residency(8, 1, policy_factory("flashmoe", model_path=untrained, recompute_threshold=1.0))
     drive(cache, periodic(4, 40))
+    for _ in range(20):
+        cache.route(0, list(range(100, 104)))   # routed often lately (the policy saw them; not resident)
     policy = cache._parts[0].policy
     before = policy.recomputes
     cache.route(0, list(range(100, 116)))
@@ -99,8 +102,9 @@ def test_a_step_larger_than_its_scored_residents_evicts_the_oldest_arrival_first
     for e in range(100, 116):
         cache._pinned = {(0, e)}  # the runtime pins a sliding window of a large union; here one expert
         evicted.append(cache.access((0, e))[1])
-    assert policy.recomputes == before
-    assert [k[1] for k in evicted[8:]] == list(range(100, 108))
+    assert policy.recomputes <= before + 1        # the step's one scoring at most, none per arrival
+    gone = {k[1] for k in evicted}
+    assert not gone & set(range(100, 104)) and len(gone & set(range(104, 116))) == 8   # the often-used stay
 
 
 class RescoreUnchangedToo(FlashMoE):

@@ -22,8 +22,10 @@ class Policy:
     knobs: ClassVar[tuple[Knob, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
+        """A class registers under the name it declares itself: a subclass that only inherits a name
+        (a test double, a variant) must not take its parent's place in the registry."""
         super().__init_subclass__(**kwargs)
-        if cls.name:
+        if cls.__dict__.get("name"):
             REGISTRY[cls.name] = cls
 
     def session(self) -> None:

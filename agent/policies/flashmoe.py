@@ -11,8 +11,8 @@ window by up to 1/16, and stale scores cost hit rate (a threshold of 0.1 halved 
 lost 1-3 points on the decode report traces); stationary routing (loops, repeated prompts) still
 costs no rescoring. Experts brought in since their layer was last scored have no score; they were
 just used, so they count as the freshest, and when only such arrivals are left to choose from (a
-batch's step can bring in more experts than were scored) the oldest arrival goes first, without
-rescoring.
+batch's step can bring in more experts than were scored) the least frequently used goes first,
+without rescoring: in arrival order the policy was LRU's twin under large batches (bench/batching.py).
 
 Decision. `decision="lfu"` (default) is the design's two-stage rule: keep what scores at or above
 `keep_percentile` of the scores of the experts it may evict; among the rest evict the least
@@ -128,9 +128,8 @@ class FlashMoE(Policy):
         if stale:
             self._rescore(stale, resident, candidates)
         scores = [self._scores.get(k, FRESH) for k in candidates]
-        if min(scores) == FRESH:  # nothing scored is left to evict: the oldest arrival goes
-            allowed = set(candidates)
-            return next(k for k in self._arrivals if k in allowed)
+        if min(scores) == FRESH:  # nothing scored is left to evict: the least frequently used arrival goes
+            return min(candidates, key=self._frequency)
         if self.decision == "score":  # the lowest score is below any percentile: keep_percentile is moot
             return candidates[min(range(len(candidates)), key=scores.__getitem__)]
         scored = [i for i, s in enumerate(scores) if s < FRESH]  # arrivals count as the highest scores
