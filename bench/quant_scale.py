@@ -1,18 +1,21 @@
 """int8 experts against bf16 at seed scale: decode speed of one checkpoint's two stores in the same memory.
 
     .venv/bin/python bench/quant_scale.py --plain /work/models/olmoe-1b-7b/store \\
-        --int8 /work/models/olmoe-1b-7b-int8 [--rounds 3] [--tokens 32] [--configs a,b]
+        --int8 /work/models/olmoe-1b-7b-int8 [--rounds 3] [--tokens 32] [--configs a,b,c]
 
 bench/scale.py's measurement on both stores, interleaved: routing from recorded real traces
 (--route-trace, by default OLMoE's held-out decode traces), each round the raw O_DIRECT rate of the
 expert file at the device's best parallelism and each store's compute-only decode (every expert
-resident), then each configuration ((a) learned policy + prefetch, (b) LRU + prefetch, O_DIRECT) as a
-`flashmoe-cli generate` in its own process from a cold page cache, bf16 then int8. Both stores get one
+resident), then each configuration ((a) learned policy + prefetch, (b) LRU + prefetch, O_DIRECT; (c) mmap of
+the store, the page cache decides) as a `flashmoe-cli generate` in its own process from a cold page cache,
+bf16 then int8. Both stores get one
 cache cap in bytes, 25% of the bf16 store's expert bytes (the edge device's RAM for experts), and one
 cgroup memory limit (that cap + the dense weights + working memory): the int8 cache holds twice the
 experts. A run's limit is 1 / max(its store's compute s/token, its MB missed per token / raw MB/s).
 Reported per store and configuration: decode tokens/s (median over rounds), × its limit, MB read and
-hit rate per decode token, peak RSS; and int8 / bf16 tokens/s within each round.
+hit rate per decode token, peak RSS; and within each round int8 / bf16 tokens/s, and with (c) run, (a)/(c)
+on the same store and (a) of each store over (c) of the bf16 store (llama.cpp's way with the weights as
+published).
 JSON: bench/results/quant_scale.json.
 """
 from __future__ import annotations
@@ -59,19 +62,29 @@ def one_round(n: int, stores: dict[str, Path], configs: list, cap: int, cgroup: 
 
 
 def summarize(rounds: list[dict], configs: list) -> dict:
+    """Medians over rounds per configuration and store; tokens/s ratios taken within each round."""
     med = statistics.median
-    out = {}
+    out = {"configs": {}, "a_over_c": {}}
     for config in configs:
         runs = {s: [run for r in rounds for run in r["runs"] if run["config"] == config.name and run["store"] == s]
                 for s in STORES}
-        out[config.name] = {s: {k: med(run[k] for run in runs[s]) for k in
-                                ("decode_tok_s", "limit_tok_s", "mb_per_token", "hit_rate", "peak_rss_bytes")}
-                            for s in STORES}
+        row = out["configs"][config.name] = {
+            s: {k: med(run[k] for run in runs[s]) for k in
+                ("decode_tok_s", "limit_tok_s", "mb_per_token", "hit_rate", "peak_rss_bytes")} for s in STORES}
         for s in STORES:
-            out[config.name][s]["of_limit"] = med(run["decode_tok_s"] / run["limit_tok_s"] for run in runs[s])
+            row[s]["of_limit"] = med(run["decode_tok_s"] / run["limit_tok_s"] for run in runs[s])
         ratios = [i["decode_tok_s"] / b["decode_tok_s"] for b, i in zip(runs["bf16"], runs["int8"])]
-        out[config.name]["int8_over_bf16"] = {"median": med(ratios), "per_round": ratios}
+        row["int8_over_bf16"] = {"median": med(ratios), "per_round": ratios}
+    a, c = CONFIGS["a"].name, CONFIGS["c"].name
+    if a in out["configs"] and c in out["configs"]:
+        for s, mmap_store in (("bf16", "bf16"), ("int8", "int8"), ("int8", "bf16")):
+            ratios = [_tok_s(r, a, s) / _tok_s(r, c, mmap_store) for r in rounds]
+            out["a_over_c"][f"a {s} / c {mmap_store}"] = {"median": med(ratios), "per_round": ratios}
     return out
+
+
+def _tok_s(round_: dict, config: str, store: str) -> float:
+    return next(run["decode_tok_s"] for run in round_["runs"] if run["config"] == config and run["store"] == store)
 
 
 def main() -> int:
@@ -81,7 +94,7 @@ def main() -> int:
     ap.add_argument("--route-trace", type=Path, nargs="+", default=DEFAULT_TRACES, metavar="FILE")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per run (default 32)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
-    ap.add_argument("--configs", default="a,b", help="which of bench/scale.py's a,b (O_DIRECT) to run")
+    ap.add_argument("--configs", default="a,b", help="which of bench/scale.py's a,b (O_DIRECT) and c (mmap) to run")
     args = ap.parse_args()
     stores = {"bf16": args.plain, "int8": args.int8}
     index = Index.load(args.plain / INDEX)
@@ -105,12 +118,14 @@ def main() -> int:
           f"{', '.join(t.name for t in args.route_trace)}")
     print("| configuration | store | tok/s | limit | × limit | MB/token | hit rate | peak RSS | int8 / bf16 |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, c in summary.items():
+    for name, c in summary["configs"].items():
         for s in STORES:
             x = c[s]
             ratio = f"{c['int8_over_bf16']['median']:.2f}" if s == "int8" else ""
             print(f"| {name} | {s} | {x['decode_tok_s']:.2f} | {x['limit_tok_s']:.2f} | {x['of_limit']:.2f} | "
                   f"{x['mb_per_token']:.0f} | {x['hit_rate']:.3f} | {x['peak_rss_bytes'] / 2**20:.0f} MiB | {ratio} |")
+    for key, r in summary["a_over_c"].items():
+        print(f"tok/s {key}: {r['median']:.2f} (rounds {', '.join(f'{x:.2f}' for x in r['per_round'])})")
     write_results("quant_scale", {"command": " ".join(sys.argv), "machine": machine(args.plain),
                                   "memory_limit": cgroup.describe(), "cap_bytes": cap, "tokens": args.tokens,
                                   "route_trace": [str(t) for t in args.route_trace], "rounds": rounds,

@@ -2,18 +2,21 @@
 
     .venv/bin/python bench/serve.py --configs b,a,c --rounds 5 [--model data/demo] [--clients 16]
                                     [--requests-per-client 2] [--admit-window-ms MS] [--route-trace FILE ...]
-                                    [--results NAME]
+                                    [--results NAME] [--reference STORE --configs b,a,c,r]
 
 (a) the learned flashmoe policy with lookahead prefetch, O_DIRECT slots;
 (b) LRU with the same prefetch and slots;
-(c) the mmap backend, no prefetch: the page cache decides what stays (llama.cpp's way).
+(c) the mmap backend, no prefetch: the page cache decides what stays (llama.cpp's way);
+(r) with --reference (the same checkpoint's unquantized store, when --model is its int8 twin): (c) on
+    that store, the weights as published.
 Each run starts `flashmoe-cli serve` as its own process with the cache cap at 25% of expert bytes,
 inside a cgroup memory limit when the machine allows one (the same limit for all three: the cap,
 the model's dense weights and KV budget, and working memory; bench/memory.py), after the
 expert file's pages are dropped from the page cache (posix_fadvise DONTNEED), so every run starts
 cold. The clients are set up first and start together, so their first requests arrive as a burst;
 each measures request latency (send to last byte); tokens/s is all completion tokens over the
-wall time of the whole load.
+wall time of the whole load. With --reference the cache cap is 25% of the reference's expert bytes and
+the memory limit is the reference's, for every configuration (an int8 cache then holds twice the experts).
 
 One run of a configuration is noisy: which requests share a step depends on when each client's
 next request lands, and a step that admits a prompt reads far more than a decode step; with 32
@@ -62,6 +65,7 @@ class Config:
     policy: str
     backend: str
     prefetch: bool
+    reference: bool = False   # runs on --reference instead of --model
 
     def args(self) -> list[str]:
         return ["--policy", self.policy, "--backend", self.backend] + ([] if self.prefetch else ["--no-prefetch"])
@@ -69,7 +73,8 @@ class Config:
 
 CONFIGS = [Config("a: flashmoe + prefetch", "flashmoe", "direct", True),
            Config("b: lru + prefetch", "lru", "direct", True),
-           Config("c: mmap (page cache)", "lru", "mmap", False)]
+           Config("c: mmap (page cache)", "lru", "mmap", False),
+           Config("r: mmap of --reference", "lru", "mmap", False, reference=True)]
 
 
 @dataclass
@@ -127,8 +132,8 @@ def start(model: Path, config: Config, cgroup: MemoryCgroup, log_path: Path, ser
           ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     with log_path.open("w") as log:
-        proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), "--cache-cap", CAP,
-                                 *serve_args, *config.args()], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), *serve_args, *config.args()],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     with stopped_on_failure(proc):
         cgroup.add(proc.pid)  # before the model loads: every allocation and page-cache page is charged to it
         return proc, wait_for_agent(proc, port, f"{config.name}: see {log_path}")
@@ -198,7 +203,8 @@ def run_config(model: Path, config: Config, round_: int, mix, cgroup: MemoryCgro
     drop_page_cache(model / "experts.bin")
     if cgroup.path is not None:
         cgroup.reset_peak()
-    proc, url = start(model, config, cgroup, logs / f"{config.policy}-{config.backend}-round{round_}.log", serve_args)
+    log = logs / f"{config.name[0]}-{config.policy}-{config.backend}-round{round_}.log"
+    proc, url = start(model, config, cgroup, log, serve_args)
     load_start = os.getloadavg()[0]
     try:
         latencies, tokens, wall = drive(url, mix)
@@ -238,10 +244,12 @@ def round_ratios(results: list[Result]) -> dict[str, dict[str, float]]:
         if set(got) >= set("abc"):
             a, b, c = got["a"], got["b"], got["c"]
             per_round.append({"p99_a_over_c": a.p(99) / c.p(99), "p99_a_over_b": a.p(99) / b.p(99),
-                              "tokens_per_s_a_over_b": a.tokens_per_s / b.tokens_per_s})
+                              "tokens_per_s_a_over_b": a.tokens_per_s / b.tokens_per_s,
+                              **({"p99_a_over_r": a.p(99) / got["r"].p(99)} if "r" in got else {})})
     if not per_round:
         return {}
-    return {k: {**spread([x[k] for x in per_round]), "per_round": [x[k] for x in per_round]} for k in per_round[0]}
+    return {k: {**spread([x[k] for x in per_round]), "per_round": [x[k] for x in per_round]}
+            for k in per_round[0] if all(k in x for x in per_round)}
 
 
 def table(summary: dict[str, dict]) -> str:
@@ -258,9 +266,13 @@ def table(summary: dict[str, dict]) -> str:
 
 def describe_ratios(ratios: dict[str, dict]) -> str:
     r = ratios["p99_a_over_c"], ratios["p99_a_over_b"], ratios["tokens_per_s_a_over_b"]
-    return (f"within-round medians [min-max]: P99(a)/P99(c) = {r[0]['median']:.2f} [{r[0]['min']:.2f}-{r[0]['max']:.2f}] "
+    text = (f"within-round medians [min-max]: P99(a)/P99(c) = {r[0]['median']:.2f} [{r[0]['min']:.2f}-{r[0]['max']:.2f}] "
             f"(goal <= {GOAL_P99_A_OVER_C}); P99(a)/P99(b) = {r[1]['median']:.2f} [{r[1]['min']:.2f}-{r[1]['max']:.2f}]; "
             f"tok/s (a)/(b) = {r[2]['median']:.2f} [{r[2]['min']:.2f}-{r[2]['max']:.2f}]")
+    if "p99_a_over_r" in ratios:
+        x = ratios["p99_a_over_r"]
+        text += f"; P99(a)/P99(r) = {x['median']:.2f} [{x['min']:.2f}-{x['max']:.2f}]"
+    return text
 
 
 # -- main -------------------------------------------------------------------------------------------------
@@ -273,25 +285,32 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="runs of every configuration, interleaved (default 5)")
     ap.add_argument("--admit-window-ms", type=float,
                     help="the agent's admission window (serve --admit-window-ms); default: the agent's own")
-    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c to run, in this order within every round")
+    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c (and r) to run, in this order within every round")
+    ap.add_argument("--reference", type=Path, help="the unquantized store of --model's checkpoint: the cap and memory "
+                                                    "limit come from it, and config r is mmap of it")
     ap.add_argument("--route-trace", type=Path, nargs="+", default=[], metavar="FILE",
                     help="serve --route-trace: recorded real routing for a random-weight model of real shape")
     ap.add_argument("--results", default="serve", help="write bench/results/<NAME>.json (default serve)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if ("r" in args.configs.split(",")) != (args.reference is not None):
+        ap.error("config r and --reference go together")
     if not (args.model / "experts.index.json").exists():
         subprocess.run([*CLI, "init-demo", "--out", str(args.model)], check=True, cwd=ROOT)
     from agent.experts.cap import parse_cap
     from agent.experts.layout import INDEX, Index
     interrupt_on_sigterm()
-    index = Index.load(args.model / INDEX)
-    cgroup = MemoryCgroup(device_memory(args.model, parse_cap(CAP, index.nbytes * len(index.blocks))))
+    sized = args.reference or args.model        # the store whose expert bytes and dense weights size the device
+    index = Index.load(sized / INDEX)
+    cap = parse_cap(CAP, index.nbytes * len(index.blocks))
+    cgroup = MemoryCgroup(device_memory(sized, cap))
     print(cgroup.describe())
     facts = {**machine(args.model), "load_avg_at_start": os.getloadavg(), "memory_limit": cgroup.describe(),
-             "model": str(args.model), "expert_bytes": (args.model / "experts.bin").stat().st_size,
+             "model": str(args.model), "reference": str(args.reference or ""), "cache_cap_bytes": cap,
+             "expert_bytes": (args.model / "experts.bin").stat().st_size,
              "memory_limit_bytes": cgroup.limit, "routing": [str(t) for t in args.route_trace] or "the model's router"}
-    serve_args = ["--max-batch-size", str(args.max_batch_size)]
+    serve_args = ["--cache-cap", str(cap), "--max-batch-size", str(args.max_batch_size)]
     if args.admit_window_ms is not None:
         serve_args += ["--admit-window-ms", str(args.admit_window_ms)]
     if args.route_trace:
@@ -307,7 +326,8 @@ def main() -> int:
             for config in chosen:
                 print(f"round {n + 1}/{args.rounds}: {config.name} ... (agent logs in {logs})", flush=True)
                 try:
-                    r = run_config(args.model, config, n, mix, cgroup, logs, serve_args)
+                    store = args.reference if config.reference else args.model
+                    r = run_config(store, config, n, mix, cgroup, logs, serve_args)
                 except (httpx.HTTPError, SystemExit) as exc:  # report it and measure the others
                     failed.append({"config": config.name, "round": n, "error": f"{type(exc).__name__}: {exc}"})
                     print(f"  FAILED: {failed[-1]['error']} (see the agent log)", flush=True)

@@ -16,7 +16,7 @@ from agent import bf16_matvec  # noqa: E402
 from agent.convert import convert  # noqa: E402
 from agent.shapes import write_checkpoint  # noqa: E402
 from agent.experts.layout import EXPERTS, INDEX, Index  # noqa: E402
-from bench import loader, scale  # noqa: E402
+from bench import loader, quant_scale, scale  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory  # noqa: E402
 
 
@@ -73,3 +73,16 @@ def test_summary_takes_medians_and_ratios_within_rounds():
     s = scale.summarize(rounds)
     assert s["configs"]["a: x"]["decode_tok_s"] == 2.0 and s["configs"]["a: x"]["of_limit"] == 1.0
     assert s["tok_s_a_over_c"] == {"median": 4.0, "per_round": [4.0, 4.0, 4.0]} and "tok_s_a_over_b" not in s
+
+
+def test_quant_scale_sets_each_store_against_mmap_of_its_own_and_of_the_bf16_store():
+    def run(config, store, tok_s):
+        return {"config": scale.CONFIGS[config].name, "store": store, "decode_tok_s": tok_s, "limit_tok_s": 2.0,
+                "mb_per_token": 10.0, "hit_rate": 0.5, "peak_rss_bytes": 1}
+    rounds = [{"runs": [run("a", "bf16", 2.0 * r), run("a", "int8", 3.0 * r), run("c", "bf16", 1.0 * r),
+                        run("c", "int8", 1.5 * r)]} for r in (1, 2)]
+    s = quant_scale.summarize(rounds, [scale.CONFIGS["a"], scale.CONFIGS["c"]])
+    assert s["configs"][scale.CONFIGS["a"].name]["int8_over_bf16"] == {"median": 1.5, "per_round": [1.5, 1.5]}
+    assert {k: r["median"] for k, r in s["a_over_c"].items()} == {"a bf16 / c bf16": 2.0, "a int8 / c int8": 2.0,
+                                                                   "a int8 / c bf16": 3.0}
+    assert quant_scale.summarize(rounds, [scale.CONFIGS["a"]])["a_over_c"] == {}   # no (c) run: no ratio
