@@ -7,9 +7,10 @@ miss reads half as much, and the same cache cap holds twice the experts.
 
 Compute never dequantizes a whole block into RAM. A bf16 model with few tokens per expert (decode)
 runs torch's int8-weight kernel (`_weight_int8pack_mm`: x @ (q * scale).T; for one token an expert
-costs 0.35-0.40x the CPU time of bf16 on this CPU, bench/quant_kernels.py); more tokens, or another
-dtype, convert q to the model's dtype (float32 for float16) for the matmul and scale its output
-channels after, which costs 2-3.5x bf16: prefill and large batches are slower than with bf16 blocks.
+costs 0.4-0.5x the CPU time of the bf16 matvec on this CPU, bench/quant_kernels.py); more tokens, or
+another dtype, convert q to the model's dtype (float32 for float16) for the matmul and scale its output
+channels after. Above ~8 tokens per expert either way costs 1.0-1.9x bf16: prefill and large batches
+compute slower than with bf16 blocks.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from torch import Tensor
 from agent.experts.layout import Index, Part
 
 QMAX = 127
-INT8_KERNEL_MAX_TOKENS = 12  # above ~12-20 tokens the kernel is slower than converting q (bench/quant_kernels.py)
+INT8_KERNEL_MAX_TOKENS = 12  # above ~12-16 tokens the kernel is slower than converting q (bench/quant_kernels.py)
 # torch 2.13's kernel reads whole 16-wide vectors along K: other widths give garbage or a segfault here.
 INT8_KERNEL_K_MULTIPLE = 16
 _WIDE = {torch.float16: torch.float32}  # x @ q.T, before scaling, can pass float16's largest value
