@@ -2,13 +2,13 @@
 
     .venv/bin/python bench/serve.py --configs b,a,c --rounds 5 [--model data/demo] [--clients 16]
                                     [--requests-per-client 2] [--admit-window-ms MS] [--route-trace FILE ...]
-                                    [--results NAME] [--reference STORE --configs b,a,c,r]
+                                    [--results NAME] [--reference STORE --configs b,a,c,A,C]
 
 (a) the learned flashmoe policy with lookahead prefetch, O_DIRECT slots;
 (b) LRU with the same prefetch and slots;
 (c) the mmap backend, no prefetch: the page cache decides what stays (llama.cpp's way);
-(r) with --reference (the same checkpoint's unquantized store, when --model is its int8 twin): (c) on
-    that store, the weights as published.
+(A), (B), (C) with --reference (the same checkpoint's unquantized store, when --model is its int8 twin):
+    (a), (b), (c) on that store, the weights as published.
 Each run starts `flashmoe-cli serve` as its own process with the cache cap at 25% of expert bytes,
 inside a cgroup memory limit when the machine allows one (the same limit for all three: the cap,
 the model's dense weights and KV budget, and working memory; bench/memory.py), after the
@@ -67,14 +67,19 @@ class Config:
     prefetch: bool
     reference: bool = False   # runs on --reference instead of --model
 
+    def on_reference(self) -> "Config":
+        """The same configuration on --reference, named by its capital letter."""
+        return Config(f"{self.name[0].upper()}{self.name[1:]}, --reference", self.policy, self.backend, self.prefetch,
+                      reference=True)
+
     def args(self) -> list[str]:
         return ["--policy", self.policy, "--backend", self.backend] + ([] if self.prefetch else ["--no-prefetch"])
 
 
 CONFIGS = [Config("a: flashmoe + prefetch", "flashmoe", "direct", True),
            Config("b: lru + prefetch", "lru", "direct", True),
-           Config("c: mmap (page cache)", "lru", "mmap", False),
-           Config("r: mmap of --reference", "lru", "mmap", False, reference=True)]
+           Config("c: mmap (page cache)", "lru", "mmap", False)]
+CONFIGS += [c.on_reference() for c in CONFIGS]
 
 
 @dataclass
@@ -245,7 +250,7 @@ def round_ratios(results: list[Result]) -> dict[str, dict[str, float]]:
             a, b, c = got["a"], got["b"], got["c"]
             per_round.append({"p99_a_over_c": a.p(99) / c.p(99), "p99_a_over_b": a.p(99) / b.p(99),
                               "tokens_per_s_a_over_b": a.tokens_per_s / b.tokens_per_s,
-                              **({"p99_a_over_r": a.p(99) / got["r"].p(99)} if "r" in got else {})})
+                              **{f"p99_a_over_{x}": a.p(99) / got[x].p(99) for x in "AC" if x in got}})
     if not per_round:
         return {}
     return {k: {**spread([x[k] for x in per_round]), "per_round": [x[k] for x in per_round]}
@@ -256,11 +261,11 @@ def table(summary: dict[str, dict]) -> str:
     cols = [("P50 s", "p50_s", ".2f"), ("P95 s", "p95_s", ".2f"), ("P99 s", "p99_s", ".2f"),
             ("tok/s", "tokens_per_s", ".2f"), ("GB read", "gb_read", ".2f"), ("hit", "hit_rate", ".3f"),
             ("peak RSS MiB", "peak_rss_mib", ".0f")]
-    head = f"{'config (median [min-max])':<26} {'runs':>4} " + " ".join(f"{h:>19}" for h, _, _ in cols)
+    head = f"{'config (median [min-max])':<36} {'runs':>4} " + " ".join(f"{h:>19}" for h, _, _ in cols)
     rows = [head, "-" * len(head)]
     for name, s in summary.items():
         cells = [f"{s[k]['median']:{f}} [{s[k]['min']:{f}}-{s[k]['max']:{f}}]" for _, k, f in cols]
-        rows.append(f"{name:<26} {s['rounds']:>4} " + " ".join(f"{c:>19}" for c in cells))
+        rows.append(f"{name:<36} {s['rounds']:>4} " + " ".join(f"{c:>19}" for c in cells))
     return "\n".join(rows)
 
 
@@ -269,9 +274,9 @@ def describe_ratios(ratios: dict[str, dict]) -> str:
     text = (f"within-round medians [min-max]: P99(a)/P99(c) = {r[0]['median']:.2f} [{r[0]['min']:.2f}-{r[0]['max']:.2f}] "
             f"(goal <= {GOAL_P99_A_OVER_C}); P99(a)/P99(b) = {r[1]['median']:.2f} [{r[1]['min']:.2f}-{r[1]['max']:.2f}]; "
             f"tok/s (a)/(b) = {r[2]['median']:.2f} [{r[2]['min']:.2f}-{r[2]['max']:.2f}]")
-    if "p99_a_over_r" in ratios:
-        x = ratios["p99_a_over_r"]
-        text += f"; P99(a)/P99(r) = {x['median']:.2f} [{x['min']:.2f}-{x['max']:.2f}]"
+    for other in (x for x in "AC" if f"p99_a_over_{x}" in ratios):
+        x = ratios[f"p99_a_over_{other}"]
+        text += f"; P99(a)/P99({other}) = {x['median']:.2f} [{x['min']:.2f}-{x['max']:.2f}]"
     return text
 
 
@@ -285,17 +290,21 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="runs of every configuration, interleaved (default 5)")
     ap.add_argument("--admit-window-ms", type=float,
                     help="the agent's admission window (serve --admit-window-ms); default: the agent's own")
-    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c (and r) to run, in this order within every round")
+    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c (A,B,C: on --reference) to run, in this order "
+                                                       "within every round")
     ap.add_argument("--reference", type=Path, help="the unquantized store of --model's checkpoint: the cap and memory "
-                                                    "limit come from it, and config r is mmap of it")
+                                                    "limit come from it, and configs A,B,C run on it")
     ap.add_argument("--route-trace", type=Path, nargs="+", default=[], metavar="FILE",
                     help="serve --route-trace: recorded real routing for a random-weight model of real shape")
     ap.add_argument("--results", default="serve", help="write bench/results/<NAME>.json (default serve)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
-    if ("r" in args.configs.split(",")) != (args.reference is not None):
-        ap.error("config r and --reference go together")
+    letters = args.configs.split(",")
+    if not set(letters) <= {c.name[0] for c in CONFIGS}:
+        ap.error(f"--configs {args.configs!r}: give letters among a,b,c and A,B,C, comma separated")
+    if any(x.isupper() for x in letters) != (args.reference is not None):
+        ap.error("configs A,B,C and --reference go together")
     if not (args.model / "experts.index.json").exists():
         subprocess.run([*CLI, "init-demo", "--out", str(args.model)], check=True, cwd=ROOT)
     from agent.experts.cap import parse_cap
@@ -317,7 +326,7 @@ def main() -> int:
         serve_args += ["--route-trace", *map(str, args.route_trace)]
     mix = request_mix(args.clients, args.requests_per_client)
     by_letter = {c.name[0]: c for c in CONFIGS}
-    chosen = [by_letter[x] for x in args.configs.split(",")]
+    chosen = [by_letter[x] for x in letters]
     results, failed = [], []
     logs = ROOT / "bench" / "results" / "serve-logs"
     logs.mkdir(parents=True, exist_ok=True)

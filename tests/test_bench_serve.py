@@ -36,20 +36,24 @@ def test_ratios_pair_configurations_within_a_round():
     assert r["p99_a_over_c"]["per_round"] == [0.25, 0.5]
     assert r["p99_a_over_b"] == {"median": 0.75, "min": 0.5, "max": 1.0, "per_round": [0.5, 1.0]}
     assert r["tokens_per_s_a_over_b"]["per_round"] == [1.0, 2.0]
-    assert "p99_a_over_r" not in r                          # no round ran r
+    assert "p99_a_over_C" not in r                          # no round ran on a --reference store
 
 
-def test_mmap_of_the_reference_store_is_one_more_ratio_when_every_round_ran_it():
+def test_runs_on_the_reference_store_are_more_ratios_when_every_round_ran_them():
     runs = [run("a: x", n, [1.0]) for n in (0, 1)] + [run("b: y", n, [2.0]) for n in (0, 1)] + \
-           [run("c: z", n, [4.0]) for n in (0, 1)] + [run("r: w", 0, [5.0]), run("r: w", 1, [2.0])]
-    assert round_ratios(runs)["p99_a_over_r"]["per_round"] == [0.2, 0.5]
-    assert "p99_a_over_r" not in round_ratios(runs[:-1])    # r lost in one round: no median of one kind
+           [run("c: z", n, [4.0]) for n in (0, 1)] + [run("C: z, --reference", 0, [5.0]),
+                                                      run("C: z, --reference", 1, [2.0]), run("A: x, --reference", 0, [4.0])]
+    r = round_ratios(runs)
+    assert r["p99_a_over_C"]["per_round"] == [0.2, 0.5]
+    assert "p99_a_over_A" not in r                          # A lost in one round: no median of one kind
 
 
-def test_config_r_needs_a_reference_store():
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--configs", "a,r"], cwd=ROOT,
+@pytest.mark.parametrize("argv,words", [(["--configs", "a,C"], "configs A,B,C and --reference go together"),
+                                        (["--configs", "a,r"], "give letters among a,b,c and A,B,C")])
+def test_configs_on_a_reference_store_need_one(argv, words):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "config r and --reference go together" in done.stderr
+    assert done.returncode == 2 and words in done.stderr
 
 
 def test_help_runs_without_an_agent():
