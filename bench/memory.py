@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from agent.experts.cap import MAX_MEMORY_SHARE, resident_bytes
-from agent.experts.layout import INDEX, Index
+from agent.experts.layout import DENSE, EXPERTS, INDEX, Index
 
 WORKING_MEMORY = 1024 * 2**20   # python, torch, the policy's libraries, activations
 
@@ -85,6 +85,14 @@ class MemoryCgroup:
         if self.path is None:
             return f"no cgroup memory limit ({self.why_not.strip('; ') or 'no memory controller'})"
         return f"cgroup {self.kind} memory limit {self.limit / 2**20:.0f} MiB at {self.path}"
+
+
+def drop_stores_pages(*stores: Path) -> None:
+    """Every store's expert file and dense weights out of the page cache: a run starts cold, and pages a
+    run of another store left charged to the shared cgroup do not crowd it."""
+    for store in stores:
+        drop_page_cache(store / EXPERTS)
+        drop_page_cache(store / DENSE)
 
 
 def drop_page_cache(path: Path) -> None:

@@ -52,7 +52,8 @@ def one_round(n: int, stores: dict[str, Path], configs: list, cap: int, cgroup: 
           + ", ".join(f"{s} {r['compute_tok_s'][s]:.2f} tok/s" for s in STORES), flush=True)
     for config in configs:
         for s in STORES:
-            run = run_config(stores[s], config, n, cgroup, traces, prompt_ids, tokens, 1, cap=str(cap))
+            run = run_config(stores[s], config, n, cgroup, traces, prompt_ids, tokens, 1, cap=str(cap),
+                             others=tuple(stores.values()))
             lim, _, _ = limit_tok_s(r["compute_tok_s"][s], run.mb_per_token, r["raw_mb_s"])
             print(f"  {s} {config.name}: {run.decode_tok_s:.2f} tok/s = {run.decode_tok_s / lim:.2f} x its limit "
                   f"{lim:.2f}; {run.mb_per_token:.0f} MB/token, hit rate {run.hit_rate:.3f}, "

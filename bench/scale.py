@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a scr
 import agent.experts.provider  # noqa: E402
 import agent.model.model  # noqa: E402
 from agent.experts.cap import parse_cap  # noqa: E402
-from agent.experts.layout import DENSE, EXPERTS, INDEX, Index, crc32  # noqa: E402
+from agent.experts.layout import EXPERTS, INDEX, Index, crc32  # noqa: E402
 from agent.experts.provider import ExpertWeights, block_views  # noqa: E402
 from agent.experts.reader import IO_THREADS  # noqa: E402
 from agent.model.generation import generate  # noqa: E402
@@ -59,7 +59,7 @@ from agent.model.loading import load_model  # noqa: E402
 from agent.tokenizer import load_tokenizer  # noqa: E402
 from bench.common import machine, write_results  # noqa: E402
 from bench.loader import best_raw_read, host_cache_check, raw_block_read  # noqa: E402
-from bench.memory import MemoryCgroup, device_memory, drop_page_cache  # noqa: E402
+from bench.memory import MemoryCgroup, device_memory, drop_stores_pages  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
 TRACES = ROOT.parent / "shared" / "traces" / "decode"
@@ -178,9 +178,11 @@ def torch_swiglu(e: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
 
 
 def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, traces: list[Path],
-               prompt_ids: list[int], tokens: int, threads: int, cap: str = "25%") -> Run:
-    drop_page_cache(store / EXPERTS)
-    drop_page_cache(store / DENSE)
+               prompt_ids: list[int], tokens: int, threads: int, cap: str = "25%",
+               others: tuple[Path, ...] = ()) -> Run:
+    """One `flashmoe-cli generate` of `config` on `store`, cold: its pages and those of the `others` stores
+    the same cgroup runs are dropped first."""
+    drop_stores_pages(store, *others)
     if cgroup.path is not None:
         cgroup.reset_peak()
     cmd = [*CLI, "generate", "--model", str(store), "--prompt-ids", ",".join(map(str, prompt_ids)),

@@ -50,7 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from bench.common import machine, write_results  # noqa: E402
-from bench.memory import MemoryCgroup, device_memory, drop_page_cache, peak_rss  # noqa: E402
+from bench.memory import MemoryCgroup, device_memory, drop_stores_pages, peak_rss  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
 CAP = "25%"
@@ -204,8 +204,10 @@ def drive(url: str, mix: list[list[dict]]) -> tuple[list[float], int, float]:
 
 
 def run_config(model: Path, config: Config, round_: int, mix, cgroup: MemoryCgroup, logs: Path,
-               serve_args: list[str]) -> Result:
-    drop_page_cache(model / "experts.bin")
+               serve_args: list[str], others: tuple[Path, ...] = ()) -> Result:
+    """One run of `config` on `model`, cold: its pages and those of the `others` stores the same cgroup
+    runs are dropped first."""
+    drop_stores_pages(model, *others)
     if cgroup.path is not None:
         cgroup.reset_peak()
     log = logs / f"{config.name[0]}-{config.policy}-{config.backend}-round{round_}.log"
@@ -301,6 +303,7 @@ def main() -> int:
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     letters = args.configs.split(",")
+    stores = (args.model, args.reference) if args.reference else (args.model,)
     if not set(letters) <= {c.name[0] for c in CONFIGS}:
         ap.error(f"--configs {args.configs!r}: give letters among a,b,c and A,B,C, comma separated")
     if any(x.isupper() for x in letters) != (args.reference is not None):
@@ -336,7 +339,7 @@ def main() -> int:
                 print(f"round {n + 1}/{args.rounds}: {config.name} ... (agent logs in {logs})", flush=True)
                 try:
                     store = args.reference if config.reference else args.model
-                    r = run_config(store, config, n, mix, cgroup, logs, serve_args)
+                    r = run_config(store, config, n, mix, cgroup, logs, serve_args, others=stores)
                 except (httpx.HTTPError, SystemExit) as exc:  # report it and measure the others
                     failed.append({"config": config.name, "round": n, "error": f"{type(exc).__name__}: {exc}"})
                     print(f"  FAILED: {failed[-1]['error']} (see the agent log)", flush=True)
