@@ -25,7 +25,7 @@ def shaped(tmp_path_factory) -> tuple[Path, list[Path]]:
     """OLMoE's shape cut small (2 layers x 16 experts, top-8) and a trace that fits it."""
     tmp = tmp_path_factory.mktemp("scale")
     config = {**tiny("olmoe-1b-7b"), "num_experts_per_tok": 2}
-    convert(write_checkpoint(config, tmp / "hf"), tmp / "store")
+    convert(write_checkpoint(config, tmp / "hf"), tmp / "store", quantize=None)
     sets = [[sorted({(t + l) % 16, (5 * t + 3 * l + 1) % 16} | {(t + 9) % 16})[:2] for l in range(2)] for t in range(64)]
     return tmp / "store", [write_trace(tmp / "trace.jsonl", sets, layers=2, top_k=2, n_experts=16)]
 

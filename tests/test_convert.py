@@ -118,11 +118,19 @@ def test_blocks_are_aligned_contiguous_and_in_index_order(tmp_path):
         assert not any(raw[block.offset + index.nbytes:block.offset + index.slot_bytes])
 
 
-def test_bfloat16_experts_keep_their_dtype(tmp_path):
+def test_bfloat16_experts_keep_their_dtype_when_asked(tmp_path):
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf", dtype=torch.bfloat16)
-    convert(ckpt.path, tmp_path / "store")
+    convert(ckpt.path, tmp_path / "store", quantize=None)
     index = _assert_store_matches(tmp_path / "store", ckpt)
-    assert (index.dtype, index.itemsize) == ("bfloat16", 2)
+    assert (index.dtype, index.itemsize, index.quant) == ("bfloat16", 2, None)
+
+
+@pytest.mark.parametrize("dtype,widths,quant", [(torch.bfloat16, {"intermediate_size": 32}, "int8"),  # hidden 32
+                                                (torch.float32, {"intermediate_size": 32}, None),   # no float32 kernel
+                                                (torch.bfloat16, {}, None)])   # intermediate 24: nor for this width
+def test_by_default_bf16_experts_the_int8_kernel_takes_are_stored_as_int8(tmp_path, dtype, widths, quant):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf", dtype=dtype, **widths)
+    assert convert(ckpt.path, tmp_path / "store").quant == quant
 
 
 def test_fused_layout_is_one_transformers_loads(tmp_path):

@@ -77,7 +77,7 @@ def test_int8_linear_is_the_matmul_with_dequantized_weights(dtype, tokens, width
 @pytest.mark.parametrize("dtype,itemsize", [(torch.float32, 4), (torch.bfloat16, 2)])
 def test_an_int8_store_says_what_a_block_holds(tmp_path, dtype, itemsize):
     ckpt = tiny_checkpoint("qwen3_moe", tmp_path / "hf", dtype=dtype)  # hidden 32, expert intermediate 16
-    plain = convert(ckpt.path, tmp_path / "plain")
+    plain = convert(ckpt.path, tmp_path / "plain", quantize=None)
     index = convert(ckpt.path, tmp_path / "int8", quantize="int8")
     listed = json.loads((tmp_path / "int8" / INDEX).read_text())
     assert (listed["quant"], listed["dtype"], listed["version"]) == ("int8", str(dtype).removeprefix("torch."), 2)
@@ -152,7 +152,7 @@ def test_int8_experts_stay_close_to_the_checkpoint(tmp_path, arch, dtype):
     difference is loose: in bf16 one near-tie in a router can send a token to another expert
     (measured: 0.53 at a largest logit of 4.1, OLMoE bf16; bench/quant_error.py)."""
     ckpt = tiny_checkpoint(arch, tmp_path / "hf", dtype=dtype)
-    convert(ckpt.path, tmp_path / "plain")
+    convert(ckpt.path, tmp_path / "plain", quantize=None)
     convert(ckpt.path, tmp_path / "int8", quantize="int8")
     ref, got = logits(tmp_path / "plain", PROMPT), logits(tmp_path / "int8", PROMPT)
     assert ref.abs().max() > 1.0
@@ -164,7 +164,7 @@ def test_int8_experts_stay_close_to_the_checkpoint(tmp_path, arch, dtype):
 def test_every_backend_reads_int8_blocks_into_half_size_slots_and_computes_the_same(tmp_path, backend):
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf", dtype=torch.bfloat16, hidden_size=128, intermediate_size=64,
                            num_attention_heads=4, num_key_value_heads=4)
-    plain = convert(ckpt.path, tmp_path / "plain")
+    plain = convert(ckpt.path, tmp_path / "plain", quantize=None)
     index = convert(ckpt.path, tmp_path / "int8", quantize="int8")
     assert index.slot_bytes == plain.slot_bytes // 2 + ALIGN  # 48 KiB of bf16 -> 24 KiB of int8 + a page of scales
     want = logits(tmp_path / "int8", PROMPT)
@@ -179,6 +179,10 @@ def test_cli_quantizes_and_refuses_an_unknown_scheme(tmp_path):
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "int8 blocks" in ok.stderr and Index.load(tmp_path / "store" / INDEX).quant == "int8"
+    kept = subprocess.run(CLI + ["convert", str(ckpt.path), str(tmp_path / "kept"), "--quantize", "none"], cwd=REPO,
+                          capture_output=True, text=True)
+    assert kept.returncode == 0, kept.stderr
+    assert Index.load(tmp_path / "kept" / INDEX).quant is None      # none: the checkpoint's dtype
     bad = subprocess.run(CLI + ["convert", str(ckpt.path), str(tmp_path / "other"), "--quantize", "int3"], cwd=REPO,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice: 'int3'" in bad.stderr

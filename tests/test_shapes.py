@@ -84,7 +84,7 @@ def test_a_written_checkpoint_loads_in_transformers_with_every_tensor(tmp_path, 
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_converted_store_generates_as_the_in_memory_reference(tmp_path, name):
-    store = convert(write_checkpoint(tiny(name), tmp_path / "hf"), tmp_path / "store")
+    store = convert(write_checkpoint(tiny(name), tmp_path / "hf"), tmp_path / "store", quantize=None)
     assert store.dtype == "bfloat16" and store.n_experts == 16
     reference = generate(load_model(tmp_path / "store", InMemoryExperts(tmp_path / "store")), [1, 2, 3], 5)
     with ExpertCache(tmp_path / "store", 12 * store.slot_bytes * store.n_layers, policy="lru") as cache:  # 12 of 16

@@ -6,6 +6,7 @@ shards listed in model.safetensors.index.json) with routed experts either per ex
 `block_sparse_moe.experts.E.{w1,w3,w2}.weight`) or fused as transformers v5 holds them in memory
 (`model.layers.N.mlp.experts.gate_up_proj` [E, 2I, H], gate rows first, and `.down_proj` [E, H, I]).
 
+Routed experts of a bf16 checkpoint are stored as int8 by default (`--quantize auto`, see convert()).
 Every other tensor goes to dense.safetensors byte for byte under the name transformers 5.24's
 save_pretrained gives it (a fused Mixtral router `mlp.gate` becomes `block_sparse_moe.gate`).
 
@@ -34,28 +35,32 @@ import torch
 from agent.convert.checkpoint import plan
 from agent.convert.errors import CheckpointError
 from agent.convert.safetensors_io import Span
-from agent.convert.store_writer import StoreWriter
+from agent.convert.store_writer import StoreShape, StoreWriter
 from agent.experts.layout import QUANTS, Index
-from agent.experts.quant import QuantError, quantize_block
+from agent.experts.quant import INT8_KERNEL_K_MULTIPLE, QuantError, quantize_block
 
 log = logging.getLogger(__name__)
 
 
 Progress = Callable[[int, int], None]
+AUTO = "auto"   # int8 where it was measured to win end to end (BENCHMARKS.md, "Quantized experts"), else as stored
 
 
 def convert(src: Path, dst: Path, overwrite: bool = False, progress: Progress | None = None,
-            quantize: str | None = None) -> Index:
+            quantize: str | None = AUTO) -> Index:
     """Convert the checkpoint in `src` into an expert store at `dst`; returns the store's index.
 
-    `quantize="int8"` stores the experts as int8 with a scale per output channel (agent/experts/quant.py).
+    `quantize="int8"` stores the experts as int8 with a scale per output channel (agent/experts/quant.py),
+    None in the checkpoint's dtype, and "auto" (the default) int8 for bf16 experts the int8 kernel takes
+    (widths multiples of INT8_KERNEL_K_MULTIPLE), as stored otherwise.
     Raises CheckpointError, before writing anything, if the checkpoint is unusable or `dst` is a
     non-empty directory and `overwrite` is false. `progress(done, total)` is called after each block.
     """
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
-    if quantize not in (None, *QUANTS):
-        raise CheckpointError(f"cannot quantize to {quantize!r}; choose one of {', '.join(QUANTS)}")
+    if quantize not in (None, AUTO, *QUANTS):
+        raise CheckpointError(f"cannot quantize to {quantize!r}; choose {AUTO!r}, one of {', '.join(QUANTS)} or None")
     p = plan(src)
+    quantize = _chosen_quant(p.shape) if quantize == AUTO else quantize
     _check_destination(src, dst, overwrite)
     with _Readers() as readers, StoreWriter(dst, replace(p.shape, quant=quantize), replace=overwrite) as writer:
         for file in p.files:
@@ -67,6 +72,13 @@ def convert(src: Path, dst: Path, overwrite: bool = False, progress: Progress | 
             if progress:
                 progress(done, len(p.blocks))
     return writer.index
+
+
+def _chosen_quant(shape: StoreShape) -> str | None:
+    """What "auto" stores: int8 for bf16 experts whose matmuls the int8 kernel runs (2.5x decode and half
+    the serving P99 at seed scale, BENCHMARKS.md), the checkpoint's dtype for the others (no kernel)."""
+    kernel_widths = shape.hidden % INT8_KERNEL_K_MULTIPLE == 0 and shape.intermediate % INT8_KERNEL_K_MULTIPLE == 0
+    return "int8" if shape.dtype == "bfloat16" and kernel_widths else None
 
 
 def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
@@ -119,7 +131,7 @@ class _Quantizer:
         except QuantError as exc:
             layer, expert = divmod(len(self.index.blocks), self.index.n_experts)
             raise CheckpointError(f"cannot quantize expert {expert} of MoE layer {layer}: {exc}; "
-                                  f"convert without --quantize") from None
+                                  f"convert with --quantize none") from None
 
 
 # ---------------------------------------------------------------- CLI
@@ -131,14 +143,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", metavar="SRC_DIR", type=Path, help="Hugging Face checkpoint directory")
     parser.add_argument("dst", metavar="DST_DIR", type=Path, help="where to write the expert store")
     parser.add_argument("--overwrite", action="store_true", help="replace DST_DIR if it already holds files")
-    parser.add_argument("--quantize", choices=QUANTS, help="store the experts as int8 with a scale per output "
-                        "channel: half the bytes of bf16 per block (default: the checkpoint's dtype)")
+    parser.add_argument("--quantize", choices=(AUTO, *QUANTS, "none"), default=AUTO,
+                        help="int8: the experts as int8 with a scale per output channel, half the bytes of bf16 "
+                        "per block (the model's answers change slightly); none: in the checkpoint's dtype; "
+                        "auto (default): int8 for bf16 experts, none for float32 and float16")
 
 
 def run(args: argparse.Namespace) -> int:
     start = time.monotonic()
     try:
-        index = convert(args.src, args.dst, overwrite=args.overwrite, progress=_log_progress, quantize=args.quantize)
+        index = convert(args.src, args.dst, overwrite=args.overwrite, progress=_log_progress,
+                        quantize=None if args.quantize == "none" else args.quantize)
     except CheckpointError as exc:
         log.error("convert failed: %s", exc)
         return 1
