@@ -34,7 +34,7 @@ from agent.experts.cap import parse_cap  # noqa: E402
 from agent.experts.layout import EXPERTS, INDEX, Index  # noqa: E402
 from agent.experts.reader import IO_THREADS  # noqa: E402
 from agent.tokenizer import load_tokenizer  # noqa: E402
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import count, machine, write_results  # noqa: E402
 from bench.loader import best_raw_read  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory  # noqa: E402
 from bench.scale import CHUNK, CONFIGS, DEFAULT_TRACES, PROMPT, compute_bound, limit_tok_s, run_config  # noqa: E402
@@ -93,8 +93,8 @@ def main() -> int:
     ap.add_argument("--plain", type=Path, required=True, help="the checkpoint's store as converted (bf16)")
     ap.add_argument("--int8", type=Path, required=True, help="the same checkpoint converted with --quantize int8")
     ap.add_argument("--route-trace", type=Path, nargs="+", default=DEFAULT_TRACES, metavar="FILE")
-    ap.add_argument("--tokens", type=int, default=32, help="new tokens per run (default 32)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    ap.add_argument("--tokens", type=count, default=32, help="new tokens per run (default 32)")
+    ap.add_argument("--rounds", type=count, default=3, help="interleaved rounds; medians are reported")
     ap.add_argument("--configs", default="a,b", help="which of bench/scale.py's a,b (O_DIRECT) and c (mmap) to run")
     args = ap.parse_args()
     stores = {"bf16": args.plain, "int8": args.int8}

@@ -57,7 +57,7 @@ from agent.experts.reader import IO_THREADS  # noqa: E402
 from agent.model.generation import generate  # noqa: E402
 from agent.model.loading import load_model  # noqa: E402
 from agent.tokenizer import load_tokenizer  # noqa: E402
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import count, machine, write_results  # noqa: E402
 from bench.loader import best_raw_read, host_cache_check, raw_block_read  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory, drop_stores_pages  # noqa: E402
 
@@ -225,9 +225,9 @@ def main() -> int:
     ap.add_argument("--model", type=Path, required=True, help="an expert store of a real-shaped model")
     ap.add_argument("--route-trace", type=Path, nargs="*", default=DEFAULT_TRACES, metavar="FILE",
                     help="routing traces (default: OLMoE's held-out decode traces); none: the model's own router")
-    ap.add_argument("--tokens", type=int, default=32, help="new tokens per run (default 32)")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians are reported")
-    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of (d) (default 2)")
+    ap.add_argument("--tokens", type=count, default=32, help="new tokens per run (default 32)")
+    ap.add_argument("--rounds", type=count, default=2, help="interleaved rounds; medians are reported")
+    ap.add_argument("--threads", type=count, default=2, help="torch intra-op threads of (d) (default 2)")
     ap.add_argument("--configs", default="a,b,c,d", help="which of a,b,c,d, in this order within every round")
     args = ap.parse_args()
     store, traces = args.model, args.route_trace

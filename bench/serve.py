@@ -49,7 +49,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import count, machine, write_results  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory, drop_stores_pages, peak_rss  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
@@ -286,10 +286,10 @@ def describe_ratios(ratios: dict[str, dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=ROOT / "data" / "demo")
-    ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--requests-per-client", type=int, default=2)
-    ap.add_argument("--max-batch-size", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=5, help="runs of every configuration, interleaved (default 5)")
+    ap.add_argument("--clients", type=count, default=16)
+    ap.add_argument("--requests-per-client", type=count, default=2)
+    ap.add_argument("--max-batch-size", type=count, default=16)
+    ap.add_argument("--rounds", type=count, default=5, help="runs of every configuration, interleaved (default 5)")
     ap.add_argument("--admit-window-ms", type=float,
                     help="the agent's admission window (serve --admit-window-ms); default: the agent's own")
     ap.add_argument("--configs", default="b,a,c", help="which of a,b,c (A,B,C: on --reference) to run, in this order "
@@ -300,8 +300,6 @@ def main() -> int:
                     help="serve --route-trace: recorded real routing for a random-weight model of real shape")
     ap.add_argument("--results", default="serve", help="write bench/results/<NAME>.json (default serve)")
     args = ap.parse_args()
-    if args.rounds < 1:
-        ap.error("--rounds must be at least 1")
     letters = args.configs.split(",")
     stores = (args.model, args.reference) if args.reference else (args.model,)
     if not set(letters) <= {c.name[0] for c in CONFIGS}:

@@ -27,7 +27,10 @@ def test_bench_script_imports_and_parses_its_arguments(script):
 
 
 @pytest.mark.parametrize(("script", "args", "says"), [("decode", ["--tokens", "0"], "--tokens: must be at least 1, got 0"),
-                                                      ("warmup", ["--max-tokens", "x"], "expected a whole number, got 'x'")])
+                                                      ("warmup", ["--max-tokens", "x"], "expected a whole number, got 'x'"),
+                                                      ("serve", ["--rounds", "0"], "--rounds: must be at least 1, got 0"),
+                                                      ("scale", ["--threads", "0"], "--threads: must be at least 1, got 0"),
+                                                      ("quant_scale", ["--tokens", "0"], "--tokens: must be at least 1")])
 def test_a_bad_count_is_one_usage_line_not_a_traceback(script, args, says):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
