@@ -9,7 +9,7 @@ Compute never dequantizes a whole block into RAM. A bf16 model with few tokens p
 runs torch's int8-weight kernel (`_weight_int8pack_mm`: x @ (q * scale).T; for one token an expert
 costs 0.4-0.5x the CPU time of the bf16 matvec on this CPU, bench/quant_kernels.py); more tokens, or
 another dtype, convert q to the model's dtype (float32 for float16) for the matmul and scale its output
-channels after. Above ~8 tokens per expert either way costs 1.0-1.9x bf16: prefill and large batches
+channels after. Above ~12 tokens per expert that costs 1.0-1.6x bf16: prefill and large batches
 compute slower than with bf16 blocks.
 """
 from __future__ import annotations
