@@ -11,9 +11,9 @@
     (a), (b), (c) on that store, the weights as published.
 Each run starts `flashmoe-cli serve` as its own process with the cache cap at 25% of expert bytes,
 inside a cgroup memory limit when the machine allows one (the same limit for all three: the cap,
-the model's dense weights and KV budget, and working memory; bench/memory.py), after the
-expert file's pages are dropped from the page cache (posix_fadvise DONTNEED), so every run starts
-cold. The clients are set up first and start together, so their first requests arrive as a burst;
+the model's dense weights and KV budget, and working memory; bench/memory.py), after the expert
+files and dense weights of every store in the run are dropped from the page cache (posix_fadvise
+DONTNEED), so every run starts cold. The clients are set up first and start together, so their first requests arrive as a burst;
 each measures request latency (send to last byte); tokens/s is all completion tokens over the
 wall time of the whole load. With --reference the cache cap is 25% of the reference's expert bytes and
 the memory limit is the reference's, for every configuration (an int8 cache then holds twice the experts).
