@@ -37,19 +37,24 @@ from agent.tokenizer import load_tokenizer  # noqa: E402
 from bench.common import count, machine, write_results  # noqa: E402
 from bench.loader import best_raw_read  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory  # noqa: E402
-from bench.scale import CHUNK, CONFIGS, DEFAULT_TRACES, PROMPT, compute_bound, limit_tok_s, run_config  # noqa: E402
+from bench.scale import (CHUNK, CONFIGS, DEFAULT_TRACES, PROMPT, compute_bound, limit_tok_s,  # noqa: E402
+                         prefill_bound_s, run_config)
 
 STORES = ("bf16", "int8")
 
 
 def one_round(n: int, stores: dict[str, Path], configs: list, cap: int, cgroup: MemoryCgroup, traces: list[Path],
-              prompt_ids: list[int], tokens: int) -> dict:
+              prompt_ids: list[int], tokens: int, prefill_tokens: int) -> dict:
     plain = stores["bf16"] / EXPERTS
     raw_s, streams = best_raw_read(plain, CHUNK, IO_THREADS)
+    long_prompt = (prompt_ids * prefill_tokens)[:prefill_tokens]
     r = {"round": n, "raw_mb_s": plain.stat().st_size / raw_s / 1e6, "raw_streams": streams,
-         "compute_tok_s": {s: compute_bound(stores[s], traces, prompt_ids, tokens) for s in STORES}, "runs": []}
+         "compute_tok_s": {s: compute_bound(stores[s], traces, prompt_ids, tokens) for s in STORES},
+         "prefill_s": {s: prefill_bound_s(stores[s], traces, long_prompt) for s in STORES}, "runs": []}
     print(f"round {n + 1}: raw {r['raw_mb_s']:.0f} MB/s ({streams} stream(s)); compute-only "
-          + ", ".join(f"{s} {r['compute_tok_s'][s]:.2f} tok/s" for s in STORES), flush=True)
+          + ", ".join(f"{s} {r['compute_tok_s'][s]:.2f} tok/s" for s in STORES) + f"; a {prefill_tokens}-token "
+          "batched prefill, every expert resident: " + ", ".join(f"{s} {r['prefill_s'][s]:.2f} s" for s in STORES),
+          flush=True)
     for config in configs:
         for s in STORES:
             run = run_config(stores[s], config, n, cgroup, traces, prompt_ids, tokens, 1, cap=str(cap),
@@ -95,7 +100,11 @@ def main() -> int:
     ap.add_argument("--route-trace", type=Path, nargs="+", default=DEFAULT_TRACES, metavar="FILE")
     ap.add_argument("--tokens", type=count, default=32, help="new tokens per run (default 32)")
     ap.add_argument("--rounds", type=count, default=3, help="interleaved rounds; medians are reported")
-    ap.add_argument("--configs", default="a,b", help="which of bench/scale.py's a,b (O_DIRECT) and c (mmap) to run")
+    ap.add_argument("--configs", default="a,b", help="which of bench/scale.py's a,b (O_DIRECT) and c (mmap) to run "
+                                                     "('': the compute-only measurements alone)")
+    ap.add_argument("--prefill-tokens", type=count, default=256,
+                    help="prompt length of the compute-only batched prefill (default 256: 32 tokens per expert)")
+    ap.add_argument("--results", default="quant_scale", help="write bench/results/<NAME>.json (default quant_scale)")
     args = ap.parse_args()
     stores = {"bf16": args.plain, "int8": args.int8}
     index = Index.load(args.plain / INDEX)
@@ -105,12 +114,13 @@ def main() -> int:
     cgroup = MemoryCgroup(device_memory(args.plain, cap))   # the same limit as bench/scale.py's
     print(cgroup.describe())
     prompt_ids = load_tokenizer(args.plain).encode(PROMPT)
-    configs = [CONFIGS[c] for c in args.configs.split(",")]
+    configs = [CONFIGS[c] for c in args.configs.split(",") if c]
     torch.set_num_threads(1)
     rounds = []
     try:
         for n in range(args.rounds):
-            rounds.append(one_round(n, stores, configs, cap, cgroup, args.route_trace, prompt_ids, args.tokens))
+            rounds.append(one_round(n, stores, configs, cap, cgroup, args.route_trace, prompt_ids, args.tokens,
+                                    args.prefill_tokens))
     finally:
         cgroup.remove()
     summary = summarize(rounds, configs)
@@ -125,9 +135,13 @@ def main() -> int:
             ratio = f"{c['int8_over_bf16']['median']:.2f}" if s == "int8" else ""
             print(f"| {name} | {s} | {x['decode_tok_s']:.2f} | {x['limit_tok_s']:.2f} | {x['of_limit']:.2f} | "
                   f"{x['mb_per_token']:.0f} | {x['hit_rate']:.3f} | {x['peak_rss_bytes'] / 2**20:.0f} MiB | {ratio} |")
+    prefill = [r["prefill_s"]["int8"] / r["prefill_s"]["bf16"] for r in rounds]
+    summary["prefill_int8_over_bf16"] = {"median": statistics.median(prefill), "per_round": prefill}
+    print(f"{args.prefill_tokens}-token batched prefill, every expert resident, int8 / bf16 time: "
+          f"{summary['prefill_int8_over_bf16']['median']:.2f} (rounds {', '.join(f'{x:.2f}' for x in prefill)})")
     for key, r in summary["a_over_c"].items():
         print(f"tok/s {key}: {r['median']:.2f} (rounds {', '.join(f'{x:.2f}' for x in r['per_round'])})")
-    write_results("quant_scale", {"command": " ".join(sys.argv), "machine": machine(args.plain),
+    write_results(args.results, {"command": " ".join(sys.argv), "machine": machine(args.plain),
                                   "memory_limit": cgroup.describe(), "cap_bytes": cap, "tokens": args.tokens,
                                   "route_trace": [str(t) for t in args.route_trace], "rounds": rounds,
                                   "summary": summary})

@@ -136,6 +136,14 @@ def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens
         torch.set_num_threads(1)
 
 
+def prefill_bound_s(store: Path, traces: list[Path], prompt_ids: list[int]) -> float:
+    """Seconds of one batched prefill step of the whole prompt with every expert resident (its compute
+    alone; the best of two, after a short one builds the kernels)."""
+    model = load_model(store, OneLayerResident(store), prefetch=False, route_trace=traces)
+    generate(model, prompt_ids[:16], 1, greedy=True)
+    return min(generate(model, prompt_ids, 1, greedy=True).prefill_s for _ in range(2))
+
+
 @contextmanager
 def torch_linears() -> Iterator[None]:
     """The model computes every linear with torch's F.linear, as before agent/bf16_matvec.py (the A/B)."""

@@ -39,6 +39,7 @@ def test_one_round_of_compute_and_a_configuration(shaped):
     store, traces = shaped
     prompt = [5, 6, 7]
     assert scale.compute_bound(store, traces, prompt, tokens=4) > 0
+    assert scale.prefill_bound_s(store, traces, prompt * 8) > 0           # one batched step of 24 tokens
     with scale.torch_linears():                                           # the A/B: torch's F.linear throughout
         assert scale.agent.model.model.linear is F.linear and scale.agent.experts.provider.linear is F.linear
         assert scale.compute_bound(store, traces, prompt, tokens=4) > 0
