@@ -237,6 +237,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=count, default=2, help="interleaved rounds; medians are reported")
     ap.add_argument("--threads", type=count, default=2, help="torch intra-op threads of (d) (default 2)")
     ap.add_argument("--configs", default="a,b,c,d", help="which of a,b,c,d, in this order within every round")
+    ap.add_argument("--results", default="scale", help="bench/results/NAME.json to write (default scale)")
     args = ap.parse_args()
     store, traces = args.model, args.route_trace
     index = Index.load(store / INDEX)
@@ -284,7 +285,7 @@ def main() -> int:
         cgroup.remove()
     summary = summarize(rounds)
     print_table(summary, cgroup, facts, args)
-    write_results("scale", {"command": " ".join(sys.argv), "machine": facts, "tokens": args.tokens,
+    write_results(args.results, {"command": " ".join(sys.argv), "machine": facts, "tokens": args.tokens,
                             "prompt": PROMPT, "cap": "25%", "rounds": rounds, "summary": summary})
     return 0
 
