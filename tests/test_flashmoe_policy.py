@@ -34,7 +34,7 @@ def test_registered_and_shipped_weights_load():
     assert "flashmoe" in policy_names()
     assert DEFAULT_WEIGHTS.is_file()
     policy = policy_factory("flashmoe")()
-    assert (policy.decision, policy.keep_percentile) == ("lfu", 30.0)
+    assert (policy.decision, policy.keep_percentile) == ("score", 30.0)
 
 
 def test_victim_is_resident_and_never_pinned(untrained):

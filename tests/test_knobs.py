@@ -6,7 +6,7 @@ import pytest
 from agent.knob import Knob
 from agent.policies import DEFAULT_POLICY, live_policies, policy_options
 from agent.policies.base import REGISTRY, Policy
-from agent.policies.flashmoe import KEEP_PERCENTILE, ONLINE_LEARNING, RECOMPUTE_THRESHOLD, FlashMoE
+from agent.policies.flashmoe import DECISION, KEEP_PERCENTILE, ONLINE_LEARNING, RECOMPUTE_THRESHOLD, FlashMoE
 from agent.serve.knobs import KnobError, Knobs, Limits
 
 LIMITS = Limits(cap_min=1000, cap_max=50_000, policies=("lfu", "lru", "flashmoe"), max_prefetch_depth=1)
@@ -19,12 +19,13 @@ def knobs() -> Knobs:
 
 def test_defaults_and_bounds_are_described(knobs):
     d = knobs.describe()
-    assert set(d) == {"cache_cap_bytes", "policy", "keep_percentile", "recompute_threshold", "ssd_util_threshold",
+    assert set(d) == {"cache_cap_bytes", "policy", "decision", "keep_percentile", "recompute_threshold", "ssd_util_threshold",
                       "online_learning", "prefetch", "prefetch_depth", "max_batch_size", "auto_shrink"}
     assert d["ssd_util_threshold"] == {"value": 0.9, "default": 0.9, "type": "float", "min": 0.0, "max": 1.0,
                                        "help": d["ssd_util_threshold"]["help"]}
     # the learned policy's knobs are the ones its class declares
-    assert FlashMoE.knobs == (KEEP_PERCENTILE, RECOMPUTE_THRESHOLD, ONLINE_LEARNING)
+    assert FlashMoE.knobs == (DECISION, KEEP_PERCENTILE, RECOMPUTE_THRESHOLD, ONLINE_LEARNING)
+    assert d["decision"]["value"] == "score" and d["decision"]["choices"] == ["score", "lfu"]
     assert d["online_learning"] == {"value": False, "default": False, "type": "bool", "help": ONLINE_LEARNING.help}
     assert d["keep_percentile"]["value"] == KEEP_PERCENTILE.default and d["keep_percentile"]["max"] == 100.0
     assert d["recompute_threshold"]["value"] == RECOMPUTE_THRESHOLD.default

@@ -14,15 +14,15 @@ just used, so they count as the freshest, and when only such arrivals are left t
 batch's step can bring in more experts than were scored) the least frequently used goes first,
 without rescoring: in arrival order the policy was LRU's twin under large batches (bench/batching.py).
 
-Decision. `decision="lfu"` (default) is the design's two-stage rule: keep what scores at or above
+Decision. `decision="score"` (default) evicts the lowest score (the network's guess of Belady's
+victim). `decision="lfu"` is the design's two-stage rule: keep what scores at or above
 `keep_percentile` of the scores of the experts it may evict; among the rest evict the least
 frequently used over the long run (usage averaged over ~256 steps), least recently used on ties. The
-network shortlists, frequency picks. The default percentile is 30 (the top 70% are kept, frequency
+network shortlists, frequency picks. Its default percentile is 30 (the top 70% are kept, frequency
 decides among the lowest 30%); 20 (keep the top 80%, the design note's reading) is close behind, and
 80 (keep the top 20%) lets frequency choose among most of the set and falls behind windowed LFU.
-`decision="score"` evicts the lowest score (the network's guess of Belady's victim). Every setting
-is chosen on the validation split (bench/policies.py, agent.learned.splits), never on the report
-traces; BENCHMARKS.md has the numbers.
+Every setting is chosen on the validation split (bench/policies.py, agent.learned.splits), never on
+the report traces: there `score` led (BENCHMARKS.md has the numbers); both rules are a live knob.
 
 Online learning: with a `learner` (agent.learned.online) the policy reports every routing step to
 it and adopts the weights it swaps in at its next eviction, rescoring every layer with them.
@@ -45,9 +45,12 @@ from agent.policies.base import Key, Policy
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "flashmoe.safetensors"
 DECISIONS = ("score", "lfu")
+DECISION = Knob("decision", str, "score", choices=DECISIONS,
+                help="learned policy: evict the lowest score (score), or the least frequently used among the "
+                     "lowest-scored keep_percentile (lfu)")
 FRESH = float("inf")  # the score of an expert brought in since the last scoring: it was just used
 KEEP_PERCENTILE = Knob("keep_percentile", float, 30.0, 0.0, 100.0,
-                       help="learned policy: keep experts scoring at or above it")
+                       help="learned policy, decision lfu: keep experts scoring at or above it")
 RECOMPUTE_THRESHOLD = Knob("recompute_threshold", float, 0.0, 0.0, 1.0,
                            help="learned policy: activation-distribution shift (total variation) that triggers rescoring")
 ONLINE_LEARNING = Knob("online_learning", bool, False,
@@ -57,10 +60,10 @@ ONLINE_LEARNING = Knob("online_learning", bool, False,
 
 class FlashMoE(Policy):
     name = "flashmoe"
-    knobs = (KEEP_PERCENTILE, RECOMPUTE_THRESHOLD, ONLINE_LEARNING)
+    knobs = (DECISION, KEEP_PERCENTILE, RECOMPUTE_THRESHOLD, ONLINE_LEARNING)
 
     def __init__(self, model_path: str | Path | None = None, keep_percentile: float = KEEP_PERCENTILE.default,
-                 recompute_threshold: float = RECOMPUTE_THRESHOLD.default, decision: str = "lfu",
+                 recompute_threshold: float = RECOMPUTE_THRESHOLD.default, decision: str = DECISION.default,
                  online_learning: bool = ONLINE_LEARNING.default, net=None, learner=None) -> None:
         """`net` (a scorer.SharedNet) replaces the weights file. With `learner` (an
         online.OnlineLearner shared by the cache's partitions) the weights are the learner's and
@@ -70,8 +73,7 @@ class FlashMoE(Policy):
         ONLINE_LEARNING.check(online_learning)
         keep_percentile = KEEP_PERCENTILE.check(keep_percentile)
         recompute_threshold = RECOMPUTE_THRESHOLD.check(recompute_threshold)
-        if decision not in DECISIONS:
-            raise ValueError(f"decision must be one of {DECISIONS}, got {decision!r}")
+        decision = DECISION.check(decision)
         from agent.learned import features, scorer  # torch loads here, on first use only
 
         self._f, self._s = features, scorer
