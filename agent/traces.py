@@ -95,6 +95,14 @@ def access_sequence(trace: Trace) -> np.ndarray:
     return np.stack([np.repeat(layer_of_row, sizes), trace.experts], axis=1)
 
 
+def session_ends(trace: Trace) -> np.ndarray:
+    """Per access (in access_sequence() order), the position of the first access after its session."""
+    ends = np.append(trace.session_starts[1:], trace.n_tokens)
+    token = np.arange(trace.n_tokens)
+    end_of_token = trace.offsets[ends[np.searchsorted(trace.session_starts, token, side="right") - 1] * trace.n_layers]
+    return np.repeat(np.repeat(end_of_token, trace.n_layers), np.diff(trace.offsets))
+
+
 def keys(accesses: np.ndarray) -> list[Key]:
     """An access array as (layer, expert) tuples."""
     return list(map(tuple, accesses.tolist()))

@@ -14,8 +14,9 @@ from agents import ROOT, demo_model
 sys.path.insert(0, str(ROOT))
 from bench import batching, common  # noqa: E402
 
-SCRIPTS = ("batching", "codec", "collector_cost", "dashboard", "decode", "loader", "online_agent", "policies", "policy_cost",
-           "prompt_bound", "quant_error", "quant_kernels", "quant_scale", "queries", "serve", "warmup")
+SCRIPTS = ("batching", "codec", "collector_cost", "dashboard", "decode", "loader", "online_agent", "policies",
+           "policy_cost", "prefill_gap", "prompt_bound", "quant_error", "quant_kernels", "quant_scale", "queries", "serve",
+           "warmup")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
