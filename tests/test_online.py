@@ -8,14 +8,15 @@ import torch
 
 from agent.cli import main
 from agent.learned.model import RetentionNet
-from agent.learned.online import (CacheShape, Inline, Job, LiveDecision, OnlineConfig, OnlineLearner, label_live,
-                                  run_job, to_net, to_weights)
+from agent.learned.online import (CacheShape, Inline, Job, Judgement, LiveDecision, OnlineConfig, OnlineLearner,
+                                  Result, label_live, prepare, run_job, to_net, to_weights)
+from agent.learned.train import collect
 from agent.learned.scorer import shared_net
 from agent.policies import policy_factory
 from agent.policies.flashmoe import DEFAULT_WEIGHTS, FlashMoE
 from agent.residency import Residency
 from agent.simulator import capacity_slots
-from agent.traces import Trace, from_sets, load, walk
+from agent.traces import Trace, from_sets, load, session_ends, walk
 
 TRACES = Path(__file__).parent / "data" / "traces"
 SMALL = OnlineConfig(window=48, every=24, warmup=8, decisions=150, epochs=1)
@@ -80,11 +81,11 @@ def test_every_step_is_decided_by_one_version_of_the_weights(qwen):
     assert [next(iter(seen[u.step + 1])) for u in learner.updates] == [1, 2, 3, 4]  # adopted at their first step
 
 
-def job(trace: Trace, weights, parent, judge_from: int | None = 40) -> Job:
+def job(trace: Trace, weights, parent, judge_from: int | None = 40, config: OnlineConfig = SMALL) -> Job:
     shipped = to_weights(shared_net(str(DEFAULT_WEIGHTS)).net)
     shape = CacheShape(capacity_slots(trace, 0.25, "layer"), trace.n_layers, trace.n_experts, "layer", trace.max_set)
     steps = [[trace.routed(t, layer).tolist() for layer in range(trace.n_layers)] for t in range(trace.n_tokens)]
-    return Job(1, steps[:80], 0, [], [0], judge_from, shape, weights, parent, shipped, SMALL)
+    return Job(1, steps[:80], 0, [], [0], judge_from, shape, weights, parent, shipped, config)
 
 
 def test_an_update_worse_in_hindsight_is_rolled_back(qwen):
@@ -97,6 +98,37 @@ def test_an_update_worse_in_hindsight_is_rolled_back(qwen):
     assert result.parent is shipped  # the next weights are fine-tuned from the ones kept for rollback
     kept = run_job(job(qwen, weights=shipped, parent=random))
     assert not kept.judgement.rolled_back and kept.parent is shipped
+
+
+def test_new_weights_worse_on_the_held_out_steps_are_not_taken(qwen):
+    """With a holdout the job fine-tunes on the window before it and swaps in only what does better on it."""
+    torch.manual_seed(0)
+    random = to_weights(RetentionNet())
+    shipped = to_weights(shared_net(str(DEFAULT_WEIGHTS)).net)
+    held = OnlineConfig(window=48, every=24, warmup=8, decisions=150, epochs=1, holdout=30, anchor=0.0)
+    improved = run_job(job(qwen, weights=random, parent=None, judge_from=None, config=held))
+    check = improved.held_out  # a random network fine-tuned on 50 steps beats itself on the 30 after
+    assert check.steps == 30 and check.new_hit_rate > check.old_hit_rate and improved.swaps
+    assert improved.weights is not random
+    learner = learner_for(qwen, held)
+    version = learner.version
+    shipped_net = learner.net
+    learner._install(prepare(Result(1, random, shipped, 10, None, 0.0, Judgement(30, 0.5, 0.4, rolled_back=True))))
+    assert (learner.version, learner.net, learner.totals["not_taken"], learner.totals["updates"]) == \
+        (version, shipped_net, 1, 0)  # the weights in use stay
+
+
+def test_labels_within_sessions_stop_at_the_session_end():
+    # accesses 0 1 2 3 | 0 2 1 3: a new session starts at step 2
+    trace = from_sets([[[0, 1]], [[2, 3]], [[0, 2]], [[1, 3]]], n_experts=5, session_starts=[0, 2])
+    zeros = np.zeros((3, 32), np.float32), np.zeros((3, 16), np.float32)
+    at_step_0 = LiveDecision(2, [(0, 0), (0, 2), (0, 4)], *zeros)
+    assert label_live(trace, [at_step_0], 0).distance[0, :3].tolist() == [2, 0, 6]
+    assert label_live(trace, [at_step_0], 0, within_sessions=True).distance[0, :3].tolist() == [2, 0, 2]
+    window, session = (collect(trace, 2, "lru", 100, np.random.default_rng(0), within_sessions=w) for w in (False, True))
+    assert (window.mask == session.mask).all()  # the same decisions (all of them), labelled two ways
+    assert (session.distance <= window.distance).all() and (session.distance < window.distance).any()
+    assert session_ends(trace).tolist() == [4, 4, 4, 4, 8, 8, 8, 8]
 
 
 def test_fine_tuning_starts_from_the_weights_in_use_never_from_scratch(qwen):
@@ -132,7 +164,7 @@ def test_a_learning_cache_records_a_share_of_its_own_evictions(qwen):
 @pytest.mark.parametrize("options, message", [
     ({"window": 0}, "window"), ({"lr": float("nan")}, "lr"), ({"anchor": -1.0}, "anchor"),
     ({"warmup": 512}, "warmup"), ({"every": -3}, "every"), ({"live": 1.5}, "live"),
-    ({"drivers": ("oracle",)}, "drivers"), ({"drivers": (), "live": 0.0}, "something to learn from"),
+    ({"drivers": ("oracle",)}, "drivers"), ({"holdout": 500}, "holdout"), ({"drivers": (), "live": 0.0}, "something to learn from"),
 ])
 def test_bad_settings_are_clear_errors(options, message):
     with pytest.raises(ValueError, match=message):

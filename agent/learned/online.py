@@ -14,7 +14,13 @@ keeps the last `window` of them. Every `every` steps an update falls due, and on
    deciding (the states an ideal cache is in);
 3. fine-tune (never from scratch: from the shipped weights and the updates since) on those
    decisions, then move the result a small share (`anchor`) of the way back to the shipped
-   weights, so that a run of odd windows cannot drag it far.
+   weights, so that a run of odd windows cannot drag it far. With a `holdout`, first check that
+   it pays: fine-tune on the window without its last `holdout` steps and replay those with both
+   weights; if the fine-tuned ones do no better, the job makes no update (the hindsight check
+   above only catches a bad update after it has decided `every` steps).
+
+Labels may stop at the end of each session (`within_sessions`): what the next prompt routes is
+the part of Belady's future no policy learning from the past can know (BENCHMARKS.md).
 
 The new weights take effect at the next step boundary: the learner swaps them in when the first
 layer of a step routes, and each partition's policy adopts them at its next eviction, so no step is
@@ -46,7 +52,7 @@ from agent.learned.train import MAX_CANDIDATES, Decisions, collect, fit, padded
 from agent.residency import Residency
 from agent.simulator import SystemReplay, replay
 from agent.policies.base import Key
-from agent.traces import Trace, access_sequence, from_sets
+from agent.traces import Trace, access_sequence, from_sets, session_ends
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +72,13 @@ class OnlineConfig:
     lr: float = 3e-3
     anchor: float = 1e-2     # share of the way back to the shipped weights after each update
     drivers: tuple[str, ...] = ("belady",)  # who decides in the labelling replays
+    # labels see no further than the session (a prompt, a request): a use in a later one counts as none,
+    # since no policy can know what the next prompt routes (BENCHMARKS.md: what that foresight is worth)
+    within_sessions: bool = False
+    # steps at the window's end that check, before any update is made, whether fine-tuning on the steps
+    # before them does better on them than the weights in use; if not, no update (0: every job updates,
+    # judged only in hindsight)
+    holdout: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -74,6 +87,8 @@ class OnlineConfig:
                 raise ValueError(f"online {name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.warmup < self.window:
             raise ValueError(f"online warmup must be within 0..window-1, got {self.warmup}")
+        if not 0 <= self.holdout < self.window - self.warmup:
+            raise ValueError(f"online holdout must be within 0..window-warmup-1, got {self.holdout}")
         if not (self.lr > 0 and 0 <= self.anchor <= 1):  # NaN fails both
             raise ValueError(f"online lr must be > 0 and anchor within 0..1, got {self.lr} and {self.anchor}")
         if set(self.drivers) - set(DRIVERS) or not 0 <= self.live <= 1 or not (self.drivers or self.live):
@@ -137,6 +152,12 @@ class Result:
     decisions: int
     judgement: Judgement | None
     cpu_s: float
+    held_out: Judgement | None = None  # the new weights against the base on the held-out steps (rolled_back: not taken)
+
+    @property
+    def swaps(self) -> bool:
+        """The weights in use change: the last update was rolled back, or the new ones passed the check."""
+        return bool(self.judgement and self.judgement.rolled_back) or not (self.held_out and self.held_out.rolled_back)
 
 
 @dataclass(frozen=True)
@@ -173,37 +194,59 @@ def run_job(job: Job) -> Result:
         judgement = Judgement(len(job.steps) - job.judge_from, old, new, rolled_back=new < old)
         if judgement.rolled_back:
             weights = job.parent
+    # with a holdout, first fine-tune on the steps before `cut` and check on those after: only if that
+    # does better than the weights in use is the update made, from the whole window (a short window, the
+    # first, holds out less)
+    holdout = max(0, min(job.config.holdout, len(job.steps) - job.config.warmup - 1))
+    cut, held_out, decisions = len(job.steps) - holdout, None, 0
+    if holdout:
+        candidate, decisions = fine_tune(job, window_trace(job, cut), weights)
+        old = hit_rate(trace, job.shape, weights, cut, job.config.warmup)
+        new = hit_rate(trace, job.shape, candidate, cut, job.config.warmup)
+        held_out = Judgement(holdout, old, new, rolled_back=new <= old)
+    new_weights = weights
+    if not (held_out and held_out.rolled_back):
+        new_weights, learned = fine_tune(job, trace, weights)
+        decisions += learned
+    return Result(job.number, new_weights, weights, decisions, judgement, time.thread_time() - cpu, held_out)
+
+
+def fine_tune(job: Job, trace: Trace, weights: Weights) -> tuple[Weights, int]:
+    """`weights` fine-tuned on `trace` (the window, or its first steps) labelled in hindsight; and on how many decisions."""
     rng = np.random.default_rng([job.config.seed, job.number])
     parts = [collect(trace, job.shape.slots, _driver(name, weights), job.config.decisions, rng, job.shape.scope,
-                     job.config.warmup, job.shape.ahead) for name in job.config.drivers]
-    data = Decisions.concat(parts + [label_live(trace, job.live, job.first_access)])
-    new_weights = weights
-    if len(data):
-        net = fit(data, job.config.epochs, job.config.seed + job.number, lr=job.config.lr, net=to_net(weights))
-        if job.config.anchor:
-            net = _pull(net, job.shipped, job.config.anchor)
-        new_weights = to_weights(net)
-    return Result(job.number, new_weights, weights, len(data), judgement, time.thread_time() - cpu)
+                     job.config.warmup, job.shape.ahead, job.config.within_sessions) for name in job.config.drivers]
+    live = [d for d in job.live if d.position - job.first_access <= trace.n_accesses]
+    data = Decisions.concat(parts + [label_live(trace, live, job.first_access, job.config.within_sessions)])
+    if not len(data):
+        return weights, 0
+    net = fit(data, job.config.epochs, job.config.seed + job.number, lr=job.config.lr, net=to_net(weights))
+    if job.config.anchor:
+        net = _pull(net, job.shipped, job.config.anchor)
+    return to_weights(net), len(data)
 
 
-def label_live(trace: Trace, live: list[LiveDecision], first_access: int) -> Decisions:
-    """The cache's own decisions with each candidate's distance (in accesses) to its next use in the window."""
+def label_live(trace: Trace, live: list[LiveDecision], first_access: int, within_sessions: bool = False) -> Decisions:
+    """The cache's own decisions with each candidate's distance (in accesses) to its next use in the window
+    (`within_sessions`: in the session of the decision's step)."""
     accesses = access_sequence(trace)
+    ends = session_ends(trace) if within_sessions else None
     uses: dict[Key, list[int]] = {}
     for position, (layer, expert) in enumerate(accesses.tolist()):
         uses.setdefault((layer, expert), []).append(position)
     rows = []
     for d in live:
         at = d.position - first_access  # the accesses from `at` on come after this decision's step
-        nxt = [next_use(uses.get(k, []), at, len(accesses)) for k in d.keys]
+        end = len(accesses) if ends is None or not at else int(ends[at - 1])
+        nxt = [next_use(uses.get(k, []), at, end) for k in d.keys]
         rows.append((d.signature, d.features, np.array(nxt, np.float32) - at, None))
     return padded(rows)
 
 
 def next_use(positions: list[int], at: int, end: int) -> int:
-    """The first of the rising `positions` at or after `at`; `end` if none."""
+    """The first of the rising `positions` at or after `at`, if before `end`; else `end`."""
     i = bisect.bisect_left(positions, at)
-    return positions[i] if i < len(positions) else end
+    return positions[i] if i < len(positions) and positions[i] < end else end
 
 
 def _pull(net: RetentionNet, shipped: Weights, strength: float) -> RetentionNet:
@@ -222,9 +265,11 @@ def _driver(name: str, weights: Weights):
     return lambda: FlashMoE(net=shared)
 
 
-def window_trace(job: Job) -> Trace:
-    return from_sets(job.steps, f"online window {job.number}", job.shape.n_experts, job.shape.min_per_layer,
-                     session_starts=job.sessions or [0])
+def window_trace(job: Job, steps: int | None = None) -> Trace:
+    """The window as a trace; its first `steps` only, if given."""
+    kept = job.steps[:steps]
+    return from_sets(kept, f"online window {job.number}", job.shape.n_experts, job.shape.min_per_layer,
+                     session_starts=[i for i in job.sessions if i < len(kept)] or [0])
 
 
 def hit_rate(trace: Trace, shape: CacheShape, weights: Weights, start: int, warmup: int) -> float:
@@ -335,7 +380,7 @@ class OnlineLearner:
         self._took_effect = 0                 # the step the weights in use took effect at
         self._number = 0
         self.updates: deque[Update] = deque(maxlen=KEPT_UPDATES)
-        self.totals = {"updates": 0, "rollbacks": 0, "decisions": 0, "cpu_s": 0.0}
+        self.totals = {"updates": 0, "rollbacks": 0, "not_taken": 0, "decisions": 0, "cpu_s": 0.0}
 
     # -- what the cache's policies report ----------------------------------------------------------------
     def session(self) -> None:
@@ -391,6 +436,14 @@ class OnlineLearner:
 
     def _install(self, ready: Ready) -> None:
         result = ready.result
+        if not result.swaps:  # no better than the weights in use on the held-out steps: they stay
+            self.totals["not_taken"] += 1
+            self.totals["decisions"] += result.decisions
+            self.totals["cpu_s"] += result.cpu_s
+            h = result.held_out
+            log.info("online job %d: new weights not taken (held-out hit rate %.4f, %.4f with the weights in use)",
+                     result.number, h.new_hit_rate, h.old_hit_rate)
+            return
         self._weights, self._parent = result.weights, result.parent
         self.net = ready.net
         self.version += 1

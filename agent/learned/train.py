@@ -56,7 +56,7 @@ from agent.policies.base import Key, Policy
 from agent.policies.belady import Belady, BeladyOracle
 from agent.residency import Residency
 from agent.simulator import SystemReplay, capacity_slots, replay
-from agent.traces import Trace, access_sequence, parse_prompts
+from agent.traces import Trace, access_sequence, parse_prompts, session_ends
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,9 @@ class Tape:
     rate: float           # share of eviction decisions recorded
     rng: np.random.Generator
     start: int = 0        # no decision is recorded before this access (the features need a history)
+    # per access, the position a label's distance stops at (a use after it counts as none before it):
+    # the end of the access's session, for labels that see no further than the session; None: the trace's end
+    horizon: np.ndarray | None = None
     position: int = 0     # demand accesses so far: each arrives as exactly one hit or insert
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = field(default_factory=list)
     real: bool = False    # the trace carries the monitoring samples its cache was fed: record the series
@@ -171,21 +174,26 @@ class Recorder(Policy):
         sigs, feats = zip(*(layer_inputs(self.layers.setdefault(layer, LayerHistory()),
                                          np.array([e for _, e in keys], np.int64))
                             for layer, keys in by_layer.items()))
-        dist = np.array([self._next[k] - self.tape.position for k in ordered], np.float32)
+        nxt = np.array([self._next[k] for k in ordered], np.float32)
+        if self.tape.horizon is not None:
+            nxt = np.minimum(nxt, self.tape.horizon[self.tape.position])
+        dist = nxt - self.tape.position
         self.tape.rows.append((np.concatenate(sigs), np.concatenate(feats), dist, self.tape.current_series()))
 
 
 def collect(trace: Trace, slots: int, driver: str | Callable[[], Policy], max_decisions: int,
-            rng: np.random.Generator, scope: str = "layer", after: int = 0, ahead: int = IO_THREADS) -> Decisions:
+            rng: np.random.Generator, scope: str = "layer", after: int = 0, ahead: int = IO_THREADS,
+            within_sessions: bool = False) -> Decisions:
     """Replay `trace` through a cache of `slots` (`scope`) with `driver` deciding (a policy name, or a
     constructor of one); record about `max_decisions` sampled decisions from token `after` on. The cache
     holds top-k per layer at least; a batched step larger than a partition is narrowed as the runtime
-    narrows it with `ahead` reads in flight (Residency.take)."""
+    narrows it with `ahead` reads in flight (Residency.take). `within_sessions`: a candidate's distance
+    stops at the end of the session (a use in a later one counts as none before it)."""
     oracle = BeladyOracle(access_sequence(trace), trace.offsets)
     start = int(trace.offsets[min(after, trace.n_tokens) * trace.n_layers])
     # about a third of accesses miss at these sizes: sample to about max_decisions
     tape = Tape(oracle.fresh(), rate=min(1.0, 3 * max_decisions / max(1, trace.n_accesses - start)), rng=rng,
-                start=start, real=bool(trace.system))
+                start=start, real=bool(trace.system), horizon=session_ends(trace) if within_sessions else None)
     make = (lambda: Belady(oracle)) if driver == "belady" else policy_factory(driver) if isinstance(driver, str) \
         else driver
     cache = Residency(slots, trace.n_layers, lambda: Recorder(make(), tape), scope, min_per_layer=trace.top_k)
