@@ -1,7 +1,8 @@
 """Policies side by side: every setting chosen on the validation split, hit rates on the untouched report split.
 
     .venv/bin/python bench/policies.py [--traces ../shared/traces] [--jobs N] [--policies lru,lfu,...]
-        [--chosen '{"lfu-window": {"window": 512}, ...}']
+        [--chosen '{"lfu-window": {"window": 512}, ...}'] [--parts olmoe_math,deepseek] [--configs layer:0.25]
+        [--no-absent] [--results NAME]
 
 The splits are agent/learned/splits.py's: the learned policy's weights are trained on the train split
 only (agent/policies/weights/), and nothing is fitted or chosen on the report split.
@@ -24,8 +25,10 @@ stage alone, whose results do not depend on how the settings were come by.
 
 Every run is one simulate() call of the library the CLI uses (the online loop is the agent's, run
 in-line). `--jobs N` spreads the runs over N processes; every run is deterministic and independent,
-so the results do not depend on N. JSON: bench/results/policies.json; each run also goes to
-bench/results/policies-runs.json as it finishes.
+so the results do not depend on N. `--parts` and `--configs` report on some of the report traces
+(names containing one of the given words; qwen_math with them only if named) and configurations,
+to re-run what a change can move. JSON: bench/results/policies.json (`--results NAME`: NAME.json);
+each run also goes to bench/results/policies-runs.json (NAME-runs.json) as it finishes.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from bench.common import RESULTS_DIR, machine, write_results  # noqa: E402
 
-RUNS_LOG = RESULTS_DIR / "policies-runs.json"  # this invocation's runs so far, rewritten as each finishes
+RUNS_LOG: list[Path] = []  # where this invocation's runs so far go, rewritten as each finishes
 _FINISHED: list[dict] = []
 
 SELECT_AT = ("layer", 0.25)
@@ -62,7 +65,8 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
     "flashmoe": [{"decision": "score"}] + [{"decision": "lfu", "keep_percentile": q} for q in (20, 30, 50)],
 }
 DEFAULT_ONLINE = OnlineConfig()
-ONLINE = [DEFAULT_ONLINE, OnlineConfig(lr=1e-3, epochs=2)]
+ONLINE = [DEFAULT_ONLINE, OnlineConfig(lr=1e-3, epochs=2), OnlineConfig(within_sessions=True),
+          OnlineConfig(holdout=DEFAULT_ONLINE.every)]
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ def _done(task: Task, result: Run, i: int, n: int) -> Run:
     print(f"[{i}/{n}] {result.trace} {task.candidate.label} {task.scope} {task.capacity:g}: "
           f"{result.hit_rate:.4f} in {result.seconds:.0f} s", file=sys.stderr, flush=True)
     _FINISHED.append(vars(result))
-    RUNS_LOG.write_text(json.dumps({"runs": _FINISHED}, indent=1) + "\n")
+    RUNS_LOG[0].write_text(json.dumps({"runs": _FINISHED}, indent=1) + "\n")
     return result
 
 
@@ -227,7 +231,7 @@ def candidate(label: str, setting: dict[str, Any]) -> Candidate:
 
 
 # -- the report tables ------------------------------------------------------------------------------------
-def config_table(runs: list[Run], report: list[str], degenerate: str, labels: list[str]) -> tuple[str, dict]:
+def config_table(runs: list[Run], report: list[str], degenerate: str | None, labels: list[str]) -> tuple[str, dict]:
     rate = {(r.trace, r.label): r.hit_rate for r in runs}
     mean = {p: sum(rate[t, p] for t in report) / len(report) for p in labels}
     per_trace = {t: {p: gap_closed(rate[t, p], rate[t, "lru"], rate[t, ORACLE]) for p in labels} for t in report}
@@ -239,14 +243,15 @@ def config_table(runs: list[Run], report: list[str], degenerate: str, labels: li
     classic = [p for p in labels if p not in (LEARNED, ONLINE_LABEL, ORACLE)]
     summary["lead_over_best_classic"] = {p: {t: rate[t, p] - max(rate[t, c] for c in classic) for t in report}
                                          for p in (LEARNED, ONLINE_LABEL) if p in labels}
-    width = max(len(t) for t in report + [degenerate]) + 16
+    width = max(len(t) for t in report + [degenerate or ""]) + 16
     lines = ["trace".ljust(width) + "".join(p.rjust(16) for p in labels)]
     lines += [t.ljust(width) + "".join(f"{rate[t, p]:16.4f}" for p in labels) for t in report]
     lines.append("mean (report split)".ljust(width) + "".join(f"{mean[p]:16.4f}" for p in labels))
     for name, gaps in (("gap closed (of means)", summary["gap_closed_of_means"]),
                        ("gap closed (mean of traces)", summary["gap_closed_mean_of_traces"])):
         lines.append(name.ljust(width) + "".join(_pct(gaps[p]).rjust(16) for p in labels))
-    lines.append(f"{degenerate} (degenerate)".ljust(width) + "".join(f"{rate[degenerate, p]:16.4f}" for p in labels))
+    if degenerate is not None:
+        lines.append(f"{degenerate} (degenerate)".ljust(width) + "".join(f"{rate[degenerate, p]:16.4f}" for p in labels))
     return "\n".join(lines), summary
 
 
@@ -303,7 +308,18 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--chosen", metavar="JSON", help="skip the selection: report with these settings "
                         "({label: setting} as a past run's JSON records under selection/chosen; text or a file)")
+    parser.add_argument("--parts", help="comma-separated words: only the report traces whose file names one "
+                        "(default: all, qwen_math included)")
+    parser.add_argument("--configs", help="comma-separated scope:capacity, e.g. layer:0.25 (default: all of "
+                        f"{', '.join(f'{s}:{c:g}' for s, c in CONFIGS)})")
+    parser.add_argument("--no-absent", dest="absent", action="store_false",
+                        help="leave out step 3 (weights trained without an architecture)")
+    parser.add_argument("--results", default="policies", help="results name: bench/results/NAME.json (default %(default)s)")
     args = parser.parse_args()
+    try:
+        parts, configs = report_parts(args.parts), report_configs(args.configs)
+    except ValueError as e:
+        parser.error(str(e))
     policies = default_policies() if not args.policies else \
         ["lru", *[p for p in args.policies.split(",") if p not in ("lru", ORACLE)], ORACLE]
     try:
@@ -311,7 +327,8 @@ def main() -> None:
     except ValueError as e:          # bad JSON or an unknown setting: one line, not a traceback
         parser.error(f"--chosen: {e}")
     started = time.perf_counter()
-    RUNS_LOG.unlink(missing_ok=True)  # only once the arguments are good: a typo must not lose the last log
+    RUNS_LOG[:] = [RESULTS_DIR / f"{args.results}-runs.json"]
+    RUNS_LOG[0].unlink(missing_ok=True)  # only once the arguments are good: a typo must not lose the last log
     if chosen is not None:
         scores = {}
     else:
@@ -321,21 +338,21 @@ def main() -> None:
 
     labels = ["lru", *[p for p in chosen if p not in ("lru", LEARNED, ONLINE_LABEL, ORACLE)],
               *[p for p in (LEARNED, ONLINE_LABEL) if p in chosen], ORACLE]
-    report_parts = SPLITS["report"] + (DEGENERATE,)
-    tasks = tasks_for(list(chosen.values()), report_parts, CONFIGS)
-    absent = absent_candidates(chosen)
-    tasks += [Task(c, p, *SELECT_AT) for arch, c in absent for p in SPLITS["report"] if p.architecture == arch]
+    tasks = tasks_for(list(chosen.values()), parts, configs)
+    absent = absent_candidates(chosen) if args.absent and SELECT_AT in configs else []
+    tasks += [Task(c, p, *SELECT_AT) for arch, c in absent for p in parts if p.architecture == arch]
     report = run_all(tasks, args.traces, args.jobs)
     names = {t.part: r.trace for t, r in report.items()}
-    report_names, degenerate = [names[p] for p in SPLITS["report"]], names[DEGENERATE]
+    report_names = [names[p] for p in parts if p != DEGENERATE]
+    degenerate = names.get(DEGENERATE)
     doc = {"machine": machine(), "jobs": args.jobs, "cold_misses_counted": True,
            "splits": {s: [asdict(p) | {"prompts": _range(p.prompts)} for p in parts] for s, parts in SPLITS.items()},
            "selection": {"at": SELECT_AT, "given": bool(args.chosen), "scores": {label: [{k: v for k, v in s.items() if k != "candidate"}
                                                              for s in scored] for label, scored in scores.items()},
                          "chosen": {label: c.setting() for label, c in chosen.items()}},
            "report_traces": report_names, "degenerate_trace": degenerate, "configs": []}
-    for scope, capacity in CONFIGS:
-        config_runs = [report[Task(chosen[label], p, scope, capacity)] for label in labels for p in report_parts]
+    for scope, capacity in configs:
+        config_runs = [report[Task(chosen[label], p, scope, capacity)] for label in labels for p in parts]
         table, summary = config_table(config_runs, report_names, degenerate, labels)
         print(f"\n== report split, {scope} scope, capacity {capacity:g} of experts, cold misses counted ==\n{table}")
         doc["configs"].append({"scope": scope, "capacity": capacity, **summary, "runs": [vars(r) for r in config_runs]})
@@ -343,7 +360,33 @@ def main() -> None:
     print(f"\n== architectures absent from training: {SELECT_AT[0]} scope, capacity {SELECT_AT[1]:g} ==\n{table}")
     doc["absent_architectures"] = rows
     doc["wall_seconds"] = time.perf_counter() - started
-    write_results("policies", doc)
+    write_results(args.results, doc)
+
+
+def report_parts(words: str | None) -> tuple[Part, ...]:
+    """The report traces (and qwen_math) whose file name holds one of the comma-separated `words`; all without."""
+    every = SPLITS["report"] + (DEGENERATE,)
+    if not words:
+        return every
+    wanted = [w.strip() for w in words.split(",") if w.strip()]
+    parts = tuple(p for p in every if any(w in Path(p.path).name for w in wanted))
+    if not any(p in SPLITS["report"] for p in parts):
+        raise ValueError(f"--parts {words!r} names no report trace; they are "
+                         f"{', '.join(Path(p.path).name for p in every)}")
+    return parts
+
+
+def report_configs(text: str | None) -> list[tuple[str, float]]:
+    """`scope:capacity,...` among CONFIGS; all of them without."""
+    if not text:
+        return CONFIGS
+    try:
+        configs = [(scope, float(capacity)) for scope, capacity in (c.split(":") for c in text.split(","))]
+    except ValueError:
+        raise ValueError(f"--configs {text!r} must look like layer:0.25,global:0.25") from None
+    if not configs or set(configs) - set(CONFIGS):
+        raise ValueError(f"--configs {text!r}: choose among {', '.join(f'{s}:{c:g}' for s, c in CONFIGS)}")
+    return configs
 
 
 def _range(r: range | None) -> str | None:
