@@ -314,7 +314,8 @@ def main() -> None:
                         f"{', '.join(f'{s}:{c:g}' for s, c in CONFIGS)})")
     parser.add_argument("--no-absent", dest="absent", action="store_false",
                         help="leave out step 3 (weights trained without an architecture)")
-    parser.add_argument("--results", default="policies", help="results name: bench/results/NAME.json (default %(default)s)")
+    parser.add_argument("--results", default="policies",
+                        help="results name: bench/results/NAME.json (default %(default)s)")
     args = parser.parse_args()
     try:
         parts, configs = report_parts(args.parts), report_configs(args.configs)

@@ -51,7 +51,7 @@ class PromptBelady(Policy):
 
     def _rank(self, key: Key) -> None:
         nxt = self._oracle.advance(key)
-        at = self._oracle._cursor - 1
+        at = self._oracle.consumed - 1
         self._heap.set(key, -(nxt if nxt < self._end[at] else 2 * self._n - at))
 
     hit = insert = _rank
@@ -77,7 +77,8 @@ def access_classes(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     return position, first
 
 
-def hits_of(trace: Trace, policy: str, capacity: float, prompt_end: np.ndarray, **options) -> tuple[np.ndarray, dict | None]:
+def hits_of(trace: Trace, policy: str, capacity: float, prompt_end: np.ndarray,
+            **options) -> tuple[np.ndarray, dict | None]:
     """Per access, hit or not, replaying `trace` with `policy` (per layer)."""
     online = options.pop("online", None)
     if policy == "belady-prompt":

@@ -19,8 +19,8 @@ def knobs() -> Knobs:
 
 def test_defaults_and_bounds_are_described(knobs):
     d = knobs.describe()
-    assert set(d) == {"cache_cap_bytes", "policy", "decision", "keep_percentile", "recompute_threshold", "ssd_util_threshold",
-                      "online_learning", "prefetch", "prefetch_depth", "max_batch_size", "auto_shrink"}
+    assert set(d) == {"cache_cap_bytes", "policy", "decision", "keep_percentile", "recompute_threshold",
+                      "ssd_util_threshold", "online_learning", "prefetch", "prefetch_depth", "max_batch_size", "auto_shrink"}
     assert d["ssd_util_threshold"] == {"value": 0.9, "default": 0.9, "type": "float", "min": 0.0, "max": 1.0,
                                        "help": d["ssd_util_threshold"]["help"]}
     # the learned policy's knobs are the ones its class declares

@@ -212,7 +212,8 @@ def run_job(job: Job) -> Result:
 
 
 def fine_tune(job: Job, trace: Trace, weights: Weights) -> tuple[Weights, int]:
-    """`weights` fine-tuned on `trace` (the window, or its first steps) labelled in hindsight; and on how many decisions."""
+    """`weights` fine-tuned on `trace` (the window, or its first steps) labelled in hindsight, and the
+    number of decisions learned from."""
     rng = np.random.default_rng([job.config.seed, job.number])
     parts = [collect(trace, job.shape.slots, _driver(name, weights), job.config.decisions, rng, job.shape.scope,
                      job.config.warmup, job.shape.ahead, job.config.within_sessions) for name in job.config.drivers]

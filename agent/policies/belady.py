@@ -45,6 +45,11 @@ class BeladyOracle:
     def __len__(self) -> int:
         return self._n
 
+    @property
+    def consumed(self) -> int:
+        """Accesses consumed so far: the position of the next one."""
+        return self._cursor
+
     def fresh(self) -> BeladyOracle:
         """The same future with nothing consumed: a second reader of one sequence, at no cost."""
         other = copy(self)
