@@ -50,7 +50,7 @@ from agent.traces import Trace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
-from bench.common import RESULTS_DIR, machine, write_results  # noqa: E402
+from bench.common import RESULTS_DIR, count, machine, write_results  # noqa: E402
 
 RUNS_LOG: list[Path] = []  # where this invocation's runs so far go, rewritten as each finishes
 _FINISHED: list[dict] = []
@@ -305,7 +305,7 @@ def main() -> None:
     parser.add_argument("--policies", help="comma-separated registered policies (default: all); lru and belady "
                         "always run: they are the ends of the gap")
     parser.add_argument("--no-online", dest="online", action="store_false", help="leave the online loop out")
-    parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    parser.add_argument("--jobs", type=count, default=1, help="worker processes (default 1)")
     parser.add_argument("--chosen", metavar="JSON", help="skip the selection: report with these settings "
                         "({label: setting} as a past run's JSON records under selection/chosen; text or a file)")
     parser.add_argument("--parts", help="comma-separated words: only the report traces whose file names one "

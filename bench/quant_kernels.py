@@ -35,7 +35,7 @@ from agent.experts.quant import Int8Expert, linear_int8_converted, linear_int8_k
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import count, machine, write_results  # noqa: E402
 from bench.loader import best_raw_read  # noqa: E402
 
 SHAPES = {"OLMoE-1B-7B": (2048, 1024), "Qwen3-30B-A3B": (2048, 768)}  # hidden, expert intermediate
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64", help="tokens per expert to measure")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=count, default=7)
     parser.add_argument("--store", type=Path, help="an expert store whose experts.bin gives the raw O_DIRECT rate")
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
