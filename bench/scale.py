@@ -163,6 +163,8 @@ def slot_dtype_ms(store: Path, repeat: int = 20) -> dict[str, float]:
     computes it, and with torch's own F.linear: agent/bf16_matvec.py's choice), in float32, and the ms
     a float32 conversion of one block would add to each miss (the slot dtype choice)."""
     experts = OneLayerResident(store)._blocks[:json.loads((store / "config.json").read_text())["num_experts_per_tok"]]
+    if not isinstance(experts[0], ExpertWeights):
+        return {}             # an int8 store: its blocks are computed as stored (the kernels bench)
     wide = [ExpertWeights(*(w.float() for w in e)) for e in experts]
     x = torch.randn(1, experts[0].gate.shape[1])
 
