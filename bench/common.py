@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -14,6 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from agent.argtypes import count  # noqa: F401  (the benches' count arguments)
 from agent.experts.layout import EXPERTS
 from agent.experts.reader import dio_alignment
 
@@ -31,18 +31,6 @@ def machine(store: Path | None = None) -> dict[str, Any]:
         mem, off = dio_alignment(store / EXPERTS)
         facts |= {"filesystem": _filesystem(store), "dio_alignment": {"memory": mem, "offset": off}}
     return facts
-
-
-def count(text: str) -> int:
-    """argparse type of a count (rounds, tokens, clients, threads, sizes): a whole number of at least 1,
-    so a bench refuses 0 or -3 in one line instead of failing with a traceback deep in a run."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def write_results(name: str, result: dict[str, Any]) -> Path:

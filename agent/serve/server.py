@@ -26,6 +26,7 @@ import signal
 import socket
 from pathlib import Path
 
+from agent.argtypes import count
 from agent.experts.layout import StoreError as ExpertStoreError
 from machine.memory import read_pid_file
 from agent.experts.reader import BACKENDS, IO_THREADS
@@ -69,19 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "model; each request follows the trace from a place its prompt decides")
     p.add_argument("--verify", action="store_true", help="check every expert block's CRC32 in the background "
                    "while idle; GET /v1/status reports progress and damaged blocks under \"store\"")
-    p.add_argument("--max-prompt-bytes", type=_positive, default=MAX_PROMPT_BYTES,
+    p.add_argument("--max-prompt-bytes", type=count, default=MAX_PROMPT_BYTES,
                    help=f"refuse a text prompt longer than this before tokenizing it (default {MAX_PROMPT_BYTES}); "
                         f"request bodies may be {BODY_BYTES_PER_PROMPT_BYTE}x this")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def is_loopback(host: str) -> bool:
