@@ -84,11 +84,12 @@ class Residency:
         return sum(p.capacity for p in self._parts)
 
     def resize(self, capacity: int) -> list[Key]:
-        """Set a new capacity; returns the keys evicted (by the policy) to fit."""
+        """Set a new capacity; returns the keys evicted (by the policy) to fit. Pinned keys (the running
+        step's) stay past it: the next resize after they are unpinned evicts them."""
         evicted = []
         for part, cap in zip(self._parts, self._split(capacity)):
             part.capacity = cap
-            while len(part.resident) > cap:
+            while len(part.resident) > cap and part.resident - self._pinned:
                 evicted.append(self._evict(part))
             part.forget_evicted_beyond_capacity()
         return evicted

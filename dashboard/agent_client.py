@@ -17,7 +17,7 @@ import httpx
 SOURCE_HEADER = {"X-FlashMoE-Source": "dashboard"}
 TOKEN_ENV = "FLASHMOE_TOKEN"
 TIMEOUT_S = 3.0
-KNOBS_TIMEOUT_S = 75.0        # the agent waits for the running step (or layer) to end and gives up after 60 s
+KNOBS_TIMEOUT_S = 75.0        # the agent waits for the running step to end and gives up after 60 s
 COMPLETION_TIMEOUT_S = 120.0
 
 

@@ -138,8 +138,8 @@ def agent_knobs(url: str, token: str | None) -> dict[str, Any] | str:
         return str(err)
 
 
-APPLYING = ("Applying: the agent changes the cache cap when the running layer ends and other knobs between "
-            "two model steps, which memory thrash can make slow (it gives up after 60 s)")
+APPLYING = ("Applying: the agent changes the cache cap at once and other knobs between two model steps, "
+            "which memory thrash can make slow (it gives up after 60 s)")
 
 
 def apply_knobs(url: str, token: str | None, changes: dict[str, Any]) -> tuple[bool, str]:

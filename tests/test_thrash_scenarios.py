@@ -283,9 +283,9 @@ def test_an_agent_squeezed_by_its_cgroup_is_found_thrashing_within_a_minute(defa
     cap = queries.latest(agent.db, "agent.cache_cap_bytes")[1]
     assert queries.latest(agent.db, "agent.cache_cap_min_bytes")[1] <= change < cap and change <= recorded_max
     assert verdict["recommendation"]["text"].startswith(("Shrink the cache cap", "Set the cache cap"))
-    # one click on the Memory page in Chromium shows the agent's answer: accepted (a cap change waits only
-    # for the running layer to end, not the thrashing step), the cap is down within its bounds and the
-    # agent's major faults fall while the squeeze holds
+    # one click on the Memory page in Chromium shows the agent's answer: accepted (a cap change applies at
+    # once; only the running layer's experts wait for its end, which thrash can delay for minutes), the
+    # cap is down within its bounds and the agent's major faults fall while the squeeze holds
     assert answer.startswith("Agent (") and answer.partition("): ")[2].startswith("accepted: cache_cap_bytes = "), answer
     assert queries.latest(agent.db, "agent.cache_cap_min_bytes")[1] <= cap_after < cap_before
     assert faults_after < faults_before / 2, (faults_before, faults_after)

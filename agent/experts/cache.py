@@ -86,12 +86,6 @@ class _Load:
 
 
 @dataclass
-class _Resize:
-    cap_bytes: int
-    future: Future = field(default_factory=Future)
-
-
-@dataclass
 class _Step:
     """One layer's routed experts in the order get() should ask for them, and how far it has come."""
     order: list[int]
@@ -138,7 +132,6 @@ class ExpertCache:
         self._guess: tuple[int, list[int]] | None = None  # a prefetch not started yet (see _start_guess)
         self._routed: tuple[int, list[int]] = (0, [])  # the window of experts Residency pins
         self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
-        self._waiting: _Resize | None = None  # a shrink waiting for the running layer to end
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
         self.read_ahead = io_threads  # reads a step larger than a partition keeps in flight
         self._bytes_read = self._reads = 0
@@ -378,28 +371,14 @@ class ExpertCache:
             self.system_fed = (self.system_fed[0] + 1, inputs)
 
     # -- live changes -----------------------------------------------------------------------------------------
-    def resize(self, cap_bytes: int, wait_s: float = 0.0) -> list[Key]:
-        """A new cap: shrinking evicts by the policy and frees slots, growing allocates. Returns evicted keys.
-        A shrink the running layer's pinned experts do not fit waits up to `wait_s` for that layer's end
-        (the next route() or idle(), when none of them is in use): under memory thrash a step can last
-        minutes, yet its layers still end every few seconds, and relief is needed then, not after."""
+    def resize(self, cap_bytes: int) -> list[Key]:
+        """A new cap, at once: shrinking evicts by the policy and frees slots, growing allocates. Returns
+        evicted keys. Experts the running layer has pinned stay past a shrink until that layer ends
+        (the next route() or idle()), which frees their slots then: under memory thrash a step, even
+        one layer, can last minutes, and the relief must not wait for it."""
         self._check_cap(cap_bytes)
         with self._lock:
-            if self._room(self._slots_for(cap_bytes)) >= len(self._routed[1]):
-                return self._resize(cap_bytes)
-            if wait_s <= 0 or self._waiting is not None:
-                raise ValueError(f"cache cap {cap_bytes} bytes cannot hold the {len(self._routed[1])} experts the "
-                                 f"current step is using; retry after the step or choose a larger cap")
-            waiting = self._waiting = _Resize(cap_bytes)
-        try:
-            return waiting.future.result(wait_s)
-        except TimeoutError:
-            with self._lock:
-                if self._waiting is waiting:  # withdrawn, so it never applies later unreported
-                    self._waiting = None
-                    raise TimeoutError(f"the model's running layer did not end within {wait_s:.0f} s, so the cache "
-                                       f"cap was not changed; try again") from None
-            return waiting.future.result()    # applied meanwhile
+            return self._resize(cap_bytes)
 
     def _resize(self, cap_bytes: int) -> list[Key]:
         evicted = self._residency.resize(self._slots_for(cap_bytes))
@@ -408,22 +387,19 @@ class ExpertCache:
         self.cap_bytes = cap_bytes
         if self._pool is not None:
             change = self._pool_size() - len(self._pool)
-            self._pool.grow(change) if change > 0 else self._pool.shrink(-change)
+            self._pool.grow(change) if change > 0 else self._pool.shrink(min(-change, self._pool.free))
             for slot in [s for s in self._busy if s not in self._pool]:
                 del self._busy[slot]
         log.info("expert cache resized to %d bytes (%d slots), %d evicted", cap_bytes, self._residency.capacity, len(evicted))
         return evicted
 
     def _layer_done(self) -> None:
-        """The running layer ended and none of its experts is in use: unpin them, and apply a waiting shrink."""
+        """The running layer ended and none of its experts is in use: unpin them, and finish a shrink
+        they outlasted."""
         self._residency.pin(())
         self._routed = (0, [])
-        waiting, self._waiting = self._waiting, None
-        if waiting is not None:
-            try:
-                waiting.future.set_result(self._resize(waiting.cap_bytes))
-            except ValueError as exc:
-                waiting.future.set_exception(exc)
+        if len(self._residency) > self._residency.capacity or (self._pool and len(self._pool) > self._pool_size()):
+            self._resize(self.cap_bytes)
 
     def set_policy(self, name: str, **options) -> None:
         """Switch policy live. The resident set stays; the new policy learns it afresh (no recency carried over)."""

@@ -113,7 +113,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
             return runtime.set_knobs(changes, who)
         except KnobError as exc:
             raise HTTPException(400, str(exc)) from None
-        except TimeoutError as exc:  # the running step or layer did not end in time: nothing changed
+        except TimeoutError as exc:  # the running step did not end in time: nothing changed
             raise HTTPException(503, str(exc)) from None
 
     @app.post("/v1/cache/preload", dependencies=[Depends(control)])

@@ -30,7 +30,7 @@ from agent.serve.engine import ModelEngine
 from agent.serve.knobs import KnobError, Knobs, Limits
 from agent.serve.metrics import Metrics, Tick
 from agent.serve.recorder import Recorder
-from agent.serve.scheduler import ADMIT_WINDOW_S, CONTROL_WAIT_S, Request, Scheduler, check_admit_window
+from agent.serve.scheduler import ADMIT_WINDOW_S, Request, Scheduler, check_admit_window
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,7 @@ class Runtime:
 
     # -- knobs ------------------------------------------------------------------------------------
     def set_knobs(self, changes: dict[str, Any], source: str, partial: bool = False) -> dict[str, Any]:
-        """Validate all, apply between two steps (the cache cap alone: at the running layer's end), record
-        each change. With `partial` (restore), a value that no longer fits the bounds (e.g. less memory
+        """Validate all, apply between two steps (the cache cap alone: at once), record each change. With `partial` (restore), a value that no longer fits the bounds (e.g. less memory
         now) is skipped with a warning instead of refused."""
         with self._knob_lock:
             if partial:
@@ -137,7 +136,7 @@ class Runtime:
             self._check_policy({k: new for k, (_, new) in diff.items()})
             if diff:
                 wanted = {k: value for k, (_, value) in diff.items()}
-                if wanted.keys() == {"cache_cap_bytes"}:  # the cache resizes under its own lock, at a layer's end
+                if wanted.keys() == {"cache_cap_bytes"}:  # the cache resizes under its own lock, mid-step
                     self._apply(wanted)
                 else:
                     self.scheduler.call(lambda: self._apply(wanted))
@@ -174,7 +173,7 @@ class Runtime:
         cache resizes under its own lock). Commits knob by knob, so a failure leaves the knobs true to the runtime."""
         if "cache_cap_bytes" in new:
             try:
-                self.cache.resize(new["cache_cap_bytes"], wait_s=CONTROL_WAIT_S)
+                self.cache.resize(new["cache_cap_bytes"])
             except ValueError as exc:  # e.g. too small for the memory it must lock
                 raise KnobError("cache_cap_bytes", str(exc)) from None
             self.knobs.commit({"cache_cap_bytes": new["cache_cap_bytes"]})

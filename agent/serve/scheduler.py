@@ -86,7 +86,7 @@ class Engine(Protocol):
 
 ADMIT_WINDOW_S = 0.05       # the default: 16 requests sent at once reach the scheduler within ~30 ms (load 7)
 MAX_ADMIT_WINDOW_S = 1.0    # a longer wait would cost a lone request more than a shared prefill saves
-CONTROL_WAIT_S = 60.0       # how long a control call waits for the running step (or layer) to end
+CONTROL_WAIT_S = 60.0       # how long a control call waits for the running step to end
 
 
 def check_admit_window(seconds: float) -> float:
