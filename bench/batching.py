@@ -23,7 +23,7 @@ import numpy as np
 
 from agent.policies import live_policies
 from agent.simulator import simulate
-from agent.traces import Trace, from_sets, load
+from agent.traces import Trace, TraceError, from_sets, load
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
@@ -88,9 +88,15 @@ def main() -> None:
         batches = [count(b) for b in args.batches.split(",")]
     except argparse.ArgumentTypeError as e:
         parser.error(f"--batches: {e}")
+    try:
+        sources = [load(args.traces / f"{name}.jsonl") for name in NAMES]
+    except TraceError as e:
+        parser.error(str(e))
+    if args.tokens >= min(s.n_tokens for s in sources):
+        parser.error(f"--tokens {args.tokens}: a request must fit in the shortest trace "
+                     f"({min(s.n_tokens for s in sources)} tokens)")
     results = []
-    for name in NAMES:
-        source = load(args.traces / f"{name}.jsonl")
+    for source in sources:
         for batch in batches:
             results.append(measure(source, batch, args.tokens, args.waves))
             print(table(results[-1:]).splitlines()[-1], flush=True)
