@@ -140,7 +140,7 @@ def test_cache_page_hit_rates_heatmap_policies_and_sweep(monkeypatch, offline, d
     assert shown["Hit rate (time range)"] == shown["Hit rate (last 1 min)"] == f"{100 * 46 / 80:.1f} %"
     assert shown["Evictions (time range)"] == f"{6 * SPAN_S:,}"
     # 34 misses and 16 prefetches read for 80 lookups, whatever the 57.5% hit rate says
-    assert shown["Reads per lookup (time range)"] == f"{100 * (34 + 4 * synthetic.PREFETCHES) / 80:.1f} %"
+    assert shown["Reads/lookup (time range)"] == f"{100 * (34 + 4 * synthetic.PREFETCHES) / 80:.1f} %"
     # agent offline: from the store, 1 of the PREFETCHES per layer and sample used
     assert shown["Prefetch accuracy (time range)"] == f"{100 / synthetic.PREFETCHES:.1f} %"
     figs = figures(at)

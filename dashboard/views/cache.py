@@ -27,7 +27,7 @@ def live() -> None:
               help=components.HIT_RATE_NOW_HELP)
     c2.metric("Hit rate (time range)", human(total.get("hit_rate"), "fraction"),
               help="hits over lookups in the time range shown")
-    c3.metric("Reads per lookup (time range)", human(total.get("reads_per_lookup"), "fraction"),
+    c3.metric("Reads/lookup (time range)", human(total.get("reads_per_lookup"), "fraction"),
               help="misses and prefetches over lookups: what the SSD did for each lookup. A hit on a block a "
                    "prefetch brought in counts as a hit, but it was read too, ahead of time")
     c4.metric("Evictions (time range)", f"{total.get('evictions', 0):,}")
