@@ -132,6 +132,7 @@ class ExpertCache:
         self._guess: tuple[int, list[int]] | None = None  # a prefetch not started yet (see _start_guess)
         self._routed: tuple[int, list[int]] = (0, [])  # the window of experts Residency pins
         self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
+        self._outgrown = False               # a shrink left the running layer's pinned experts past the cap
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
         self.read_ahead = io_threads  # reads a step larger than a partition keeps in flight
         self._bytes_read = self._reads = 0
@@ -390,6 +391,7 @@ class ExpertCache:
             self._pool.grow(change) if change > 0 else self._pool.shrink(min(-change, self._pool.free))
             for slot in [s for s in self._busy if s not in self._pool]:
                 del self._busy[slot]
+        self._outgrown = len(self._residency) > self._residency.capacity  # pinned experts left for the layer's end
         log.info("expert cache resized to %d bytes (%d slots), %d evicted", cap_bytes, self._residency.capacity, len(evicted))
         return evicted
 
@@ -398,7 +400,7 @@ class ExpertCache:
         they outlasted."""
         self._residency.pin(())
         self._routed = (0, [])
-        if len(self._residency) > self._residency.capacity or (self._pool and len(self._pool) > self._pool_size()):
+        if self._outgrown:
             self._resize(self.cap_bytes)
 
     def set_policy(self, name: str, **options) -> None:
