@@ -126,8 +126,9 @@ class Runtime:
 
     # -- knobs ------------------------------------------------------------------------------------
     def set_knobs(self, changes: dict[str, Any], source: str, partial: bool = False) -> dict[str, Any]:
-        """Validate all, apply between two steps (the cache cap alone: at once), record each change. With `partial` (restore), a value that no longer fits the bounds (e.g. less memory
-        now) is skipped with a warning instead of refused."""
+        """Validate all, apply between two steps (the cache cap alone: at once), record each change. With
+        `partial` (restore), a value that no longer fits the bounds (e.g. less memory now) is skipped
+        with a warning instead of refused."""
         with self._knob_lock:
             if partial:
                 changes = self._fitting(changes)
