@@ -9,10 +9,12 @@ features, so a global cache rescores the layer that just routed, not the whole m
 threshold is 0 (rescore whenever the window moved at all): one token already moves the 16-step
 window by up to 1/16, and stale scores cost hit rate (a threshold of 0.1 halved the rescorings and
 lost 1-3 points on the decode report traces); stationary routing (loops, repeated prompts) still
-costs no rescoring. Experts brought in since their layer was last scored have no score; they were
-just used, so they count as the freshest, and when only such arrivals are left to choose from (a
-batch's step can bring in more experts than were scored) the least frequently used goes first,
-without rescoring: in arrival order the policy was LRU's twin under large batches (bench/batching.py).
+costs no rescoring. An expert brought in since its layer was last scored is scored when it is first
+a candidate, from its layer's history as it stands, which the other residents' scores also read
+unless the layer routed since (then the whole layer is rescored). That matters when a batch's step
+outgrows its partition and its own earlier arrivals become candidates: counted as the freshest, an
+expert one request used once outlived the experts every request uses, and the policy trailed LFU
+from four requests a step on (bench/batching.py).
 
 Decision. `decision="score"` (default) evicts the lowest score (the network's guess of Belady's
 victim). `decision="lfu"` is the design's two-stage rule: keep what scores at or above
@@ -48,7 +50,6 @@ DECISIONS = ("score", "lfu")
 DECISION = Knob("decision", str, "score", choices=DECISIONS,
                 help="learned policy: evict the lowest score (score), or the least frequently used among the "
                      "lowest-scored keep_percentile (lfu)")
-FRESH = float("inf")  # the score of an expert brought in since the last scoring: it was just used
 KEEP_PERCENTILE = Knob("keep_percentile", float, 30.0, 0.0, 100.0,
                        help="learned policy, decision lfu: keep experts scoring at or above it")
 RECOMPUTE_THRESHOLD = Knob("recompute_threshold", float, 0.0, 0.0, 1.0,
@@ -85,11 +86,10 @@ class FlashMoE(Policy):
         self.decision = decision
         self.layers: dict[int, features.LayerHistory] = {}
         self._scores: dict[Key, float] = {}
-        self._arrivals: dict[Key, None] = {}  # brought in since their layer's last scoring, oldest first
         self._scored_hist: dict[int, np.ndarray] = {}
         self._series: deque[tuple[float, float]] = deque(maxlen=scorer.SERIES_LEN)
         self._system_changed = False
-        self._keep = FRESH        # the keep_percentile of the scores at the last scoring
+        self._keep = float("inf")  # the keep_percentile of the scores at the last scoring
         self._moved: set[int] = set()  # layers routed since the last shift check
         self.recomputes = 0  # how often the network ran: the event-driven cost, observable
 
@@ -110,12 +110,8 @@ class FlashMoE(Policy):
         self._history(layer).observe(experts)
         self._moved.add(layer)
 
-    def insert(self, key: Key) -> None:
-        self._arrivals[key] = None
-
     def remove(self, key: Key) -> None:
         self._scores.pop(key, None)
-        self._arrivals.pop(key, None)
 
     def victim(self, resident: Collection[Key], pinned: Collection[Key]) -> Key:
         candidates = [k for k in resident if k not in pinned]
@@ -129,13 +125,11 @@ class FlashMoE(Policy):
         stale = self._stale_layers()
         if stale:
             self._rescore(stale, resident, candidates)
-        scores = [self._scores.get(k, FRESH) for k in candidates]
-        if min(scores) == FRESH:  # nothing scored is left to evict: the least frequently used arrival goes
-            return min(candidates, key=self._frequency)
+        self._score_arrivals(candidates)
+        scores = [self._scores[k] for k in candidates]
         if self.decision == "score":  # the lowest score is below any percentile: keep_percentile is moot
             return candidates[min(range(len(candidates)), key=scores.__getitem__)]
-        scored = [i for i, s in enumerate(scores) if s < FRESH]  # arrivals count as the highest scores
-        rest = [i for i in scored if scores[i] < self._keep] or scored  # an empty shortlist: all scored ones
+        rest = [i for i, s in enumerate(scores) if s < self._keep] or range(len(candidates))  # empty: all of them
         return candidates[min(rest, key=lambda i: self._frequency(candidates[i]))]
 
     def _report(self, candidates: list[Key]) -> None:
@@ -169,9 +163,8 @@ class FlashMoE(Policy):
     def _stale_layers(self) -> list[int]:
         """Layers to score now. Every layer after a monitoring sample; else, once per routing step,
         the layers routed since the last check whose activation window moved past the threshold
-        since they were scored, and the other layers holding unscored arrivals (in a global cache,
-        the layers of earlier steps: their features have not changed since). Only a layer's own
-        routing changes its experts' features, so a global cache never rescores the whole model."""
+        since they were scored. Only a layer's own routing changes its experts' features, so a
+        global cache never rescores the whole model."""
         if self._system_changed:
             self.scorer.set_series(list(self._series))
             self._system_changed = False
@@ -179,10 +172,8 @@ class FlashMoE(Policy):
         moved, self._moved = self._moved, set()
         if not moved:  # several evictions in one step: nothing moved in between
             return []
-        waiting = {layer for layer, _ in self._arrivals} - moved
         return [layer for layer in moved if layer not in self._scored_hist
-                or self._f.window_shift(self.layers[layer], self._scored_hist[layer]) > self.recompute_threshold
-                ] + list(waiting)
+                or self._f.window_shift(self.layers[layer], self._scored_hist[layer]) > self.recompute_threshold]
 
     def _rescore(self, stale: list[int], resident: Collection[Key], candidates: list[Key]) -> None:
         """Score every resident expert of the stale layers, the pinned ones too: in a global cache they
@@ -192,15 +183,25 @@ class FlashMoE(Policy):
             if key[0] in by_layer:
                 by_layer[key[0]].append(key)
         for layer, keys in by_layer.items():
-            h = self.layers[layer]
-            self._scores.update(zip(keys, self.scorer.score(h, np.array([e for _, e in keys], np.int64)).tolist()))
-            for key in keys:
-                self._arrivals.pop(key, None)
-            self._scored_hist[layer] = self._f.window_histogram(h)
+            self._score(layer, keys)
+            self._scored_hist[layer] = self._f.window_histogram(self.layers[layer])
         scores = [self._scores[k] for k in candidates if k in self._scores]
         if self.decision == "lfu" and scores:
             self._keep = percentile(scores, self.keep_percentile)
         self.recomputes += 1
+
+    def _score_arrivals(self, candidates: list[Key]) -> None:
+        """Score the candidates brought in since their layer was last scored."""
+        by_layer: dict[int, list[Key]] = {}
+        for key in candidates:
+            if key not in self._scores:
+                by_layer.setdefault(key[0], []).append(key)
+        for layer, keys in by_layer.items():
+            self._score(layer, keys)
+
+    def _score(self, layer: int, keys: list[Key]) -> None:
+        experts = np.array([e for _, e in keys], np.int64)
+        self._scores.update(zip(keys, self.scorer.score(self.layers[layer], experts).tolist()))
 
 
 def percentile(values: list[float], q: float) -> float:
