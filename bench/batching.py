@@ -1,17 +1,18 @@
 """How much a replacement policy can still save when requests share decode steps: real routing, batched.
 
     .venv/bin/python bench/batching.py [--traces ../shared/traces/decode] [--batches 1,2,4,8,16]
+        [--names olmoe_math,olmoe_dialogue] [--results batching]
 
 A served step runs every running request's token through each layer at once, so a layer's step
 routes the union of the requests' top-k. This builds that union from real routing: each of a
 batch's B requests decodes `--tokens` tokens from its own place in a recorded OLMoE decode trace
-(`olmoe_math`, `olmoe_dialogue`: held out from policy training), `--waves` batches one after the
+(by default `olmoe_math`, `olmoe_dialogue`: the report split's, held out from policy training), `--waves` batches one after the
 other (new requests at new places, seeded), and replays the steps through every live policy (the
 learned one with each of its decision rules) and Belady with the simulator, per layer at capacity
 0.25 (16 of OLMoE's 64 experts: the seed-scale benches' cap). Reported per B: the union a layer's step routes, each policy's hit rate, and the
 expert reads per generated token (misses summed over layers ÷ tokens: bytes ∝ that), with what
 share of LRU's reads Belady — no policy can do better — still saves.
-JSON: bench/results/batching.json.
+JSON: bench/results/batching.json (or --results NAME).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from bench.common import count, machine, write_results  # noqa: E402
 TRACES = ROOT.parent / "shared" / "traces" / "decode"
-NAMES = ("olmoe_math", "olmoe_dialogue")
+NAMES = "olmoe_math,olmoe_dialogue"
 CAPACITY = 0.25
 ORACLE = "belady"
 LEARNED = {"flashmoe score": {"decision": "score"}, "flashmoe lfu/30": {"decision": "lfu"}}  # both decision rules
@@ -83,13 +84,15 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8,16", help="requests per step, comma-separated")
     parser.add_argument("--tokens", type=count, default=12, help="decode tokens per request (default 12)")
     parser.add_argument("--waves", type=count, default=16, help="batches of requests one after the other (default 16)")
+    parser.add_argument("--names", default=NAMES, help=f"decode traces in --traces, comma-separated (default {NAMES})")
+    parser.add_argument("--results", default="batching", help="write bench/results/<NAME>.json (default batching)")
     args = parser.parse_args()
     try:
         batches = [count(b) for b in args.batches.split(",")]
     except argparse.ArgumentTypeError as e:
         parser.error(f"--batches: {e}")
     try:
-        sources = [load(args.traces / f"{name}.jsonl") for name in NAMES]
+        sources = [load(args.traces / f"{name}.jsonl") for name in args.names.split(",")]
     except TraceError as e:
         parser.error(str(e))
     if args.tokens >= min(s.n_tokens for s in sources):
@@ -101,7 +104,7 @@ def main() -> None:
             results.append(measure(source, batch, args.tokens, args.waves))
             print(table(results[-1:]).splitlines()[-1], flush=True)
     print(table(results))
-    write_results("batching", {"machine": machine(), "capacity": CAPACITY, "scope": "layer", "tokens": args.tokens,
+    write_results(args.results, {"machine": machine(), "capacity": CAPACITY, "scope": "layer", "tokens": args.tokens,
                                "waves": args.waves, "results": results})
 
 
