@@ -143,6 +143,7 @@ def _stats(gen: Generation, net: Transformer, before: CacheStats, profile_before
         "decode_mb_read_per_token": (after.bytes_read - before.bytes_read) / 1e6 / max(decode_steps, 1),
         "tokens_per_s": gen.tokens_per_s, "decode_tokens_per_s": gen.decode_tokens_per_s,
         "prefill_s": gen.prefill_s, "decode_s": gen.decode_s,
+        "decode_io_busy": (after.io_busy_s - before.io_busy_s) / gen.decode_s if gen.decode_s > 0 else None,
         "prefetch_accuracy": net.lookahead.accuracy, "prefetch_predicted": net.lookahead.predicted,
         "prefetch_correct": net.lookahead.correct, "prefetches": after.prefetches,
         "prefetch_hits": after.prefetch_hits, "cap_bytes": after.cap_bytes, "capacity_slots": after.capacity,

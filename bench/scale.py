@@ -22,9 +22,9 @@ routing, for a shape no recorded trace fits). Each round measures, interleaved:
   inside the same cgroup memory limit (cap + dense weights + working memory), from a cold page cache.
 A configuration's limit is 1 / max(compute s/token, its MB missed per token / raw MB/s): perfect
 overlap of reads and compute. Reported: decode tokens/s, its fraction of the limit, MB read and hit
-rate per decode token, where a token's time went, peak RSS and the cgroup's peak against the limit,
-and one layer's experts computed in the stored dtype (the model's matvec and torch's F.linear) and in
-float32 (the slot dtype choice).
+rate per decode token, where a token's time went, the share of it with a read running, peak RSS and
+the cgroup's peak against the limit, and one layer's experts computed in the stored dtype (the model's
+matvec and torch's F.linear) and in float32 (the slot dtype choice).
 Writes bench/results/scale.json.
 """
 from __future__ import annotations
@@ -122,6 +122,7 @@ class Run:
     token_ids: list[int]
     load_avg: float
     profile_ms: dict[str, float]  # where a decode token's time went, by phase (agent/model/profile.py)
+    io_busy: float | None         # share of decode time with a block being read or checked (the rest, the device idled)
 
 
 def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int, threads: int = 1) -> float:
@@ -215,7 +216,7 @@ def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, t
     stats = result["stats"]
     return Run(config.name, round_, stats["decode_tokens_per_s"], stats["decode_mb_read_per_token"],
                stats["decode_hit_rate"], stats["prefetch_accuracy"], usage.ru_maxrss * 1024, cgroup.peak(),
-               result["token_ids"], os.getloadavg()[0], stats["decode_profile_ms_per_token"])
+               result["token_ids"], os.getloadavg()[0], stats["decode_profile_ms_per_token"], stats["decode_io_busy"])
 
 
 def own_compute_ms(profile_ms: dict[str, float]) -> float:
@@ -279,7 +280,8 @@ def main() -> int:
                 same = run.token_ids == reference
                 print(f"  {config.name}: {run.decode_tok_s:.2f} tok/s = {run.decode_tok_s / lim:.2f} x its limit "
                       f"{lim:.2f}; {run.mb_per_token:.0f} MB/token, hit rate {run.hit_rate:.3f}, own compute "
-                      f"{own_compute_ms(run.profile_ms):.0f} ms/token, peak RSS {run.peak_rss_bytes / 2**20:.0f} MiB; "
+                      f"{own_compute_ms(run.profile_ms):.0f} ms/token, reads running {run.io_busy or 0:.0%} of the time, "
+                      f"peak RSS {run.peak_rss_bytes / 2**20:.0f} MiB; "
                       f"same tokens: {same}", flush=True)
                 r["runs"].append({**asdict(run), "limit_tok_s": lim, "same_tokens": same})
             rounds.append(r)
@@ -303,6 +305,7 @@ def summarize(rounds: list[dict]) -> dict:
         runs = [run for r in rounds for run in r["runs"] if run["config"] == name]
         out["configs"][name] = {k: med(run[k] for run in runs) for k in
                                 ("decode_tok_s", "limit_tok_s", "mb_per_token", "hit_rate", "peak_rss_bytes")}
+        out["configs"][name]["io_busy"] = med(run["io_busy"] or 0 for run in runs)
         out["configs"][name]["profile_ms"] = {k: med(run["profile_ms"][k] for run in runs) for k in runs[0]["profile_ms"]}
         out["configs"][name]["of_limit"] = med(run["decode_tok_s"] / run["limit_tok_s"] for run in runs)
         out["configs"][name]["cgroup_peak_bytes"] = max((run["cgroup_peak_bytes"] or 0) for run in runs)
@@ -329,11 +332,11 @@ def print_table(summary: dict, cgroup: MemoryCgroup, facts: dict, args: argparse
           f"compute-only {summary['compute_tok_s']:.2f} tok/s ({summary['compute_tok_s_torch_linear']:.2f} with torch's "
           f"F.linear); {cgroup.describe()}")
     print(f"{'configuration':<34} {'tok/s':>6} {'limit':>6} {'x limit':>7} {'MB/tok':>7} {'hit':>6} {'own ms':>7} "
-          f"{'peak RSS':>9} {'cgroup peak':>11} {'of memory':>9}")
+          f"{'io busy':>7} {'peak RSS':>9} {'cgroup peak':>11} {'of memory':>9}")
     for name, c in summary["configs"].items():
         print(f"{name:<34} {c['decode_tok_s']:>6.2f} {c['limit_tok_s']:>6.2f} {c['of_limit']:>7.2f} "
               f"{c['mb_per_token']:>7.0f} {c['hit_rate']:>6.3f} {own_compute_ms(c['profile_ms']):>7.0f} "
-              f"{c['peak_rss_bytes'] / 2**20:>7.0f}Mi "
+              f"{c['io_busy']:>7.2f} {c['peak_rss_bytes'] / 2**20:>7.0f}Mi "
               f"{c['cgroup_peak_bytes'] / 2**20:>9.0f}Mi {c['cgroup_peak_bytes'] / cgroup.limit:>9.2f}")
     phases = next(iter(summary["configs"].values()))["profile_ms"]
     print(f"\nms per decode token by phase: {'configuration':<34} " + " ".join(f"{p:>9}" for p in phases))

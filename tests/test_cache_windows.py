@@ -1,5 +1,5 @@
 """ExpertCache under batching: a step's union larger than a partition, resident-first order, sliding
-reads, and a lookahead prefetch that waits for the step's own reads and never evicts what the
+reads, the order a step that fits is used in, and a lookahead prefetch that waits for the step's own reads and never evicts what the
 step will hit."""
 from __future__ import annotations
 
@@ -91,6 +91,22 @@ def test_prefetch_evicts_only_residents_the_guess_does_not_name(store):
         s = cache.stats()
         assert resident(cache, 0) == {0, 1, 5}
     assert s.prefetches == 1 and s.evictions == 1
+
+
+def test_a_step_that_fits_is_used_ready_first_then_in_the_order_its_reads_started(store):
+    with ExpertCache(store, slots(store, LAYERS * 3)) as cache:
+        for e in cache.route(0, [0, 1]):
+            cache.get(0, e)
+        gated = GatedReads(cache)                   # reads from here on wait for the gate
+        cache.prefetch(0, [3])
+        wait_until(lambda: gated.calls == [(0, 3)])
+        assert cache.route(0, [4, 3, 0]) == [0, 3, 4]  # 0 ready, 3's read started before 4's
+        gated.gate.set()
+        for e in (0, 3, 4):
+            cache.get(0, e)
+        s = cache.stats()
+        assert resident(cache, 0) == {0, 3, 4}      # 4's miss evicted 1, the one expert not routed
+    assert (s.hits, s.misses, s.prefetch_hits, s.reads) == (2, 3, 1, 4)
 
 
 def test_a_guess_is_read_once_the_step_has_started_all_its_own_reads(store):

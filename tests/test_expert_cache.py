@@ -84,6 +84,23 @@ def test_direct_backend_reads_with_o_direct_and_counts_bytes(store):
     assert s.misses == 2 and s.bytes_read == 2 * cache.index.nbytes and len(s.read_latency_s) == 2
 
 
+def test_io_busy_counts_the_time_a_read_runs_and_not_the_idle_time_after(store):
+    with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
+        assert cache.stats().io_busy_s == 0.0
+        gated = GatedReads(cache)
+        start = time.perf_counter()
+        cache.route(0, [1, 2])
+        wait_until(lambda: len(gated.calls) == 2)
+        time.sleep(0.05)
+        assert cache.stats().io_busy_s >= 0.05            # two reads held open while it runs
+        gated.gate.set()
+        cache.get(0, 1), cache.get(0, 2)
+        busy, elapsed = cache.stats().io_busy_s, time.perf_counter() - start
+        time.sleep(0.05)
+        assert cache.stats().io_busy_s == busy            # no read running: the device idles, nothing is added
+    assert busy <= elapsed                                # the two reads overlapped: their time is counted once
+
+
 def drop_cached_pages(cache: ExpertCache) -> None:
     """Unmap our pages of the file, then drop it from the page cache: the next touch reads the SSD."""
     cache._reader._map.madvise(mmap.MADV_DONTNEED)

@@ -62,6 +62,7 @@ class CacheStats:
     layers: list[LayerStats] = field(default_factory=list)
     read_latency_s: list[float] = field(default_factory=list)  # the most recent LATENCY_SAMPLES reads
     crc_s: float = 0.0           # spent checking CRC32s, on the I/O threads
+    io_busy_s: float = 0.0       # wall time with at least one block being read or checked: the rest the device idled
     policy_s: float = 0.0        # spent in Residency and the policy, on the thread that routes and gets
 
     @property
@@ -82,6 +83,7 @@ class _Load:
     key: Key
     slot: int | None
     after: Future | None          # the previous read into this slot, still running
+    issued: int                   # how many reads the cache had started before this one
     future: Future = field(default_factory=Future)
 
 
@@ -135,8 +137,9 @@ class ExpertCache:
         self._outgrown = False               # a shrink left the running layer's pinned experts past the cap
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
         self.read_ahead = io_threads  # reads a step larger than a partition keeps in flight
-        self._bytes_read = self._reads = 0
+        self._bytes_read = self._reads = self._issued = 0
         self._crc_s = self._policy_s = 0.0  # CPU time of CRC checks (I/O threads) and of the policy (under the lock)
+        self._running, self._busy_since, self._io_busy_s = 0, 0.0, 0.0  # reads running, since when, busy time before
         self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.monitor = monitor or SystemSampler()  # told of every read; asked for a sample at most every second
         self._fed_t = -float("inf")  # the monitoring sample last passed to the policy
@@ -176,17 +179,20 @@ class ExpertCache:
 
     def route(self, layer: int, experts: Sequence[int]) -> list[int]:
         """Start a layer's step: the policy sees all its experts (each counted once); returns the order
-        in which get() should ask for them. A step that fits a partition is pinned whole, its misses
-        read at once, and keeps the order given (the simulator's). A larger one is used in a window
-        that slides on as get() moves on (see _fill), resident experts first, so none is evicted
-        before its use, then the misses."""
+        in which get() should ask for them. A step that fits a partition is pinned whole and accessed
+        in the order given (the simulator's), its misses read at once; get() is asked for its ready
+        experts first, then the rest in the order their reads started, so the model computes with
+        what it has while the rest is read. A larger one is used in a window that slides on as get()
+        moves on (see _fill), resident experts first, so none is evicted before its use, then the
+        misses."""
         unique = list(dict.fromkeys(experts))
         sample = self.monitor.sample(SYSTEM_SAMPLE_INTERVAL_S)
         with self._lock:
             self._feed_system(sample)  # before the route: a recorded trace replays it at the same point
             self._layer_done()
             self._policy(self._residency.route, layer, unique)
-            if len(unique) <= self._room(self._residency.capacity):
+            fits = len(unique) <= self._room(self._residency.capacity)
+            if fits:
                 step = _Step(unique)
             else:
                 step = _Step(sorted(unique, key=lambda e: self._tier((layer, e))),
@@ -194,6 +200,8 @@ class ExpertCache:
             self._steps[layer] = self._current = step
             self._guess = None  # a guess still waiting is for a step that has begun, or never will
             self._fill(layer, step)
+            if fits:  # every expert accessed: the order get() asks in no longer changes what is resident
+                step.order.sort(key=lambda e: _ready_first(step.loads[e]))
             return list(step.order)
 
     def idle(self) -> None:
@@ -311,7 +319,8 @@ class ExpertCache:
         if self._pool is not None:
             slot = self._pool.acquire()
             after = self._busy.pop(slot, None)
-        load = _Load(key, slot, after)
+        load = _Load(key, slot, after, self._issued)
+        self._issued += 1
         self._inflight[key] = load
         self._slot_of[key] = slot
         self._io.submit(self._run, load)
@@ -331,6 +340,8 @@ class ExpertCache:
         if load.after is not None:
             load.after.exception()  # the slot's previous read must finish before we overwrite it
         block = self.index.block(*load.key)
+        with self._lock:
+            self._read_begins()
         try:
             before = self._mmap.resident_bytes(block) if self._mmap is not None else 0
             start = time.perf_counter()
@@ -341,6 +352,7 @@ class ExpertCache:
             weights = block_views(torch.from_numpy(data), self.index)
         except BaseException as exc:
             with self._lock:  # cleanup and failure are seen together: no get() re-reads in between
+                self._read_ends()
                 if isinstance(exc, StoreError):
                     self.damaged[load.key] = str(exc)
                 current = self._inflight.get(load.key) is load
@@ -353,6 +365,7 @@ class ExpertCache:
                     *load.key, exc)
             return
         with self._lock:
+            self._read_ends()
             self._reads += 1
             self._crc_s += crc_s
             self._bytes_read += self.index.nbytes - min(before, self.index.nbytes)
@@ -362,6 +375,16 @@ class ExpertCache:
                 del self._inflight[load.key]
                 self._ready[load.key] = weights
         load.future.set_result(weights)
+
+    def _read_begins(self) -> None:
+        if not self._running:
+            self._busy_since = time.perf_counter()
+        self._running += 1
+
+    def _read_ends(self) -> None:
+        self._running -= 1
+        if not self._running:
+            self._io_busy_s += time.perf_counter() - self._busy_since
 
     def _feed_system(self, sample: SystemSample) -> None:
         """Pass a monitoring sample to the policy once, if it has anything to say."""
@@ -428,7 +451,8 @@ class ExpertCache:
                 resident=len(self._residency), capacity=self._residency.capacity, cap_bytes=self.cap_bytes,
                 slot_bytes=self.index.slot_bytes, backend=self.backend, policy=self.policy_name,
                 scope=self._residency.scope, layers=layers, read_latency_s=list(self._latency),
-                crc_s=self._crc_s, policy_s=self._policy_s)
+                crc_s=self._crc_s, policy_s=self._policy_s,
+                io_busy_s=self._io_busy_s + (time.perf_counter() - self._busy_since if self._running else 0.0))
 
     def close(self) -> None:
         self._io.shutdown(wait=True, cancel_futures=False)
@@ -444,6 +468,11 @@ class ExpertCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _ready_first(load: _Load | None) -> int:
+    """Sort key of a step's expert by its access's read: none or done first, then by when it started."""
+    return -1 if load is None or load.future.done() else load.issued
 
 
 def _failed(future: Future) -> bool:
