@@ -68,11 +68,12 @@ def test_raw_block_read_reads_every_block_and_refuses_a_short_file(shaped, tmp_p
 def test_summary_takes_medians_and_ratios_within_rounds():
     def run(config, tok_s):
         return {"config": config, "decode_tok_s": tok_s, "limit_tok_s": 2.0, "mb_per_token": 10.0, "hit_rate": 0.5,
-                "peak_rss_bytes": 1, "cgroup_peak_bytes": 2, "profile_ms": {"wait": tok_s}}
+                "peak_rss_bytes": 1, "cgroup_peak_bytes": 2, "profile_ms": {"wait": tok_s}, "io_busy": tok_s / 8}
     rounds = [{"raw_mb_s": r, "compute_tok_s": 3.0, "compute_tok_s_torch_linear": 1.0, "runs": [run("a: x", 1.0 * r), run("c: y", 0.25 * r)]}
               for r in (1, 2, 4)]
     s = scale.summarize(rounds)
     assert s["configs"]["a: x"]["decode_tok_s"] == 2.0 and s["configs"]["a: x"]["of_limit"] == 1.0
+    assert s["configs"]["a: x"]["io_busy"] == 0.25
     assert s["tok_s_a_over_c"] == {"median": 4.0, "per_round": [4.0, 4.0, 4.0]} and "tok_s_a_over_b" not in s
 
 
