@@ -172,3 +172,19 @@ def test_refuses_a_cache_cap_out_of_bounds(model, tmp_path):
                         "--pid-file", str(tmp_path / "agent.pid")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "outside the allowed range" in r.stderr
     assert not (tmp_path / "agent.pid").exists()  # nothing left behind
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "x"])
+def test_refuses_a_port_out_of_range_in_one_line(model, port):
+    r = subprocess.run([*CLI, "serve", "--model", str(model), "--port", port], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--port" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_an_unwritable_pid_file_is_one_line_and_leaves_nothing(model, tmp_path, where):
+    (tmp_path / "taken").mkdir() if where == "a directory" else (tmp_path / "taken").write_text("x")
+    pid_file = tmp_path / "taken" if where == "a directory" else tmp_path / "taken" / "agent.pid"
+    r = subprocess.run([*CLI, "serve", "--model", str(model), "--port", str(free_port()), "--pid-file", str(pid_file)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"cannot write the pid file {pid_file}" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no agent.pid.tmp or taken.tmp left

@@ -26,7 +26,7 @@ import signal
 import socket
 from pathlib import Path
 
-from agent.argtypes import count
+from agent.argtypes import count, port
 from agent.experts.layout import StoreError as ExpertStoreError
 from machine.memory import read_pid_file
 from agent.experts.reader import BACKENDS, IO_THREADS
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = __doc__.split("\n\n", 1)[1]
     p.add_argument("--model", required=True, type=Path, help="expert store directory (flashmoe-cli convert / init-demo)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; others need a token)")
-    p.add_argument("--port", type=int, default=8600, help="TCP port (default 8600; 0 picks a free one)")
+    p.add_argument("--port", type=port, default=8600, help="TCP port (default 8600; 0 picks a free one)")
     p.add_argument("--db", type=Path, help="telemetry store to write statistics and knob changes to, and restore knobs from")
     p.add_argument("--pid-file", type=Path, help="write the agent's pid here (the collector finds the agent by it)")
     p.add_argument("--token", help=f"bearer token control calls must carry (or set {TOKEN_ENV})")
@@ -110,18 +110,23 @@ def claim_pid_file(path: Path) -> None:
     if other and other != os.getpid():
         raise ServeError(f"{path} names a running process ({other}): another agent is up; stop it or pass another "
                          f"--pid-file")
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{os.getpid()}\n")
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(f"{os.getpid()}\n")
+        tmp.replace(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise ServeError(f"cannot write the pid file {path}: {exc.strerror}; pass another --pid-file") from None
 
 
 def release_pid_file(path: Path) -> None:
     try:
         if int(path.read_text().strip()) == os.getpid():
             path.unlink()
-    except (FileNotFoundError, ValueError):
-        pass
+    except (OSError, ValueError):
+        pass  # not ours, gone, or never written (claim_pid_file failed)
 
 
 def _server_class():
