@@ -6,10 +6,7 @@ import argparse
 
 def count(text: str) -> int:
     """A count (bytes, rounds, tokens, clients, threads): a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = _whole(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -17,10 +14,22 @@ def count(text: str) -> int:
 
 def port(text: str) -> int:
     """A TCP port: 0 (the system picks a free one) to 65535."""
+    return _within(_whole(text), 0, 65535, "a port")
+
+
+def seed(text: str) -> int:
+    """A random seed that torch and numpy both take: 0 to 2**63 - 1."""
+    return _within(_whole(text), 0, 2 ** 63 - 1, "a seed")
+
+
+def _whole(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def _within(value: int, lo: int, hi: int, what: str) -> int:
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"{what} is {lo} to {hi}, got {value}")
     return value

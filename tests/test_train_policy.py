@@ -175,3 +175,28 @@ def test_recorded_monitoring_series_reach_the_decisions_and_the_system_tower_can
 
     assert right(fit(toy, epochs=30, seed=0, batch=64, system="recorded")) > 0.95
     assert right(fit(toy, epochs=30, seed=0, batch=64, system="random")) < 0.75
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_an_unwritable_out_fails_before_training_and_leaves_nothing(tiny_trace, tmp_path, capsys, where):
+    (tmp_path / "taken").mkdir() if where == "a directory" else (tmp_path / "taken").write_text("x")
+    out = tmp_path / "taken" if where == "a directory" else tmp_path / "taken" / "w.safetensors"
+    assert main(["train-policy", "--trace", str(tiny_trace), "--out", str(out), "--max-decisions", "50"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the policy weights {out}" in err and "decisions" not in err  # refused before training
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no .tmp left
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seed", "-1"], "--seed: a seed is 0 to"), (["--seed", "1" + "0" * 30], "--seed: a seed is 0 to"),
+    (["--epochs", "0"], "--epochs: must be at least 1"), (["--max-tokens", "nan"], "--max-tokens: expected a whole"),
+])
+def test_bad_numbers_name_their_flag(tiny_trace, tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train-policy", "--trace", str(tiny_trace), "--out", str(tmp_path / "w.safetensors"), *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_empty_prompt_range_says_why(tiny_trace, tmp_path, capsys):
+    assert main(["train-policy", "--trace", str(tiny_trace), "--prompts", "9..1", "--out", str(tmp_path / "w")]) == 2
+    assert "'9..1' is empty: A must not exceed B" in capsys.readouterr().err

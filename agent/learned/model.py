@@ -15,6 +15,7 @@ Weights file: one safetensors file; its metadata holds the config and how it was
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -79,13 +80,31 @@ class RetentionNet(nn.Module):
 
 
 def save(net: RetentionNet, path: Path, training: dict) -> None:
-    """Write weights atomically (temp file, then rename): a reader never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    """Write weights atomically (temp file, then rename): a reader never sees half a file, and a write
+    that fails leaves nothing (a ValueError names the file)."""
     meta = {"config": json.dumps(asdict(net.config)), "training": json.dumps(training)}
-    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(tmp), metadata=meta)
-    tmp.replace(path)
+    state = {k: v.contiguous() for k, v in net.state_dict().items()}
+    _write_atomically(Path(path), lambda tmp: save_file(state, str(tmp), metadata=meta))
+
+
+def check_writable(path: Path) -> None:
+    """Fail now, with the reason, if `save` could not write `path` (before hours of training, not after)."""
+    _write_atomically(Path(path), lambda tmp: tmp.write_bytes(b""), keep=False)
+
+
+def _write_atomically(path: Path, write, keep: bool = True) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "it is a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        tmp.replace(path) if keep else tmp.unlink()
+    except (OSError, SafetensorError) as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise ValueError(f"cannot write the policy weights {path}: {reason}; pass another --out") from None
 
 
 def load(path: Path) -> RetentionNet:

@@ -46,9 +46,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from agent import argtypes
 from agent.experts.reader import IO_THREADS
 from agent.learned.features import FEATURES, HISTORY_BITS, LayerHistory
-from agent.learned.model import NetConfig, RetentionNet, save
+from agent.learned.model import NetConfig, RetentionNet, check_writable, save
 from agent.learned.scorer import SERIES_LEN, layer_inputs, system_input
 from agent.learned.splits import ARCHITECTURES, TRACES_DIR, TRAIN_PROMPTS, Part, split_parts
 from agent.policies import policy_factory
@@ -338,15 +339,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the shared traces directory, for --train-split (default %(default)s)")
     parser.add_argument("--without", choices=ARCHITECTURES,
                         help="--train-split without this architecture's traces: weights that never saw it")
-    parser.add_argument("--prompts", type=parse_prompts, metavar="A..B",
+    parser.add_argument("--prompts", metavar="A..B",
                         help=f"prompt numbers to use from .npz traces (default: the train split's, "
                              f"{TRAIN_PROMPTS.start}..{TRAIN_PROMPTS.stop - 1}: never the report prompts)")
     parser.add_argument("--out", required=True, type=Path, metavar="FILE", help="weights file to write")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-decisions", type=int, default=12000,
+    parser.add_argument("--epochs", type=argtypes.count, default=3, help="passes over the decisions (default 3)")
+    parser.add_argument("--seed", type=argtypes.seed, default=0, help="sampling and initialisation seed (default 0)")
+    parser.add_argument("--max-decisions", type=argtypes.count, default=12000,
                         help="eviction decisions sampled per trace, capacity and deciding policy")
-    parser.add_argument("--max-tokens", type=int, default=30000,
+    parser.add_argument("--max-tokens", type=argtypes.count, default=30000,
                         help="tokens replayed per trace: longer traces keep whole sessions spread evenly")
 
 
@@ -358,15 +359,14 @@ def training_parts(args: argparse.Namespace) -> tuple[tuple[Part, ...], Path]:
         return split_parts("train", args.without), args.traces_dir
     if args.without is not None:
         raise ValueError("--without applies to --train-split")
-    prompts = args.prompts or TRAIN_PROMPTS
+    prompts = parse_prompts(args.prompts) if args.prompts else TRAIN_PROMPTS
     return tuple(Part(str(p), prompts if Path(p).suffix == ".npz" else None) for p in args.trace), Path(".")
 
 
 def run(args: argparse.Namespace) -> int:
-    if min(args.epochs, args.max_decisions, args.max_tokens) < 1:
-        raise SystemExit("--epochs, --max-decisions and --max-tokens must be at least 1")
     try:
         parts, root = training_parts(args)
+        check_writable(args.out)
         summary = train_policy(parts, args.out, root, args.epochs, args.seed,
                                max_decisions=args.max_decisions, max_tokens=args.max_tokens)
     except ValueError as e:  # TraceError included: the message names the file and what to fix
