@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+MAX_THREADS = 256
+
 
 def count(text: str) -> int:
     """A count (bytes, rounds, tokens, clients, threads): a whole number of at least 1."""
@@ -20,6 +22,11 @@ def port(text: str) -> int:
 def seed(text: str) -> int:
     """A random seed that torch and numpy both take: 0 to 2**63 - 1."""
     return _within(_whole(text), 0, 2 ** 63 - 1, "a seed")
+
+
+def threads(text: str) -> int:
+    """A thread count: 1 to MAX_THREADS (far above any useful count; the OS refuses threads long before 100,000)."""
+    return _within(_whole(text), 1, MAX_THREADS, "a thread count")
 
 
 def _whole(text: str) -> int:

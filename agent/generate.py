@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from agent import argtypes
 from agent.experts.cache import CacheStats, ExpertCache
 from agent.experts.cap import parse_cap
 from agent.experts.layout import INDEX, Index, StoreError
@@ -95,6 +96,8 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
     if not model.is_dir():
         raise ValueError(f"--model {model} is not a directory; give an expert store written by "
                          "flashmoe-cli convert or flashmoe-cli init-demo")
+    if record_trace is not None and Path(record_trace).is_dir():
+        raise ValueError(f"--record-trace {record_trace} is a directory; name a file, e.g. {Path(record_trace) / 'run.jsonl'}")
     if prefill not in PREFILL_MODES:
         raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
     tokenizer = load_tokenizer(model)
@@ -191,7 +194,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma separated: 1,2,3")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     parser.add_argument("--greedy", action="store_true", help="argmax decoding (default: sample at temperature 1)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--seed", type=argtypes.seed, default=0, help="sampling seed (default 0)")
     parser.add_argument("--cache-cap", default="100%", help="expert cache size: bytes (300000000, 300MB) or a share "
                         "of all expert bytes (25%%); default 100%%")
     parser.add_argument("--policy", default=DEFAULT_POLICY, help="replacement policy (default %(default)s)")
@@ -202,7 +205,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no lookahead prefetch: a pure demand-access run")
     parser.add_argument("--prefill", choices=PREFILL_MODES, default="sequential",
                         help="prompt token by token (default) or in one batched step")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: the expert "
+    parser.add_argument("--threads", type=argtypes.threads, default=1, help="torch intra-op threads (default 1: the expert "
                         "reads and their CRC checks run on other threads, and one token's matmuls are small)")
     parser.add_argument("--record-trace", type=Path, metavar="FILE", help="write the routing as decode-layout JSONL")
     parser.add_argument("--route-trace", type=Path, nargs="+", default=(), metavar="FILE",
@@ -222,15 +225,15 @@ def _ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads < 1:
-        log.error("--threads must be at least 1, got %d", args.threads)
-        return 2
     torch.set_num_threads(args.threads)
     try:
         result = run_generate(args.model, args.prompt, args.prompt_ids, args.max_new_tokens, args.greedy,
                               args.cache_cap, args.policy, args.scope, args.backend, args.prefetch, args.prefill,
                               args.record_trace, args.seed, args.route_trace)
-    except (ValueError, StoreError, ConfigError, OSError) as exc:
+    except OSError as exc:
+        log.error("%s", exc)  # args[0] of an OSError is its errno
+        return 2
+    except (ValueError, StoreError, ConfigError) as exc:
         log.error("%s", exc.args[0] if exc.args else exc)
         return 2
     if args.json:

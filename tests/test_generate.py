@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import subprocess
 import sys
 import weakref
@@ -117,10 +118,11 @@ def test_text_prompt_goes_through_the_tokenizer(store, capsys):
     (["--prompt-ids", "5", "--cache-cap", "lots"], "is not understood"),
     (["--prompt-ids", PROMPT, "--prefill", "batched", "--cache-cap", "SMALL"], "use --prefill sequential"),
     (["--prompt-ids", "5", "--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
-    (["--prompt-ids", "5", "--threads", "0"], "--threads must be at least 1"),
+    (["--prompt-ids", "5", "--max-new-tokens", "1000000000000"], "exceed the model's context of"),
+    (["--prompt-ids", "5", "--record-trace", "TMP"], "is a directory; name a file"),
 ])
 def test_bad_input_is_a_clear_error_and_writes_no_trace(store, tmp_path, caplog, args, words):
-    args = [a.replace("SMALL", slot_cap(store, 2)) for a in args]
+    args = [a.replace("SMALL", slot_cap(store, 2)).replace("TMP", str(tmp_path)) for a in args]
     trace_path = tmp_path / "never.jsonl"
     assert cli(["generate", "--model", str(store), "--greedy", "--record-trace", str(trace_path), *args]) == 2
     assert words in caplog.text
@@ -169,3 +171,22 @@ def test_a_finished_run_lets_go_of_its_cache_and_store_without_waiting_for_the_g
         assert caches[-1]() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--threads", "0"], "--threads: a thread count is 1 to 256, got 0"),
+    (["--threads", "100000"], "--threads: a thread count is 1 to 256, got 100000"),
+    (["--seed", "-1"], "--seed: a seed is 0 to"), (["--seed", "1" + "0" * 30], "--seed: a seed is 0 to"),
+])
+def test_bad_numbers_are_usage_errors_naming_their_flag(store, capsys, args, words):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["generate", "--model", str(store), "--prompt-ids", "5", *args])
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_config_that_is_not_a_json_object_is_named(store, tmp_path, caplog):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(store, damaged)
+    (damaged / "config.json").write_text("[1, 2]")
+    assert cli(["generate", "--model", str(damaged), "--prompt-ids", "5"]) == 2
+    assert f"{damaged / 'config.json'}: cannot read num_experts_per_tok" in caplog.text

@@ -483,6 +483,6 @@ def _top_k(store_dir: Path) -> int:
     """Experts per token from the checkpoint config (every supported architecture names it the same)."""
     try:
         return int(json.loads((store_dir / CONFIG).read_text())["num_experts_per_tok"])
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # TypeError: a JSON list or number, not an object
         raise StoreError(f"{store_dir / CONFIG}: cannot read num_experts_per_tok ({exc}); "
-                         f"pass min_per_layer or re-run flashmoe-cli convert") from None
+                         f"re-run flashmoe-cli convert") from None

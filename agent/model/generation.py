@@ -65,6 +65,9 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, gre
         raise ValueError("the prompt is empty; give at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if len(prompt_ids) + max_new_tokens > model.config.max_seq_len:
+        raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and max_new_tokens ({max_new_tokens}) exceed the "
+                         f"model's context of {model.config.max_seq_len} tokens; shorten one of them")
     for t in prompt_ids:
         if not 0 <= t < model.config.vocab_size:
             raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {model.config.vocab_size})")

@@ -26,7 +26,7 @@ import signal
 import socket
 from pathlib import Path
 
-from agent.argtypes import count, port
+from agent.argtypes import count, port, threads
 from agent.experts.layout import StoreError as ExpertStoreError
 from machine.memory import read_pid_file
 from agent.experts.reader import BACKENDS, IO_THREADS
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", help="replacement policy (lru, flashmoe, ...)")
     p.add_argument("--backend", choices=BACKENDS, default="direct", help="expert reads: O_DIRECT, buffered or mmap")
     p.add_argument("--max-batch-size", type=int, help="most requests sharing one decode step (default 16)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for the model step (default 1: "
+    p.add_argument("--threads", type=threads, default=1, help="torch intra-op threads for the model step (default 1: "
                    "reads run on other threads, and on a small CPU more threads busy-wait against them)")
     p.add_argument("--io-threads", type=int, default=IO_THREADS, help=f"expert reads in flight at once (default "
                    f"{IO_THREADS}: an SSD reaches its bandwidth only with several requests queued)")
