@@ -143,17 +143,20 @@ def preload(agent_url: str, experts: list[tuple[int, int]], token: str | None) -
 def warmup(file: Path, agent_url: str | None = None, model: Path | None = None, per_layer: int | None = None,
            token: str | None = None) -> dict[str, Any]:
     """The library function behind the command (same parameter names); returns the report."""
-    from agent.experts.layout import INDEX, Index
+    from agent.experts.layout import INDEX, Index, StoreError
 
     prompts = load_prompts(file)
     status = agent_status(agent_url) if agent_url else None
     model_dir = Path(model or status["model"])
-    index = Index.load(model_dir / INDEX)
-    if per_layer is None:
-        per_layer = (status["cache"]["capacity_experts"] // index.n_layers) if status else index.n_experts // 4
-    if not 1 <= per_layer <= index.n_experts:
-        raise WarmupError(f"--per-layer must be between 1 and {index.n_experts}, got {per_layer}")
-    hot = find_hot_experts(model_dir, prompts, per_layer)
+    try:
+        index = Index.load(model_dir / INDEX)
+        if per_layer is None:
+            per_layer = (status["cache"]["capacity_experts"] // index.n_layers) if status else index.n_experts // 4
+        if not 1 <= per_layer <= index.n_experts:
+            raise WarmupError(f"--per-layer must be between 1 and {index.n_experts}, got {per_layer}")
+        hot = find_hot_experts(model_dir, prompts, per_layer)
+    except (StoreError, ValueError, OSError) as exc:  # ValueError: a bad config.json, tokenizer or prompt length
+        raise WarmupError(f"cannot find the hot experts of {model_dir}: {exc}") from None
     report = {"model": str(model_dir), "per_layer": per_layer, **asdict(hot), "coverage": hot.coverage}
     if agent_url:
         answer = preload(agent_url, hot.experts, token)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -85,3 +86,17 @@ def test_an_absent_agent_is_a_clear_error():
     r = subprocess.run([*CLI, "warmup", str(EXAMPLE), "--agent-url", "http://127.0.0.1:9"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "did not answer" in r.stderr and "--model" in r.stderr
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda d: shutil.rmtree(d), "does not exist, so"),
+    (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json holds a JSON list"),
+])
+def test_a_model_that_is_not_a_store_is_one_line(model, prompts, tmp_path, damage, words):
+    damaged = tmp_path / "model"
+    shutil.copytree(model, damaged)
+    damage(damaged)
+    r = subprocess.run([*CLI, "warmup", str(prompts), "--model", str(damaged)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and f"cannot find the hot experts of {damaged}" in r.stderr and words in r.stderr
+    assert "Traceback" not in r.stderr
