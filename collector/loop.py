@@ -29,6 +29,7 @@ from machine import pressure
 from machine.devices import BlockDevice, HotplugWatcher, NvmeController, block_devices, disk_holding, nvme_controllers
 from machine.identity import add_device_name
 from machine.sources import SourceUnavailable
+from store.cli import positive
 from store.db import Store
 from store.errors import StoreError
 from store.schema import DEFAULT_RETENTION_DAYS
@@ -178,13 +179,6 @@ def open_store(path: Path, stop: threading.Event, device_name: str | None = None
             return None
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
-    return value
-
-
 def listen_address(text: str) -> tuple[str, int]:
     """--listen HOST:PORT (IPv6 in brackets); port 0 picks a free one."""
     host, sep, port = text.rpartition(":")
@@ -209,8 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "--store-path data/demo --duration 60\n"
                      "  flashmoe-cli collect --db data/flashmoe.db --device-name edge-01 --listen 0.0.0.0:9600")
     parser.add_argument("--db", required=True, type=Path, help="the store file (created if missing)")
-    parser.add_argument("--interval", type=_positive, default=1.0, help="seconds between samples (default 1)")
-    parser.add_argument("--duration", type=_positive, default=None, help="stop after this many seconds "
+    parser.add_argument("--interval", type=positive, default=1.0, help="seconds between samples (default 1)")
+    parser.add_argument("--duration", type=positive, default=None, help="stop after this many seconds "
                         "(default: run until SIGTERM)")
     parser.add_argument("--pid-file", type=Path, default=None, help="the agent's pid file, for its memory")
     parser.add_argument("--store-path", type=Path, default=None,
@@ -219,7 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", type=listen_address, default=None, metavar="HOST:PORT",
                         help="also export the readings to Prometheus at http://HOST:PORT/metrics (no control "
                              "calls there, so no token; node_exporter / smartctl_exporter names)")
-    parser.add_argument("--retention-days", type=_positive, default=DEFAULT_RETENTION_DAYS,
+    parser.add_argument("--retention-days", type=positive, default=DEFAULT_RETENTION_DAYS,
                         help="delete data older than this (default 7)")
 
 

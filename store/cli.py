@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -23,12 +24,27 @@ from store.schema import DEFAULT_RETENTION_DAYS
 log = logging.getLogger(__name__)
 
 
+def positive(text: str) -> float:
+    """A positive finite number (seconds, days): 0, a negative, nan, inf or 1e400 is a usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, not {text}")
+    return value
+
+
 def parse_time(text: str) -> float:
     """Unix seconds, or an ISO 8601 date-time (UTC unless it names a zone)."""
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a time; give Unix seconds or an ISO 8601 time")
+        return seconds
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
@@ -61,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     compact = _subcommand(sub, "compact", "delete data older than the retention and merge small chunks",
                           "flashmoe-cli store compact --db data/flashmoe.db --retention-days 7")
     compact.add_argument("--db", required=True, type=Path)
-    compact.add_argument("--retention-days", type=float, default=DEFAULT_RETENTION_DAYS,
+    compact.add_argument("--retention-days", type=positive, default=DEFAULT_RETENTION_DAYS,
                          help=f"delete data older than this (default {DEFAULT_RETENTION_DAYS:g})")
 
 

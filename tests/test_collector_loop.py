@@ -97,7 +97,7 @@ def test_collect_refuses_bad_arguments_with_a_message(tmp_path):
     assert result.returncode == 1 and "junk.db as a FlashMoE store" in result.stderr
     result = subprocess.run(CLI + ["collect", "--db", str(tmp_path / "x.db"), "--interval", "0"],
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "must be a positive number of seconds" in result.stderr
+    assert result.returncode == 2 and "--interval: must be a positive finite number" in result.stderr
 
 
 def test_the_collector_and_store_commands_never_import_torch():
@@ -180,3 +180,12 @@ def test_nvme_without_admin_access_falls_back_to_hwmon_and_says_so_once(tmp_path
     [(kind, message)] = events
     assert kind == "collector.source_unavailable"
     assert "Get Log Page 02h on /dev/null failed" in message and "falling back to the hwmon" in message
+
+
+@pytest.mark.parametrize("flag", ["--interval", "--duration", "--retention-days"])
+@pytest.mark.parametrize("value", ["inf", "1e400", "nan", "-1"])
+def test_collect_refuses_a_number_that_is_not_positive_and_finite(tmp_path, flag, value):
+    result = subprocess.run(CLI + ["collect", "--db", str(tmp_path / "x.db"), f"{flag}={value}"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"{flag}: must be a positive finite number" in result.stderr
+    assert not list(tmp_path.iterdir())

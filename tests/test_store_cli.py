@@ -60,6 +60,17 @@ def test_errors_name_the_problem(db, tmp_path, caplog):
         main(["store", "export", "--db", str(db), "--series", "x", "--since", "yesterday"])
 
 
+@pytest.mark.parametrize("args", [["compact", "--retention-days", "-1"], ["compact", "--retention-days", "nan"],
+                                  ["export", "--series", "block.vda.util", "--since", "nan"],
+                                  ["export", "--series", "block.vda.util", "--until", "inf"]])
+def test_numbers_that_would_delete_everything_or_match_nothing_are_refused(db, capsys, args):
+    with pytest.raises(SystemExit) as exit_:
+        main(["store", args[0], "--db", str(db), *args[1:]])
+    assert exit_.value.code == 2 and args[-2] in capsys.readouterr().err
+    assert main(["store", "stats", "--db", str(db), "--json"]) == 0  # nothing was deleted
+    assert json.loads(capsys.readouterr().out)["points"] == 240
+
+
 def test_compact_reports_what_it_did(db, capsys):
     assert main(["store", "compact", "--db", str(db), "--retention-days", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["chunks_deleted"] == 3 * 2  # all data is from 2023
