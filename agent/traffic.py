@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import random
 import threading
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from agent.argtypes import count
 from agent.warmup import DEFAULT_AGENT_URL, WarmupError, load_prompts
 
 log = logging.getLogger(__name__)
@@ -28,12 +30,14 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "examples" / "benchma
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--agent-url", default=os.environ.get("FLASHMOE_AGENT_URL", DEFAULT_AGENT_URL))
+    parser.epilog = __doc__.split("\n\n", 1)[1]
+    parser.add_argument("--agent-url", default=os.environ.get("FLASHMOE_AGENT_URL", DEFAULT_AGENT_URL),
+                        help=f"the agent (default $FLASHMOE_AGENT_URL or {DEFAULT_AGENT_URL})")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="warm-up style prompt file")
-    parser.add_argument("--clients", type=int, default=2, help="concurrent clients (default 2)")
+    parser.add_argument("--clients", type=count, default=2, help="concurrent clients (default 2)")
     parser.add_argument("--requests", type=int, default=0, help="requests per client; 0 runs until stopped")
     parser.add_argument("--pause", type=float, default=0.5, help="seconds a client waits between requests")
-    parser.add_argument("--max-tokens", type=int, help="tokens per completion (default: the file's max_tokens)")
+    parser.add_argument("--max-tokens", type=count, help="tokens per completion (default: the file's max_tokens)")
 
 
 def client(url: str, prompts: list, max_tokens: int, requests: int, pause: float, seed: int,
@@ -55,8 +59,12 @@ def client(url: str, prompts: list, max_tokens: int, requests: int, pause: float
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.clients < 1 or args.requests < 0 or args.pause < 0:
-        log.error("--clients must be >= 1, --requests >= 0 and --pause >= 0")
+    if args.requests < 0 or not 0 <= args.pause < math.inf:
+        log.error("--requests must be >= 0 and --pause a finite number of seconds >= 0, got %d and %s",
+                  args.requests, args.pause)
+        return 2
+    if not args.agent_url.startswith(("http://", "https://")):
+        log.error("--agent-url %r is not an http:// or https:// URL, e.g. %s", args.agent_url, DEFAULT_AGENT_URL)
         return 2
     try:
         prompts = load_prompts(args.prompts)

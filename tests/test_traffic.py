@@ -32,3 +32,14 @@ def test_a_bad_prompt_file_is_a_clear_error(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "at least one prompt" in done.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--pause", "nan"], "--pause a finite number"), (["--pause", "inf"], "--pause a finite number"),
+    (["--requests", "-1"], "--requests must be >= 0"), (["--clients", "0"], "--clients: must be at least 1"),
+    (["--max-tokens", "0"], "--max-tokens: must be at least 1"), (["--agent-url", "notaurl"], "is not an http://"),
+])
+def test_bad_arguments_are_refused_before_any_request(args, words):
+    done = subprocess.run([*CLI, "traffic", "--agent-url", "http://127.0.0.1:9", "--requests", "1", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr
