@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 from pathlib import Path
 
+from agent.argtypes import count
 from agent.policies import policy_factory, policy_names
 from agent.policies.belady import BeladyOracle
 from agent.policies.lfu import DEFAULT_WINDOW
@@ -192,9 +193,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache size as a fraction of all experts, in (0, 1] (default 0.25)")
     parser.add_argument("--scope", choices=SCOPES, default="layer", help="per-layer or global cache")
     parser.add_argument("--policy-model", metavar="FILE", help="weights for the learned flashmoe policy")
-    parser.add_argument("--experts", type=int, metavar="N", help="experts per layer when a trace's meta has null")
+    parser.add_argument("--experts", type=count, metavar="N", help="experts per layer when a trace's meta has null")
     parser.add_argument("--prompts", metavar="A..B", help="prefill NPZ only: prompt numbers to replay")
-    parser.add_argument("--window", type=int, metavar="W", help=f"lfu-window: window in accesses of one layer (default {DEFAULT_WINDOW})")
+    parser.add_argument("--window", type=count, metavar="W", help=f"lfu-window: window in accesses of one layer (default {DEFAULT_WINDOW})")
     parser.add_argument("--system-series", metavar="FILE", help="monitoring series JSON to replay "
                         "(default: a deterministic synthetic one; a trace recorded with samples replays its own)")
     parser.add_argument("--online", action="store_true", help="also run flashmoe learning online from the "
@@ -254,7 +255,7 @@ def _policies(text: str) -> list[str]:
 def _options(policy: str, args: argparse.Namespace) -> dict:
     if policy == "flashmoe" and args.policy_model:
         return {"model_path": args.policy_model}
-    if policy == "lfu-window" and args.window:
+    if policy == "lfu-window" and args.window is not None:
         return {"window": args.window}
     return {}
 

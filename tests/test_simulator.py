@@ -160,6 +160,17 @@ def test_cli_errors(capsys, argv, message):
     assert re.search(message, err)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "lfu-window", "--window", "0"], "--window: must be at least 1, got 0"),  # was the default, silently
+    (["--experts", "0"], "--experts: must be at least 1, got 0"),
+    (["--experts", "-1"], "--experts: must be at least 1, got -1"),
+])
+def test_counts_below_one_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "--trace", str(OLMOE), *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_cli_missing_trace_in_a_real_process(tmp_path):
     exe = Path(sys.executable).parent / "flashmoe-cli"
     proc = subprocess.run([str(exe), "simulate", "--trace", str(tmp_path / "gone.jsonl"), "--policy", "lru"],
