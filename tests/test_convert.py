@@ -473,3 +473,9 @@ def test_cli_reports_a_bad_config_in_one_line(tmp_path, changes):
 def test_cli_help_has_an_example():
     out = subprocess.run(CLI + ["convert", "--help"], cwd=REPO, capture_output=True, text=True, check=True)
     assert "example:" in out.stdout and "flashmoe-cli convert " in out.stdout
+
+
+def test_a_directory_without_config_json_names_src_dir_not_model(tmp_path):
+    (tmp_path / "hf").mkdir()
+    message = _convert_fails(tmp_path / "hf", tmp_path / "store", f"{tmp_path / 'hf' / CONFIG} not found", "SRC_DIR")
+    assert "--model" not in message

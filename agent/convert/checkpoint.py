@@ -82,6 +82,8 @@ def _read_config(src: Path) -> MoEConfig:
     path = src / CONFIG
     if not src.is_dir():
         raise CheckpointError(f"{src} is not a directory; pass the checkpoint directory that holds config.json")
+    if not path.is_file():  # MoEConfig's own message is about a store's --model
+        raise CheckpointError(f"{path} not found; SRC_DIR must be a Hugging Face checkpoint with its config.json")
     try:
         return MoEConfig.from_file(path)
     except ConfigError as exc:
