@@ -30,13 +30,14 @@ import torch
 from agent import argtypes
 from agent.experts.cache import CacheStats, ExpertCache
 from agent.experts.cap import parse_cap
-from agent.experts.layout import INDEX, Index, StoreError
+from agent.experts.layout import EXPERTS, INDEX, Index, StoreError
 from agent.experts.provider import Expert, ExpertProvider
 from agent.model.config import ConfigError, MoEConfig
 from agent.model.generation import Generation, generate
 from agent.model.loading import load_model
 from agent.model.model import Transformer
 from agent.policies import DEFAULT_POLICY
+from agent.serve.scrub import truncated
 from agent.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
     index = Index.load(model / INDEX)
     with ExpertCache(model, parse_cap(cache_cap, index.nbytes * len(index.blocks)), policy=policy, scope=scope,
                      backend=backend) as cache:
+        _check_not_truncated(model, index)
         recorder = RoutingRecorder(cache)
         net = load_model(model, recorder, prefetch=prefetch, route_trace=route_trace)
         if prefill == "batched":
@@ -153,6 +155,15 @@ def _stats(gen: Generation, net: Transformer, before: CacheStats, profile_before
         "policy": after.policy, "scope": after.scope, "backend": after.backend,
         "decode_profile_ms_per_token": {k: 1000 * v / max(decode_steps, 1) for k, v in phases.items()},
     }
+
+
+def _check_not_truncated(model: Path, index: Index) -> None:
+    """One clear error now rather than a failed read, and the log lines of its prefetch siblings, later.
+    (The agent serves such a store and fails only the requests that reach a missing block.)"""
+    damaged = truncated(model, index)
+    if damaged:
+        raise StoreError(f"{len(damaged)} of {len(index.blocks)} expert blocks are missing from the end of "
+                         f"{model / EXPERTS}, first: {next(iter(damaged.values()))}")
 
 
 def _stop_ids(config: MoEConfig) -> tuple[int, ...]:

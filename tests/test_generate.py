@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -190,3 +191,13 @@ def test_a_config_that_is_not_a_json_object_is_named(store, tmp_path, caplog):
     (damaged / "config.json").write_text("[1, 2]")
     assert cli(["generate", "--model", str(damaged), "--prompt-ids", "5"]) == 2
     assert f"{damaged / 'config.json'}: cannot read num_experts_per_tok" in caplog.text
+
+
+def test_a_truncated_store_is_one_error_line(store, tmp_path, caplog):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(store, damaged)
+    experts = damaged / "experts.bin"
+    os.truncate(experts, experts.stat().st_size // 3)
+    assert cli(["generate", "--model", str(damaged), "--prompt-ids", "5", "--max-new-tokens", "4"]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and f"expert blocks are missing from the end of {experts}" in errors[0]
