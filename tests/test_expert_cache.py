@@ -1,6 +1,7 @@
 """ExpertCache: the runtime cache over a real store on disk, every backend, reads on a thread pool."""
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import random
@@ -382,3 +383,12 @@ def test_missing_top_k_in_config_is_a_clear_error(store):
     (store / "config.json").write_text("{}")
     with pytest.raises(StoreError, match="num_experts_per_tok"):
         ExpertCache(store, slots(store, LAYERS * 2))
+
+
+@pytest.mark.parametrize("block", [[0, 3, -4096, 1], [0, 3, 100, 1], [1, 3, 0, 1], [0, 3, "0", 1], [0, 3, 0, None]])
+def test_an_index_with_a_block_out_of_place_or_misaligned_is_refused_at_load(store, block):
+    data = json.loads((store / INDEX).read_text())
+    data["blocks"][3] = block
+    (store / INDEX).write_text(json.dumps(data))
+    with pytest.raises(StoreError, match="block 3 is .* expected .* layer 0 expert 3 at an offset that is a multiple"):
+        Index.load(store / INDEX)

@@ -171,6 +171,12 @@ def _check_kind(data: object, path: Path) -> None:
 def _check_blocks(index: Index, parts: list | None, path: Path) -> None:
     if len(index.blocks) != index.n_layers * index.n_experts:
         raise StoreError(f"{path}: {len(index.blocks)} blocks, expected {index.n_layers} x {index.n_experts}")
+    for i, b in enumerate(index.blocks):  # block() finds a block by its place; reads need aligned offsets
+        if ((b.layer, b.expert) != divmod(i, index.n_experts) or type(b.offset) is not int or b.offset < 0
+                or b.offset % index.alignment or type(b.crc32) is not int):
+            raise StoreError(f"{path}: block {i} is {[b.layer, b.expert, b.offset, b.crc32]}, expected [layer, expert, "
+                             f"offset, crc32] for layer {i // index.n_experts} expert {i % index.n_experts} at an "
+                             f"offset that is a multiple of {index.alignment}; re-run flashmoe-cli convert")
     if index.version > 1 and parts != [p.listed() for p in index.parts]:
         raise StoreError(f"{path}: the block layout it lists is not the one this flashmoe reads for "
                          f"{index.quant or index.dtype} blocks; re-run flashmoe-cli convert")
