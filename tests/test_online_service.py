@@ -94,6 +94,10 @@ def test_the_worker_runs_at_the_lowest_priority_within_its_cpu_budget():
         while cpu_seconds(pid) < 0.1 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert executor.busy()  # over budget: the learner must wait for a later step boundary
+        executor._since = time.monotonic() - 100 * cpu_seconds(pid)  # used: 1% of the time since
+        assert not executor.busy()
+        executor._last_job = 5 * cpu_seconds(pid)   # the next job, costing what the last did, would pass 5%
+        assert executor.busy()
     finally:
         executor.close()
     assert not executor._proc or not executor._proc.is_alive()
