@@ -6,8 +6,10 @@ Examples:
 
 Prompts come from a warm-up file (see `flashmoe-cli warmup --help` for its format). Each client
 walks the prompts in its own order, so the routed experts drift as a real mix of users would make
-them. It waits for the agent to come up, and rides out restarts: a refused connection is logged
-and retried. It only talks to the URL it is given (loopback by default).
+them. It waits for the agent to come up, and rides out restarts: a refused connection, a timeout or a
+5xx is logged and retried. A request the agent refuses as bad (a 4xx other than 408 and 429) would be
+refused again: the command stops with the agent's answer and exit status 1. It only talks to the URL
+it is given (loopback by default).
 """
 from __future__ import annotations
 
@@ -40,8 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=count, help="tokens per completion (default: the file's max_tokens)")
 
 
+RETRIED = (408, 429)  # client errors that a later attempt can get past
+
+
 def client(url: str, prompts: list, max_tokens: int, requests: int, pause: float, seed: int,
-           stop: threading.Event) -> None:
+           stop: threading.Event, refused: list[str]) -> None:
     order = random.Random(seed)
     sent = 0
     with httpx.Client(base_url=url, timeout=120) as http:
@@ -52,6 +57,13 @@ def client(url: str, prompts: list, max_tokens: int, requests: int, pause: float
                 reply.raise_for_status()
                 sent += 1
                 log.debug("client %d: %s", seed, reply.json()["usage"])
+            except httpx.HTTPStatusError as exc:
+                if 400 <= exc.response.status_code < 500 and exc.response.status_code not in RETRIED:
+                    refused.append(f"the agent refused a request with {exc.response.status_code}: {exc.response.text}")
+                    stop.set()
+                    return
+                log.warning("client %d: %s; retrying", seed, exc)
+                stop.wait(2.0)
             except httpx.HTTPError as exc:
                 log.warning("client %d: %s; retrying", seed, exc)
                 stop.wait(2.0)
@@ -72,9 +84,10 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     max_tokens = args.max_tokens or prompts.max_tokens
-    stop = threading.Event()
+    stop, refused = threading.Event(), []
     threads = [threading.Thread(target=client, daemon=True, name=f"client-{i}",
-                                args=(args.agent_url, prompts.prompts, max_tokens, args.requests, args.pause, i, stop))
+                                args=(args.agent_url, prompts.prompts, max_tokens, args.requests, args.pause, i, stop,
+                                      refused))
                for i in range(args.clients)]
     log.info("%d clients sending completions to %s", args.clients, args.agent_url)
     for t in threads:
@@ -84,4 +97,7 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.5)
     except KeyboardInterrupt:
         stop.set()
+    if refused:
+        log.error("%s", refused[0])
+        return 1
     return 0

@@ -25,6 +25,14 @@ def test_clients_send_the_requested_completions(agent):
     assert all(1 <= r["completion_tokens"] <= 4 for r in rows)
 
 
+def test_a_request_the_agent_refuses_stops_the_clients_with_its_answer(agent):
+    # more tokens than the model's context: every retry would be refused the same way
+    done = subprocess.run([*CLI, "traffic", "--agent-url", agent.url, "--clients", "2", "--max-tokens", "1000000"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "the agent refused a request with 4" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_bad_prompt_file_is_a_clear_error(tmp_path):
     bad = tmp_path / "prompts.json"
     bad.write_text('{"prompts": []}')
