@@ -174,10 +174,11 @@ def test_refuses_a_cache_cap_out_of_bounds(model, tmp_path):
     assert not (tmp_path / "agent.pid").exists()  # nothing left behind
 
 
-@pytest.mark.parametrize("port", ["-1", "65536", "x"])
-def test_refuses_a_port_out_of_range_in_one_line(model, port):
-    r = subprocess.run([*CLI, "serve", "--model", str(model), "--port", port], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--port" in r.stderr and "Traceback" not in r.stderr
+@pytest.mark.parametrize("flag, value", [("--port", "-1"), ("--port", "65536"), ("--port", "x"),
+                                         ("--io-threads", "0"), ("--io-threads", "100000000")])
+def test_refuses_a_port_or_thread_count_out_of_range_in_one_line(model, flag, value):
+    r = subprocess.run([*CLI, "serve", "--model", str(model), flag, value], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("where", ["a directory", "under a file"])

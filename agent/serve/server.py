@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, help="most requests sharing one decode step (default 16)")
     p.add_argument("--threads", type=threads, default=1, help="torch intra-op threads for the model step (default 1: "
                    "reads run on other threads, and on a small CPU more threads busy-wait against them)")
-    p.add_argument("--io-threads", type=int, default=IO_THREADS, help=f"expert reads in flight at once (default "
+    p.add_argument("--io-threads", type=threads, default=IO_THREADS, help=f"expert reads in flight at once (default "
                    f"{IO_THREADS}: an SSD reaches its bandwidth only with several requests queued)")
     p.add_argument("--admit-window-ms", type=float, default=ADMIT_WINDOW_S * 1000,
                    help=f"when idle, wait this long after a request arrives so a burst shares its first step "
