@@ -103,3 +103,13 @@ def test_the_model_runs_with_the_engines_thread_count_on_the_scheduler_thread(tm
     finally:
         cache.close()
         torch.set_num_threads(before)
+
+
+def test_a_slow_knob_change_is_logged_with_where_its_time_went(runtime, monkeypatch, caplog):
+    import agent.serve.runtime as module
+    cap = runtime.knobs.values["cache_cap_bytes"]
+    runtime.set_knobs({"cache_cap_bytes": cap}, "api")   # no change: nothing to time
+    monkeypatch.setattr(module, "SLOW_KNOB_S", 0.0)
+    runtime.set_knobs({"cache_cap_bytes": cap // 2}, "api")
+    slow = [r.getMessage() for r in caplog.records if r.getMessage().startswith("knob change took")]
+    assert len(slow) == 1 and all(p in slow[0] for p in ("waiting for another knob change", "applying", "recording"))

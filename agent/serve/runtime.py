@@ -33,6 +33,7 @@ from agent.serve.recorder import Recorder
 from agent.serve.scheduler import ADMIT_WINDOW_S, Request, Scheduler, check_admit_window
 
 log = logging.getLogger(__name__)
+SLOW_KNOB_S = 5.0   # a knob change taking longer is logged with where its time went
 
 TICK_S = 1.0
 DEFAULT_CAP = "25%"          # of expert bytes, when neither --cache-cap nor a stored value says otherwise
@@ -129,7 +130,9 @@ class Runtime:
         """Validate all, apply between two steps (the cache cap alone: at once), record each change. With
         `partial` (restore), a value that no longer fits the bounds (e.g. less memory now) is skipped
         with a warning instead of refused."""
+        asked = time.monotonic()
         with self._knob_lock:
+            locked = time.monotonic()
             if partial:
                 changes = self._fitting(changes)
             validated = self.knobs.validate(changes) if changes else {}
@@ -141,12 +144,14 @@ class Runtime:
                     self._apply(wanted)
                 else:
                     self.scheduler.call(lambda: self._apply(wanted))
-                t = time.time()
+                applied, t = time.monotonic(), time.time()
                 self.metrics.knob_changes.inc(len(diff))
                 for knob, (old, new) in diff.items():
                     log.info("knob %s: %r -> %r (%s)", knob, old, new, source)
                     if self.recorder is not None:
                         self.recorder.knob_change(t, knob, old, new, source)
+                _log_if_slow({"waiting for another knob change": locked - asked, "applying": applied - locked,
+                              "recording": time.monotonic() - applied})
             return self.knobs.describe()
 
     def _check_policy(self, new: dict[str, Any]) -> None:
@@ -302,3 +307,10 @@ def _first_cap(opts: ServeOptions) -> int:
     lo, hi = cap_bounds(index, MoEConfig.from_file(Path(opts.model_dir) / CONFIG).top_k,
                         reserved=resident_bytes(opts.model_dir, index))
     return min(max(cap, lo), hi)
+
+
+def _log_if_slow(phases: dict[str, float]) -> None:
+    """A knob change slower than SLOW_KNOB_S (e.g. under memory thrash) is logged with where its time went."""
+    if sum(phases.values()) > SLOW_KNOB_S:
+        log.warning("knob change took %.1f s: %s", sum(phases.values()),
+                    ", ".join(f"{seconds:.1f} s {phase}" for phase, seconds in phases.items()))
