@@ -217,3 +217,12 @@ def test_missing_or_corrupt_weights_are_clear_errors(tmp_path):
     truncated.write_bytes(DEFAULT_WEIGHTS.read_bytes()[:1000])
     with pytest.raises(ValueError, match="not a valid weights file"):
         policy_factory("flashmoe", model_path=truncated)()
+
+
+def test_experts_admitted_before_their_layer_routed_can_be_evicted():
+    # a preload (warm-up) admits experts of layers that have not routed yet: they are scored from an
+    # empty history when the cache fills, not a KeyError
+    cache = Residency(8, 2, policy_factory("flashmoe"), "global")
+    for e in range(12):
+        cache.access((e % 2, e))
+    assert len(cache) == 8

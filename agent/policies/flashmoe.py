@@ -201,7 +201,7 @@ class FlashMoE(Policy):
 
     def _score(self, layer: int, keys: list[Key]) -> None:
         experts = np.array([e for _, e in keys], np.int64)
-        self._scores.update(zip(keys, self.scorer.score(self.layers[layer], experts).tolist()))
+        self._scores.update(zip(keys, self.scorer.score(self._history(layer), experts).tolist()))
 
 
 def percentile(values: list[float], q: float) -> float:
