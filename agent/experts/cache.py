@@ -37,6 +37,7 @@ from agent.policies import Key, policy_factory
 from agent.residency import LayerStats, Residency, step_window
 
 log = logging.getLogger(__name__)
+SLOW_RESIZE_S = 5.0  # a resize taking longer is logged with where its time went
 
 LATENCY_SAMPLES = 4096        # recent read latencies kept for stats()
 SYSTEM_SAMPLE_INTERVAL_S = 1.0  # how often a monitoring sample (agent.monitor) is passed to the policy
@@ -401,8 +402,14 @@ class ExpertCache:
         (the next route() or idle()), which frees their slots then: under memory thrash a step, even
         one layer, can last minutes, and the relief must not wait for it."""
         self._check_cap(cap_bytes)
+        asked = time.monotonic()
         with self._lock:
-            return self._resize(cap_bytes)
+            locked = time.monotonic()
+            evicted = self._resize(cap_bytes)
+        if time.monotonic() - asked > SLOW_RESIZE_S:  # e.g. under memory thrash: who held the lock, or the work
+            log.warning("cache resize took %.1f s: %.1f s waiting for the cache lock, %.1f s resizing",
+                        time.monotonic() - asked, locked - asked, time.monotonic() - locked)
+        return evicted
 
     def _resize(self, cap_bytes: int) -> list[Key]:
         evicted = self._residency.resize(self._slots_for(cap_bytes))
