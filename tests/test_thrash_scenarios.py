@@ -286,7 +286,8 @@ def test_an_agent_squeezed_by_its_cgroup_is_found_thrashing_within_a_minute(defa
     # one click on the Memory page in Chromium shows the agent's answer: accepted (a cap change applies at
     # once; only the running layer's experts wait for its end, which thrash can delay for minutes), the
     # cap is down within its bounds and the agent's major faults fall while the squeeze holds
-    slow_changes = [line for line in agent.log.read_text().splitlines() if " took " in line and ("knob change" in line or "cache resize" in line)]
+    slow_changes = [line for line in agent.log.read_text().splitlines()
+                    if "knob change took" in line or "cache resize took" in line]
     assert answer.startswith("Agent (") and answer.partition("): ")[2].startswith("accepted: cache_cap_bytes = "), \
         (answer, slow_changes)
     assert queries.latest(agent.db, "agent.cache_cap_min_bytes")[1] <= cap_after < cap_before
