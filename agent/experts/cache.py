@@ -141,6 +141,7 @@ class ExpertCache:
         self._bytes_read = self._reads = self._issued = 0
         self._crc_s = self._policy_s = 0.0  # CPU time of CRC checks (I/O threads) and of the policy (under the lock)
         self._running, self._busy_since, self._io_busy_s = 0, 0.0, 0.0  # reads running, since when, busy time before
+        self._busy_lock = threading.Lock()   # guards those three: a read's start need not wait for the cache lock
         self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.monitor = monitor or SystemSampler()  # told of every read; asked for a sample at most every second
         self._fed_t = -float("inf")  # the monitoring sample last passed to the policy
@@ -341,8 +342,7 @@ class ExpertCache:
         if load.after is not None:
             load.after.exception()  # the slot's previous read must finish before we overwrite it
         block = self.index.block(*load.key)
-        with self._lock:
-            self._read_begins()
+        self._read_begins()
         try:
             before = self._mmap.resident_bytes(block) if self._mmap is not None else 0
             start = time.perf_counter()
@@ -378,14 +378,21 @@ class ExpertCache:
         load.future.set_result(weights)
 
     def _read_begins(self) -> None:
-        if not self._running:
-            self._busy_since = time.perf_counter()
-        self._running += 1
+        with self._busy_lock:
+            if not self._running:
+                self._busy_since = time.perf_counter()
+            self._running += 1
 
     def _read_ends(self) -> None:
-        self._running -= 1
-        if not self._running:
-            self._io_busy_s += time.perf_counter() - self._busy_since
+        with self._busy_lock:
+            self._running -= 1
+            if not self._running:
+                self._io_busy_s += time.perf_counter() - self._busy_since
+
+    def _io_busy(self) -> float:
+        """Seconds with at least one read running, the current stretch included."""
+        with self._busy_lock:
+            return self._io_busy_s + (time.perf_counter() - self._busy_since if self._running else 0.0)
 
     def _feed_system(self, sample: SystemSample) -> None:
         """Pass a monitoring sample to the policy once, if it has anything to say."""
@@ -459,7 +466,7 @@ class ExpertCache:
                 slot_bytes=self.index.slot_bytes, backend=self.backend, policy=self.policy_name,
                 scope=self._residency.scope, layers=layers, read_latency_s=list(self._latency),
                 crc_s=self._crc_s, policy_s=self._policy_s,
-                io_busy_s=self._io_busy_s + (time.perf_counter() - self._busy_since if self._running else 0.0))
+                io_busy_s=self._io_busy())
 
     def close(self) -> None:
         self._io.shutdown(wait=True, cancel_futures=False)
