@@ -28,7 +28,7 @@ from agent.traces import Trace, TraceError, from_sets, load
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
-from bench.common import count, machine, write_results  # noqa: E402
+from bench.common import count, machine, results_name, write_results  # noqa: E402
 TRACES = ROOT.parent / "shared" / "traces" / "decode"
 NAMES = "olmoe_math,olmoe_dialogue"
 CAPACITY = 0.25
@@ -85,7 +85,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=count, default=12, help="decode tokens per request (default 12)")
     parser.add_argument("--waves", type=count, default=16, help="batches of requests one after the other (default 16)")
     parser.add_argument("--names", default=NAMES, help=f"decode traces in --traces, comma-separated (default {NAMES})")
-    parser.add_argument("--results", default="batching", help="write bench/results/<NAME>.json (default batching)")
+    parser.add_argument("--results", type=results_name, default="batching",
+                        help="write bench/results/<NAME>.json (default batching)")
     args = parser.parse_args()
     try:
         batches = [count(b) for b in args.batches.split(",")]

@@ -6,9 +6,11 @@
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,13 @@ def machine(store: Path | None = None) -> dict[str, Any]:
         mem, off = dio_alignment(store / EXPERTS)
         facts |= {"filesystem": _filesystem(store), "dio_alignment": {"memory": mem, "offset": off}}
     return facts
+
+
+def results_name(text: str) -> str:
+    """A --results NAME: a file name in bench/results/, checked before the run rather than after it."""
+    if not re.fullmatch(r"[\w.-]+", text) or text.startswith("."):
+        raise argparse.ArgumentTypeError(f"expected a file name (letters, digits, '.', '-', '_'), got {text!r}")
+    return text
 
 
 def write_results(name: str, result: dict[str, Any]) -> Path:

@@ -40,7 +40,7 @@ from agent.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.common import count, machine, write_results  # noqa: E402
+from bench.common import count, machine, results_name, write_results  # noqa: E402
 from bench.loader import drop_from_page_cache  # noqa: E402
 
 PROMPT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
@@ -142,7 +142,8 @@ def main() -> None:
     parser.add_argument("--scope", choices=("layer", "global"), default="layer",
                         help="cache scope (global lets a cap below top-k per layer run)")
     parser.add_argument("--policy", default="lru", help="replacement policy (default lru, as BENCHMARKS.md's table)")
-    parser.add_argument("--results", default="decode", help="write bench/results/<NAME>.json (default decode)")
+    parser.add_argument("--results", type=results_name, default="decode",
+                        help="write bench/results/<NAME>.json (default decode)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     store = args.model or init_demo(ROOT / "data" / f"decode-demo-{args.size}", args.size)

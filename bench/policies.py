@@ -50,7 +50,7 @@ from agent.traces import Trace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
-from bench.common import RESULTS_DIR, count, machine, write_results  # noqa: E402
+from bench.common import RESULTS_DIR, count, machine, results_name, write_results  # noqa: E402
 
 RUNS_LOG: list[Path] = []  # where this invocation's runs so far go, rewritten as each finishes
 _FINISHED: list[dict] = []
@@ -314,7 +314,7 @@ def main() -> None:
                         f"{', '.join(f'{s}:{c:g}' for s, c in CONFIGS)})")
     parser.add_argument("--no-absent", dest="absent", action="store_false",
                         help="leave out step 3 (weights trained without an architecture)")
-    parser.add_argument("--results", default="policies",
+    parser.add_argument("--results", type=results_name, default="policies",
                         help="results name: bench/results/NAME.json (default %(default)s)")
     args = parser.parse_args()
     try:

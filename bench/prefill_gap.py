@@ -48,7 +48,7 @@ from agent.simulator import SystemReplay, cache_for, replay
 from agent.traces import Trace, access_sequence, load, parse_prompts, session_ends
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repo, so `bench` imports
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import machine, results_name, write_results  # noqa: E402
 
 BUCKETS = (0, 8, 16, 32, 64)  # token positions in a prompt: [0, 8), [8, 16), ... [64, end)
 PRIOR_WEIGHT = 32.0  # A of "counts, estimated": the best of 4, 16, 32, 64, 128 on the validation prompts 601..800
@@ -229,7 +229,8 @@ def main() -> None:
     parser.add_argument("--prior-weight", type=prior_weights, default=[PRIOR_WEIGHT], metavar="A[,A...]",
                         help="counts, estimated: the prior's weight in tokens, one row each (default %(default)s)")
     parser.add_argument("--shuffle", type=int, metavar="SEED", help="permute the tokens within every prompt first")
-    parser.add_argument("--results", default="prefill_gap", help="results name: bench/results/NAME.json")
+    parser.add_argument("--results", type=results_name, default="prefill_gap",
+                        help="results name: bench/results/NAME.json")
     args = parser.parse_args()
     trace = load(args.traces / PREFILL, prompts=parse_prompts(args.prompts))
     if args.shuffle is not None:

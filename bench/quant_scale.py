@@ -34,7 +34,7 @@ from agent.experts.cap import parse_cap  # noqa: E402
 from agent.experts.layout import EXPERTS, INDEX, Index  # noqa: E402
 from agent.experts.reader import IO_THREADS  # noqa: E402
 from agent.tokenizer import load_tokenizer  # noqa: E402
-from bench.common import count, machine, write_results  # noqa: E402
+from bench.common import count, machine, results_name, write_results  # noqa: E402
 from bench.loader import best_raw_read  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory  # noqa: E402
 from bench.scale import (CHUNK, CONFIGS, DEFAULT_TRACES, PROMPT, compute_bound, limit_tok_s,  # noqa: E402
@@ -104,7 +104,8 @@ def main() -> int:
                                                      "('': the compute-only measurements alone)")
     ap.add_argument("--prefill-tokens", type=count, default=256,
                     help="prompt length of the compute-only batched prefill (default 256: 32 tokens per expert)")
-    ap.add_argument("--results", default="quant_scale", help="write bench/results/<NAME>.json (default quant_scale)")
+    ap.add_argument("--results", type=results_name, default="quant_scale",
+                    help="write bench/results/<NAME>.json (default quant_scale)")
     args = ap.parse_args()
     stores = {"bf16": args.plain, "int8": args.int8}
     index = Index.load(args.plain / INDEX)

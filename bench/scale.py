@@ -57,7 +57,7 @@ from agent.experts.reader import IO_THREADS  # noqa: E402
 from agent.model.generation import generate  # noqa: E402
 from agent.model.loading import load_model  # noqa: E402
 from agent.tokenizer import load_tokenizer  # noqa: E402
-from bench.common import count, machine, write_results  # noqa: E402
+from bench.common import count, machine, results_name, write_results  # noqa: E402
 from bench.loader import best_raw_read, host_cache_check, raw_block_read  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory, drop_stores_pages  # noqa: E402
 
@@ -240,7 +240,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=count, default=2, help="interleaved rounds; medians are reported")
     ap.add_argument("--threads", type=count, default=2, help="torch intra-op threads of (d) (default 2)")
     ap.add_argument("--configs", default="a,b,c,d", help="which of a,b,c,d, in this order within every round")
-    ap.add_argument("--results", default="scale", help="bench/results/NAME.json to write (default scale)")
+    ap.add_argument("--results", type=results_name, default="scale",
+                    help="bench/results/NAME.json to write (default scale)")
     args = ap.parse_args()
     store, traces = args.model, args.route_trace
     index = Index.load(store / INDEX)

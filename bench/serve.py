@@ -49,7 +49,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
-from bench.common import count, machine, write_results  # noqa: E402
+from bench.common import count, machine, results_name, write_results  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory, drop_stores_pages, peak_rss  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
@@ -298,7 +298,8 @@ def main() -> int:
                                                     "limit come from it, and configs A,B,C run on it")
     ap.add_argument("--route-trace", type=Path, nargs="+", default=[], metavar="FILE",
                     help="serve --route-trace: recorded real routing for a random-weight model of real shape")
-    ap.add_argument("--results", default="serve", help="write bench/results/<NAME>.json (default serve)")
+    ap.add_argument("--results", type=results_name, default="serve",
+                    help="write bench/results/<NAME>.json (default serve)")
     args = ap.parse_args()
     letters = args.configs.split(",")
     stores = (args.model, args.reference) if args.reference else (args.model,)

@@ -31,7 +31,9 @@ def test_bench_script_imports_and_parses_its_arguments(script):
                                                       ("warmup", ["--max-tokens", "x"], "expected a whole number, got 'x'"),
                                                       ("serve", ["--rounds", "0"], "--rounds: must be at least 1, got 0"),
                                                       ("scale", ["--threads", "0"], "--threads: must be at least 1, got 0"),
-                                                      ("quant_scale", ["--tokens", "0"], "--tokens: must be at least 1")])
+                                                      ("quant_scale", ["--tokens", "0"], "--tokens: must be at least 1"),
+                                                      ("batching", ["--results", "../../x"], "expected a file name"),
+                                                      ("policies", ["--results", ""], "expected a file name")])
 def test_a_bad_count_is_one_usage_line_not_a_traceback(script, args, says):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
