@@ -14,6 +14,12 @@ What a block holds, its `parts` (the index lists them, so a reader need not know
 - quant "int8": the same three matrices as int8, then, from the next multiple of 64 bytes, their
   scales in the checkpoint's dtype (float32 for float16), one per output channel (row): gate_scale,
   up_scale [intermediate], down_scale [hidden]. A weight is q * scale of its row (agent/experts/quant.py).
+- quant "int4": two matrices, gate_up (gate's rows, then up's: [2 x intermediate, hidden]) and down,
+  each padded with zero weights to a multiple of INT4_ROWS rows and of INT4_GROUP columns, 4 bits a
+  weight packed as torch's int4 kernel reads them on AVX-512 (agent/experts/quant.py, pack_int4); then,
+  from the next multiple of 64 bytes, gate_up_sz and down_sz [columns / INT4_GROUP, rows, 2]: a scale
+  and a zero for each group of INT4_GROUP weights along a row, in the checkpoint's dtype (float32 for
+  float16). A weight is (q - 8) * scale + zero of its group.
 A CRC-32 of each block's parts (its padding excluded) is in the index.
 
 Version 1 stores (before quantization; no quant, no parts) are read as quant null.
@@ -32,10 +38,12 @@ import torch
 ALIGN = 4096
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-QUANTS = ("int8",)
+QUANTS = ("int8", "int4")
+INT4_GROUP = 64  # weights per scale and zero along a row (BENCHMARKS.md, "int4 experts": error and bytes)
+INT4_ROWS = 64   # rows packed together: torch's int4 kernel's block on AVX-512
 PART_ALIGN = 64  # where a block's scales start: a cache line, so vector loads of them are aligned
 CONFIG, DENSE, EXPERTS, INDEX = "config.json", "dense.safetensors", "experts.bin", "experts.index.json"
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1}
 
 
 class StoreError(Exception):
@@ -85,7 +93,7 @@ class Index:
     itemsize: int         # of dtype
     alignment: int
     blocks: list[Block]
-    quant: str | None = None  # None: experts in dtype; "int8": int8 with per-output-channel scales in dtype
+    quant: str | None = None  # None: experts in dtype; "int8": per-output-channel scales; "int4": group-wise
     version: int = FORMAT_VERSION
     parts: tuple[Part, ...] = field(init=False, repr=False, compare=False)
 
@@ -94,6 +102,8 @@ class Index:
 
     def _layout(self) -> tuple[Part, ...]:
         h, i = self.hidden, self.intermediate
+        if self.quant == "int4":
+            return _int4_layout({"gate_up": (2 * i, h), "down": (h, i)}, self.scale_dtype)
         weights = [("gate", (i, h)), ("up", (i, h)), ("down", (h, i))]
         parts = _contiguous([(name, self.quant or self.dtype, shape) for name, shape in weights], 0)
         if self.quant:  # one scale per output channel (row), after the weights
@@ -140,6 +150,18 @@ class Index:
             raise StoreError(f"{path} is not a valid expert index: {exc}") from None
         _check_blocks(index, parts, path)
         return index
+
+
+def int4_padded(rows: int, columns: int) -> tuple[int, int]:
+    """The shape an int4 matrix is stored in: zero weights added up to whole row blocks and groups."""
+    return align_up(rows, INT4_ROWS), align_up(columns, INT4_GROUP)
+
+
+def _int4_layout(matrices: dict[str, tuple[int, int]], scale_dtype: str) -> tuple[Part, ...]:
+    padded = {name: int4_padded(*shape) for name, shape in matrices.items()}
+    parts = _contiguous([(name, "uint8", (n, k // 2)) for name, (n, k) in padded.items()], 0)
+    return tuple(parts + _contiguous([(f"{name}_sz", scale_dtype, (k // INT4_GROUP, n, 2))
+                                      for name, (n, k) in padded.items()], align_up(_end(parts), PART_ALIGN)))
 
 
 def _contiguous(specs: list[tuple[str, str, tuple[int, ...]]], start: int) -> list[Part]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from agent.bf16_matvec import linear
 from agent.experts.layout import EXPERTS, INDEX, Index, StoreError, crc32
-from agent.experts.quant import Int8Expert
+from agent.experts.quant import Int4Expert, Int8Expert
 
 
 class ExpertWeights(NamedTuple):
@@ -30,7 +30,7 @@ class ExpertWeights(NamedTuple):
         return linear(F.silu(linear(x, self.gate)) * linear(x, self.up), self.down)
 
 
-Expert = ExpertWeights | Int8Expert  # what get() returns: called on the tokens routed to it
+Expert = ExpertWeights | Int8Expert | Int4Expert  # what get() returns: called on the tokens routed to it
 
 
 class ExpertProvider(Protocol):
@@ -43,6 +43,8 @@ def block_views(buf: torch.Tensor, index: Index) -> Expert:
     """View one block's bytes (a uint8 tensor of at least index.nbytes) as an expert without a copy."""
     if index.quant == "int8":
         return Int8Expert.view(buf, index)
+    if index.quant == "int4":
+        return Int4Expert.view(buf, index)
     return ExpertWeights(*(part.view(buf) for part in index.parts))
 
 

@@ -1,4 +1,6 @@
-"""int8 experts: how convert quantizes a block, and how the model computes with one straight from its slot.
+"""Quantized experts: how convert quantizes a block, and how the model computes with one straight from its slot.
+
+int8:
 
 Symmetric, one scale per output channel (row of an nn.Linear weight): w ~ q * scale, q in -127..127,
 scale = max |w| of the row / 127, stored in the checkpoint's dtype (float32 for float16); q is rounded
@@ -11,19 +13,34 @@ costs 0.4-0.5x the CPU time of the bf16 matvec on this CPU, bench/quant_kernels.
 another dtype, convert q to the model's dtype (float32 for float16) for the matmul and scale its output
 channels after. Above ~12 tokens per expert that costs 1.0-1.6x bf16: prefill and large batches
 compute slower than with bf16 blocks.
+
+int4 (asymmetric, group-wise along a row, as torch's int4 kernel reads it): w ~ (q - 8) * scale + zero,
+q in 0..15, one scale and one zero per group of INT4_GROUP weights, scale = (max - min) / 15 and zero =
+min + 8 * scale of the group, both stored in the checkpoint's dtype (float32 for float16) and q rounded
+against the stored pair. A matrix is padded with zero weights to whole INT4_ROWS-row blocks and groups
+(the layout's int4_padded; OLMoE's and Qwen3's widths need none). 0.56 bytes a weight with the group's
+pair: 0.56x an int8 block. q is packed as torch's `_weight_int4pack_mm_for_cpu` reads it on an AVX-512
+CPU (pack_int4): the store holds that layout as is, so the kernel computes straight from the slot. A
+bf16 model with few tokens per expert runs that kernel (as fast as the int8 one, bench/quant_kernels.py);
+more tokens, another dtype, or a CPU whose kernel packs differently (AVX2 packs 32 rows, not 64) unpack
+and dequantize the matrix to the model's dtype for the matmul.
 """
 from __future__ import annotations
 
+from functools import cache
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from agent.experts.layout import Index, Part
+from agent.experts.layout import INT4_GROUP, INT4_ROWS, Index, Part, int4_padded
 
 QMAX = 127
+INT4_LEVELS = 15  # q in 0..INT4_LEVELS; the kernel subtracts INT4_MID
+INT4_MID = 8
 INT8_KERNEL_MAX_TOKENS = 12  # above ~12-16 tokens the kernel is slower than converting q (bench/quant_kernels.py)
+INT4_KERNEL_MAX_TOKENS = 64  # below ~100 tokens the kernel beats unpacking the matrix (bench/quant_kernels.py)
 # torch 2.13's kernel reads whole 16-wide vectors along K: other widths give garbage or a segfault here.
 INT8_KERNEL_K_MULTIPLE = 16
 _WIDE = {torch.float16: torch.float32}  # x @ q.T, before scaling, can pass float16's largest value
@@ -35,21 +52,65 @@ class QuantError(ValueError):
 
 def quantize_rows(w: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(q int8 [out, in], scale [out] in `dtype`) with w ~ q * scale[:, None]."""
-    w32 = w.float()
-    if not torch.isfinite(w32).all():
-        raise QuantError("it holds NaN or infinite values")
+    w32 = _finite(w)
     scale = (w32.abs().amax(dim=1) / QMAX).to(dtype)
-    stored = scale.float()
-    divisor = torch.where(stored > 0, stored, 1.0)  # an all-zero row (or one whose scale underflows) stays zero
-    q = torch.round(w32 / divisor[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    q = _steps(w32, scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
 
 
+def quantize_groups(w: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(q uint8 [N, K] in 0..15, sz [K / INT4_GROUP, N, 2] in `dtype`: scale, zero) with w ~ (q - 8) *
+    scale + zero per group, w [n, k] padded with zero weights to [N, K] = int4_padded(n, k)."""
+    rows, columns = int4_padded(*w.shape)
+    w32 = F.pad(_finite(w), (0, columns - w.shape[1], 0, rows - w.shape[0])).view(rows, -1, INT4_GROUP)
+    low, high = w32.amin(-1), w32.amax(-1)
+    scale = ((high - low) / INT4_LEVELS).to(dtype)
+    zero = (low + INT4_MID * scale.float()).to(dtype)
+    q = _steps(w32 - zero.float()[..., None], scale[..., None]).add_(INT4_MID).clamp_(0, INT4_LEVELS)
+    return q.to(torch.uint8).view(rows, columns), torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+
+
+def _finite(w: Tensor) -> Tensor:
+    w32 = w.float()
+    if not torch.isfinite(w32).all():
+        raise QuantError("it holds NaN or infinite values")
+    return w32
+
+
+def _steps(w32: Tensor, scale: Tensor) -> Tensor:
+    """w32 / scale rounded, against the scale as stored, so its own rounding costs nothing; where the
+    scale is zero (an all-zero row or group, or a scale that underflows) the weights stay zero."""
+    stored = scale.float()
+    return torch.round(w32 / torch.where(stored > 0, stored, 1.0))
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """q uint8 [N, K] (0..15, N a multiple of INT4_ROWS) -> [N, K / 2] as torch's int4 kernel reads it on
+    AVX-512: per block of INT4_ROWS rows, for each column k, byte n holds row n (low nibble) and row
+    n + INT4_ROWS / 2 (high nibble)."""
+    rows, columns = q.shape
+    halves = q.view(rows // INT4_ROWS, 2, INT4_ROWS // 2, columns)
+    return (halves[:, 0] | (halves[:, 1] << 4)).transpose(1, 2).contiguous().view(rows, columns // 2)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """pack_int4's inverse: [N, K / 2] -> q uint8 [N, K]."""
+    rows, half = packed.shape
+    b = packed.view(rows // INT4_ROWS, 2 * half, INT4_ROWS // 2)
+    return torch.stack([b & 15, b >> 4], 1).transpose(2, 3).reshape(rows, 2 * half)
+
+
 def quantize_block(weights: dict[str, Tensor], index: Index, payload: memoryview) -> None:
-    """Write an int8 block of `index`'s layout into `payload`, from gate, up and down in the model's dtype."""
+    """Write a block of `index`'s layout (int8 or int4) into `payload`, from gate, up and down in the model's dtype."""
     out = torch.frombuffer(payload, dtype=torch.uint8)
     dtype = getattr(torch, index.scale_dtype)
     parts = {p.name: p for p in index.parts}
+    if index.quant == "int4":
+        for name, w in (("gate_up", torch.cat([weights["gate"], weights["up"]])), ("down", weights["down"])):
+            q, sz = quantize_groups(w, dtype)
+            parts[name].view(out).copy_(pack_int4(q))
+            parts[f"{name}_sz"].view(out).copy_(sz)
+        return
     for name, w in weights.items():
         q, scale = quantize_rows(w, dtype)
         parts[name].view(out).copy_(q)
@@ -92,6 +153,58 @@ def linear_int8_converted(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """q converted to x's dtype (float32 for float16) for the matmul, output channels scaled after."""
     dtype = _WIDE.get(x.dtype, x.dtype)
     return (F.linear(x.to(dtype), q.to(dtype)) * scale.to(dtype)).to(x.dtype)
+
+
+class Int4Expert(NamedTuple):
+    """One routed expert's SwiGLU with int4 weights, viewed in its block (no copy)."""
+    gate_up: Tensor     # [2I, H / 2] uint8, packed (pack_int4; I, H padded as int4_padded says)
+    down: Tensor        # [H, I / 2] uint8, packed
+    gate_up_sz: Tensor  # [H / INT4_GROUP, 2I, 2]: scale, zero
+    down_sz: Tensor     # [I / INT4_GROUP, H, 2]
+    hidden: int         # unpadded
+    intermediate: int
+
+    @classmethod
+    def view(cls, buf: Tensor, index: Index) -> "Int4Expert":
+        """The expert in a block's bytes (a uint8 tensor of at least index.nbytes)."""
+        p = {part.name: part.view(buf) for part in index.parts}
+        return cls(p["gate_up"], p["down"], p["gate_up_sz"], p["down_sz"], index.hidden, index.intermediate)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [t, H] -> [t, H]"""
+        i = self.intermediate
+        gate_up = linear_int4(x, self.gate_up, self.gate_up_sz)
+        return linear_int4(F.silu(gate_up[:, :i]) * gate_up[:, i:2 * i], self.down, self.down_sz)[:, :self.hidden]
+
+
+def linear_int4(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
+    """x [t, k] @ w.T -> [t, N] (padding rows included), w [N, K >= k] the dequantized int4 matrix; by
+    whichever way is faster for x."""
+    x = F.pad(x, (0, 2 * packed.shape[1] - x.shape[1]))
+    if x.dtype == torch.bfloat16 and x.shape[0] <= INT4_KERNEL_MAX_TOKENS and int4_kernel_reads_store():
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, sz)
+    dtype = _WIDE.get(x.dtype, x.dtype)
+    return F.linear(x.to(dtype), dequantize_int4(packed, sz, dtype)).to(x.dtype)
+
+
+def dequantize_int4(packed: Tensor, sz: Tensor, dtype: torch.dtype) -> Tensor:
+    """The int4 matrix [N, K] in `dtype`: (q - 8) * scale + zero."""
+    q = unpack_int4(packed).to(dtype).sub_(INT4_MID)
+    rows, columns = q.shape
+    scale, zero = sz.to(dtype).transpose(0, 1).unbind(-1)  # [N, K / INT4_GROUP] each
+    return q.view(rows, -1, INT4_GROUP).mul_(scale[..., None]).add_(zero[..., None]).view(rows, columns)
+
+
+@cache
+def int4_kernel_reads_store() -> bool:
+    """Whether this torch has the int4 kernel and packs as the store does (it packs 64 rows together on
+    AVX-512, 32 on AVX2); asked once, by packing a test matrix both ways."""
+    q = torch.randint(0, INT4_LEVELS + 1, (INT4_ROWS, 2 * INT4_GROUP), generator=torch.Generator().manual_seed(0))
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    except (AttributeError, RuntimeError):
+        return False
+    return torch.equal(packed, pack_int4(q.to(torch.uint8)))
 
 
 def _joined(buf: Tensor, first: Part, second: Part) -> Tensor:
