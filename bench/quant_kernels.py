@@ -1,6 +1,7 @@
-"""How to compute with int8 experts on this CPU: each choice against the bf16 expert, by tokens per expert.
+"""How to compute with int8 and int4 experts on this CPU: each choice against the bf16 expert, by tokens per expert.
 
-    .venv/bin/python bench/quant_kernels.py [--tokens 1,2,4,8,16,32,64] [--repeats 7] [--store DIR]
+    .venv/bin/python bench/quant_kernels.py [--tokens 1,2,4,8,16,32,64,128] [--repeats 7] [--store DIR]
+                                            [--results quant_kernels]
 
 One routed expert's SwiGLU (gate|up [2I, H], down [H, I]) of OLMoE-1B-7B (H 2048, I 1024) and
 Qwen3-30B-A3B (H 2048, I 768) with random weights, one torch thread (as the serving engine runs):
@@ -9,13 +10,16 @@ Qwen3-30B-A3B (H 2048, I 768) with random weights, one torch thread (as the serv
 - int8 converted: q converted to bf16 for the matmul, output channels scaled after;
 - int8 W8A8: the activations quantized too (per token, symmetric) for torch's int8 x int8 matmul
   (`_int_mm`), which adds their rounding error: measured as an option, not used by the runtime;
+- int4 kernel: torch's `_weight_int4pack_mm_for_cpu` on the store's int4 block (agent/experts/quant.py,
+  a scale and zero per 64 weights along a row);
+- int4 dequantized: the int4 matrices unpacked and dequantized to bf16 for each matmul;
 - dequantize on load: what a miss would pay once to turn an int8 block into bf16 in its slot (then the
   bf16 column applies); with --store, beside the read time that halving the block saves at the raw
   O_DIRECT rate of that store's experts.bin (the faster of one stream and the cache's I/O threads),
   measured in the same run.
 Times are CPU time of the calling thread (the machine is shared: others' bursts inflate wall time,
 not the work done), the minimum over `--repeats` rounds of the mean over a batch of calls; the
-configurations run interleaved. JSON: bench/results/quant_kernels.json.
+configurations run interleaved. JSON: bench/results/<--results>.json.
 """
 from __future__ import annotations
 
@@ -31,15 +35,17 @@ import torch.nn.functional as F
 from agent.experts.layout import EXPERTS
 from agent.experts.provider import ExpertWeights
 from agent.experts.reader import IO_THREADS
-from agent.experts.quant import Int8Expert, linear_int8_converted, linear_int8_kernel, quantize_rows
+from agent.experts.quant import (INT4_GROUP, Int4Expert, Int8Expert, dequantize_int4, linear_int8_converted,
+                                 linear_int8_kernel, pack_int4, quantize_groups, quantize_rows)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
-from bench.common import count, machine, write_results  # noqa: E402
+from bench.common import count, machine, results_name, write_results  # noqa: E402
 from bench.loader import best_raw_read  # noqa: E402
 
 SHAPES = {"OLMoE-1B-7B": (2048, 1024), "Qwen3-30B-A3B": (2048, 768)}  # hidden, expert intermediate
 CALLS_PER_ROUND = 20
+CHOICES = ("int8 kernel", "int8 converted", "int8 W8A8", "int4 kernel", "int4 dequantized")  # beside bf16
 
 
 def cpu_ms(fn: Callable[[], object], repeats: int, calls: int = CALLS_PER_ROUND) -> float:
@@ -52,12 +58,26 @@ def cpu_ms(fn: Callable[[], object], repeats: int, calls: int = CALLS_PER_ROUND)
     return best * 1e3
 
 
-def experts(hidden: int, inter: int) -> tuple[ExpertWeights, Int8Expert]:
+def experts(hidden: int, inter: int) -> tuple[ExpertWeights, Int8Expert, Int4Expert]:
     torch.manual_seed(0)
     gate, up = (torch.randn(inter, hidden, dtype=torch.bfloat16) * 0.02 for _ in range(2))
     down = torch.randn(hidden, inter, dtype=torch.bfloat16) * 0.02
     (q_gu, s_gu), (q_d, s_d) = quantize_rows(torch.cat([gate, up]), torch.bfloat16), quantize_rows(down, torch.bfloat16)
-    return ExpertWeights(gate, up, down), Int8Expert(q_gu, q_d, s_gu, s_d)
+    (q4_gu, sz_gu), (q4_d, sz_d) = (quantize_groups(w, torch.bfloat16) for w in (torch.cat([gate, up]), down))
+    int4 = Int4Expert(pack_int4(q4_gu), pack_int4(q4_d), sz_gu, sz_d, hidden, inter)
+    return ExpertWeights(gate, up, down), Int8Expert(q_gu, q_d, s_gu, s_d), int4
+
+
+def int4_dequantized(e: Int4Expert, x: torch.Tensor) -> torch.Tensor:
+    """The int4 expert with both matrices dequantized to x's dtype for the matmuls (what linear_int4 does
+    above INT4_KERNEL_MAX_TOKENS)."""
+    gate, up = F.linear(x, dequantize_int4(e.gate_up, e.gate_up_sz, x.dtype)).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, dequantize_int4(e.down, e.down_sz, x.dtype))
+
+
+def int4_kernel(e: Int4Expert, x: torch.Tensor) -> torch.Tensor:
+    gate, up = torch.ops.aten._weight_int4pack_mm_for_cpu(x, e.gate_up, INT4_GROUP, e.gate_up_sz).chunk(2, dim=-1)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(F.silu(gate) * up, e.down, INT4_GROUP, e.down_sz)
 
 
 def swiglu_with(linear: Callable, expert: Int8Expert, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +93,7 @@ def linear_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
 
 
 def measure(hidden: int, inter: int, tokens: list[int], repeats: int) -> dict:
-    plain, int8 = experts(hidden, inter)
+    plain, int8, int4 = experts(hidden, inter)
     rows = []
     for t in tokens:
         x = torch.randn(t, hidden, dtype=torch.bfloat16)
@@ -82,7 +102,9 @@ def measure(hidden: int, inter: int, tokens: list[int], repeats: int) -> dict:
             for name, fn in {"bf16": lambda: plain(x),
                              "int8 kernel": lambda: swiglu_with(linear_int8_kernel, int8, x),
                              "int8 converted": lambda: swiglu_with(linear_int8_converted, int8, x),
-                             "int8 W8A8": lambda: swiglu_with(linear_w8a8, int8, x)}.items():
+                             "int8 W8A8": lambda: swiglu_with(linear_w8a8, int8, x),
+                             "int4 kernel": lambda: int4_kernel(int4, x),
+                             "int4 dequantized": lambda: int4_dequantized(int4, x)}.items():
                 times[name] = min(times.get(name, float("inf")), cpu_ms(fn, repeats))
         rows.append({"tokens": t, **{f"{k} ms": v for k, v in times.items()}})
     return {"hidden": hidden, "intermediate": inter, "rows": rows,
@@ -104,9 +126,10 @@ def dequantize(e: Int8Expert) -> ExpertWeights:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default="1,2,4,8,16,32,64", help="tokens per expert to measure")
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128", help="tokens per expert to measure")
     parser.add_argument("--repeats", type=count, default=7)
     parser.add_argument("--store", type=Path, help="an expert store whose experts.bin gives the raw O_DIRECT rate")
+    parser.add_argument("--results", type=results_name, default="quant_kernels", help="name of the JSON in bench/results/")
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
     torch.set_num_threads(1)
@@ -114,15 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     results = {name: measure(h, i, tokens, args.repeats) for name, (h, i) in SHAPES.items()}
     for name, r in results.items():
         print(f"\n{name} expert (hidden {r['hidden']}, intermediate {r['intermediate']}), CPU ms per call, one thread")
-        print("| tokens | bf16 | int8 kernel | × bf16 | int8 converted | × bf16 | int8 W8A8 | × bf16 |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| tokens | bf16 | " + " | ".join(f"{n} | × bf16" for n in CHOICES) + " |")
+        print("|---|---|" + "---|---|" * len(CHOICES))
         for row in r["rows"]:
-            b, k, c, w = (row[f"{n} ms"] for n in ("bf16", "int8 kernel", "int8 converted", "int8 W8A8"))
-            print(f"| {row['tokens']} | {b:.3f} | {k:.3f} | {k / b:.2f} | {c:.3f} | {c / b:.2f} | {w:.3f} | {w / b:.2f} |")
+            b = row["bf16 ms"]
+            print(f"| {row['tokens']} | {b:.3f} | " + " | ".join(f"{row[f'{n} ms']:.3f} | {row[f'{n} ms'] / b:.2f}"
+                                                              for n in CHOICES) + " |")
         saved = (f", against {r['bytes saved per miss'] / raw_mb_s / 1e3:.2f} ms of reading saved at the raw "
                  f"{raw_mb_s:.0f} MB/s" if raw_mb_s else "")
         print(f"dequantize on load: {r['dequantize on load ms']:.2f} ms per block{saved}")
-    write_results("quant_kernels", {"shapes": results, "raw_mb_s": raw_mb_s, "threads": 1,
+    write_results(args.results, {"shapes": results, "raw_mb_s": raw_mb_s, "threads": 1,
                                     "machine": machine(args.store)})
     return 0
 
