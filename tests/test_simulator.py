@@ -160,6 +160,22 @@ def test_cli_errors(capsys, argv, message):
     assert re.search(message, err)
 
 
+def test_a_capacity_below_the_top_k_floor_says_what_the_cache_held(capsys, tmp_path):
+    from store import queries
+
+    db = tmp_path / "t.db"
+    assert main(["simulate", "--trace", str(OLMOE), "--policy", "lru", "--capacity", "1e-9", "--json",
+                 "--db", str(db)]) == 0
+    (r, _belady) = json.loads(capsys.readouterr().out)["results"]
+    assert (r["capacity"], r["slots"], r["experts"], r["capacity_used"]) == (1e-9, 8 * 16, 64 * 16, 0.125)
+    assert {row["capacity"] for row in queries.simulations(db)} == {0.125}  # what the cache held
+    assert main(["simulate", "--trace", str(OLMOE), "--policy", "lru", "--capacity", "1e-9"]) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert header == "olmoe_math: 1e-09 of experts is below one step's top-k per layer; raised to 128 of 1024 expert slots (0.125)"
+    assert main(["simulate", "--trace", str(OLMOE), "--policy", "lru", "--capacity", "0.25"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("trace")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--policy", "lfu-window", "--window", "0"], "--window: must be at least 1, got 0"),  # was the default, silently
     (["--experts", "0"], "--experts: must be at least 1, got 0"),
