@@ -37,6 +37,8 @@ def connect_ro(path: str | Path) -> sqlite3.Connection | None:
     if not path.exists():
         return None
     advice = "point --db at the file the collector and agent write (e.g. data/flashmoe.db)"
+    if path.is_dir():     # before SQLite, whose word for it is "disk I/O error"
+        raise StoreError(f"{path} is a directory, not a store file; {advice}")
     try:
         conn = _open_ro(path)
         tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}

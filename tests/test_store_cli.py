@@ -60,6 +60,15 @@ def test_errors_name_the_problem(db, tmp_path, caplog):
         main(["store", "export", "--db", str(db), "--series", "x", "--since", "yesterday"])
 
 
+@pytest.mark.parametrize("args", [["stats"], ["export", "--series", "x"], ["compact"]])
+def test_a_directory_is_named_as_one_before_any_sqlite_word(tmp_path, caplog, args):
+    assert main(["store", args[0], "--db", str(tmp_path), *args[1:]]) == 1
+    (record,) = caplog.records
+    assert record.getMessage().startswith(f"{tmp_path} is a directory") or "it is a directory" in record.getMessage()
+    assert "disk I/O" not in caplog.text
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("args", [["compact", "--retention-days", "-1"], ["compact", "--retention-days", "nan"],
                                   ["export", "--series", "block.vda.util", "--since", "nan"],
                                   ["export", "--series", "block.vda.util", "--until", "inf"]])
