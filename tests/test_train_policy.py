@@ -187,6 +187,20 @@ def test_an_unwritable_out_fails_before_training_and_leaves_nothing(tiny_trace, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no .tmp left
 
 
+def test_a_failed_write_check_removes_the_directories_it_made(tiny_trace, tmp_path, capsys):
+    out = tmp_path / "a" / "b" / ("w" * 250 + ".safetensors")  # the directories can be made, the file not
+    assert main(["train-policy", "--trace", str(tiny_trace), "--out", str(out), "--max-decisions", "50"]) == 2
+    assert "File name too long" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_passed_write_check_leaves_nothing_before_training(tmp_path):
+    from agent.learned.model import check_writable
+
+    check_writable(tmp_path / "a" / "b" / "w.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--seed", "-1"], "--seed: a seed is 0 to"), (["--seed", "1" + "0" * 30], "--seed: a seed is 0 to"),
     (["--epochs", "0"], "--epochs: must be at least 1"), (["--max-tokens", "nan"], "--max-tokens: expected a whole"),

@@ -88,12 +88,14 @@ def save(net: RetentionNet, path: Path, training: dict) -> None:
 
 
 def check_writable(path: Path) -> None:
-    """Fail now, with the reason, if `save` could not write `path` (before hours of training, not after)."""
+    """Fail now, with the reason, if `save` could not write `path` (before hours of training, not after).
+    Leaves nothing behind: `save` makes the directories again."""
     _write_atomically(Path(path), lambda tmp: tmp.write_bytes(b""), keep=False)
 
 
 def _write_atomically(path: Path, write, keep: bool = True) -> None:
     tmp = path.with_name(path.name + ".tmp")
+    missing = [d for d in path.absolute().parents if not d.exists()]  # deepest first
     try:
         if path.is_dir():
             raise IsADirectoryError(21, "it is a directory")
@@ -103,8 +105,18 @@ def _write_atomically(path: Path, write, keep: bool = True) -> None:
     except (OSError, SafetensorError) as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        _remove(missing)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else e
         raise ValueError(f"cannot write the policy weights {path}: {reason}; pass another --out") from None
+    if not keep:
+        _remove(missing)
+
+
+def _remove(directories: list[Path]) -> None:
+    """Remove the directories a write made (deepest first), each only if it is still empty."""
+    for d in directories:
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
 
 def load(path: Path) -> RetentionNet:
