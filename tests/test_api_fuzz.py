@@ -4,7 +4,9 @@ Every operation gets schema-valid and schema-violating inputs (schemathesis' pos
 generation, hypothesis underneath) against a real agent on loopback without a token, so control
 calls reach validation. For each: no 5xx, an answer within HANG_S, and every 4xx says what was
 wrong. Afterwards the agent still answers a known greedy completion exactly as before: nothing the
-fuzzer sent (knob changes included) changed what the model computes.
+fuzzer sent (knob changes included) changed what the model computes. A second agent, started with a
+token, gets the control calls' inputs as drawn, without a token and with a wrong one: none is
+answered 2xx, and its knobs, cache and knob history are as they were.
 
 FLASHMOE_FUZZ_EXAMPLES sets the examples per operation (CI: 25); FLASHMOE_FUZZ_REPORT=FILE writes
 the counts (RELIABILITY.md's table).
@@ -21,6 +23,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from agents import demo_model, start_agent
+from store import queries
 
 EXAMPLES = int(os.environ.get("FLASHMOE_FUZZ_EXAMPLES", "25"))
 HANG_S = 5.0
@@ -80,12 +83,16 @@ def test_no_input_is_a_5xx_a_hang_or_a_4xx_without_a_message(api):
                 fuzz(operation, mode)
 
 
-def fuzz(operation, mode) -> None:
+def fuzz(operation, mode, headers: dict[str, str] | None = None, refused: bool = False) -> None:
+    """Drawn cases of `operation` (sent with `headers` over the drawn ones): no 5xx, no hang, a 4xx
+    says why; with `refused`, nothing is accepted either."""
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
               database=None)
     def check(case):
         cheap(case)
+        if headers is not None:
+            case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"} | headers
         response = case.call(timeout=HANG_S)  # a slower answer raises: a hang fails the test
         seen["inputs"] += 1
         seen[f"{response.status_code // 100}xx"] += 1
@@ -93,8 +100,36 @@ def fuzz(operation, mode) -> None:
         if response.status_code >= 400:
             error = response.json()["error"]
             assert isinstance(error["message"], str) and error["message"].strip(), response.text[:300]
+        assert not (refused and response.status_code < 400), f"{case.method} {case.path} {case.body!r:.300} accepted"
 
     check()
+
+
+TOKEN = "fuzz-control-token"
+WITHOUT_TOKEN = {"as drawn": None, "none": {}, "its prefix": {"Authorization": "Bearer " + TOKEN[:-1]},
+                 "latin-1": {"Authorization": "Bearer " + TOKEN + "é"}}
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    a = start_agent(demo_model(tmp_path_factory), tmp_path_factory.mktemp("guarded"), "--token", TOKEN)
+    yield a
+    a.stop()
+
+
+@pytest.mark.parametrize("headers", WITHOUT_TOKEN.values(), ids=WITHOUT_TOKEN.keys())
+def test_no_control_call_without_the_token_changes_the_agent(guarded, headers):
+    api = schemathesis.openapi.from_url(guarded.url + "/openapi.json")
+    control = [op for op in (r.ok() for r in api.get_all_operations())
+               if op.method.upper() != "GET" and op.path != "/v1/completions"]
+    assert {op.label for op in control} == {"PUT /v1/knobs", "POST /v1/cache/preload"}
+    knobs, cache = guarded.get("/v1/knobs").json(), guarded.get("/v1/status").json()["cache"]
+    for operation in control:
+        for mode in schemathesis.GenerationMode:
+            fuzz(operation, mode, headers, refused=True)
+    assert guarded.get("/v1/knobs").json() == knobs
+    assert guarded.get("/v1/status").json()["cache"]["resident_experts"] == cache["resident_experts"]
+    assert [h for h in queries.knob_history(guarded.db) if h["source"] != "restore"] == []
 
 
 def test_the_agent_answers_a_known_greedy_completion_as_before(agent, before):
