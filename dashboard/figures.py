@@ -22,7 +22,12 @@ from store.units import Display, display
 BandRow = tuple[float, float, float, float]   # (t, min, avg, max) per downsampling bucket
 HEIGHT = 300              # of the plot and its axes; a legend's rows add to it
 LEGEND_ROW_PX = 29         # a legend row at plotly's default font, as Chromium draws it
-LEGEND_COLUMNS = 2
+LEGEND_COLUMNS = 2         # when every entry fits its column in the narrowest chart (legend_columns)
+NARROWEST_PX = 400         # a half-width chart in a 1280 px window, the narrowest the pages lay one out
+LEGEND_CHAR_PX = 5.6       # a legend character at plotly's default font, as Chromium draws it (5.4-5.6)
+TICK_CHAR_PX = 5.5         # a y tick label character, its unit included (5.3)
+ENTRY_SYMBOL_PX = 44       # a legend entry's symbol and gap before its text (40), and a little slack
+LABEL_CHAR_PX = 5.0        # a threshold label character at its font size (4.6)
 PLOT_PX = 180             # about the plot area's height (HEIGHT less title, ticks and legend), to place threshold labels
 LABEL_PX = 15             # a threshold label's height at its font size
 AXIS_HEADROOM = 1.06      # plotly's autorange reaches a little over the largest value
@@ -33,7 +38,7 @@ PALETTE = ("#0068c9", "#ff2b2b", "#29b09d", "#ff8700", "#6d3fc0", "#83c9ff", "#f
 MARKER_COLOUR = "rgba(120, 120, 120, 0.6)"
 THRESHOLD_COLOUR = "#d62728"
 LABEL_BACKGROUND = "rgba(255, 255, 255, 0.85)"   # a lifted label stays legible over the lines below it
-BANDS = "min–max per point"   # one legend entry shows or hides every line's band
+BANDS = "min–max band"        # one legend entry shows or hides every line's band (the range each point averages)
 LAST = 2000                   # legendrank after the lines (plotly's default is 1000)
 
 
@@ -61,25 +66,40 @@ def _times(ts: Sequence[float] | np.ndarray) -> np.ndarray:
     return (np.asarray(ts, dtype=np.float64) * 1000).astype("datetime64[ms]")
 
 
-def _layout(title: str, y_title: str, x_title: str = "", entries: int = 0) -> dict[str, Any]:
-    """The layout every chart shares. The legend sits under the chart, `LEGEND_COLUMNS` entries a row,
-    and the figure grows by its rows so the plot keeps its height (above the plot, a legend of
-    several rows ran into the title)."""
-    rows = -(-entries // LEGEND_COLUMNS) if entries > 1 else 0
+def _narrowest_plot_px(tick: str) -> float:
+    """The plot's width in the narrowest chart: less the margins and y tick labels about as long as `tick`."""
+    return NARROWEST_PX - 63 - TICK_CHAR_PX * len(tick)    # 63: the margins and the ticks' padding
+
+
+def legend_columns(names: Sequence[str], tick: str) -> int:
+    """Entries a legend row holds: LEGEND_COLUMNS if the longest name fits its share of the plot in the
+    narrowest chart, whose plot the y tick labels (about as long as `tick`) narrow; else one. Plotly
+    gives each entry a fixed share of the plot's width and cuts a longer name ("agent cgroup, an")."""
+    room_px = _narrowest_plot_px(tick) * 0.9 / LEGEND_COLUMNS - ENTRY_SYMBOL_PX   # entries take 0.9 of the plot
+    return LEGEND_COLUMNS if max(map(len, names), default=0) * LEGEND_CHAR_PX <= room_px else 1
+
+
+def _layout(title: str, y_title: str, x_title: str = "", names: Sequence[str] = (), tick: str = "") -> dict[str, Any]:
+    """The layout every chart shares. The legend of `names` sits under the chart, legend_columns()
+    entries a row, and the figure grows by its rows so the plot keeps its height (above the plot, a
+    legend of several rows ran into the title)."""
+    columns = legend_columns(names, tick)
+    rows = -(-len(names) // columns) if len(names) > 1 else 0
     return dict(title=title, height=HEIGHT + rows * LEGEND_ROW_PX, margin=dict(l=10, r=10, t=40, b=10),
-                xaxis=dict(title=dict(text=x_title)), yaxis=dict(title=dict(text=y_title)), showlegend=entries > 1,
+                xaxis=dict(title=dict(text=x_title)), yaxis=dict(title=dict(text=y_title)), showlegend=len(names) > 1,
                 legend=dict(orientation="h", yref="container", y=0, yanchor="bottom", x=0, xanchor="left",
-                            entrywidth=0.9 / LEGEND_COLUMNS, entrywidthmode="fraction"))
+                            entrywidth=0.9 / columns, entrywidthmode="fraction"))
 
 
-def _time_figure(traces: list[dict[str, Any]], title: str, since: float, until: float, shown: Display,
+def _time_figure(traces: list[dict[str, Any]], title: str, since: float, until: float, shown: Display, top: float,
                  markers: Sequence[Marker], shapes: Sequence[dict[str, Any]] = (),
                  notes: Sequence[dict[str, Any]] = ()) -> go.Figure:
     """The shape every time chart shares: the page's range, y from zero in `shown` units, a drag
     selects a time range (the page turns it into its new range), knob changes marked. Built in one
     go: each add_trace, add_vline or update_layout would check the whole figure again."""
     inside = [m for m in markers if since <= m.t <= until]
-    layout = _layout(title, "", entries=sum(1 for tr in traces if tr.get("showlegend", True)) + bool(inside))
+    names = [tr["name"] for tr in traces if tr.get("showlegend", True)] + ["knob changes"] * bool(inside)
+    layout = _layout(title, "", names=names, tick=shown.text(top * AXIS_HEADROOM))
     layout["xaxis"] |= dict(range=to_datetimes([since, until]), type="date")
     layout["yaxis"] |= dict(rangemode="tozero", tickformat=shown.tick_format(), ticksuffix=f" {shown.label}")
     layout |= dict(hovermode="x unified", dragmode="select", selectdirection="h", annotations=list(notes),
@@ -96,22 +116,25 @@ def _time_figure(traces: list[dict[str, Any]], title: str, since: float, until: 
 
 def _threshold_lines(thresholds: Sequence[Threshold], shown: Display,
                      top: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(shapes, annotations): a dashed line across the plot per value, labelled at its left end;
-    thresholds at one value share the line and the label. On an axis up to about `top` (stored
-    unit), a label that would print over the one below it is lifted just clear of it."""
+    """(shapes, annotations): a dashed line across the plot per value, labelled at its left end with
+    what it bounds, or with its value alone (what it bounds on hover) where that would not fit the
+    narrowest plot; thresholds at one value share the line and the label. On an axis up to about `top`
+    (stored unit), a label that would print over the one below it is lifted just clear of it."""
     same: dict[float, list[str]] = {}
     for th in sorted(thresholds, key=lambda th: th.value):
         same.setdefault(th.value, []).append(th.text)
     px_per_unit = PLOT_PX / top if top > 0 else 0.0
+    fits = _narrowest_plot_px(shown.text(top)) / LABEL_CHAR_PX
     shapes, notes, clear_from = [], [], -math.inf       # the pixel height the next label may start at
     for v, texts in same.items():
         lift = max(0.0, clear_from - v * px_per_unit)
         clear_from = v * px_per_unit + lift + LABEL_PX
+        whole = f"threshold {shown.text(v)}: {', '.join(texts)}"
         shapes.append(dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=v * shown.factor,
                            y1=v * shown.factor, line=dict(color=THRESHOLD_COLOUR, width=1, dash="dash")))
         notes.append(dict(xref="x domain", x=0, xanchor="left", yref="y", y=v * shown.factor, yanchor="bottom",
-                          yshift=lift, showarrow=False, text=f"threshold {shown.text(v)}: {', '.join(texts)}",
-                          font=dict(color=THRESHOLD_COLOUR, size=11), bgcolor=LABEL_BACKGROUND))
+                          yshift=lift, showarrow=False, text=whole if len(whole) <= fits else f"threshold {shown.text(v)}",
+                          hovertext=whole, font=dict(color=THRESHOLD_COLOUR, size=11), bgcolor=LABEL_BACKGROUND))
     return shapes, notes
 
 
@@ -137,7 +160,7 @@ def time_chart(series: Mapping[str, Sequence[BandRow]], title: str, unit: str, s
                                fillcolor=colour, line=dict(width=0, color=colour), opacity=0.2, hoverinfo="skip",
                                name=BANDS, legendgroup=BANDS, showlegend=not shades, legendrank=LAST,
                                visible="legendonly"))
-    return _time_figure(shades + lines, title, since, until, shown, markers,
+    return _time_figure(shades + lines, title, since, until, shown, largest, markers,
                         *_threshold_lines(thresholds, shown, largest * AXIS_HEADROOM))
 
 
@@ -157,7 +180,7 @@ def time_bars(t: Sequence[float], values: Sequence[float], title: str, unit: str
     bars = dict(type="bar", x=_times(t), y=[v * shown.factor for v in values], name=title, width=bucket_s * 1000,
                 offset=0, marker=dict(color=PALETTE[0]),
                 hovertemplate=f"%{{y:{shown.tick_format()}}} {shown.label}<extra></extra>")
-    return _time_figure([bars], title, since, until, shown, markers)
+    return _time_figure([bars], title, since, until, shown, max(values, default=0.0), markers)
 
 
 def bar_chart(labels: Sequence[str], values: Sequence[float], title: str, unit: str, x_title: str) -> go.Figure:
@@ -192,7 +215,8 @@ def policy_comparison(rows: Sequence[Mapping[str, object]], title: str) -> go.Fi
                              hovertemplate=f"%{{x}}: %{{y:{shown.tick_format()}}} %<extra>%{{fullData.name}}</extra>"))
     fig.update_layout(barmode="group")
     fig.update_yaxes(rangemode="tozero", tickformat=shown.tick_format(), ticksuffix=" %")
-    return fig.update_layout(_layout(title, "hit rate", "policy", entries=len(groups)))
+    names = [trace.name for trace in fig.data]
+    return fig.update_layout(_layout(title, "hit rate", "policy", names=names, tick="100.0 %"))
 
 
 def sweep_curve(points: Sequence[tuple[float, float]], title: str) -> go.Figure:

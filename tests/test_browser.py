@@ -171,6 +171,56 @@ def test_every_page_renders_its_charts_with_real_traffic(product, page):
         picture(page, screenshot_dir(product) / name)
 
 
+WIDTHS = (1280, 1400, 1920)   # window widths every page must read at
+CUT = """() => {
+  const main = document.querySelector('[data-testid=stMain]');
+  const cut = new Set();
+  for (const el of main.querySelectorAll('*')) {
+    if (el.closest('.js-plotly-plot') || el.closest('[data-testid=stDataFrame]') || !el.textContent.trim()) continue;
+    const s = getComputedStyle(el);
+    if ((s.textOverflow === 'ellipsis' || s.overflowX === 'hidden') && el.scrollWidth > el.clientWidth + 1)
+      cut.add('text: ' + el.textContent.trim());
+  }
+  for (const plot of main.querySelectorAll('.js-plotly-plot')) {
+    const box = plot.getBoundingClientRect();
+    for (const t of plot.querySelectorAll('.gtitle, .xtitle, .ytitle, .annotation-text, .xtick text, .ytick text, .cbtitle text, .colorbar text')) {
+      const r = t.getBoundingClientRect();
+      if (r.width && (r.left < box.left - 1 || r.right > box.right + 1)) cut.add('chart: ' + t.textContent);
+    }
+    const bg = plot.querySelector('.legend .bg');
+    const items = [...plot.querySelectorAll('.legend .traces')].map(g => ({g, t: g.querySelector('.legendtext')}))
+      .filter(x => x.t).map(x => ({name: x.t.textContent, text: x.t.getBoundingClientRect(), item: x.g.getBoundingClientRect()}));
+    const right = bg ? bg.getBoundingClientRect().right : box.right;
+    for (const a of items) {
+      const next = items.filter(b => Math.abs(b.item.top - a.item.top) < 3 && b.item.left > a.item.left + 1).map(b => b.item.left);
+      const limit = Math.min(right, ...next);
+      if (a.text.right > limit + 1) cut.add('legend: ' + a.name);
+    }
+  }
+  return [...cut];
+}"""
+
+
+def test_no_label_title_or_legend_entry_is_cut_at_common_window_widths(product, browser_context):
+    """Text a page cuts (an ellipsis), and chart text past its chart or its legend entry: at 1400 px the
+    Cache page read "Reads/lookup (time ran…", at 1280 px legends lost their ends ("agent cgroup, an")
+    and the Memory page's threshold labels ran off their plots."""
+    page = browser_context.new_page()
+    cut = {}
+    try:
+        for width in WIDTHS:
+            page.set_viewport_size({"width": width, "height": 800})
+            for shown in pages.PAGES:
+                open_page(page, product, shown.key)
+                charts_drawn(page, CHARTS[shown.key])
+                page.wait_for_function(NOT_STALE, timeout=RENDER_TIMEOUT_MS)
+                if found := page.evaluate(CUT):
+                    cut[f"{shown.key} at {width} px"] = found
+    finally:
+        page.close()
+    assert cut == {}
+
+
 def test_the_cap_set_with_the_tuning_pages_slider_reaches_the_agent(product, page):
     knobs_url = f"{product['agent']}/v1/knobs"
     cap = httpx.get(knobs_url).json()["cache_cap_bytes"]

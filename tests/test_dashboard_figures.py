@@ -22,21 +22,30 @@ def test_time_chart_draws_the_average_with_its_min_max_band_off_until_asked():
     assert [seconds(x) for x in read_band.x] == [T, T + 60, T + 60, T]
     assert read_band.visible == write_band.visible == "legendonly"
     # one legend entry shows or hides every band; each band is in its own line's colour
-    assert read_band.legendgroup == write_band.legendgroup == read_band.name == "min–max per point"
+    assert read_band.legendgroup == write_band.legendgroup == read_band.name == "min–max band"
     assert (read_band.showlegend, write_band.showlegend) == (True, False)
     assert read_band.fillcolor == read.line.color != write.line.color == write_band.fillcolor
     assert [seconds(x) for x in fig.layout.xaxis.range] == [T - 60, T + 120]     # the page's range
 
 
 def test_a_legend_of_several_rows_goes_under_the_chart_which_grows_by_its_rows():
-    names = ["system, some", "system, full", "agent cgroup, some", "agent cgroup, full"]
+    names = ["system, some", "system, full", "cgroup, some", "cgroup, full"]
     fig = figures.time_chart({n: ROWS for n in names}, "Memory pressure stall (PSI avg10)", "%", T, T + 60)
     legend = fig.layout.legend
     assert (legend.yref, legend.y, legend.yanchor) == ("container", 0, "bottom")   # away from the title
     # 4 lines and the bands' entry, 2 a row: 3 rows more than a chart without a legend
-    assert fig.layout.height == figures.HEIGHT + 3 * figures.LEGEND_ROW_PX
+    assert fig.layout.height == figures.HEIGHT + 3 * figures.LEGEND_ROW_PX and legend.entrywidth == 0.45
     alone = figures.time_chart({"read": ROWS}, "SSD", "IO/s", T, T + 60, bands=False)
     assert alone.layout.height == figures.HEIGHT and alone.layout.showlegend is False
+
+
+def test_a_name_too_long_for_half_the_narrowest_plot_gets_a_legend_row_of_its_own():
+    """At 1280 px, "agent cgroup, anon" beside a 10,000 pages/s axis was cut to "agent cgroup, an"."""
+    names = ["agent cgroup, file", "agent cgroup, anon", "system, file", "system, anon"]
+    fig = figures.time_chart({n: [(T, 0, 5000, 10_000)] for n in names}, "Workingset refaults", "pages/s", T, T + 60)
+    assert fig.layout.legend.entrywidth == 0.9 and fig.layout.height == figures.HEIGHT + 5 * figures.LEGEND_ROW_PX
+    assert figures.legend_columns(["agent cgroup"], "1.0 %") == 2       # a short axis leaves it room
+    assert figures.legend_columns(["agent cgroup"], "10,000,000 pages/s") == 1
 
 
 def test_time_chart_shows_bytes_in_one_binary_unit_with_units_in_ticks_and_tooltips():
@@ -59,8 +68,11 @@ def test_time_chart_draws_thresholds_and_marks_knob_changes_in_range():
     assert ("line", "dash") in shapes and ("line", "dot") in shapes    # the threshold and the knob change
     thresholds = [s for s in fig.layout.shapes if s.line.dash == "dash"]
     assert [(s.y0, s.y1) for s in thresholds] == [(50.0, 50.0), (80.0, 80.0)]   # one line per value, labels joined
-    assert [a.text for a in fig.layout.annotations if a.text.startswith("threshold")] == [
+    labels = [a for a in fig.layout.annotations if a.text.startswith("threshold")]
+    assert [a.hovertext for a in labels] == [
         "threshold 50.0 faults/s: agent major faults, cgroup major faults", "threshold 80.0 faults/s: other"]
+    # what the narrowest plot cannot hold is told on hover: it was cut at the plot's edge
+    assert [a.text for a in labels] == ["threshold 50.0 faults/s", "threshold 80.0 faults/s: other"]
 
 
 def test_quantiles_are_told_apart_by_line_style():

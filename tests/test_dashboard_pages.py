@@ -138,11 +138,11 @@ def test_cache_page_hit_rates_heatmap_policies_and_sweep(monkeypatch, offline, d
     at = open_page(monkeypatch, db, "cache")
     shown = metrics(at)
     assert shown["Hit rate (time range)"] == shown["Hit rate (last 1 min)"] == f"{100 * 46 / 80:.1f} %"
-    assert shown["Evictions (time range)"] == f"{6 * SPAN_S:,}"
+    assert shown["Evictions"] == f"{6 * SPAN_S:,}"
     # 34 misses and 16 prefetches read for 80 lookups, whatever the 57.5% hit rate says
-    assert shown["Reads/lookup (time range)"] == f"{100 * (34 + 4 * synthetic.PREFETCHES) / 80:.1f} %"
+    assert shown["Reads per lookup"] == f"{100 * (34 + 4 * synthetic.PREFETCHES) / 80:.1f} %"
     # agent offline: from the store, 1 of the PREFETCHES per layer and sample used
-    assert shown["Prefetch accuracy (time range)"] == f"{100 / synthetic.PREFETCHES:.1f} %"
+    assert shown["Prefetch accuracy"] == f"{100 / synthetic.PREFETCHES:.1f} %"
     figs = figures(at)
     assert figs["Hit rate per layer"]["data"][0]["y"] == pytest.approx([100 * (10 + l) / 20
                                                                          for l in range(synthetic.N_LAYERS)])

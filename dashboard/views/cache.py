@@ -27,15 +27,17 @@ def live() -> None:
               help=components.HIT_RATE_NOW_HELP)
     c2.metric("Hit rate (time range)", human(total.get("hit_rate"), "fraction"),
               help="hits over lookups in the time range shown")
-    c3.metric("Reads/lookup (time range)", human(total.get("reads_per_lookup"), "fraction"),
-              help="misses and prefetches over lookups: what the SSD did for each lookup. A hit on a block a "
-                   "prefetch brought in counts as a hit, but it was read too, ahead of time")
-    c4.metric("Evictions (time range)", f"{total.get('evictions', 0):,}")
+    # Five to a row: a label longer than "Hit rate (time range)" is cut at 1400 px; where a figure
+    # comes from (the range shown, or the agent) is in its help.
+    c3.metric("Reads per lookup", human(total.get("reads_per_lookup"), "fraction"),
+              help="in the time range shown: misses and prefetches over lookups, what the SSD did for each lookup. "
+                   "A hit on a block a prefetch brought in counts as a hit, but it was read too, ahead of time")
+    c4.metric("Evictions", f"{total.get('evictions', 0):,}", help="in the time range shown")
     if isinstance(status, dict):
-        c5.metric("Prefetch accuracy (agent)", human(status["cache"]["prefetch_accuracy"], "fraction"),
-                  help="prefetched experts later used, over experts prefetched, since the agent started")
+        c5.metric("Prefetch accuracy", human(status["cache"]["prefetch_accuracy"], "fraction"),
+                  help="from the agent: prefetched experts later used, over experts prefetched, since it started")
     else:
-        c5.metric("Prefetch accuracy (time range)", human(total.get("prefetch_accuracy"), "fraction"),
+        c5.metric("Prefetch accuracy", human(total.get("prefetch_accuracy"), "fraction"),
                   help="from the store while the agent is offline: prefetched experts later used, over "
                        "experts prefetched, in the time range shown (– when none were prefetched)")
 
