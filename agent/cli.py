@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:   # httpx logs every request at INFO: `traffic` drowned the demo's output in them
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     if not args.command:
         build_parser(None).print_help()
         return 2
