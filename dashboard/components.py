@@ -162,13 +162,13 @@ def cap_unit(expert_bytes: int | None) -> None:
 
 
 def cap_widget(spec: dict[str, Any], expert_bytes: int | None, disabled: bool = False) -> int:
-    """The cache cap as a slider over the allowed range, in the unit cap_unit chose (MiB by default);
-    bytes out."""
+    """The cache cap as a slider over the allowed range up to the model's expert bytes
+    (transforms.cap_range), in the unit cap_unit chose (MiB by default); bytes out."""
     unit = st.session_state.get("cap-unit") or transforms.CAP_UNITS[0]
     if unit not in transforms.CAP_UNITS[:2] and not expert_bytes:
         unit = transforms.CAP_UNITS[0]
     scale = transforms.cap_unit_bytes(unit, expert_bytes)
-    lo, hi = spec["min"] / scale, spec["max"] / scale
+    lo, hi = (end / scale for end in transforms.cap_range(spec, expert_bytes))
     shown = min(max(spec["value"] / scale, lo), hi)
     step, digits = transforms.CAP_STEPS[unit]
     label = "%%" if unit == "% of experts" else unit     # printf-style: a literal percent sign

@@ -65,7 +65,10 @@ def knob_table(described: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any
 
 
 def value_text(name: str, value: Any) -> str:
-    """A knob value as text; byte counts as a binary size, e.g. `768 KiB`."""
+    """A knob value as text; byte counts as a binary size, e.g. `768 KiB`; a flag as JSON spells it, as
+    its bounds ("true or false") and the API do."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if name.endswith("_bytes") and isinstance(value, (int, float)) and not isinstance(value, bool):
         return human(value, "B")
     return str(value)
@@ -96,6 +99,14 @@ def cap_unit_bytes(unit: str, expert_bytes: int | None) -> float:
             raise ValueError("a cap in % needs the model's expert bytes, which only a running agent reports")
         return expert_bytes / 100
     return {"MiB": 1 << 20, "GiB": 1 << 30}[unit]
+
+
+def cap_range(spec: Mapping[str, Any], expert_bytes: int | None) -> tuple[int, int]:
+    """The cap slider's ends in bytes: the knob's bounds, the top lowered to all the model's expert
+    bytes (a cap above them holds nothing more) unless the cap is above them already. The demo's
+    1.5 GiB of experts took the left tenth of a slider up to 70% of RAM (16 GiB)."""
+    top = spec["max"] if not expert_bytes else min(spec["max"], max(expert_bytes, spec["value"], spec["min"]))
+    return spec["min"], top
 
 
 def cap_bytes(chosen: float, shown: float, scale: float, spec: Mapping[str, Any]) -> int:

@@ -79,7 +79,9 @@ def test_tuning_applies_the_cap_chosen_on_its_slider_and_shows_the_agents_answer
     at = open_page(monkeypatch, db, url, "tuning")
     assert "Agent online" in texts(at.success)
     bar = slider(at, "cache_cap_bytes")
-    assert (bar.min, bar.max) == (cap["min"] / MIB, cap["max"] / MIB)      # the agent's bounds, in MiB
+    expert_bytes = httpx.get(f"{url}/v1/status").json()["cache"]["expert_bytes"]
+    # the agent's bounds in MiB, the top no higher than all the model's experts (or the cap)
+    assert (bar.min, bar.max) == (cap["min"] / MIB, min(cap["max"], max(expert_bytes, cap["value"])) / MIB)
     assert "allowed" in bar.help and all(w.help for w in [*at.number_input, *at.toggle, *at.selectbox]
                                          if w.key not in ("window", "refresh"))
     bar.set_value(new / MIB)
@@ -99,7 +101,7 @@ def test_the_cap_can_be_chosen_in_gib_or_percent_of_expert_bytes(monkeypatch, ag
     at = open_page(monkeypatch, db, url, "tuning")
     at.segmented_control(key="cap-unit").set_value("% of experts").run()
     bar = slider(at, "cache_cap_bytes")
-    assert bar.max == pytest.approx(100 * cap["max"] / expert_bytes)
+    assert bar.max == pytest.approx(100 * min(cap["max"], max(expert_bytes, cap["value"])) / expert_bytes)
     pct = 50.0 if 50.0 * expert_bytes / 100 <= cap["max"] else bar.min
     bar.set_value(pct)
     at.button[0].click().run()
@@ -254,7 +256,7 @@ def test_an_exposed_dashboard_sends_nothing_before_the_token_is_entered(monkeypa
     next(b for b in at.button if b.label == "Unlock control").click().run()
     assert at.session_state[auth.UNLOCKED] and "Unlocked" in texts(at.caption)
     apply_prefetch(at, not before)
-    assert f"accepted: prefetch = {not before}" in texts(at.success) and prefetch(url) == (not before)
+    assert f"accepted: prefetch = {str(not before).lower()}" in texts(at.success) and prefetch(url) == (not before)
     httpx.put(f"{url}/v1/knobs", json={"prefetch": before}, headers={"Authorization": f"Bearer {TOKEN}"})
 
 

@@ -203,8 +203,8 @@ def test_memory_page_agent_thrashing_shows_evidence_thresholds_and_a_fix_within_
                        "memory PSI some (avg10)", "memory PSI full (avg10)"}
     assert rows["agent major faults"]["peak"] == "400 /s"
     faults = figures(at)["Major faults"]
-    assert [a["text"] for a in faults["layout"]["annotations"]] == [
-        "threshold 50 faults/s: agent major faults, agent cgroup major faults"]
+    assert [(a["text"], a["hovertext"]) for a in faults["layout"]["annotations"]] == [
+        ("threshold 50 faults/s", "threshold 50 faults/s: agent major faults, agent cgroup major faults")]
     # 4 GiB by a quarter: 3 GiB, inside [CAP_MIN, CAP_MAX] the agent last recorded
     assert "Shrink the cache cap from 4.0 GiB to 3.0 GiB" in texts(at.markdown)
     button = at.button(key="apply-recommendation")

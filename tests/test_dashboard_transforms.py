@@ -88,6 +88,20 @@ def test_a_moved_cap_slider_gives_bytes_within_the_bounds_and_an_untouched_one_t
     assert transforms.cap_bytes(0.1, 1.0, GIB, spec) == spec["min"]
 
 
+def test_the_cap_slider_ends_at_the_models_expert_bytes_unless_the_cap_is_above_them():
+    spec = {"value": 384 * MIB, "min": 192 * MIB, "max": 16 * GIB}
+    assert transforms.cap_range(spec, 1536 * MIB) == (192 * MIB, 1536 * MIB)   # the demo: not 16 GiB
+    assert transforms.cap_range(spec, None) == (192 * MIB, 16 * GIB)            # agent offline: its bounds
+    assert transforms.cap_range(spec | {"value": 2 * GIB}, 1536 * MIB) == (192 * MIB, 2 * GIB)
+    assert transforms.cap_range(spec, 64 * GIB) == (192 * MIB, 16 * GIB)
+    assert transforms.cap_range(spec, 100 * MIB) == (192 * MIB, 384 * MIB)
+
+
+def test_flags_read_as_their_bounds_spell_them():
+    row = transforms.knob_table({"prefetch": {"value": True, "default": False, "type": "bool"}})[0]
+    assert (row["value"], row["default"], row["allowed"]) == ("true", "false", "true or false")
+
+
 def test_markers_are_the_knob_changes_and_sweeps_in_the_range_oldest_first():
     knobs = [{"t": 30.0, "knob": "cache_cap_bytes", "old": 4 * GIB, "new": 3 * GIB, "source": "dashboard"},
              {"t": 5.0, "knob": "policy", "old": "lru", "new": "arc", "source": "api"}]
