@@ -87,6 +87,16 @@ def test_a_body_over_the_limit_is_refused_unread(agent, chunked):
     assert_clean_4xx(r, 413, f"limit of {body_limit(MAX_PROMPT_BYTES)} bytes")
 
 
+@pytest.mark.parametrize("path, method, raw", [("/v1/knobs", "PUT", '{"prefetch_depth": 1}'),
+                                               ("/v1/completions", "POST", '{"prompt": "hi"}')])
+@pytest.mark.parametrize("media", ["text/plain", "application/x-www-form-urlencoded"])
+def test_json_sent_as_another_media_type_is_told_to_say_json(agent, path, method, raw, media):
+    before = agent.get("/v1/knobs").json()
+    r = post(agent, path, raw, method, **{"Content-Type": media})
+    assert_clean_4xx(r, 422, "Content-Type: application/json", f"not {media}")   # was "should be a valid dictionary"
+    assert agent.get("/v1/knobs").json() == before
+
+
 def test_unknown_paths_and_methods_keep_the_error_shape(agent):
     assert_clean_4xx(httpx.get(agent.url + "/v2/nothing"), 404, "Not Found")
     assert_clean_4xx(httpx.delete(agent.url + "/v1/knobs"), 405, "Method Not Allowed")

@@ -171,6 +171,11 @@ async def _validation_error(request, exc: RequestValidationError) -> JSONRespons
     # Not the refused input itself: it may be NaN (no JSON can carry it back) or megabytes long.
     errors = [{"type": e["type"], "loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
     message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors)
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    json_body = not media or media == "application/json" or media.endswith("+json")
+    if not json_body and any(e["loc"][:1] == ["body"] for e in errors):
+        # FastAPI reads such a body as bytes, not JSON: "body: Input should be a valid dictionary" of a dictionary
+        message = f"the body is read as JSON only with Content-Type: application/json, not {media}; {message}"
     return _error_body(422, message, jsonable_encoder(errors))
 
 
