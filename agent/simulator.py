@@ -119,8 +119,9 @@ def simulate(trace: Trace, policy: str, capacity: float, scope: str = "layer",
     residency, learner = cache_for(trace, policy, capacity, scope, online, **options)
     replay(trace, residency, system or SystemReplay.synthetic())
     hits = sum(s.hits for s in residency.stats)
-    return SimResult(trace.name, policy, capacity, scope, hits, hits + sum(s.misses for s in residency.stats),
-                     residency.capacity, trace.n_layers * trace.n_experts, dict(learner.summary()) if learner is not None else None)
+    accesses = hits + sum(s.misses for s in residency.stats)
+    return SimResult(trace.name, policy, capacity, scope, hits, accesses, residency.capacity,
+                     trace.n_layers * trace.n_experts, dict(learner.summary()) if learner is not None else None)
 
 
 def cache_for(trace: Trace, policy: str, capacity: float, scope: str = "layer", online: OnlineConfig | None = None,

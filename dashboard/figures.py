@@ -133,8 +133,8 @@ def _threshold_lines(thresholds: Sequence[Threshold], shown: Display,
         shapes.append(dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=v * shown.factor,
                            y1=v * shown.factor, line=dict(color=THRESHOLD_COLOUR, width=1, dash="dash")))
         notes.append(dict(xref="x domain", x=0, xanchor="left", yref="y", y=v * shown.factor, yanchor="bottom",
-                          yshift=lift, showarrow=False, text=whole if len(whole) <= fits else f"threshold {shown.text(v)}",
-                          hovertext=whole, font=dict(color=THRESHOLD_COLOUR, size=11), bgcolor=LABEL_BACKGROUND))
+                          yshift=lift, showarrow=False, hovertext=whole,
+                          text=whole if len(whole) <= fits else f"threshold {shown.text(v)}", font=dict(color=THRESHOLD_COLOUR, size=11), bgcolor=LABEL_BACKGROUND))
     return shapes, notes
 
 

@@ -171,7 +171,8 @@ def test_a_capacity_below_the_top_k_floor_says_what_the_cache_held(capsys, tmp_p
     assert {row["capacity"] for row in queries.simulations(db)} == {0.125}  # what the cache held
     assert main(["simulate", "--trace", str(OLMOE), "--policy", "lru", "--capacity", "1e-9"]) == 0
     header = capsys.readouterr().out.splitlines()[1]
-    assert header == "olmoe_math: 1e-09 of experts is below one step's top-k per layer; raised to 128 of 1024 expert slots (0.125)"
+    assert header == ("olmoe_math: 1e-09 of experts is below one step's top-k per layer; "
+                      "raised to 128 of 1024 expert slots (0.125)")
     assert main(["simulate", "--trace", str(OLMOE), "--policy", "lru", "--capacity", "0.25"]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith("trace")
 
