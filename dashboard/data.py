@@ -49,6 +49,15 @@ def latest(db: str, name: str) -> tuple[float, float] | None:
     return queries.latest(db, name)
 
 
+def recent_mean(db: str, name: str, seconds: float) -> tuple[float, float] | None:
+    """(t, mean) of a series' points in the `seconds` up to its latest point t, or None without points."""
+    last = latest(db, name)
+    if last is None:
+        return None
+    window = series(db, name, last[0] - seconds, last[0], 1)
+    return (last[0], window[0][2]) if window else last
+
+
 @st.cache_data(ttl=TTL, show_spinner=False)
 def requests(db: str, since: float, until: float) -> list[dict[str, Any]]:
     return queries.requests(db, since, until)

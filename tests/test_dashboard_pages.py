@@ -56,6 +56,11 @@ def figures(at: AppTest) -> dict[str, dict]:
     return {spec["layout"]["title"]["text"]: spec for spec in specs}
 
 
+def tokens_now(last: int) -> float:
+    """What the Overview's tokens/s metric shows: the mean of the synthetic samples in the last 10 s."""
+    return sum(synthetic.tokens_per_s(i) for i in range(last - 10, last + 1)) / 11
+
+
 def texts(elements) -> str:
     return "\n".join(str(e.value) for e in elements)
 
@@ -69,7 +74,8 @@ def test_overview_shows_latest_values_latency_tail_and_processes(monkeypatch, of
     at = open_page(monkeypatch, db)
     last = SPAN_S - 1
     shown = metrics(at)
-    assert shown["Tokens/s (now)"] == f"{synthetic.tokens_per_s(last):.1f} tokens/s"
+    # the mean of the last 10 s: the agent's latest 1 s sample alone read 0 while a step took longer
+    assert shown["Tokens/s (last 10 s)"] == f"{tokens_now(last):.1f} tokens/s" != f"{synthetic.tokens_per_s(last):.1f} tokens/s"
     # per sample: hits 10+11+12+13 = 46, misses 10+9+8+7 = 34 (the same on every page)
     assert shown["Hit rate (last 1 min)"] == f"{100 * 46 / 80:.1f} %"
     assert shown["Requests"] == str(SPAN_S // 10)
@@ -128,8 +134,8 @@ def test_overview_now_metrics_are_a_dash_with_their_age_when_the_agent_stopped_w
     at = open_page(monkeypatch, fill(tmp_path / "old.db", ended_s_ago=3570))
     last = SPAN_S - 1
     now = {m.label: m for m in at.metric}
-    assert now["Hit rate (last 1 min)"].value == "–" and now["Tokens/s (now)"].value == "–"
-    assert now["Tokens/s (now)"].delta == f"last {synthetic.tokens_per_s(last):.1f} tokens/s, 60 min ago"
+    assert now["Hit rate (last 1 min)"].value == "–" and now["Tokens/s (last 10 s)"].value == "–"
+    assert now["Tokens/s (last 10 s)"].delta == f"last {tokens_now(last):.1f} tokens/s, 60 min ago"
     assert "no data in this range" in texts(at.caption)
     assert "Collector down" in texts(at.error)
 

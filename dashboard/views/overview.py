@@ -12,14 +12,15 @@ from store.units import human
 LIVE_S = 15               # agent and collector write every second: an older latest point is not "now"
 COLLECTOR_HEARTBEAT = "mem.available_bytes"
 TIME_BUCKETS = 60         # latency and request-count buckets: quantiles need a few requests each
+TOKENS_NOW_S = 10         # the agent samples tokens/s every second: a step longer than that left it 0 or double
 
 
-def now_metric(column, label: str, point: tuple[float, float] | None, now: float, unit: str) -> None:
-    """A "(now)" metric: the latest point while it is live, else "–" and how old the last one is."""
+def now_metric(column, label: str, point: tuple[float, float] | None, now: float, unit: str, help_: str) -> None:
+    """A metric of now: the latest point while it is live, else "–" and how old the last one is."""
     live = transforms.live_value(point, now, LIVE_S)
     note = (f"last {human(point[1], unit)}, {transforms.age_text(point[0], now)}"
             if point is not None and live is None else None)
-    column.metric(label, human(live, unit), note, delta_color="off", delta_arrow="off")
+    column.metric(label, human(live, unit), note, delta_color="off", delta_arrow="off", help=help_)
 
 
 @st.fragment(run_every=components.refresh_every())
@@ -52,7 +53,8 @@ def live() -> None:
     quantiles = data.latency_quantiles(db, since, until, TIME_BUCKETS)
     whole = data.latency_quantiles(db, since, until, 1)     # one bucket: the range's own quantiles
     c1, c2, c3, c4 = st.columns(4)
-    now_metric(c1, "Tokens/s (now)", data.latest(db, "agent.tokens_per_s"), now, "tokens/s")
+    now_metric(c1, f"Tokens/s (last {TOKENS_NOW_S} s)", data.recent_mean(db, "agent.tokens_per_s", TOKENS_NOW_S),
+               now, "tokens/s", f"the mean of the agent's per-second samples in the {TOKENS_NOW_S} s up to its latest")
     c2.metric(components.HIT_RATE_NOW, human(data.hit_rate_now(db, now), "fraction"),
               help=components.HIT_RATE_NOW_HELP)
     c3.metric("Requests", f"{len(rows):,}", help="finished in the time range shown")
