@@ -60,7 +60,21 @@ class Agent:
         if response.status_code >= 400:
             raise AgentError(f"the agent answered {response.status_code} to {method} {path}: "
                              f"{error_detail(response)}")
-        return response.json()
+        return self._object(response, method, path)
+
+    def _object(self, response: httpx.Response, method: str, path: str) -> dict[str, Any]:
+        """The answer's JSON object. Anything else is not the agent's: FLASHMOE_AGENT_URL set to the
+        dashboard's own port answered HTML, and every page showed a JSONDecodeError's traceback."""
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            kind = response.headers.get("content-type", "no content type").split(";")[0]
+            raise AgentError(f"{self.base_url} is not a FlashMoE agent: it answered {method} {path} with {kind}, "
+                             f"not the agent's JSON; set FLASHMOE_AGENT_URL to the address `flashmoe-cli serve` "
+                             f"listens on (default http://127.0.0.1:8600)")
+        return body
 
     def status(self) -> dict[str, Any]:
         return self._json("GET", "/v1/status")
@@ -73,7 +87,7 @@ class Agent:
         """Push `changes`; a 4xx is an answer (the agent's validation error), not an exception."""
         response = self._request("PUT", "/v1/knobs", json=changes, headers=self._control, timeout=KNOBS_TIMEOUT_S)
         if response.status_code < 400:
-            return KnobAnswer(True, response.status_code, response.json(), "")
+            return KnobAnswer(True, response.status_code, self._object(response, "PUT", "/v1/knobs"), "")
         if response.status_code >= 500 and response.status_code != 503:     # 503: busy, nothing applied
             raise AgentError(f"the agent failed with {response.status_code}: {error_detail(response)}")
         detail = error_detail(response)
