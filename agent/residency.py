@@ -111,6 +111,10 @@ class Residency:
         for part in self._parts:
             part.policy.session()
 
+    def prepare_system(self, sample: Mapping[str, float]) -> None:
+        for part in self._parts:
+            part.policy.prepare_system(sample)
+
     def system(self, sample: Mapping[str, float]) -> None:
         for part in self._parts:
             part.policy.system(sample)

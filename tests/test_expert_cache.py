@@ -366,6 +366,30 @@ def test_measured_read_latency_and_memory_pressure_reach_the_policy(store, monke
     assert cache.system_fed == (len(samples), samples[-1])
 
 
+def test_a_resize_goes_ahead_while_the_learned_policys_system_tower_runs(store, monkeypatch, tmp_path):
+    """The system tower (torch) runs once per monitoring sample; under memory thrash torch's code pages
+    fault back in for tens of seconds a call (the squeeze scenario in test_thrash_scenarios), so it must
+    not run under the cache's lock, which a resize from the HTTP thread waits for."""
+    monkeypatch.setattr(cache_module, "SYSTEM_SAMPLE_INTERVAL_S", 0.0)  # a new sample at every route()
+    (tmp_path / "memory").write_text("some avg10=37.00 avg60=0 avg300=0 total=1\nfull avg10=0 avg60=0 avg300=0 total=0\n")
+    with ExpertCache(store, slots(store, LAYERS * 4), policy="flashmoe", monitor=SystemSampler(psi_root=tmp_path)) as cache:
+        tower = cache._residency._parts[0].policy.scorer.shared.net.system
+        resized_meanwhile = []
+
+        def tower_with_a_resize(series):
+            if not resized_meanwhile:
+                resize = threading.Thread(target=cache.resize, args=(slots(store, LAYERS * 2),))
+                resize.start()
+                resize.join(30)  # a bound, not a measurement: a resize waiting for the lock never ends while we wait
+                resized_meanwhile.append(not resize.is_alive())
+            return type(tower).forward(tower, series)
+
+        monkeypatch.setattr(tower, "forward", tower_with_a_resize)
+        for experts in ([0, 1], [2, 3], [4, 5], [6, 7]):  # evictions: the policy scores with the tower
+            step(cache, 0, experts)
+        assert resized_meanwhile == [True] and cache.stats().capacity == LAYERS * 2
+
+
 @pytest.mark.parametrize("text,expected", [
     ("300000000", 300_000_000), ("300MB", 300_000_000), ("1.5GiB", 3 * 2**29), ("25%", 250), ("64 KiB", 65536),
     ("2g", 2 * 2**30), (4096, 4096)])

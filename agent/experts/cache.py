@@ -8,8 +8,10 @@ taken resident experts first (route() answers the order to ask in), in a window 
 with get(), io_threads reads ahead of the model. A block that two callers want at once is read
 once, because both wait on the same in-flight future, and a block that prefetch already started
 is waited for instead of read again. One lock guards all bookkeeping (Residency, slot
-table, in-flight table, counters); reads and CRC checks run outside it, so the service may resize
-or switch policy from its HTTP threads while decode runs.
+table, in-flight table, counters); reads, CRC checks and a policy's slow work on a monitoring sample
+(Policy.prepare_system: the learned policy's torch, whose code pages take seconds a call to fault
+back in under memory thrash) run outside it, so the service may resize or switch policy from its
+HTTP threads while decode runs.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from agent.experts.layout import CONFIG, EXPERTS, INDEX, Block, Index, StoreErro
 from agent.experts.provider import Expert, block_views
 from agent.experts.reader import IO_THREADS, MmapReader, open_reader
 from agent.experts.slots import SlotPool
-from agent.monitor import SystemSample, SystemSampler
+from agent.monitor import SystemSampler
 from agent.policies import Key, policy_factory
 from agent.residency import LayerStats, Residency, step_window
 
@@ -189,8 +191,12 @@ class ExpertCache:
         misses."""
         unique = list(dict.fromkeys(experts))
         sample = self.monitor.sample(SYSTEM_SAMPLE_INTERVAL_S)
+        inputs = sample.policy_inputs() if sample.t > self._fed_t else {}  # only route() feeds: no lock needed
+        if inputs:  # the policy's slow part (the learned one's torch) out of the lock a resize may wait for
+            self._residency.prepare_system(inputs)
         with self._lock:
-            self._feed_system(sample)  # before the route: a recorded trace replays it at the same point
+            if inputs:
+                self._feed_system(sample.t, inputs)  # before the route: a recorded trace replays it at the same point
             self._layer_done()
             self._policy(self._residency.route, layer, unique)
             fits = len(unique) <= self._room(self._residency.capacity)
@@ -394,13 +400,11 @@ class ExpertCache:
         with self._busy_lock:
             return self._io_busy_s + (time.perf_counter() - self._busy_since if self._running else 0.0)
 
-    def _feed_system(self, sample: SystemSample) -> None:
-        """Pass a monitoring sample to the policy once, if it has anything to say."""
-        inputs = sample.policy_inputs()
-        if sample.t > self._fed_t and inputs:
-            self._fed_t = sample.t
-            self._residency.system(inputs)
-            self.system_fed = (self.system_fed[0] + 1, inputs)
+    def _feed_system(self, t: float, inputs: dict[str, float]) -> None:
+        """Pass the policy inputs of a monitoring sample taken at `t` to the policy, once."""
+        self._fed_t = t
+        self._residency.system(inputs)
+        self.system_fed = (self.system_fed[0] + 1, inputs)
 
     # -- live changes -----------------------------------------------------------------------------------------
     def resize(self, cap_bytes: int) -> list[Key]:

@@ -108,11 +108,12 @@ class SharedNet:
         self.net, self.expert = net, ExpertTowerArrays(net)
 
     @functools.lru_cache(maxsize=64)
-    def system_vector(self, series: tuple[tuple[float, float], ...]) -> np.ndarray:
-        """The system tower's output for a series; every partition sees the same series, so cache it."""
+    def readout(self, series: tuple[tuple[float, float], ...]) -> tuple[np.ndarray, np.float32]:
+        """The expert tower's readout against the system tower's output for a series; every partition
+        sees the same series, so cache it."""
         x = torch.tensor([list(series) or [(0.0, 0.0)]], dtype=torch.float32)
         with torch.inference_mode():
-            return self.net.system(x)[0].numpy()
+            return self.expert.readout(self.net.system(x)[0].numpy())
 
 
 @functools.lru_cache(maxsize=8)
@@ -127,7 +128,11 @@ class Scorer:
 
     def set_series(self, series: Sequence[tuple[float, float]]) -> None:
         """New monitoring series: run the system tower once, reused by every scoring until the next."""
-        self._readout = self.shared.expert.readout(self.shared.system_vector(tuple(series)))
+        self._readout = self.shared.readout(tuple(series))
+
+    def prepare(self, series: Sequence[tuple[float, float]]) -> None:
+        """Run the system tower for a series that set_series() will be given, so that call is a lookup."""
+        self.shared.readout(tuple(series))
 
     def score(self, h: LayerHistory, experts: np.ndarray) -> np.ndarray:
         """Retention scores of `experts` (ids) of the layer `h` describes."""

@@ -31,6 +31,10 @@ class Policy:
     def session(self) -> None:
         """A new session (a prompt or request) begins."""
 
+    def prepare_system(self, sample: Mapping[str, float]) -> None:
+        """`sample` comes next to system(): do its slow work now, outside the cache's lock (which a
+        resize may be waiting for), without changing any decision."""
+
     def system(self, sample: Mapping[str, float]) -> None:
         """A monitoring sample arrived, e.g. {"read_latency_s": ..., "mem_pressure": ...}."""
 

@@ -100,6 +100,12 @@ class FlashMoE(Policy):
         if self.learner is not None:
             self.learner.session()
 
+    def prepare_system(self, sample: Mapping[str, float]) -> None:
+        """Run the system tower (torch) on the series `sample` will make: the rescoring it triggers
+        finds it memoized. Under memory thrash torch's code pages fault back in for seconds each
+        call, which the cache's lock must not wait for."""
+        self.scorer.prepare((*self._series, self._s.system_input(sample))[-self._s.SERIES_LEN:])
+
     def system(self, sample: Mapping[str, float]) -> None:
         self._series.append(self._s.system_input(sample))
         self._system_changed = True
