@@ -4,7 +4,10 @@ with --listen export them to Prometheus (collector.export).
 Each tick (default 1 s) every sampler is read; a sampler whose source is missing (no NVMe, no
 PSI, agent not running, no permission) is reported once per change, as a log line and a store
 event, and the others go on. Ticks are stamped with their scheduled wall-clock time (a drift-free
-grid), so the codec's time deltas-of-deltas are zero. SIGTERM or SIGINT: flush and exit 0.
+grid), so the codec's time deltas-of-deltas are zero. A tick the loop was too late for (e.g. its
+flush waited seconds for a disk that serves a memory thrash's refaults) is not taken: each is
+counted in `collector.missed_samples` at the next tick and logged, and the dashboard says how many
+samples its range lacks. SIGTERM or SIGINT: flush and exit 0.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from collector.export import MachineExport
 from collector.samplers import (AgentSampler, BlockSampler, CgroupSampler, NvmeSampler, PressureSampler, Sampler,
                                 SelfSampler, SystemMemorySampler)
+from collector.series import loop_series
 from collector.status import SourceStatus
 from machine import pressure
 from machine.devices import BlockDevice, HotplugWatcher, NvmeController, block_devices, disk_holding, nvme_controllers
@@ -94,9 +98,16 @@ class Collector:
         self._event("collector.expert_store", f"expert store {self.store_path} is on {disk.describe()}")
         return disk
 
-    def tick(self, t_wall: float, t_mono: float) -> int:
-        """Sample everything once and hand the points to the store; returns the point count."""
+    def tick(self, t_wall: float, t_mono: float, missed: int = 0) -> int:
+        """Sample everything once and hand the points to the store, with the count of ticks `missed`
+        since the last one (ticks()); returns the point count."""
+        if missed:
+            log.warning("the collector was %d tick(s) late: their samples are lost (counted in "
+                        "collector.missed_samples)", missed)
         n = 0
+        for name, value in loop_series(missed).items():
+            self.store.append(name, t_wall, value)
+            n += 1
         for sampler in self.samplers:
             try:
                 values = sampler.sample(t_mono)
@@ -123,13 +134,14 @@ class Collector:
 
 
 def ticks(interval: float, stop: threading.Event, duration: float | None):
-    """Yield (scheduled wall time, monotonic time) on a drift-free grid of whole intervals,
-    skipping ticks the loop was too late for, until stop is set or duration has passed. The
-    grid follows the monotonic clock; if the wall clock is stepped (NTP, suspend) by more than
-    an interval, the grid is re-anchored to it."""
+    """Yield (scheduled wall time, monotonic time, ticks missed since the last one) on a drift-free
+    grid of whole intervals, skipping (and counting) ticks the loop was too late for, until stop is
+    set or duration has passed. The grid follows the monotonic clock; if the wall clock is stepped
+    (NTP, suspend) by more than an interval, the grid is re-anchored to it (no tick is missed then)."""
     wall0, mono0 = time.time(), time.monotonic()
     end = None if duration is None else mono0 + duration
     k = math.ceil(wall0 / interval)
+    missed = 0
     while not stop.is_set():
         t_wall = round(k * interval, 3)
         deadline = mono0 + (t_wall - wall0)
@@ -142,17 +154,20 @@ def ticks(interval: float, stop: threading.Event, duration: float | None):
             log.warning("the wall clock moved by %+.1f s; re-anchoring the sampling grid", step)
             wall0, mono0 = time.time(), time.monotonic()
             k = math.ceil(wall0 / interval)
+            missed = 0
             continue
-        yield t_wall, time.monotonic()
-        k = max(k + 1, math.ceil((wall0 + time.monotonic() - mono0) / interval))
+        yield t_wall, time.monotonic(), missed
+        due = math.ceil((wall0 + time.monotonic() - mono0) / interval)
+        missed = max(0, due - (k + 1))
+        k = max(k + 1, due)
 
 
 def collect(collector: Collector, interval: float, stop: threading.Event, duration: float | None,
             retention_days: float = DEFAULT_RETENTION_DAYS) -> None:
     """The sampling loop, with compaction at start and every hour."""
     next_compaction = time.monotonic()
-    for t_wall, t_mono in ticks(interval, stop, duration):
-        collector.tick(t_wall, t_mono)
+    for t_wall, t_mono, missed in ticks(interval, stop, duration):
+        collector.tick(t_wall, t_mono, missed)
         if t_mono >= next_compaction:
             next_compaction = t_mono + COMPACT_EVERY_S
             try:

@@ -81,3 +81,8 @@ def hwmon_series(ctrl: str, temperature_c: float) -> dict[str, float]:
 def self_series(cpu_fraction: float) -> dict[str, float]:
     """collector.*: the collector's own cost."""
     return series_of("self", {"cpu_fraction": cpu_fraction})
+
+
+def loop_series(missed: int) -> dict[str, float]:
+    """collector.*: the sampling loop's own record, the ticks it was too late for."""
+    return series_of("self", {"missed_samples": missed})

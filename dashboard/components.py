@@ -136,12 +136,18 @@ def series_chart(db: str, names: Mapping[str, str], since: float, until: float, 
     time_chart(fig, f"chart-{title}")
 
 
-def lost_notice(db: str) -> None:
-    """Telemetry the agent and the collector could not write (a full or failing disk), if any."""
+def lost_notice(db: str, since: float, until: float) -> None:
+    """Telemetry the agent and the collector could not write (a full or failing disk), if any, and
+    the collector's samples in the range that it was too late to take."""
     lost = data.lost(db)
     if lost["points"] or lost["rows"]:
         st.warning(f"Telemetry lost to store write failures: {lost['points']:,} points and {lost['rows']:,} "
                    f"rows (the events say when and why)", icon=":material/report:")
+    missed = data.missed_samples(db, since, until)
+    if missed:
+        st.warning(f"The collector fell behind and missed {missed:,} of its one-per-interval samples in this range "
+                   f"(e.g. while the disk served a memory thrash): a rate across a gap is its average",
+                   icon=":material/report:")
 
 
 def agent_offline_notice(reason: str) -> None:

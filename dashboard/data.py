@@ -116,6 +116,11 @@ def lost(db: str) -> dict[str, int]:
 
 
 @st.cache_data(ttl=TTL, show_spinner=False)
+def missed_samples(db: str, since: float, until: float) -> int:
+    return queries.missed_samples(db, since, until)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
 def simulations(db: str) -> list[dict[str, Any]]:
     return queries.simulations(db)
 

@@ -320,6 +320,12 @@ def lost(db: Db) -> dict[str, int]:
     return {"points": rows.get("lost_points", 0), "rows": rows.get("lost_rows", 0)}
 
 
+def missed_samples(db: Db, since: float | None = None, until: float | None = None) -> int:
+    """Ticks the collector was too late for in [since, until] (collector.missed_samples): each is a
+    sample of every collector series that was never taken."""
+    return int(points(db, "collector.missed_samples", since, until)[1].sum())
+
+
 def knob_history(db: Db, limit: int = 100) -> list[dict[str, Any]]:
     """The latest knob changes, newest first: {"id", "t", "knob", "old", "new", "source"}."""
     rows = _rows(db, "SELECT * FROM knob_changes ORDER BY t DESC, id DESC LIMIT ?", (limit,))

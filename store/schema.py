@@ -162,6 +162,8 @@ CATALOGUE: tuple[SeriesSpec, ...] = (
     _smart("error_log_entries", "count", "counter", "error information log entries"),
     # The collector's own cost.
     SeriesSpec("collector.cpu_fraction", "fraction", "gauge", 0.0001, "collector CPU, share of one core", "self"),
+    SeriesSpec("collector.missed_samples", "count", "gauge", 1.0, "ticks the collector was too late for since "
+               "its previous sample: each lacks a sample of every collector series", "self"),
     # The agent (written by agent/serve); more agent.* series may be declared at run time.
     _agent("tokens_per_s", "1/s", 0.01, "generated tokens per second"),
     _agent("hit_rate", "fraction", 0.0001, "expert cache hit rate, 0..1"),

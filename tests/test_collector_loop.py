@@ -112,13 +112,40 @@ def test_ticks_lie_on_the_grid_and_stop_when_asked():
     from collector.loop import ticks
     stop = threading.Event()
     seen = []
-    for t_wall, _ in ticks(0.05, stop, duration=None):
+    for t_wall, _, _ in ticks(0.05, stop, duration=None):
         seen.append(t_wall)
         if len(seen) == 5:
             stop.set()
     assert len(seen) == 5
     assert all(b > a for a, b in zip(seen, seen[1:]))
     assert np.allclose(np.round(np.array(seen) / 0.05), np.array(seen) / 0.05)
+
+
+def test_every_tick_is_taken_or_counted_missed_when_the_loop_is_late():
+    import threading
+
+    from collector.loop import ticks
+    stop = threading.Event()
+    seen, missed = [], []
+    for t_wall, _, m in ticks(0.05, stop, duration=None):
+        seen.append(t_wall)
+        missed.append(m)
+        if len(seen) == 6:
+            stop.set()
+        elif len(seen) % 2:
+            time.sleep(0.12)             # a tick whose work outlasts two intervals (e.g. a flush behind a thrash)
+    assert all(m >= 2 for m in missed[1::2])
+    assert len(seen) + sum(missed) == round((seen[-1] - seen[0]) / 0.05) + 1   # the grid, taken or counted
+
+
+def test_missed_ticks_are_stored_with_the_next_sample(tmp_path):
+    db = tmp_path / "flashmoe.db"
+    with Store(db, autoflush_s=0) as store:
+        collector = Collector(store)
+        for k, missed in enumerate([0, 3, 0, 2]):
+            collector.tick(1_700_000_000.0 + k, time.monotonic(), missed)
+    assert queries.missed_samples(db) == 5
+    assert queries.missed_samples(db, 1_700_000_002.0, 1_700_000_003.0) == 2
 
 
 def test_a_hotplug_event_is_recorded_and_devices_rediscovered(tmp_path):

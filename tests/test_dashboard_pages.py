@@ -288,3 +288,12 @@ def test_overview_says_how_much_telemetry_was_lost(monkeypatch, offline, db, tmp
     with sqlite3.connect(lossy) as conn:         # as a writer counts what a full disk made it drop
         record_lost(conn, 1234, 5)
     assert "Telemetry lost to store write failures: 1,234 points and 5 rows" in texts(open_page(monkeypatch, lossy).warning)
+
+
+def test_overview_and_memory_page_say_how_many_samples_the_collector_missed(monkeypatch, offline, db, tmp_path):
+    assert "missed" not in texts(open_page(monkeypatch, db).warning)
+    late = fill(tmp_path / "late.db")
+    with Store(late, autoflush_s=0) as store:      # as the collector writes it after ticks it was too late for
+        store.append("collector.missed_samples", time.time() - 30, 7)
+    for page in (None, "memory"):
+        assert "The collector fell behind and missed 7 of its" in texts(open_page(monkeypatch, late, page).warning)

@@ -45,6 +45,7 @@ def live() -> None:
     knobs = data.agent_knobs(url, token)
     d = data.diagnosis(db, since, until, knobs if isinstance(knobs, dict) else None, settings.BUCKETS)
     verdict(d)
+    components.lost_notice(db, since, until)  # a thrash can make the collector miss the samples that judge it
     recommendation(d, knobs)
     charts(d, since, until)
 

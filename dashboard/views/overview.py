@@ -48,7 +48,7 @@ def live() -> None:
 
     if not components.store_ready(db):
         return
-    components.lost_notice(db)
+    components.lost_notice(db, since, until)
     rows = data.requests(db, since, until)
     quantiles = data.latency_quantiles(db, since, until, TIME_BUCKETS)
     whole = data.latency_quantiles(db, since, until, 1)     # one bucket: the range's own quantiles
