@@ -83,6 +83,10 @@ class Residency:
     def capacity(self) -> int:
         return sum(p.capacity for p in self._parts)
 
+    def capacity_for(self, capacity: int) -> int:
+        """The capacity resize(capacity) gives: in layer scope a multiple of the layer count."""
+        return sum(self._split(capacity))
+
     def resize(self, capacity: int) -> list[Key]:
         """Set a new capacity; returns the keys evicted (by the policy) to fit. Pinned keys (the running
         step's) stay past it: the next resize after they are unpinned evicts them."""

@@ -14,6 +14,7 @@ import torch
 
 from agent.experts import cache as cache_module
 from agent.experts import cap as cap_module
+from agent.experts import slots as slots_module
 from agent.experts.cache import ExpertCache
 from agent.experts.cap import cap_bounds, memory_limit_bytes, parse_cap
 from agent.experts.layout import INDEX, Index, StoreError
@@ -234,6 +235,29 @@ def test_resize_shrinks_by_policy_frees_slots_and_grows_again(store):
         with pytest.raises(ValueError, match="allowed range"):
             cache.resize(slots(store, LAYERS))
         assert cache.stats().capacity == LAYERS * 5
+
+
+def test_growing_faults_the_new_slots_in_outside_the_cache_lock(store, monkeypatch):
+    """Near a memory limit the kernel reclaims for every page a grow faults in, for seconds: decode,
+    which needs the cache lock, must not wait for that."""
+    with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
+        step(cache, 0, [0, 1])                                 # no read runs now: only this thread takes the lock
+        locked = []
+
+        class Mmap:                                            # the mmap module, its arenas' allocation watched
+            def __getattr__(self, name):
+                return getattr(mmap, name)
+
+            def mmap(self, *args, **kwargs):
+                locked.append(cache._lock.locked())
+                return mmap.mmap(*args, **kwargs)
+
+        monkeypatch.setattr(slots_module, "mmap", Mmap())
+        cache.resize(slots(store, LAYERS * 5))
+        assert locked == [False] and len(cache._pool) == LAYERS * 5
+        reference = InMemoryExperts(store)
+        for e in range(EXPERTS):                               # every slot in use, the new ones among them
+            assert torch.equal(step(cache, 0, [e])[0].up, reference.get(0, e).up)
 
 
 def test_a_shrink_below_the_running_layer_applies_at_once_and_frees_its_experts_when_it_ends(store):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import threading
 import time
 from collections import deque
@@ -124,7 +125,8 @@ class ExpertCache:
         self._reader = open_reader(backend, self.store_dir / EXPERTS, self.index, verify)
         self._mmap = self._reader if isinstance(self._reader, MmapReader) else None
         try:
-            self._pool = SlotPool(self._pool_size(), self.index.slot_bytes) if self._reader.uses_slots else None
+            self._pool = (SlotPool(self._pool_size(self._residency.capacity), self.index.slot_bytes)
+                          if self._reader.uses_slots else None)
         except BaseException:
             self._reader.close()
             raise
@@ -160,8 +162,9 @@ class ExpertCache:
     def _slots_for(self, cap_bytes: int) -> int:
         return cap_bytes // self.index.slot_bytes
 
-    def _pool_size(self) -> int:
-        return min(self._residency.capacity, len(self.index.blocks))
+    def _pool_size(self, capacity: int) -> int:
+        """Slots to allocate for a capacity: never more than there are blocks."""
+        return min(capacity, len(self.index.blocks))
 
     def _room(self, slots: int) -> int:
         """Slots of one partition (a layer's share, or all of them in global scope)."""
@@ -408,28 +411,40 @@ class ExpertCache:
 
     # -- live changes -----------------------------------------------------------------------------------------
     def resize(self, cap_bytes: int) -> list[Key]:
-        """A new cap, at once: shrinking evicts by the policy and frees slots, growing allocates. Returns
-        evicted keys. Experts the running layer has pinned stay past a shrink until that layer ends
+        """A new cap, at once: shrinking evicts by the policy and frees slots, growing allocates them
+        (before taking the lock). Returns evicted keys. Experts the running layer has pinned stay past a shrink until that layer ends
         (the next route() or idle()), which frees their slots then: under memory thrash a step, even
         one layer, can last minutes, and the relief must not wait for it."""
         self._check_cap(cap_bytes)
         asked = time.monotonic()
+        memory = self._reserve(cap_bytes)
+        reserved = time.monotonic()
         with self._lock:
             locked = time.monotonic()
-            evicted = self._resize(cap_bytes)
+            evicted = self._resize(cap_bytes, memory)
         if time.monotonic() - asked > SLOW_RESIZE_S:  # e.g. under memory thrash: who held the lock, or the work
-            log.warning("cache resize took %.1f s: %.1f s waiting for the cache lock, %.1f s resizing",
-                        time.monotonic() - asked, locked - asked, time.monotonic() - locked)
+            log.warning("cache resize took %.1f s: %.1f s reserving slots, %.1f s waiting for the cache lock, "
+                        "%.1f s resizing", time.monotonic() - asked, reserved - asked, locked - reserved,
+                        time.monotonic() - locked)
         return evicted
 
-    def _resize(self, cap_bytes: int) -> list[Key]:
+    def _reserve(self, cap_bytes: int) -> mmap.mmap | None:
+        """The memory a grow to `cap_bytes` adds, faulted in before the lock is taken (near a memory
+        limit that takes seconds, which decode must not wait for). Read without the lock: a change
+        meanwhile leaves it the wrong size, and _resize reserves anew under the lock."""
+        if self._pool is None:
+            return None
+        more = self._pool_size(self._residency.capacity_for(self._slots_for(cap_bytes))) - len(self._pool)
+        return self._pool.reserve(more) if more > 0 else None
+
+    def _resize(self, cap_bytes: int, memory: mmap.mmap | None = None) -> list[Key]:
         evicted = self._residency.resize(self._slots_for(cap_bytes))
         for key in evicted:
             self._forget(key)
         self.cap_bytes = cap_bytes
         if self._pool is not None:
-            change = self._pool_size() - len(self._pool)
-            self._pool.grow(change) if change > 0 else self._pool.shrink(min(-change, self._pool.free))
+            change = self._pool_size(self._residency.capacity) - len(self._pool)
+            self._pool.grow(change, memory) if change > 0 else self._pool.shrink(min(-change, self._pool.free))
             for slot in [s for s in self._busy if s not in self._pool]:
                 del self._busy[slot]
         self._outgrown = len(self._residency) > self._residency.capacity  # pinned experts left for the layer's end

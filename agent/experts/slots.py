@@ -3,8 +3,9 @@
 Each slot holds one block (Index.slot_bytes, a multiple of the O_DIRECT alignment), so a miss reads
 straight into a slot and the model views the bytes as tensors without a copy. Memory comes in
 arenas, one anonymous mmap each (page aligned by construction, pre-faulted so a read never waits on
-page faults). Growing adds an arena; shrinking releases free slots, returning their pages to the OS
-at once (MADV_DONTNEED) and unmapping an arena once none of its slots is live.
+page faults). Growing adds an arena, whose memory its owner may reserve beforehand, outside its own
+lock; shrinking releases free slots, returning their pages to the OS at once (MADV_DONTNEED) and
+unmapping an arena once none of its slots is live.
 """
 from __future__ import annotations
 
@@ -59,12 +60,20 @@ class SlotPool:
         """The slot as a writable memoryview, for os.preadv."""
         return memoryview(self._views[slot].numpy()).cast("B")
 
-    def grow(self, n: int) -> None:
-        """Add n slots in one new arena."""
+    def reserve(self, n: int) -> mmap.mmap:
+        """Memory for n slots, faulted in now. It touches no pool state, so the pool's owner may call it
+        outside its lock: near a memory limit the kernel reclaims for every page, for seconds."""
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(-1, n * self.slot_bytes, flags=flags)
+
+    def grow(self, n: int, memory: mmap.mmap | None = None) -> None:
+        """Add n slots in one new arena: `memory` from reserve(n), or reserved now (also when `memory`
+        was reserved for another count, e.g. before a concurrent change)."""
         if n <= 0:
             return
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        arena = _Arena(mmap.mmap(-1, n * self.slot_bytes, flags=flags), self._next_id)
+        if memory is None or len(memory) != n * self.slot_bytes:
+            memory = self.reserve(n)
+        arena = _Arena(memory, self._next_id)
         whole = torch.from_numpy(np.frombuffer(arena.mem, dtype=np.uint8))
         for i in range(n):
             slot = self._next_id + i
