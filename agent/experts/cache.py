@@ -140,6 +140,7 @@ class ExpertCache:
         self._routed: tuple[int, list[int]] = (0, [])  # the window of experts Residency pins
         self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
         self._outgrown = False               # a shrink left the running layer's pinned experts past the cap
+        self._dropped: list = []             # evicted experts, released slot views: freed outside the lock
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
         self.read_ahead = io_threads  # reads a step larger than a partition keeps in flight
         self._bytes_read = self._reads = self._issued = 0
@@ -198,6 +199,7 @@ class ExpertCache:
         if inputs:  # the policy's slow part (the learned one's torch) out of the lock a resize may wait for
             self._residency.prepare_system(inputs)
         with self._lock:
+            dropped = self._take_dropped()
             if inputs:
                 self._feed_system(sample.t, inputs)  # before the route: a recorded trace replays it at the same point
             self._layer_done()
@@ -208,18 +210,31 @@ class ExpertCache:
             else:
                 step = _Step(sorted(unique, key=lambda e: self._tier((layer, e))),
                              residents=sum((layer, e) in self._residency for e in unique))
+            self._dropped.append(self._steps.get(layer))  # its reads' futures hold experts since evicted
             self._steps[layer] = self._current = step
             self._guess = None  # a guess still waiting is for a step that has begun, or never will
             self._fill(layer, step)
             if fits:  # every expert accessed: the order get() asks in no longer changes what is resident
                 step.order.sort(key=lambda e: _ready_first(step.loads[e]))
-            return list(step.order)
+            order = list(step.order)
+        del dropped  # outside the lock (see _take_dropped)
+        return order
 
     def idle(self) -> None:
         """The forward pass is over: no expert is in use, so none stays pinned, and a resize or
         policy change between two steps may use every slot."""
         with self._lock:
             self._layer_done()
+            dropped = self._take_dropped()
+        del dropped  # outside the lock (see _take_dropped)
+
+    def _take_dropped(self) -> list:
+        """The evicted experts and released slot views held since the last call, for the model's thread
+        to free outside the lock (route(), idle()). Under memory thrash freeing a tensor runs torch code
+        whose pages fault back in: in the squeeze scenario a shrink's 48 experts took 78 major faults
+        and 13 s to free, and decode, the ticker and the next resize waited on the lock meanwhile."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def _policy(self, decision, *args):
         """A Residency decision (called under the lock), its time counted as the policy's."""
@@ -339,7 +354,9 @@ class ExpertCache:
 
     def _forget(self, key: Key) -> None:
         """`key` left Residency: free its slot (after its read, if one is still running)."""
-        self._ready.pop(key, None)
+        expert = self._ready.pop(key, None)
+        if expert is not None:
+            self._dropped.append(expert)
         slot = self._slot_of.pop(key, None)
         load = self._inflight.pop(key, None)
         if slot is not None:
@@ -444,9 +461,12 @@ class ExpertCache:
         self.cap_bytes = cap_bytes
         if self._pool is not None:
             change = self._pool_size(self._residency.capacity) - len(self._pool)
-            self._pool.grow(change, memory) if change > 0 else self._pool.shrink(min(-change, self._pool.free))
+            if change > 0:
+                self._pool.grow(change, memory)
+            else:
+                self._dropped.extend(self._pool.shrink(min(-change, self._pool.free)))
             for slot in [s for s in self._busy if s not in self._pool]:
-                del self._busy[slot]
+                self._dropped.append(self._busy.pop(slot))  # a read's future holds its expert
         self._outgrown = len(self._residency) > self._residency.capacity  # pinned experts left for the layer's end
         log.info("expert cache resized to %d bytes (%d slots), %d evicted", cap_bytes, self._residency.capacity, len(evicted))
         return evicted
@@ -490,7 +510,7 @@ class ExpertCache:
     def close(self) -> None:
         self._io.shutdown(wait=True, cancel_futures=False)
         with self._lock:  # drop every view first, so an mmap backend can unmap at once
-            for table in (self._ready, self._inflight, self._steps, self._busy, self._slot_of):
+            for table in (self._ready, self._inflight, self._steps, self._busy, self._slot_of, self._dropped):
                 table.clear()
             self._reader.close()
             if self._pool is not None:

@@ -82,20 +82,21 @@ class SlotPool:
         self._free.extend(range(self._next_id + n - 1, self._next_id - 1, -1))  # lowest ids handed out first
         self._next_id += n
 
-    def shrink(self, n: int) -> None:
-        """Release n free slots, newest arenas first so whole arenas can be unmapped."""
+    def shrink(self, n: int) -> list[torch.Tensor]:
+        """Release n free slots, newest arenas first so whole arenas can be unmapped. Returns their
+        views, for the caller to drop where freeing a tensor may wait (see ExpertCache._take_dropped)."""
         if n > len(self._free):
             raise ValueError(f"cannot release {n} slots: only {len(self._free)} are free (evict first)")
         self._free.sort(reverse=True)  # highest ids (newest arenas) released; lowest still handed out first
-        for slot in self._free[:n]:
-            self._release(slot)
+        views = [self._release(slot) for slot in self._free[:n]]
         del self._free[:n]
+        return views
 
-    def _release(self, slot: int) -> None:
+    def _release(self, slot: int) -> torch.Tensor:
         arena = self._arena_of.pop(slot)
-        del self._views[slot]
         # Pages go back to the OS now; the arena is unmapped once no slot table or tensor refers to it.
         arena.mem.madvise(mmap.MADV_DONTNEED, (slot - arena.first) * self.slot_bytes, self.slot_bytes)
+        return self._views.pop(slot)
 
     def close(self) -> None:
         self._views.clear()
