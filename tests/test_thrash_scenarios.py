@@ -280,8 +280,8 @@ def test_an_agent_squeezed_by_its_cgroup_is_found_thrashing_within_a_minute(defa
     reserved = resident_bytes(default_demo, Index.load(default_demo / INDEX))
     assert recorded_max == pytest.approx(MAX_MEMORY_SHARE * limit - reserved, rel=0.05)
     change = verdict["recommendation"]["changes"]["cache_cap_bytes"]
-    cap = queries.latest(agent.db, "agent.cache_cap_bytes")[1]
-    assert queries.latest(agent.db, "agent.cache_cap_min_bytes")[1] <= change < cap and change <= recorded_max
+    # below the cap the verdict saw: the store's latest cap is the one clicked since (at the codec's 4 KiB step)
+    assert queries.latest(agent.db, "agent.cache_cap_min_bytes")[1] <= change < cap_before and change <= recorded_max
     assert verdict["recommendation"]["text"].startswith(("Shrink the cache cap", "Set the cache cap"))
     # one click on the Memory page in Chromium shows the agent's answer: accepted (a cap change applies at
     # once; only the running layer's experts wait for its end, which thrash can delay for minutes), the
