@@ -8,10 +8,10 @@ taken resident experts first (route() answers the order to ask in), in a window 
 with get(), io_threads reads ahead of the model. A block that two callers want at once is read
 once, because both wait on the same in-flight future, and a block that prefetch already started
 is waited for instead of read again. One lock guards all bookkeeping (Residency, slot
-table, in-flight table, counters); reads, CRC checks and a policy's slow work on a monitoring sample
-(Policy.prepare_system: the learned policy's torch, whose code pages take seconds a call to fault
-back in under memory thrash) run outside it, so the service may resize or switch policy from its
-HTTP threads while decode runs.
+table, in-flight table, counters); reads, CRC checks, a policy's slow work on a monitoring sample
+(Policy.prepare_system), faulting in a grow's slots and freeing evicted experts' tensors run
+outside it, so the service may resize or switch policy from its HTTP threads while decode runs:
+under memory thrash each of those waits on page faults for seconds (RELIABILITY.md has the figures).
 """
 from __future__ import annotations
 
