@@ -44,3 +44,56 @@ def test_a_refused_request_raises_the_clients_error_with_our_reason(client):
     model = client.models.list().data[0].id
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model=model, prompt=[5, 10**7], max_tokens=2)
+
+
+PROMPT, LONG = "The SSD on this box", 24
+
+
+@pytest.fixture(scope="module")
+def whole(client) -> str:
+    """The demo model's greedy continuation of PROMPT: ASCII, so one token per character."""
+    text = client.completions.create(model="demo", prompt=PROMPT, max_tokens=LONG, temperature=0).choices[0].text
+    assert text.isascii() and len(text) == LONG
+    return text
+
+
+def _first_stop(whole: str, stops: list[str]) -> tuple[int, int]:
+    """Where the stop string that is generated first starts, and how many tokens it takes to generate it."""
+    start, s = min((whole.find(s), s) for s in stops if s in whole)
+    return start, start + len(s)
+
+
+def test_stop_ends_the_text_before_the_first_stop_string_and_no_token_is_generated_past_it(client, whole):
+    stops = [whole[15:17], "never", whole[7:9]]
+    start, generated = _first_stop(whole, stops)
+    done = client.completions.create(model="demo", prompt=PROMPT, max_tokens=LONG, temperature=0, stop=stops)
+    assert done.choices[0].text == whole[:start] and done.choices[0].finish_reason == "stop"
+    assert done.usage.completion_tokens == generated < LONG
+    one = client.completions.create(model="demo", prompt=PROMPT, max_tokens=LONG, temperature=0, stop=whole[10:12])
+    assert one.choices[0].text == whole[:whole.find(whole[10:12])]
+
+
+def test_streaming_with_stop_sends_the_same_text_and_never_part_of_a_stop_string(client, whole):
+    stops = [whole[12:14]]
+    start, generated = _first_stop(whole, stops)
+    chunks = list(client.completions.create(model="demo", prompt=PROMPT, max_tokens=LONG, temperature=0,
+                                            stop=stops, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole[:start]
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == generated
+
+
+def test_streaming_holds_back_a_tail_that_may_begin_a_stop_string_and_sends_it_when_none_follows(client, whole):
+    stop = whole[9:12] + "\u2603"  # its first three characters are generated, the snowman never is
+    chunks = list(client.completions.create(model="demo", prompt=PROMPT, max_tokens=LONG, temperature=0,
+                                            stop=[stop], stream=True))
+    sent = ""
+    for chunk in chunks[:-1]:
+        sent += chunk.choices[0].text
+        assert not any(stop.startswith(sent[-n:]) for n in range(1, len(stop))), sent
+    assert sent + chunks[-1].choices[0].text == whole and chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stop", [["a", "b", "c", "d", "e"], "", ["ok", ""]])
+def test_stop_takes_up_to_four_non_empty_strings(client, stop):
+    with pytest.raises(openai.UnprocessableEntityError, match="stop takes a string or a list of at most 4"):
+        client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, stop=stop)

@@ -13,6 +13,7 @@ streaming or not.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
@@ -35,6 +36,7 @@ from agent.serve.metrics import DeviceLabelled
 from agent.serve.runtime import Runtime
 from agent.serve.scheduler import Event
 from agent.serve.scheduler import Request as Job
+from agent.serve.stops import MAX_STOPS, CompletionText
 
 CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
 
@@ -48,6 +50,17 @@ class CompletionRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     stream: bool = False
     n: int = Field(1, ge=1, le=1, description="one choice per request")
+    stop: str | list[str] | None = Field(None, validate_default=True, description=f"up to {MAX_STOPS} non-empty strings: the text ends "
+                                                           f"before the first of them, with finish_reason stop")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOPS or not all(stops):
+            raise ValueError(f"stop takes a string or a list of at most {MAX_STOPS} non-empty strings; "
+                             f"got {len(stops)} string(s), {sum(not s for s in stops)} empty")
+        return stops
 
     @field_validator("prompt")
     @classmethod
@@ -136,20 +149,21 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
                                      f"(serve --max-prompt-bytes)")
         loop = asyncio.get_running_loop()
         prompt_ids = await loop.run_in_executor(tokenizing, _prompt_ids, body, tokenizer, config)
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+        queue: asyncio.Queue[Piece] = asyncio.Queue()
+        completion = CompletionText(tokenizer.decode, body.stop)
         job = Job(id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=prompt_ids, max_tokens=body.max_tokens,
                   temperature=body.temperature, stop_ids=stop_ids,
-                  sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+                  sink=lambda ev: _pass_on(ev, job, completion, loop, queue))
         try:
             runtime.submit(job)
         except RuntimeError as exc:
             raise HTTPException(503, str(exc)) from None
         head = {"id": job.id, "object": "text_completion", "created": int(time.time()), "model": model_name}
         if body.stream:  # Starlette cancels the stream when its client goes away
-            return StreamingResponse(_stream(job, queue, head, tokenizer), media_type="text/event-stream")
+            return StreamingResponse(_stream(job, queue, head), media_type="text/event-stream")
         watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
         try:
-            return await _collect(job, queue, head, tokenizer)
+            return await _collect(job, queue, head)
         finally:
             watcher.cancel()
 
@@ -244,6 +258,23 @@ def _prompt_ids(body: CompletionRequest, tokenizer, config) -> list[int]:
     return ids
 
 
+Piece = tuple[Event, str]   # an event and the text that may be sent so far (all of it once the request is over)
+
+
+def _pass_on(ev: Event, job: Job, completion: CompletionText, loop: asyncio.AbstractEventLoop,
+             queue: asyncio.Queue[Piece]) -> None:
+    """The job's sink (on the scheduler thread): decodes its tokens and cancels it at a stop string,
+    before its next step, so it ends there (finish_reason "cancelled", told as "stop")."""
+    if ev.kind == "token":
+        end = completion.add(ev.token)
+        job.cancelled = job.cancelled or completion.cut is not None
+    else:
+        end = completion.end()
+        if ev.kind == "done" and completion.cut is not None:
+            ev = dataclasses.replace(ev, finish_reason="stop")
+    loop.call_soon_threadsafe(queue.put_nowait, (ev, completion.text[:end]))
+
+
 def _usage(ev: Event) -> dict[str, int]:
     s = ev.stats
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
@@ -257,49 +288,47 @@ def _flashmoe(ev: Event) -> dict[str, float]:
             "expert_misses": s.misses, "bytes_read": s.bytes_read}
 
 
-async def _collect(job: Job, queue: asyncio.Queue[Event], head: dict, tokenizer) -> JSONResponse:
-    tokens: list[int] = []
+async def _pieces(job: Job, queue: asyncio.Queue[Piece]) -> AsyncIterator[Piece]:
+    """The text that may be sent as it grows, one piece per token that adds some, then the last piece
+    with the event that ended the request ("done" or "error")."""
+    sent = ""
     try:
         while True:
-            ev = await queue.get()
-            if ev.kind == "token":
-                tokens.append(ev.token)
-            elif ev.kind == "error":
-                raise HTTPException(500, f"generation failed: {ev.error}")
-            else:
-                choice = {"text": tokenizer.decode(tokens), "index": 0, "logprobs": None,
-                          "finish_reason": ev.finish_reason}
-                return JSONResponse({**head, "choices": [choice], "usage": _usage(ev), "flashmoe": _flashmoe(ev)})
+            ev, text = await queue.get()
+            if ev.kind != "token":
+                yield ev, text[len(sent):]
+                return
+            if len(text) > len(sent):
+                yield ev, text[len(sent):]
+                sent = text
     finally:
         job.cancelled = True  # a no-op once done; frees the slot if the client went away
 
 
-async def _stream(job: Job, queue: asyncio.Queue[Event], head: dict, tokenizer) -> AsyncIterator[str]:
-    """SSE: one chunk per token carrying the new text, a last chunk with finish_reason and usage, then [DONE]."""
-    tokens: list[int] = []
-    sent = ""
-    try:
-        while True:
-            ev = await queue.get()
-            if ev.kind == "token":
-                tokens.append(ev.token)
-                text = tokenizer.decode(tokens)
-                if text.endswith("\ufffd"):
-                    continue  # a multi-byte character is still incomplete: wait for its next byte
-                delta, sent = text[len(sent):], text
-                yield _sse({**head, "choices": [{"text": delta, "index": 0, "logprobs": None, "finish_reason": None}]})
-            elif ev.kind == "error":
-                yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
-                break
-            else:
-                rest = tokenizer.decode(tokens)[len(sent):]
-                yield _sse({**head, "choices": [{"text": rest, "index": 0, "logprobs": None,
-                                                 "finish_reason": ev.finish_reason}],
-                            "usage": _usage(ev), "flashmoe": _flashmoe(ev)})
-                break
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancelled = True
+async def _collect(job: Job, queue: asyncio.Queue[Piece], head: dict) -> JSONResponse:
+    text = ""
+    async for ev, delta in _pieces(job, queue):
+        text += delta
+        if ev.kind == "error":
+            raise HTTPException(500, f"generation failed: {ev.error}")
+        if ev.kind == "done":
+            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
+            return JSONResponse({**head, "choices": [choice], "usage": _usage(ev), "flashmoe": _flashmoe(ev)})
+    raise AssertionError("a request's events end with done or error")
+
+
+async def _stream(job: Job, queue: asyncio.Queue[Piece], head: dict) -> AsyncIterator[str]:
+    """SSE: one chunk per token that adds sendable text, a last chunk with finish_reason and usage, then [DONE]."""
+    async for ev, delta in _pieces(job, queue):
+        if ev.kind == "token":
+            yield _sse({**head, "choices": [{"text": delta, "index": 0, "logprobs": None, "finish_reason": None}]})
+        elif ev.kind == "error":
+            yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
+        else:
+            yield _sse({**head, "choices": [{"text": delta, "index": 0, "logprobs": None,
+                                             "finish_reason": ev.finish_reason}],
+                        "usage": _usage(ev), "flashmoe": _flashmoe(ev)})
+    yield "data: [DONE]\n\n"
 
 
 def _sse(payload: dict) -> str:
