@@ -97,3 +97,10 @@ def test_streaming_holds_back_a_tail_that_may_begin_a_stop_string_and_sends_it_w
 def test_stop_takes_up_to_four_non_empty_strings(client, stop):
     with pytest.raises(openai.UnprocessableEntityError, match="stop takes a string or a list of at most 4"):
         client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, stop=stop)
+
+
+def test_a_small_top_p_samples_the_greedy_text_and_top_p_takes_0_to_1(client, whole):
+    nucleus = client.completions.create(model="demo", prompt=PROMPT, max_tokens=LONG, temperature=1.5, top_p=1e-6)
+    assert nucleus.choices[0].text == whole
+    with pytest.raises(openai.UnprocessableEntityError, match="top_p: Input should be greater than 0"):
+        client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, top_p=0)

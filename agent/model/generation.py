@@ -49,11 +49,17 @@ def decode_one_token(model: Transformer, seq: Sequence, token: int) -> Tensor:
     return model.step([(seq, torch.tensor([token]))])[0]
 
 
-def sample(logits: Tensor, greedy: bool, temperature: float = 1.0, generator: torch.Generator | None = None) -> int:
-    """argmax when greedy, else a draw from softmax(logits / temperature)."""
+def sample(logits: Tensor, greedy: bool, temperature: float = 1.0, generator: torch.Generator | None = None,
+           top_p: float = 1.0) -> int:
+    """argmax when greedy, else a draw from softmax(logits / temperature) restricted to its nucleus: the
+    most likely tokens whose probabilities add up to top_p (the first to reach it included)."""
     if greedy or temperature <= 0:
         return int(logits.argmax())
     probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        ranked, order = probs.sort(descending=True)
+        kept = ranked.cumsum(-1) - ranked < top_p  # the mass before each token is under top_p: the first is kept
+        probs = torch.zeros_like(probs).scatter(-1, order[kept], ranked[kept])
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

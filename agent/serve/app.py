@@ -48,6 +48,8 @@ class CompletionRequest(BaseModel):
     prompt: str | list[int] = Field(description="text, or token ids")
     max_tokens: int = Field(16, ge=1, le=2**31 - 1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: draw from the most likely tokens "
+                                                          "whose probabilities add up to top_p")
     stream: bool = False
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stop: str | list[str] | None = Field(None, validate_default=True, description=f"up to {MAX_STOPS} non-empty strings: the text ends "
@@ -152,7 +154,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
         queue: asyncio.Queue[Piece] = asyncio.Queue()
         completion = CompletionText(tokenizer.decode, body.stop)
         job = Job(id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=prompt_ids, max_tokens=body.max_tokens,
-                  temperature=body.temperature, stop_ids=stop_ids,
+                  temperature=body.temperature, top_p=body.top_p, stop_ids=stop_ids,
                   sink=lambda ev: _pass_on(ev, job, completion, loop, queue))
         try:
             runtime.submit(job)

@@ -91,8 +91,8 @@ class ModelEngine:
         finally:
             self.cache.idle()  # between steps nothing is pinned: knob changes run there
         after = self.cache.stats()
-        tokens = [sample(l, greedy=r.temperature <= 0, temperature=r.temperature, generator=self.generator)
-                  for l, r in zip(logits, batch)]
+        tokens = [sample(l, greedy=r.temperature <= 0, temperature=r.temperature, generator=self.generator,
+                         top_p=r.top_p) for l, r in zip(logits, batch)]
         return tokens, StepIO(after.hits - before.hits, after.misses - before.misses,
                               after.bytes_read - before.bytes_read)
 

@@ -65,6 +65,7 @@ class Request:
     temperature: float
     sink: Callable[[Event], None]   # called on the scheduler thread; must not block
     stop_ids: frozenset[int] = frozenset()
+    top_p: float = 1.0              # nucleus sampling: 1 samples from every token
     submitted: float = field(default_factory=time.time)
     state: Any = None               # the engine's per-request state (a model Sequence)
     generated: list[int] = field(default_factory=list)
