@@ -104,3 +104,20 @@ def test_a_small_top_p_samples_the_greedy_text_and_top_p_takes_0_to_1(client, wh
     assert nucleus.choices[0].text == whole
     with pytest.raises(openai.UnprocessableEntityError, match="top_p: Input should be greater than 0"):
         client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, top_p=0)
+
+
+UNSUPPORTED = {"logprobs": 2, "echo": True, "suffix": "!", "best_of": 2, "logit_bias": {"65": 5.0},
+               "presence_penalty": 0.5, "frequency_penalty": -1.0, "seed": 3}
+
+
+@pytest.mark.parametrize("field", UNSUPPORTED)
+def test_a_field_the_agent_does_not_implement_is_refused_by_name(client, field):
+    with pytest.raises(openai.UnprocessableEntityError, match=f"{field}: .*{field} is not supported by this agent"):
+        client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, **{field: UNSUPPORTED[field]})
+
+
+def test_defaults_and_harmless_fields_pass(client, whole):
+    done = client.completions.create(model="demo", prompt=PROMPT, max_tokens=LONG, temperature=0, logprobs=None,
+                                     echo=False, suffix=None, best_of=1, logit_bias={}, presence_penalty=0,
+                                     frequency_penalty=0.0, seed=None, user="someone", top_p=1, stop=None)
+    assert done.choices[0].text == whole

@@ -27,7 +27,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.serve.knobs import SOURCES, KnobError
@@ -41,8 +41,14 @@ from agent.serve.stops import MAX_STOPS, CompletionText
 CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
 
 
+# OpenAI's fields that this agent does not implement, and the values that ask for nothing (clients send them)
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None,), "echo": (None, False), "suffix": (None,), "best_of": (None, 1), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "seed": (None,)}
+
+
 class CompletionRequest(BaseModel):
-    # OpenAI clients send fields we do not use (e.g. user); NaN and Infinity are no sampling settings
+    # fields that change nothing in the answer pass (e.g. user); NaN and Infinity are no sampling settings
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     prompt: str | list[int] = Field(description="text, or token ids")
@@ -54,6 +60,25 @@ class CompletionRequest(BaseModel):
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stop: str | list[str] | None = Field(None, validate_default=True, description=f"up to {MAX_STOPS} non-empty strings: the text ends "
                                                            f"before the first of them, with finish_reason stop")
+
+    logprobs: int | None = Field(None, description="not supported: null only")
+    echo: bool | None = Field(False, description="not supported: false only")
+    suffix: str | None = Field(None, description="not supported: null only")
+    best_of: int | None = Field(None, description="not supported: 1 only")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: empty only")
+    presence_penalty: float | None = Field(0.0, description="not supported: 0 only")
+    frequency_penalty: float | None = Field(0.0, description="not supported: 0 only")
+    seed: int | None = Field(None, description="not supported: null only (the agent samples from one generator)")
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        """A value asking for what this agent does not do is refused, not ignored: the answer would be wrong."""
+        allowed = UNSUPPORTED[info.field_name]
+        if value not in allowed:
+            raise ValueError(f"{info.field_name} is not supported by this agent; leave it out or send "
+                             f"{' or '.join(json.dumps(a) for a in allowed)}")
+        return value
 
     @field_validator("stop")
     @classmethod
