@@ -93,8 +93,8 @@ def test_streaming_holds_back_a_tail_that_may_begin_a_stop_string_and_sends_it_w
     assert sent + chunks[-1].choices[0].text == whole and chunks[-1].choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("stop", [["a", "b", "c", "d", "e"], "", ["ok", ""]])
-def test_stop_takes_up_to_four_non_empty_strings(client, stop):
+@pytest.mark.parametrize("stop", [["a", "b", "c", "d", "e"], "", ["ok", ""], ["ok", "x" * 257]])
+def test_stop_takes_up_to_four_strings_of_1_to_256_characters(client, stop):
     with pytest.raises(openai.UnprocessableEntityError, match="stop takes a string or a list of at most 4"):
         client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, stop=stop)
 

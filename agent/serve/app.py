@@ -36,7 +36,7 @@ from agent.serve.metrics import DeviceLabelled
 from agent.serve.runtime import Runtime
 from agent.serve.scheduler import Event
 from agent.serve.scheduler import Request as Job
-from agent.serve.stops import MAX_STOPS, CompletionText
+from agent.serve.stops import MAX_STOP_CHARS, MAX_STOPS, CompletionText
 
 CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
 
@@ -58,9 +58,8 @@ class CompletionRequest(BaseModel):
                                                           "whose probabilities add up to top_p")
     stream: bool = False
     n: int = Field(1, ge=1, le=1, description="one choice per request")
-    stop: str | list[str] | None = Field(None, validate_default=True, description=f"up to {MAX_STOPS} non-empty strings: the text ends "
-                                                           f"before the first of them, with finish_reason stop")
-
+    stop: str | list[str] | None = Field(None, validate_default=True, description=(
+        f"up to {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters: the text ends before the first generated"))
     logprobs: int | None = Field(None, description="not supported: null only")
     echo: bool | None = Field(False, description="not supported: false only")
     suffix: str | None = Field(None, description="not supported: null only")
@@ -84,9 +83,10 @@ class CompletionRequest(BaseModel):
     @classmethod
     def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
         stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > MAX_STOPS or not all(stops):
-            raise ValueError(f"stop takes a string or a list of at most {MAX_STOPS} non-empty strings; "
-                             f"got {len(stops)} string(s), {sum(not s for s in stops)} empty")
+        if len(stops) > MAX_STOPS or not all(0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            lengths = ", ".join(str(len(s)) for s in stops)
+            raise ValueError(f"stop takes a string or a list of at most {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} "
+                             f"characters; got {len(stops)} of {lengths or 'none'}")
         return stops
 
     @field_validator("prompt")

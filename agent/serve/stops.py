@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 MAX_STOPS = 4        # OpenAI's limit
+MAX_STOP_CHARS = 256  # ours: holding back a tail costs up to its length squared per token, on the scheduler thread
 INCOMPLETE = "\ufffd"
 
 
