@@ -111,6 +111,16 @@ def test_a_client_that_leaves_stops_its_non_streaming_request(agent):
     assert 0 < generated < 4000  # it ran, and was cancelled long before its end
 
 
+def test_a_client_that_leaves_a_stream_with_stop_strings_stops_its_request(agent):
+    before = agent.get("/v1/status").json()["tokens_generated"]
+    body = {"prompt": "go on and on", "max_tokens": 4000, "stream": True, "stop": ["\u2603 never generated"]}
+    with httpx.stream("POST", agent.url + "/v1/completions", json=body, timeout=60) as r:
+        assert next(r.iter_lines()).startswith("data: {")
+    wait_for(lambda: agent.get("/v1/status").json()["batch_size"] == 0, what="the request to stop")
+    generated = agent.get("/v1/status").json()["tokens_generated"] - before
+    assert 0 < generated < 4000
+
+
 # -- damaged stores ---------------------------------------------------------------------------------------
 def damaged_copy(model: Path, tmp_path: Path, key: tuple[int, int]) -> Path:
     """A copy of the model with one byte of expert block `key` flipped (its CRC32 no longer matches)."""

@@ -13,6 +13,7 @@ streaming or not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import secrets
@@ -334,27 +335,29 @@ async def _pieces(job: Job, queue: asyncio.Queue[Piece]) -> AsyncIterator[Piece]
 
 async def _collect(job: Job, queue: asyncio.Queue[Piece], head: dict) -> JSONResponse:
     text = ""
-    async for ev, delta in _pieces(job, queue):
-        text += delta
-        if ev.kind == "error":
-            raise HTTPException(500, f"generation failed: {ev.error}")
-        if ev.kind == "done":
-            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
-            return JSONResponse({**head, "choices": [choice], "usage": _usage(ev), "flashmoe": _flashmoe(ev)})
+    async with contextlib.aclosing(_pieces(job, queue)) as pieces:  # closed (the job cancelled) on leaving
+        async for ev, delta in pieces:
+            text += delta
+            if ev.kind == "error":
+                raise HTTPException(500, f"generation failed: {ev.error}")
+            if ev.kind == "done":
+                choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
+                return JSONResponse({**head, "choices": [choice], "usage": _usage(ev), "flashmoe": _flashmoe(ev)})
     raise AssertionError("a request's events end with done or error")
 
 
 async def _stream(job: Job, queue: asyncio.Queue[Piece], head: dict) -> AsyncIterator[str]:
     """SSE: one chunk per token that adds sendable text, a last chunk with finish_reason and usage, then [DONE]."""
-    async for ev, delta in _pieces(job, queue):
-        if ev.kind == "token":
-            yield _sse({**head, "choices": [{"text": delta, "index": 0, "logprobs": None, "finish_reason": None}]})
-        elif ev.kind == "error":
-            yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
-        else:
-            yield _sse({**head, "choices": [{"text": delta, "index": 0, "logprobs": None,
-                                             "finish_reason": ev.finish_reason}],
-                        "usage": _usage(ev), "flashmoe": _flashmoe(ev)})
+    async with contextlib.aclosing(_pieces(job, queue)) as pieces:  # Starlette closes this one when the client goes
+        async for ev, delta in pieces:
+            if ev.kind == "token":
+                yield _sse({**head, "choices": [{"text": delta, "index": 0, "logprobs": None, "finish_reason": None}]})
+            elif ev.kind == "error":
+                yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
+            else:
+                yield _sse({**head, "choices": [{"text": delta, "index": 0, "logprobs": None,
+                                                 "finish_reason": ev.finish_reason}],
+                            "usage": _usage(ev), "flashmoe": _flashmoe(ev)})
     yield "data: [DONE]\n\n"
 
 
