@@ -140,3 +140,21 @@ def test_a_control_call_that_outwaits_a_slow_step_is_withdrawn_and_never_runs(en
     assert s.call(lambda: "next") == "next"          # the next call runs, the withdrawn one never did
     s.stop()
     assert ran == []
+
+
+def test_a_request_cancelled_while_it_waits_is_ended_and_never_runs(engine, clock):
+    s = scheduler(engine, clock, max_batch=1, window_s=0.0)
+    engine.hold.clear()
+    first, first_done = request("first")
+    s.submit(first)
+    assert engine.stepping.wait(TIMEOUT_S)      # `first` fills the batch: `second` must wait
+    ended = []
+    second = Request("second", [1, 2, 3], 1, 0.0, lambda ev: ev.kind == "done" and ended.append(ev.finish_reason))
+    s.submit(second)
+    second.cancelled = True                     # its client went away before it was admitted
+    engine.hold.set()
+    assert first_done.wait(TIMEOUT_S)
+    assert s.call(lambda: "after") == "after"   # the scheduler has passed its admission since
+    s.stop()
+    assert ended == ["cancelled"]               # its handler is told, instead of waiting for ever
+    assert engine.batches == [["first"]]

@@ -199,7 +199,8 @@ class Scheduler:
         self.running = [r for r in self.running if not r.cancelled or self._retire(r, "cancelled")]
         while self.waiting and len(self.running) < self.limit:
             request = self.waiting.popleft()
-            if request.cancelled:
+            if request.cancelled:  # its client left while it waited: its handler still waits for an end
+                self._retire(request, "cancelled")
                 continue
             try:
                 request.state = self.engine.begin(request)
