@@ -386,6 +386,30 @@ def test_set_policy_keeps_the_current_steps_experts_pinned(store):
         assert cache.stats().prefetches == 0 and cache.get(0, 0).gate.data_ptr() == held[0].gate.data_ptr()
 
 
+def test_a_resize_goes_ahead_while_set_policy_builds_the_new_policies(store, monkeypatch):
+    """Building a policy may be slow (the learned one loads its weights into torch, whose pages fault
+    back in under memory thrash): it must not run under the cache's lock, which a resize waits for.
+    The resize made meanwhile holds for the new policies."""
+    with ExpertCache(store, slots(store, LAYERS * 4)) as cache:
+        step(cache, 0, [0, 1, 2, 3])
+        cache.idle()
+        lru = cache_module.policy_factory("lru")
+        resized_meanwhile = []
+
+        def lru_with_a_resize():
+            if not resized_meanwhile:
+                resize = threading.Thread(target=cache.resize, args=(slots(store, LAYERS * 2),))
+                resize.start()
+                resize.join(30)  # a bound, not a measurement: a resize waiting for the lock never ends while we wait
+                resized_meanwhile.append(not resize.is_alive())
+            return lru()
+
+        monkeypatch.setattr(cache_module, "policy_factory", lambda name, **options: lru_with_a_resize)
+        cache.set_policy("lru")
+        stats = cache.stats()
+    assert resized_meanwhile == [True] and stats.capacity == LAYERS * 2 and stats.resident == 2
+
+
 def test_preload_warms_the_cache(store):
     with ExpertCache(store, slots(store, LAYERS * 2)) as cache:
         assert cache.preload([(0, 4), (1, 5), (0, 4)]) == 2

@@ -482,9 +482,12 @@ class ExpertCache:
     def set_policy(self, name: str, **options) -> None:
         """Switch policy live. The resident set stays; the new policy learns it afresh (no recency carried over)."""
         factory = policy_factory(name, **options)
+        shape = self._residency  # its layers, scope and minimum never change; its capacity may meanwhile
+        # the new policies are built outside the lock (the learned one loads weights into torch)
+        new = Residency(shape.capacity, shape.n_layers, factory, shape.scope, shape.min_per_layer)
         with self._lock:
             old = self._residency
-            new = Residency(old.capacity, old.n_layers, factory, old.scope, old.min_per_layer)
+            new.resize(old.capacity)  # a resize meanwhile: nothing is resident yet, so nothing is evicted
             for key in old.resident():
                 new.access(key)  # admits without evicting: the capacity is the same
             layer, window = self._routed
