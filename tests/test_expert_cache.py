@@ -5,6 +5,8 @@ import json
 import mmap
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -473,6 +475,36 @@ def test_a_resize_goes_ahead_while_the_learned_policys_system_tower_runs(store, 
         for experts in ([0, 1], [2, 3], [4, 5], [6, 7]):  # evictions: the policy scores with the tower
             step(cache, 0, experts)
         assert resized_meanwhile == [True] and cache.stats().capacity == LAYERS * 2
+
+
+COMPILES_UNDER_THE_LOCK = """
+import json, sys
+from numba.core.dispatcher import Dispatcher
+from agent.experts.cache import ExpertCache
+caches, under_lock = [], []
+compile = Dispatcher.compile
+def watched(self, sig):
+    if any(c._lock.locked() for c in caches):
+        under_lock.append(self.py_func.__name__)
+    return compile(self, sig)
+Dispatcher.compile = watched
+with ExpertCache(sys.argv[1], int(sys.argv[2]), policy="flashmoe") as cache:
+    caches.append(cache)
+    for experts in ([0, 1], [2, 3], [4, 5], [6, 7]):  # evictions: the policy scores
+        cache.route(0, experts)
+        for e in experts:
+            cache.get(0, e)
+print(json.dumps(under_lock))
+"""
+
+
+def test_the_learned_policys_compiled_loops_are_compiled_before_the_cache_lock_is_taken(store):
+    """A compiled loop's first call in a process compiles it or loads it from numba's disk cache (4-8 s
+    at start-up), which decode and a resize would wait for under the cache's lock. A fresh interpreter:
+    this one may have compiled them already."""
+    run = subprocess.run([sys.executable, "-c", COMPILES_UNDER_THE_LOCK, str(store), str(slots(store, LAYERS * 4))],
+                         capture_output=True, text=True, timeout=300, check=True)
+    assert json.loads(run.stdout.splitlines()[-1]) == []
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 import torch
 
-from agent.learned.features import LayerHistory, activation_signature, expert_features
+from agent.learned.features import LayerHistory, activation_signature, expert_features, window_histogram, window_shift
 from agent.learned.model import RetentionNet, load
 
 SERIES_LEN = 16          # monitoring samples the system tower sees
@@ -137,3 +137,15 @@ class Scorer:
     def score(self, h: LayerHistory, experts: np.ndarray) -> np.ndarray:
         """Retention scores of `experts` (ids) of the layer `h` describes."""
         return self.shared.expert.scores(h, experts, self._readout)
+
+
+def compile_loops(scorer: Scorer) -> None:
+    """Call every compiled loop (numba) the policy runs once, on a one-expert history: a loop's first
+    call in a process compiles it or loads it from numba's disk cache, 4-8 s at start-up, which must
+    not happen at the first route() under the expert cache's lock. Later calls cost microseconds."""
+    h = LayerHistory()
+    h.observe([0])
+    experts = np.zeros(1, np.int64)
+    scorer.score(h, experts)
+    layer_inputs(h, experts)
+    window_shift(h, window_histogram(h))

@@ -82,6 +82,7 @@ class FlashMoE(Policy):
         if learner is not None:
             net, self._version = learner.net, learner.version
         self.scorer = scorer.Scorer(net or scorer.shared_net(str(Path(model_path or DEFAULT_WEIGHTS).resolve())))
+        scorer.compile_loops(self.scorer)  # here, not at the first route() under the expert cache's lock
         self.keep_percentile, self.recompute_threshold = keep_percentile, recompute_threshold
         self.decision = decision
         self.layers: dict[int, features.LayerHistory] = {}
