@@ -115,9 +115,10 @@ class Residency:
         for part in self._parts:
             part.policy.session()
 
-    def prepare_system(self, sample: Mapping[str, float]) -> None:
-        for part in self._parts:
-            part.policy.prepare_system(sample)
+    def prepare(self, layer: int, sample: Mapping[str, float]) -> None:
+        """Policy.prepare for a route() of `layer`: a sample goes to every partition, a step to one."""
+        for part in self._parts if sample else [self._parts[layer if self.scope == "layer" else 0]]:
+            part.policy.prepare(layer, sample)
 
     def system(self, sample: Mapping[str, float]) -> None:
         for part in self._parts:

@@ -1,6 +1,7 @@
 """ExpertCache: the runtime cache over a real store on disk, every backend, reads on a thread pool."""
 from __future__ import annotations
 
+import copy
 import json
 import mmap
 import os
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import weakref
 from pathlib import Path
 
@@ -62,6 +64,16 @@ def wait_until(condition, timeout: float = 10.0) -> None:
 def step(cache: ExpertCache, layer: int, experts: list[int]):
     cache.route(layer, experts)
     return [cache.get(layer, e) for e in experts]
+
+
+def resize_the_first_time(cache: ExpertCache, cap_bytes: int, resized: list[bool]) -> None:
+    """For slow work to call: the first time, resize the cache from another thread and record whether
+    that finished meanwhile, which it cannot if the work holds the cache's lock."""
+    if not resized:
+        resize = threading.Thread(target=cache.resize, args=(cap_bytes,))
+        resize.start()
+        resize.join(30)  # a bound, not a measurement: a resize waiting for the lock never ends while we wait
+        resized.append(not resize.is_alive())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -399,11 +411,7 @@ def test_a_resize_goes_ahead_while_set_policy_builds_the_new_policies(store, mon
         resized_meanwhile = []
 
         def lru_with_a_resize():
-            if not resized_meanwhile:
-                resize = threading.Thread(target=cache.resize, args=(slots(store, LAYERS * 2),))
-                resize.start()
-                resize.join(30)  # a bound, not a measurement: a resize waiting for the lock never ends while we wait
-                resized_meanwhile.append(not resize.is_alive())
+            resize_the_first_time(cache, slots(store, LAYERS * 2), resized_meanwhile)
             return lru()
 
         monkeypatch.setattr(cache_module, "policy_factory", lambda name, **options: lru_with_a_resize)
@@ -464,17 +472,61 @@ def test_a_resize_goes_ahead_while_the_learned_policys_system_tower_runs(store, 
         resized_meanwhile = []
 
         def tower_with_a_resize(series):
-            if not resized_meanwhile:
-                resize = threading.Thread(target=cache.resize, args=(slots(store, LAYERS * 2),))
-                resize.start()
-                resize.join(30)  # a bound, not a measurement: a resize waiting for the lock never ends while we wait
-                resized_meanwhile.append(not resize.is_alive())
+            resize_the_first_time(cache, slots(store, LAYERS * 2), resized_meanwhile)
             return type(tower).forward(tower, series)
 
         monkeypatch.setattr(tower, "forward", tower_with_a_resize)
         for experts in ([0, 1], [2, 3], [4, 5], [6, 7]):  # evictions: the policy scores with the tower
             step(cache, 0, experts)
         assert resized_meanwhile == [True] and cache.stats().capacity == LAYERS * 2
+
+
+class HandsOver:
+    """An online learner's executor whose one finished job is there from the start."""
+
+    def __init__(self, ready) -> None:
+        self.ready = ready
+
+    def submit(self, job) -> None:
+        raise AssertionError("no job is due")
+
+    def poll(self):
+        ready, self.ready = self.ready, None
+        return ready
+
+    def busy(self) -> bool:
+        return self.ready is not None
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_resize_goes_ahead_while_the_online_learners_new_weights_run_the_system_tower(store, monkeypatch):
+    """Adopting the online learner's new weights runs their system tower (torch) on the series, which
+    must happen outside the cache's lock, as for a monitoring sample."""
+    from agent.learned.online import CacheShape, OnlineLearner, Ready
+    from agent.learned.scorer import SharedNet, shared_net
+    from agent.policies.flashmoe import DEFAULT_WEIGHTS
+
+    shipped = shared_net(str(DEFAULT_WEIGHTS))
+    new = SharedNet(copy.deepcopy(shipped.net))
+    result = types.SimpleNamespace(swaps=True, weights=None, parent=None, number=1, decisions=0, cpu_s=0.0,
+                                   judgement=None)
+    learner = OnlineLearner(shipped, CacheShape(LAYERS * 2, LAYERS, EXPERTS, min_per_layer=TOP_K),
+                            executor=HandsOver(Ready(result, new)))
+    with ExpertCache(store, slots(store, LAYERS * 2), policy="flashmoe", policy_options={"learner": learner}) as cache:
+        tower = new.net.system
+        resized_meanwhile = []
+
+        def tower_with_a_resize(series):  # a grow: the resize evicts nothing, so it never runs the tower itself
+            resize_the_first_time(cache, slots(store, LAYERS * 4), resized_meanwhile)
+            return type(tower).forward(tower, series)
+
+        monkeypatch.setattr(tower, "forward", tower_with_a_resize)
+        for experts in ([0, 1], [2, 3], [4, 5]):  # the first step installs the new weights, an eviction adopts them
+            step(cache, 0, experts)
+        assert resized_meanwhile == [True] and cache.stats().capacity == LAYERS * 4
+        assert cache._residency._parts[0].policy.scorer.shared is new
 
 
 COMPILES_UNDER_THE_LOCK = """

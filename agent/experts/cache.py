@@ -8,8 +8,9 @@ taken resident experts first (route() answers the order to ask in), in a window 
 with get(), io_threads reads ahead of the model. A block that two callers want at once is read
 once, because both wait on the same in-flight future, and a block that prefetch already started
 is waited for instead of read again. One lock guards all bookkeeping (Residency, slot
-table, in-flight table, counters); reads, CRC checks, a policy's slow work on a monitoring sample
-(Policy.prepare_system), faulting in a grow's slots and freeing evicted experts' tensors run
+table, in-flight table, counters); reads, CRC checks, a policy's slow work on a monitoring sample or
+new weights (Policy.prepare), building a new policy (set_policy), faulting in a grow's slots and
+freeing evicted experts' tensors run
 outside it, so the service may resize or switch policy from its HTTP threads while decode runs:
 under memory thrash each of those waits on page faults for seconds (RELIABILITY.md has the figures).
 """
@@ -196,8 +197,7 @@ class ExpertCache:
         unique = list(dict.fromkeys(experts))
         sample = self.monitor.sample(SYSTEM_SAMPLE_INTERVAL_S)
         inputs = sample.policy_inputs() if sample.t > self._fed_t else {}  # only route() feeds: no lock needed
-        if inputs:  # the policy's slow part (the learned one's torch) out of the lock a resize may wait for
-            self._residency.prepare_system(inputs)
+        self._residency.prepare(layer, inputs)  # the policy's slow part (torch) out of the lock a resize may wait for
         with self._lock:
             dropped = self._take_dropped()
             if inputs:

@@ -372,6 +372,7 @@ class OnlineLearner:
         self._weights, self._parent = self._shipped, None
         self._window = _Window(config.window)
         self._step: _Step | None = None
+        self._early: Ready | None = None      # a finished job polled ahead of the step boundary (upcoming)
         self._layer = -1
         self._new_session = True
         self._rng = random.Random(config.seed)  # which evictions are recorded
@@ -390,7 +391,7 @@ class OnlineLearner:
     def observe(self, layer: int, experts: Collection[int]) -> None:
         """A layer routed `experts`. A layer at or below the last one starts a new step: the boundary
         where a finished update is swapped in and a due one is submitted."""
-        if layer <= self._layer or self._step is None:
+        if self._boundary_at(layer):
             self._boundary()
             self._step = _Step(self.steps, self.accesses, self._new_session)
             self._window.append(self._step)
@@ -400,6 +401,18 @@ class OnlineLearner:
         self._layer = layer
         self._step.layers.append(list(experts))
         self.accesses += len(experts)
+
+    def upcoming(self, layer: int) -> SharedNet:
+        """The weights in use once a step of `layer` is observed: a finished update is polled here if that
+        step starts a new one, so a policy can run them outside the cache's lock; the boundary still
+        installs it."""
+        if self._early is None and self._boundary_at(layer):
+            self._early = self.executor.poll()
+        ready = self._early
+        return ready.net if ready is not None and ready.result.swaps else self.net
+
+    def _boundary_at(self, layer: int) -> bool:
+        return layer <= self._layer or self._step is None
 
     def sampled(self) -> bool:
         """Whether the eviction about to be made is one to record (a `live` share of them)."""
@@ -415,9 +428,9 @@ class OnlineLearner:
 
     # -- between steps -----------------------------------------------------------------------------------
     def _boundary(self) -> None:
-        if self._since >= self.config.every and not self.executor.busy():
-            self._submit()
-        ready = self.executor.poll()
+        if self._since >= self.config.every and self._early is None and not self.executor.busy():
+            self._submit()  # (a job polled early still keeps the executor busy)
+        ready, self._early = self._early or self.executor.poll(), None
         if ready is not None:
             self._install(ready)
 

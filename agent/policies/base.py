@@ -31,9 +31,10 @@ class Policy:
     def session(self) -> None:
         """A new session (a prompt or request) begins."""
 
-    def prepare_system(self, sample: Mapping[str, float]) -> None:
-        """`sample` comes next to system(): do its slow work now, outside the cache's lock (which a
-        resize may be waiting for), without changing any decision."""
+    def prepare(self, layer: int, sample: Mapping[str, float]) -> None:
+        """A step of `layer` is about to be routed, after `sample` (empty: none) goes to system(): do the
+        slow work they will need now, outside the cache's lock (which a resize may be waiting for),
+        without changing any decision."""
 
     def system(self, sample: Mapping[str, float]) -> None:
         """A monitoring sample arrived, e.g. {"read_latency_s": ..., "mem_pressure": ...}."""

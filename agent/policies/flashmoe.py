@@ -101,11 +101,18 @@ class FlashMoE(Policy):
         if self.learner is not None:
             self.learner.session()
 
-    def prepare_system(self, sample: Mapping[str, float]) -> None:
-        """Run the system tower (torch) on the series `sample` will make: the rescoring it triggers
-        finds it memoized. Under memory thrash torch's code pages fault back in for seconds each
-        call, which the cache's lock must not wait for."""
-        self.scorer.prepare((*self._series, self._s.system_input(sample))[-self._s.SERIES_LEN:])
+    def prepare(self, layer: int, sample: Mapping[str, float]) -> None:
+        """Run the system tower (torch) on the series `sample` will make, with the weights in use and
+        with the online learner's new ones that the next eviction adopts: the rescoring finds it
+        memoized. Under memory thrash torch's code pages fault back in for seconds each call, which
+        the cache's lock must not wait for."""
+        series = (*self._series, self._s.system_input(sample))[-self._s.SERIES_LEN:] if sample else tuple(self._series)
+        if sample:
+            self.scorer.prepare(series)
+        if self.learner is not None:
+            net = self.learner.upcoming(layer)
+            if net is not self.scorer.shared:
+                self._s.Scorer(net).prepare(series)  # the construction runs the tower on no series, as _adopt's
 
     def system(self, sample: Mapping[str, float]) -> None:
         self._series.append(self._s.system_input(sample))
