@@ -131,6 +131,10 @@ class Prometheus:
                 figures=self._api.custom_query(f'{{__name__=~"{figures}"}}'),
                 alerts=self._alerts(),
                 collected=self._api.custom_query(f"count by (device_name) ({COLLECTOR_SERIES})"))
+        except requests.JSONDecodeError:     # a RequestException too, but the server did answer: a wrong port
+            raise FleetError(f"{self.url} is not a Prometheus API: it answered with something other than JSON; "
+                             f"set {PROMETHEUS_ENV} to the Prometheus server's address (e.g. "
+                             f"http://prometheus.lan:9090)") from None
         except requests.RequestException as err:
             raise FleetError(f"Prometheus at {self.url} did not answer ({type(err).__name__}); check "
                              f"{PROMETHEUS_ENV}") from None

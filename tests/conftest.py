@@ -1,6 +1,35 @@
-"""Suite-wide settings."""
+"""Suite-wide settings and fixtures."""
+import http.server
+import threading
+from collections.abc import Iterator
+
+import pytest
 from hypothesis import settings
 
 # No timing assertions in tests: Hypothesis's 200 ms deadline fails property tests on a loaded CI machine.
 settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
+
+
+@pytest.fixture
+def html_server() -> Iterator[str]:
+    """A loopback HTTP server that answers every request with an HTML page, as the dashboard's own port does:
+    an address set to the wrong port."""
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<!doctype html><div id=root></div>")
+
+        do_PUT = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import http.server
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,39 +129,16 @@ def test_a_dashboard_without_the_token_is_refused_and_says_what_to_set(monkeypat
     assert knob(url, "cache_cap_bytes")["value"] == before["value"]
 
 
-@pytest.fixture
-def not_the_agent() -> Iterator[str]:
-    """A loopback HTTP server that answers every request with an HTML page, as the dashboard's own port does."""
-    class Page(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
-            self.end_headers()
-            self.wfile.write(b"<!doctype html><div id=root></div>")
-
-        do_PUT = do_GET
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-
-
 @pytest.mark.parametrize("page, says_why", [("overview", True), ("tuning", True), ("cache", False), ("memory", False)])
-def test_an_address_that_is_not_the_agent_is_no_traceback(monkeypatch, tmp_path, not_the_agent, page, says_why):
+def test_an_address_that_is_html_server_is_no_traceback(monkeypatch, tmp_path, html_server, page, says_why):
     """Each page that reads the agent showed a JSONDecodeError's traceback; the agent's own pages say why."""
     db = tmp_path / "flashmoe.db"
     synthetic.write(str(db), synthetic.Spec(start=time.time() - 120, seconds=120))
-    at = open_page(monkeypatch, db, not_the_agent, page)   # no exception: open_page checks
+    at = open_page(monkeypatch, db, html_server, page)   # no exception: open_page checks
     shown = texts([*at.error, *at.warning, *at.info])
-    assert (f"{not_the_agent} is not a FlashMoE agent" in shown) == says_why, shown
-    answer = agent_client.Agent(not_the_agent).push({"prefetch": True})
-    assert answer.startswith(f"not sent: {not_the_agent} is not a FlashMoE agent: it answered PUT /v1/knobs "
+    assert (f"{html_server} is not a FlashMoE agent" in shown) == says_why, shown
+    answer = agent_client.Agent(html_server).push({"prefetch": True})
+    assert answer.startswith(f"not sent: {html_server} is not a FlashMoE agent: it answered PUT /v1/knobs "
                              f"with text/html")
 
 

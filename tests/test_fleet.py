@@ -293,6 +293,17 @@ def test_an_unreachable_prometheus_is_one_line_not_a_traceback(monkeypatch):
     assert "did not answer" in at.error[0].value and fleet.PROMETHEUS_ENV in at.error[0].value
 
 
+def test_an_address_that_answers_html_is_named_as_not_prometheus(monkeypatch, html_server):
+    """A wrong port answered HTML, and the page said Prometheus 'did not answer (JSONDecodeError)'."""
+    monkeypatch.setenv(fleet.PROMETHEUS_ENV, html_server)
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    at.switch_page("views/fleet.py").run()
+    assert not at.exception
+    assert at.error[0].value.startswith(f"{html_server} is not a Prometheus API: it answered with something other "
+                                        f"than JSON"), at.error[0].value
+    assert fleet.PROMETHEUS_ENV in at.error[0].value
+
+
 def test_an_exposed_dashboard_pushes_nothing_before_the_token_is_entered(real_fleet, monkeypatch):
     """The Fleet push is a control action behind dashboard/auth.py's gate, like the Tuning page's Apply."""
     scraped(real_fleet)
