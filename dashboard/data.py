@@ -11,7 +11,7 @@ from typing import Any
 
 import streamlit as st
 
-from dashboard import agent_client, auth, figures, sweep, timerange, transforms
+from dashboard import agent_client, auth, figures, settings, sweep, timerange, transforms
 from store import diagnosis as thrash
 from store import queries
 from store.errors import StoreError
@@ -24,12 +24,12 @@ MARKERS = 500                 # knob changes drawn at most (the newest)
 def store_problem(db: str) -> str | None:
     """Why the store cannot be shown (missing, not yet created, unreadable), or None when it can."""
     try:
-        conn = queries.connect_ro(db)
+        conn = queries.connect_ro(db, settings.DB_ENV)
     except StoreError as err:
         return str(err)
     if conn is None:
         return (f"No store at `{db}` yet. Start the agent and the collector (`make demo`, or "
-                f"`flashmoe-cli collect --db {db}`), or point FLASHMOE_DB at an existing store.")
+                f"`flashmoe-cli collect --db {db}`), or point {settings.DB_ENV} at an existing store.")
     conn.close()
     return None
 

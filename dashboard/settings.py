@@ -5,13 +5,14 @@ import os
 
 from dashboard.agent_client import TOKEN_ENV
 
+DB_ENV = "FLASHMOE_DB"
 DEFAULT_DB = "data/flashmoe.db"
 DEFAULT_AGENT_URL = "http://127.0.0.1:8600"
 BUCKETS = 240                 # points per chart: enough for a smooth line, few enough to stay fast
 
 
 def db_path() -> str:
-    return os.environ.get("FLASHMOE_DB", DEFAULT_DB)
+    return os.environ.get(DB_ENV, DEFAULT_DB)
 
 
 def agent_url() -> str:

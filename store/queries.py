@@ -31,12 +31,13 @@ Db = str | Path | sqlite3.Connection
 Bucket = tuple[float, float, float, float]     # (bucket start t, min, avg, max)
 
 
-def connect_ro(path: str | Path) -> sqlite3.Connection | None:
-    """A read-only connection to the store at path, or None if the file does not exist yet."""
+def connect_ro(path: str | Path, setting: str = "--db") -> sqlite3.Connection | None:
+    """A read-only connection to the store at path, or None if the file does not exist yet. `setting`
+    is what the reader's user sets to choose the store (the CLI's --db, the dashboard's FLASHMOE_DB)."""
     path = Path(path)
     if not path.exists():
         return None
-    advice = "point --db at the file the collector and agent write (e.g. data/flashmoe.db)"
+    advice = f"point {setting} at the file the collector and agent write (e.g. data/flashmoe.db)"
     if path.is_dir():     # before SQLite, whose word for it is "disk I/O error"
         raise StoreError(f"{path} is a directory, not a store file; {advice}")
     try:

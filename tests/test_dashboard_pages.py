@@ -18,7 +18,9 @@ from agents import free_port
 from bench import synthetic
 from dashboard import pages
 from store.database import record_lost
+from store import queries
 from store.db import Store
+from store.errors import StoreError
 from test_store import version_2_store
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
@@ -271,6 +273,18 @@ def test_an_older_store_says_how_to_upgrade_it_on_every_page(monkeypatch, offlin
     path = version_2_store(tmp_path / "v2.db")
     for at in walk(monkeypatch, path):
         assert "schema version 2" in texts(at.info) and "upgrade it in place" in texts(at.info)
+
+
+@pytest.mark.parametrize("make", [Path.mkdir, lambda p: p.write_text("not SQLite")], ids=["directory", "text"])
+def test_a_store_that_cannot_be_read_names_the_dashboards_setting_not_the_clis(monkeypatch, offline, tmp_path, make):
+    """The advice said "point --db at ...": the dashboard has no --db, its user sets FLASHMOE_DB."""
+    path = tmp_path / "flashmoe.db"
+    make(path)
+    for at in walk(monkeypatch, path):
+        shown = texts([*at.error, *at.warning, *at.info])
+        assert "point FLASHMOE_DB at the file" in shown and "--db" not in shown, shown
+    with pytest.raises(StoreError, match="point --db at the file"):     # the CLI's wording stays
+        queries.connect_ro(path)
 
 
 def test_empty_database_renders_every_page_without_charts(monkeypatch, offline, tmp_path):
