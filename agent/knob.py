@@ -66,7 +66,7 @@ class Knob:
             if value != int(value):
                 raise KnobError(self.name, f"{self.name} must be a whole number; got {_shown(value)}")
             return int(value)
-        return float(value)
+        return float(value) + 0.0       # -0.0 + 0.0 is 0.0: a -0.0 sent is in range and would be shown as "-0.0"
 
 
 def _fmt(x: float | None) -> str:

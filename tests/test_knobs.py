@@ -1,6 +1,8 @@
 """Knob validation: all-or-nothing, errors name the knob and its allowed range."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from agent.knob import Knob
@@ -49,6 +51,12 @@ def test_valid_changes_are_converted(knobs):
     assert got == {"cache_cap_bytes": 2000, "keep_percentile": 90.0, "policy": "lfu", "auto_shrink": True}
     assert isinstance(got["cache_cap_bytes"], int) and isinstance(got["keep_percentile"], float)
     assert knobs["policy"] == DEFAULT_POLICY  # validate never mutates
+
+
+def test_negative_zero_is_zero(knobs):
+    """-0.0 is within [0, 100] and was kept: GET /v1/knobs and the dashboard showed keep_percentile -0.0."""
+    got = knobs.validate({"keep_percentile": -0.0, "ssd_util_threshold": -0.0})
+    assert json.dumps(got) == '{"keep_percentile": 0.0, "ssd_util_threshold": 0.0}'
 
 
 @pytest.mark.parametrize("changes, knob, words", [
