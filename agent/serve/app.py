@@ -124,8 +124,11 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
     def control(authorization: str | None = Header(None)) -> None:
         if token is None:
             return
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(given.encode(), token.encode()):
+        scheme, _, given = (authorization or "").strip().partition(" ")
+        if authorization and scheme.lower() != "bearer":     # RFC 7235: the scheme is case-insensitive
+            raise HTTPException(401, "the Authorization header is without the Bearer scheme: send "
+                                     "'Authorization: Bearer <token>'")
+        if not secrets.compare_digest(given.strip().encode(), token.encode()):
             raise HTTPException(401, "this control call needs the agent's token: send 'Authorization: Bearer <token>' "
                                      "(the --token or FLASHMOE_TOKEN the agent was started with)")
 
