@@ -357,9 +357,13 @@ def main() -> None:
         table, summary = config_table(config_runs, report_names, degenerate, labels)
         print(f"\n== report split, {scope} scope, capacity {capacity:g} of experts, cold misses counted ==\n{table}")
         doc["configs"].append({"scope": scope, "capacity": capacity, **summary, "runs": [vars(r) for r in config_runs]})
-    table, rows = absent_table(report, chosen)
-    print(f"\n== architectures absent from training: {SELECT_AT[0]} scope, capacity {SELECT_AT[1]:g} ==\n{table}")
-    doc["absent_architectures"] = rows
+    heading = f"\n== architectures absent from training: {SELECT_AT[0]} scope, capacity {SELECT_AT[1]:g} =="
+    if absent:
+        table, doc["absent_architectures"] = absent_table(report, chosen)
+        print(f"{heading}\n{table}")
+    else:  # an empty table would read as "nothing to report"
+        doc["absent_architectures"] = None
+        print(f"{heading}\nnot run: {'--no-absent' if not args.absent else f'{SELECT_AT[0]}:{SELECT_AT[1]:g} is not among --configs'}")
     doc["wall_seconds"] = time.perf_counter() - started
     write_results(args.results, doc)
 
