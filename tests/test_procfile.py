@@ -24,9 +24,10 @@ def after(words: list[str], flag: str) -> str:
     return words[words.index(flag) + 1]
 
 
-@pytest.mark.parametrize("env, agent, dashboard", [({}, "8600", "8501"),
-                                                   ({"FLASHMOE_AGENT_PORT": "18621", "FLASHMOE_DASHBOARD_PORT": "18522"},
-                                                    "18621", "18522")])
+MOVED = {"FLASHMOE_AGENT_PORT": "18621", "FLASHMOE_DASHBOARD_PORT": "18522"}
+
+
+@pytest.mark.parametrize("env, agent, dashboard", [({}, "8600", "8501"), (MOVED, "18621", "18522")])
 def test_every_process_finds_the_agent_on_its_port(env, agent, dashboard):
     procs = expanded(env)
     assert set(procs) == {"agent", "collector", "dashboard", "traffic"}

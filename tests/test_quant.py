@@ -249,6 +249,20 @@ def test_an_int4_store_generates_through_the_cache_as_in_memory(tmp_path):
         assert cache.stats().misses > 0
 
 
+
+@pytest.mark.parametrize("dtype, kernel, warned", [(torch.bfloat16, True, None),
+                                                   (torch.bfloat16, False, "reads another packing"),
+                                                   (torch.float32, True, "float32 model")])
+def test_an_int4_store_the_kernel_cannot_compute_here_is_named_when_the_cache_opens(tmp_path, monkeypatch, caplog,
+                                                                                    dtype, kernel, warned):
+    monkeypatch.setattr(quant, "int4_kernel_reads_store", lambda: kernel)  # an AVX2 CPU packs 32 rows, not 64
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf", dtype=dtype)
+    index = convert(ckpt.path, tmp_path / "int4", quantize="int4")
+    with ExpertCache(tmp_path / "int4", cap_bytes=2 * index.slot_bytes * index.n_layers):
+        pass
+    slow = [r.getMessage() for r in caplog.records if "--quantize int8" in r.getMessage()]
+    assert len(slow) == (warned is not None) and all(warned in m for m in slow)
+
 @pytest.mark.parametrize("backend", ["direct", "buffered", "mmap"])
 def test_every_backend_reads_int8_blocks_into_half_size_slots_and_computes_the_same(tmp_path, backend):
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf", dtype=torch.bfloat16, hidden_size=128, intermediate_size=64,

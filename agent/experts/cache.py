@@ -34,6 +34,7 @@ import torch
 from agent.experts.cap import MAX_MEMORY_SHARE, cap_bounds, resident_bytes
 from agent.experts.layout import CONFIG, EXPERTS, INDEX, Block, Index, StoreError
 from agent.experts.provider import Expert, block_views
+from agent.experts.quant import slow_path
 from agent.experts.reader import IO_THREADS, MmapReader, open_reader
 from agent.experts.slots import SlotPool
 from agent.monitor import SystemSampler
@@ -115,6 +116,9 @@ class ExpertCache:
             raise ValueError(f"io_threads must be at least 1, got {io_threads}")
         self.store_dir = Path(store_dir)
         self.index = Index.load(self.store_dir / INDEX)
+        if reason := slow_path(self.index):
+            log.warning("%s: ~30x the kernel's time per expert at one token; convert with --quantize int8 "
+                        "for this machine", reason)
         self.min_per_layer = min_per_layer or _top_k(self.store_dir)
         self.reserved_bytes = resident_bytes(self.store_dir, self.index)  # dense weights and KV cache
         self.policy_name, self.scope = policy, scope

@@ -195,6 +195,20 @@ def dequantize_int4(packed: Tensor, sz: Tensor, dtype: torch.dtype) -> Tensor:
     return q.view(rows, -1, INT4_GROUP).mul_(scale[..., None]).add_(zero[..., None]).view(rows, columns)
 
 
+def slow_path(index: Index) -> str | None:
+    """Why this store's experts would take the dequantized path at every token, if they would: int4
+    blocks the int4 kernel cannot compute here (bench/quant_kernels.py: ~10 ms an OLMoE expert at one
+    token, against the kernel's ~0.35 ms), so a user can convert with int8 instead."""
+    if index.quant != "int4":
+        return None
+    if index.dtype != "bfloat16":
+        return f"int4 experts of a {index.dtype} model are dequantized at every use (the int4 kernel takes bfloat16)"
+    if not int4_kernel_reads_store():
+        return ("this CPU's torch int4 kernel reads another packing than the store's (AVX-512's), so int4 "
+                "experts are dequantized at every use")
+    return None
+
+
 @cache
 def int4_kernel_reads_store() -> bool:
     """Whether this torch has the int4 kernel and packs as the store does (it packs 64 rows together on
