@@ -118,6 +118,47 @@ def test_new_weights_worse_on_the_held_out_steps_are_not_taken(qwen):
         (version, shipped_net, 1, 0)  # the weights in use stay
 
 
+class FinishesBetween:
+    """An executor whose one job finishes right after the first poll has found it running."""
+
+    def __init__(self, ready) -> None:
+        self.ready, self.polls = ready, 0
+
+    def submit(self, job) -> None:
+        raise AssertionError("no job is due")
+
+    def poll(self):
+        self.polls += 1
+        if self.polls == 1:
+            return None
+        ready, self.ready = self.ready, None
+        return ready
+
+    def busy(self) -> bool:
+        return self.ready is not None
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_step_boundary_installs_only_the_weights_its_policy_prepared(qwen):
+    """The policy looks for finished weights outside the cache's lock (upcoming) to run their system tower
+    there; a job finishing between that look and the boundary under the lock waits for the next step,
+    or the eviction that adopts it would run the tower under the lock."""
+    torch.manual_seed(0)
+    result = Result(1, to_weights(RetentionNet()), None, 10, None, 0.0, None)
+    learner = learner_for(qwen)
+    learner.executor = FinishesBetween(prepare(result))
+    shipped = learner.net
+    assert learner.upcoming(0) is shipped  # still running
+    learner.observe(0, [1, 2])             # finished now: not what the policy prepared
+    assert (learner.net, learner.version) == (shipped, 0)
+    new = learner.upcoming(0)
+    assert new is not shipped
+    learner.observe(0, [3, 4])
+    assert (learner.net, learner.version) == (new, 1)
+
+
 def test_labels_within_sessions_stop_at_the_session_end():
     # accesses 0 1 2 3 | 0 2 1 3: a new session starts at step 2
     trace = from_sets([[[0, 1]], [[2, 3]], [[0, 2]], [[1, 3]]], n_experts=5, session_starts=[0, 2])

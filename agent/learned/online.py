@@ -373,6 +373,7 @@ class OnlineLearner:
         self._window = _Window(config.window)
         self._step: _Step | None = None
         self._early: Ready | None = None      # a finished job polled ahead of the step boundary (upcoming)
+        self._asked = False                   # upcoming() polled for the coming boundary: it takes only that
         self._layer = -1
         self._new_session = True
         self._rng = random.Random(config.seed)  # which evictions are recorded
@@ -405,9 +406,10 @@ class OnlineLearner:
     def upcoming(self, layer: int) -> SharedNet:
         """The weights in use once a step of `layer` is observed: a finished update is polled here if that
         step starts a new one, so a policy can run them outside the cache's lock; the boundary still
-        installs it."""
-        if self._early is None and self._boundary_at(layer):
-            self._early = self.executor.poll()
+        installs it, and only it: a job that finishes in between waits for the next boundary rather than be
+        installed unprepared."""
+        if not self._asked and self._boundary_at(layer):
+            self._early, self._asked = self.executor.poll(), True
         ready = self._early
         return ready.net if ready is not None and ready.result.swaps else self.net
 
@@ -430,7 +432,8 @@ class OnlineLearner:
     def _boundary(self) -> None:
         if self._since >= self.config.every and self._early is None and not self.executor.busy():
             self._submit()  # (a job polled early still keeps the executor busy)
-        ready, self._early = self._early or self.executor.poll(), None
+        ready = self._early if self._asked else self.executor.poll()
+        self._early, self._asked = None, False
         if ready is not None:
             self._install(ready)
 

@@ -122,9 +122,9 @@ def shared_net(path: str) -> SharedNet:
 
 
 class Scorer:
-    def __init__(self, shared: SharedNet) -> None:
+    def __init__(self, shared: SharedNet, series: Sequence[tuple[float, float]] = ()) -> None:
         self.shared = shared
-        self.set_series(())
+        self.set_series(series)
 
     def set_series(self, series: Sequence[tuple[float, float]]) -> None:
         """New monitoring series: run the system tower once, reused by every scoring until the next."""

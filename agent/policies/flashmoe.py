@@ -109,10 +109,8 @@ class FlashMoE(Policy):
         series = (*self._series, self._s.system_input(sample))[-self._s.SERIES_LEN:] if sample else tuple(self._series)
         if sample:
             self.scorer.prepare(series)
-        if self.learner is not None:
-            net = self.learner.upcoming(layer)
-            if net is not self.scorer.shared:
-                self._s.Scorer(net).prepare(series)  # the construction runs the tower on no series, as _adopt's
+        if self.learner is not None and (net := self.learner.upcoming(layer)) is not self.scorer.shared:
+            net.readout(tuple(series))  # _adopt's scorer starts on this series
 
     def system(self, sample: Mapping[str, float]) -> None:
         self._series.append(self._s.system_input(sample))
@@ -158,9 +156,9 @@ class FlashMoE(Policy):
 
     def _adopt(self, net, version: int) -> None:
         """New weights from the online learner: every layer is rescored with them before the next choice."""
-        self.scorer = self._s.Scorer(net)
+        self.scorer = self._s.Scorer(net, self._series)
         self._version = version
-        self._system_changed = True  # sets the series on the new scorer and rescores every layer
+        self._system_changed = True  # rescores every layer with the new weights
 
     # -- scoring --------------------------------------------------------------------------------
     def _history(self, layer: int):
