@@ -28,6 +28,7 @@ from agent.experts.reader import BACKENDS
 from agent.monitor import SystemSampler
 from agent.policies import Policy
 from test_readers import fd_flags, flip_byte, write_store
+from test_online import OneJob
 
 LAYERS, EXPERTS, TOP_K = 3, 8, 2
 
@@ -481,26 +482,6 @@ def test_a_resize_goes_ahead_while_the_learned_policys_system_tower_runs(store, 
         assert resized_meanwhile == [True] and cache.stats().capacity == LAYERS * 2
 
 
-class HandsOver:
-    """An online learner's executor whose one finished job is there from the start."""
-
-    def __init__(self, ready) -> None:
-        self.ready = ready
-
-    def submit(self, job) -> None:
-        raise AssertionError("no job is due")
-
-    def poll(self):
-        ready, self.ready = self.ready, None
-        return ready
-
-    def busy(self) -> bool:
-        return self.ready is not None
-
-    def close(self) -> None:
-        pass
-
-
 def test_a_resize_goes_ahead_while_the_online_learners_new_weights_run_the_system_tower(store, monkeypatch):
     """Adopting the online learner's new weights runs their system tower (torch) on the series, which
     must happen outside the cache's lock, as for a monitoring sample."""
@@ -513,7 +494,7 @@ def test_a_resize_goes_ahead_while_the_online_learners_new_weights_run_the_syste
     result = types.SimpleNamespace(swaps=True, weights=None, parent=None, number=1, decisions=0, cpu_s=0.0,
                                    judgement=None)
     learner = OnlineLearner(shipped, CacheShape(LAYERS * 2, LAYERS, EXPERTS, min_per_layer=TOP_K),
-                            executor=HandsOver(Ready(result, new)))
+                            executor=OneJob(Ready(result, new)))
     with ExpertCache(store, slots(store, LAYERS * 2), policy="flashmoe", policy_options={"learner": learner}) as cache:
         tower = new.net.system
         resized_meanwhile = []

@@ -118,18 +118,18 @@ def test_new_weights_worse_on_the_held_out_steps_are_not_taken(qwen):
         (version, shipped_net, 1, 0)  # the weights in use stay
 
 
-class FinishesBetween:
-    """An executor whose one job finishes right after the first poll has found it running."""
+class OneJob:
+    """An online learner's executor with one finished job, found by the poll after `late` that find it running."""
 
-    def __init__(self, ready) -> None:
-        self.ready, self.polls = ready, 0
+    def __init__(self, ready, late: int = 0) -> None:
+        self.ready, self.late = ready, late
 
     def submit(self, job) -> None:
         raise AssertionError("no job is due")
 
     def poll(self):
-        self.polls += 1
-        if self.polls == 1:
+        if self.late:
+            self.late -= 1
             return None
         ready, self.ready = self.ready, None
         return ready
@@ -148,7 +148,7 @@ def test_a_step_boundary_installs_only_the_weights_its_policy_prepared(qwen):
     torch.manual_seed(0)
     result = Result(1, to_weights(RetentionNet()), None, 10, None, 0.0, None)
     learner = learner_for(qwen)
-    learner.executor = FinishesBetween(prepare(result))
+    learner.executor = OneJob(prepare(result), late=1)
     shipped = learner.net
     assert learner.upcoming(0) is shipped  # still running
     learner.observe(0, [1, 2])             # finished now: not what the policy prepared
