@@ -139,8 +139,7 @@ def _stats(gen: Generation, net: Transformer, before: CacheStats, profile_before
     and where a decode step's time went (ms per token, by phase)."""
     decode_steps = len(gen.token_ids) - 1
     hits, misses = after.hits - before.hits, after.misses - before.misses
-    phases = {**net.profile.since(profile_before), "crc": after.crc_s - before.crc_s,
-              "policy": after.policy_s - before.policy_s}
+    phases = {**net.profile.since(profile_before), **after.phases_since(before)}
     return {
         "hit_rate": after.hit_rate, "hits": after.hits, "misses": after.misses, "bytes_read": after.bytes_read,
         "mb_read_per_token": after.bytes_read / 1e6 / len(gen.token_ids),

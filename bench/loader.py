@@ -159,6 +159,17 @@ def best_raw_read(path: Path, chunk_bytes: int, streams: int) -> tuple[float, in
     return min((raw_direct_read(path, chunk_bytes, n), n) for n in dict.fromkeys((1, streams)))
 
 
+def raw_baseline(path: Path, index: Index, chunk_bytes: int, streams: int) -> dict[str, float]:
+    """The device's raw O_DIRECT bandwidth, MB/s, read both ways: the file in order (the faster of one stream
+    and `streams`) and as the cache reads (every block whole, shuffled, `streams` in flight); raw_mb_s is
+    the faster, the baseline a run's reads are measured against."""
+    raw_s, n = best_raw_read(path, chunk_bytes, streams)
+    blocks_s = raw_block_read(path, index, streams)
+    file_mb_s, blocks_mb_s = path.stat().st_size / raw_s / 1e6, index.nbytes * len(index.blocks) / blocks_s / 1e6
+    return {"raw_mb_s": max(file_mb_s, blocks_mb_s), "raw_file_mb_s": file_mb_s, "raw_streams": n,
+            "raw_blocks_mb_s": blocks_mb_s}
+
+
 def host_cache_check(path: Path, chunk_bytes: int, nbytes: int = 256 * 2**20) -> tuple[float, float]:
     """MB/s of two O_DIRECT reads of the same region in a row: a much faster second read means the
     (virtual) device's host serves repeated reads from its own RAM."""

@@ -58,7 +58,7 @@ from agent.model.generation import generate  # noqa: E402
 from agent.model.loading import load_model  # noqa: E402
 from agent.tokenizer import load_tokenizer  # noqa: E402
 from bench.common import count, machine, results_name, write_results  # noqa: E402
-from bench.loader import best_raw_read, host_cache_check, raw_block_read  # noqa: E402
+from bench.loader import host_cache_check, raw_baseline  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory, drop_stores_pages  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
@@ -256,20 +256,17 @@ def main() -> int:
     rounds, reference = [], []
     try:
         for n in range(args.rounds):
-            raw_s, streams = best_raw_read(store / EXPERTS, CHUNK, IO_THREADS)
-            blocks_s = raw_block_read(store / EXPERTS, index, IO_THREADS)
+            raw = raw_baseline(store / EXPERTS, index, CHUNK, IO_THREADS)
             host = host_cache_check(store / EXPERTS, CHUNK)
             by_threads = {t: compute_bound(store, traces, prompt_ids, args.tokens, t) for t in dict.fromkeys((1, args.threads))}
             compute_tok_s = max(by_threads.values())
             with torch_linears():
                 torch_tok_s = compute_bound(store, traces, prompt_ids, args.tokens)
-            file_mb_s, blocks_mb_s = (store / EXPERTS).stat().st_size / raw_s / 1e6, expert_bytes / blocks_s / 1e6
-            r = {"round": n, "raw_mb_s": max(file_mb_s, blocks_mb_s), "raw_file_mb_s": file_mb_s, "raw_streams": streams,
-                 "raw_blocks_mb_s": blocks_mb_s,
-                 "host_cache_mb_s": host, "compute_tok_s": compute_tok_s, "compute_tok_s_by_threads": by_threads,
+            r = {"round": n, **raw, "host_cache_mb_s": host, "compute_tok_s": compute_tok_s, "compute_tok_s_by_threads": by_threads,
                  "compute_tok_s_torch_linear": torch_tok_s,
                  "slot_dtype_ms": slot_dtype_ms(store), "runs": []}
-            print(f"round {n + 1}: raw {file_mb_s:.0f} MB/s in file order ({streams} stream(s)), {blocks_mb_s:.0f} MB/s "
+            print(f"round {n + 1}: raw {raw['raw_file_mb_s']:.0f} MB/s in file order ({raw['raw_streams']} stream(s)), "
+                  f"{raw['raw_blocks_mb_s']:.0f} MB/s "
                   f"as shuffled whole blocks ({IO_THREADS} in flight); the same region twice "
                   f"{host[0]:.0f} / {host[1]:.0f} MB/s; compute-only tok/s by threads {by_threads}, "
                   f"{torch_tok_s:.2f} with torch's F.linear for every linear; "

@@ -7,6 +7,8 @@
 (a) the learned flashmoe policy with lookahead prefetch, O_DIRECT slots;
 (b) LRU with the same prefetch and slots;
 (c) the mmap backend, no prefetch: the page cache decides what stays (llama.cpp's way);
+(p) (a) with the steps that admit prompts on one torch thread (serve --prefill-threads 1; the agent's
+    default is every core): the A/B of the prefill threads;
 (A), (B), (C) with --reference (the same checkpoint's unquantized store, when --model is its int8 twin):
     (a), (b), (c) on that store, the weights as published.
 Each run starts `flashmoe-cli serve` as its own process with the cache cap at 25% of expert bytes,
@@ -15,7 +17,13 @@ the model's dense weights and KV budget, and working memory; bench/memory.py), a
 files and dense weights of every store in the run are dropped from the page cache (posix_fadvise
 DONTNEED), so every run starts cold. The clients are set up first and start together, so their first requests arrive as a burst;
 each measures request latency (send to last byte); tokens/s is all completion tokens over the
-wall time of the whole load. With --reference the cache cap is 25% of the reference's expert bytes and
+wall time of the whole load. Where (a)'s time goes: every run's model steps are profiled by the agent
+(agent/serve/engine.py's StepProfile, from /v1/status), summed apart for admission steps (they prefill
+prompts) and decode steps: the model's phases (attention, router, route, wait for reads, expert
+matmuls, head; `other` is the rest of the step's wall time), CRC and policy, bytes read and the read
+bandwidth over the step's wall time and over the time a read ran, the disk's idle time, the reads in
+flight while it was busy, and the step's I/O bound (its bytes at the raw O_DIRECT bandwidth, which
+each round measures after its runs on --model's expert file, as bench/scale.py does). With --reference the cache cap is 25% of the reference's expert bytes and
 the memory limit is the reference's, for every configuration (an int8 cache then holds twice the experts).
 
 One run of a configuration is noisy: which requests share a step depends on when each client's
@@ -49,6 +57,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
+from agent.model.profile import PHASES  # noqa: E402
 from bench.common import count, machine, results_name, write_results  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory, drop_stores_pages, peak_rss  # noqa: E402
 
@@ -66,19 +75,22 @@ class Config:
     backend: str
     prefetch: bool
     reference: bool = False   # runs on --reference instead of --model
+    extra: tuple[str, ...] = ()  # more serve arguments
 
     def on_reference(self) -> "Config":
         """The same configuration on --reference, named by its capital letter."""
         return Config(f"{self.name[0].upper()}{self.name[1:]}, --reference", self.policy, self.backend, self.prefetch,
-                      reference=True)
+                      reference=True, extra=self.extra)
 
     def args(self) -> list[str]:
-        return ["--policy", self.policy, "--backend", self.backend] + ([] if self.prefetch else ["--no-prefetch"])
+        return (["--policy", self.policy, "--backend", self.backend] + ([] if self.prefetch else ["--no-prefetch"])
+                + list(self.extra))
 
 
 CONFIGS = [Config("a: flashmoe + prefetch", "flashmoe", "direct", True),
            Config("b: lru + prefetch", "lru", "direct", True),
-           Config("c: mmap (page cache)", "lru", "mmap", False)]
+           Config("c: mmap (page cache)", "lru", "mmap", False),
+           Config("p: a, prefill on 1 thread", "flashmoe", "direct", True, extra=("--prefill-threads", "1"))]
 CONFIGS += [c.on_reference() for c in CONFIGS]
 
 
@@ -97,6 +109,7 @@ class Result:
     peak_rss_bytes: int
     cgroup_peak_bytes: int | None
     load_avg_1m: tuple[float, float] = (0.0, 0.0)   # at start and end: the machine is shared
+    steps: list[dict] = field(default_factory=list, repr=False)  # the agent's StepProfile of every model step
 
     @property
     def letter(self) -> str:
@@ -222,7 +235,47 @@ def run_config(model: Path, config: Config, round_: int, mix, cgroup: MemoryCgro
         proc.wait(120)
     cache = status["cache"]
     return Result(config.name, round_, len(latencies), tokens, wall, latencies, cache["hit_rate"], cache["bytes_read"],
-                  status["model_steps"], rss, cgroup.peak(), (load_start, os.getloadavg()[0]))
+                  status["model_steps"], rss, cgroup.peak(), (load_start, os.getloadavg()[0]), status["step_profiles"])
+
+
+# -- where the steps' time went ------------------------------------------------------------------------------
+def step_profile(steps: list[dict], raw_mb_s: float | None) -> dict[str, dict]:
+    """Admission steps (with prompt tokens) and decode steps apart: their steps' sums of wall time, phases
+    and reads, and what follows from them (see the module's docstring)."""
+    out = {}
+    for kind, chosen in (("admission", [s for s in steps if s["prompt_tokens"]]),
+                         ("decode", [s for s in steps if not s["prompt_tokens"]])):
+        if not chosen:
+            continue
+        wall, busy = sum(s["wall_s"] for s in chosen), sum(s["io_busy_s"] for s in chosen)
+        gb = sum(s["bytes_read"] for s in chosen) / 1e9
+        phases = {p: sum(s["phases_s"].get(p, 0.0) for s in chosen) for p in chosen[0]["phases_s"]}
+        out[kind] = {"steps": len(chosen), "tokens": sum(s["tokens"] for s in chosen), "wall_s": wall,
+                     "phases_s": phases, "other_s": wall - sum(phases.get(p, 0.0) for p in PHASES),
+                     "gb_read": gb, "reads": sum(s["reads"] for s in chosen), "io_busy_s": busy,
+                     "disk_idle_s": wall - busy, "gb_s": gb / wall if wall else None,
+                     "gb_s_busy": gb / busy if busy else None,
+                     "reads_in_flight": sum(s["read_s"] for s in chosen) / busy if busy else None,
+                     "io_bound_s": gb * 1e3 / raw_mb_s if raw_mb_s else None}
+    return out
+
+
+def profile_table(profiles: dict[str, dict[str, dict]], raw_mb_s: float | None) -> str:
+    """One row per configuration and kind of step, seconds summed over its steps."""
+    head = (f"{'config, steps':<36} {'n':>3} {'wall':>6} " + " ".join(f"{p[:7]:>7}" for p in (*PHASES, "other", "crc",
+                                                                                                "policy"))
+            + f" {'GB':>6} {'GB/s':>5} {'busy':>5} {'idle s':>6} {'flight':>6} {'I/O s':>6}")
+    rows = [f"where the steps' time went (s, summed over every round's steps; raw O_DIRECT "
+            f"{raw_mb_s or 0:.0f} MB/s; GB/s over the wall time and while a read ran)", head, "-" * len(head)]
+    for name, kinds in profiles.items():
+        for kind, k in kinds.items():
+            cells = [k["phases_s"].get(p, 0.0) for p in PHASES] + [k["other_s"], k["phases_s"].get("crc", 0.0),
+                                                                   k["phases_s"].get("policy", 0.0)]
+            rows.append(f"{name[:26] + ', ' + kind:<36} {k['steps']:>3} {k['wall_s']:>6.1f} "
+                        + " ".join(f"{c:>7.2f}" for c in cells)
+                        + f" {k['gb_read']:>6.2f} {k['gb_s'] or 0:>5.2f} {k['gb_s_busy'] or 0:>5.2f} "
+                        f"{k['disk_idle_s']:>6.2f} {k['reads_in_flight'] or 0:>6.2f} {k['io_bound_s'] or 0:>6.2f}")
+    return "\n".join(rows)
 
 
 # -- summary over rounds ------------------------------------------------------------------------------------
@@ -292,7 +345,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=count, default=5, help="runs of every configuration, interleaved (default 5)")
     ap.add_argument("--admit-window-ms", type=float,
                     help="the agent's admission window (serve --admit-window-ms); default: the agent's own")
-    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c (A,B,C: on --reference) to run, in this order "
+    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c,p (A,B,C,P: on --reference) to run, in this order "
                                                        "within every round")
     ap.add_argument("--reference", type=Path, help="the unquantized store of --model's checkpoint: the cap and memory "
                                                     "limit come from it, and configs A,B,C run on it")
@@ -304,13 +357,16 @@ def main() -> int:
     letters = args.configs.split(",")
     stores = (args.model, args.reference) if args.reference else (args.model,)
     if not set(letters) <= {c.name[0] for c in CONFIGS}:
-        ap.error(f"--configs {args.configs!r}: give letters among a,b,c and A,B,C, comma separated")
+        ap.error(f"--configs {args.configs!r}: give letters among a,b,c,p and A,B,C,P, comma separated")
     if any(x.isupper() for x in letters) != (args.reference is not None):
         ap.error("configs A,B,C and --reference go together")
     if not (args.model / "experts.index.json").exists():
         subprocess.run([*CLI, "init-demo", "--out", str(args.model)], check=True, cwd=ROOT)
     from agent.experts.cap import parse_cap
-    from agent.experts.layout import INDEX, Index
+    from agent.experts.layout import EXPERTS, INDEX, Index
+    from agent.experts.reader import IO_THREADS
+    from bench.loader import raw_baseline
+    from bench.scale import CHUNK
     interrupt_on_sigterm()
     sized = args.reference or args.model        # the store whose expert bytes and dense weights size the device
     index = Index.load(sized / INDEX)
@@ -329,7 +385,7 @@ def main() -> int:
     mix = request_mix(args.clients, args.requests_per_client)
     by_letter = {c.name[0]: c for c in CONFIGS}
     chosen = [by_letter[x] for x in letters]
-    results, failed = [], []
+    results, failed, raws = [], [], []
     logs = ROOT / "bench" / "results" / "serve-logs"
     logs.mkdir(parents=True, exist_ok=True)
     try:
@@ -346,14 +402,23 @@ def main() -> int:
                 results.append(r)
                 print(f"  P50 {r.p(50):.2f} s, P99 {r.p(99):.2f} s, {r.tokens_per_s:.2f} tok/s, "
                       f"{r.bytes_read / 1e9:.2f} GB read, {r.model_steps} steps, load {r.load_avg_1m[0]:.1f}", flush=True)
+            raws.append(raw_baseline(args.model / EXPERTS, Index.load(args.model / INDEX), CHUNK, IO_THREADS))
+            print(f"round {n + 1}: raw O_DIRECT {raws[-1]['raw_file_mb_s']:.0f} MB/s in file order "
+                  f"({raws[-1]['raw_streams']} stream(s)), {raws[-1]['raw_blocks_mb_s']:.0f} MB/s as the cache reads",
+                  flush=True)
     finally:
         cgroup.remove()
+    raw_mb_s = statistics.median(r["raw_mb_s"] for r in raws) if raws else None
+    profiles = {name: step_profile([s for r in results if r.config == name for s in r.steps], raw_mb_s)
+                for name in dict.fromkeys(r.config for r in results)}
     summary, ratios = (summarize(results), round_ratios(results)) if results else ({}, {})
     print()
     if summary:
         print(table(summary))
     if ratios:
         print("\n" + describe_ratios(ratios))
+    if profiles:
+        print("\n" + profile_table(profiles, raw_mb_s))
     for f in failed:
         print(f"{f['config']} round {f['round'] + 1}: failed: {f['error']}")
     write_results(args.results, {
@@ -361,7 +426,10 @@ def main() -> int:
         "requests_per_client": args.requests_per_client, "max_batch_size": args.max_batch_size,
         "admit_window_ms": args.admit_window_ms, "rounds": args.rounds, "order": args.configs, "machine": facts,
         "summary": summary, "ratios": {**ratios, "goal_p99_a_over_c": GOAL_P99_A_OVER_C}, "failed": failed,
-        "runs": [{**asdict(r), **r.metrics()} for r in results]})
+        "raw": raws, "raw_mb_s": raw_mb_s, "profile": profiles,
+        "runs": [{**asdict(r), **r.metrics(),
+                  "profile": step_profile(r.steps, raws[r.round]["raw_mb_s"] if r.round < len(raws) else None)}
+                 for r in results]})
     return 0
 
 

@@ -49,7 +49,7 @@ def test_runs_on_the_reference_store_are_more_ratios_when_every_round_ran_them()
 
 
 @pytest.mark.parametrize("argv,words", [(["--configs", "a,C"], "configs A,B,C and --reference go together"),
-                                        (["--configs", "a,r"], "give letters among a,b,c and A,B,C")])
+                                        (["--configs", "a,r"], "give letters among a,b,c,p and A,B,C,P")])
 def test_configs_on_a_reference_store_need_one(argv, words):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

@@ -105,6 +105,46 @@ def test_the_model_runs_with_the_engines_thread_count_on_the_scheduler_thread(tm
         torch.set_num_threads(before)
 
 
+def test_a_step_admitting_prompts_runs_on_the_prefill_threads_and_decode_steps_on_one(tmp_path_factory):
+    """At seed scale the admission step is compute-bound (large matmuls, the disk idle most of it):
+    it takes prefill_threads; the decode steps, small per-expert matmuls beside the reads, keep one."""
+    import torch
+
+    from agent.experts.cache import ExpertCache
+    from agent.serve.engine import PREFILL_TOKENS, ModelEngine
+    from agent.serve.scheduler import Request
+
+    model = demo_model(tmp_path_factory)
+    before = torch.get_num_threads()
+    cache = ExpertCache(model, 10**9, policy="lru")
+    try:
+        engine = ModelEngine(model, cache, threads=1, prefill_threads=2)
+        seen = []
+        get = cache.get
+
+        def spy(layer, expert):
+            seen.append(torch.get_num_threads())  # inside the model's MoE
+            return get(layer, expert)
+
+        cache.get = spy
+        short, long_ = (Request(n, list(range(1, size + 1)), 2, 0.0, lambda event: None)
+                        for n, size in (("short", 3), ("long", PREFILL_TOKENS)))
+        threads = []
+        for batch in ([short], [long_], [short, long_]):  # short prefill, the admission of a long one, decode
+            for r in batch:
+                r.state = r.state or engine.begin(r)
+            seen.clear()
+            tokens, _ = engine.step(batch)
+            for r, t in zip(batch, tokens):
+                r.generated.append(t)
+            threads.append(set(seen))
+        assert threads == [{1}, {2}, {1}]
+        assert [p.prompt_tokens for p in engine.profiles] == [3, PREFILL_TOKENS, 0]
+    finally:
+        cache.close()
+        torch.set_num_threads(before)
+
+
 def test_a_slow_knob_change_is_logged_with_where_its_time_went(runtime, monkeypatch, caplog):
     import agent.serve.runtime as module
     cap = runtime.knobs.values["cache_cap_bytes"]

@@ -69,6 +69,7 @@ class CacheStats:
     read_latency_s: list[float] = field(default_factory=list)  # the most recent LATENCY_SAMPLES reads
     crc_s: float = 0.0           # spent checking CRC32s, on the I/O threads
     io_busy_s: float = 0.0       # wall time with at least one block being read or checked: the rest the device idled
+    read_s: float = 0.0          # summed over reads, each one's read and check: / io_busy_s = reads in flight while busy
     policy_s: float = 0.0        # spent in Residency and the policy, on the thread that routes and gets
 
     @property
@@ -82,6 +83,10 @@ class CacheStats:
     @property
     def prefetch_accuracy(self) -> float:
         return self.prefetch_hits / self.prefetches if self.prefetches else 0.0
+
+    def phases_since(self, before: "CacheStats") -> dict[str, float]:
+        """The cache's phases of a profile (agent/model/profile.py) since `before`: CRC checks and the policy."""
+        return {"crc": self.crc_s - before.crc_s, "policy": self.policy_s - before.policy_s}
 
 
 @dataclass
@@ -149,7 +154,7 @@ class ExpertCache:
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
         self.read_ahead = io_threads  # reads a step larger than a partition keeps in flight
         self._bytes_read = self._reads = self._issued = 0
-        self._crc_s = self._policy_s = 0.0  # CPU time of CRC checks (I/O threads) and of the policy (under the lock)
+        self._crc_s = self._policy_s = self._read_s = 0.0  # CRC checks (I/O threads), the policy (under the lock), reads
         self._running, self._busy_since, self._io_busy_s = 0, 0.0, 0.0  # reads running, since when, busy time before
         self._busy_lock = threading.Lock()   # guards those three: a read's start need not wait for the cache lock
         self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
@@ -399,6 +404,7 @@ class ExpertCache:
             self._read_ends()
             self._reads += 1
             self._crc_s += crc_s
+            self._read_s += elapsed
             self._bytes_read += self.index.nbytes - min(before, self.index.nbytes)
             self._latency.append(elapsed)
             self.monitor.read_done(elapsed)
@@ -512,7 +518,7 @@ class ExpertCache:
                 slot_bytes=self.index.slot_bytes, backend=self.backend, policy=self.policy_name,
                 scope=self._residency.scope, layers=layers, read_latency_s=list(self._latency),
                 crc_s=self._crc_s, policy_s=self._policy_s,
-                io_busy_s=self._io_busy())
+                io_busy_s=self._io_busy(), read_s=self._read_s)
 
     def close(self) -> None:
         self._io.shutdown(wait=True, cancel_futures=False)

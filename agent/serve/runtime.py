@@ -9,9 +9,10 @@ never frees a slot the running step still reads.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ class ServeOptions:
     admit_window_s: float = ADMIT_WINDOW_S  # how long an idle scheduler waits for a burst to share its first step
     verify: bool = False             # check every block's CRC32 in the background while idle
     route_trace: tuple[Path, ...] = ()      # recorded routing that decides each token's experts (agent/model/route_trace.py)
+    prefill_threads: int | None = None      # torch threads of a step admitting prompts (engine.py); None: every core
 
     def __post_init__(self) -> None:
         check_admit_window(self.admit_window_s)  # before the model loads, so a bad value fails at once
@@ -66,7 +68,8 @@ class Runtime:
         self.cache = ExpertCache(opts.model_dir, _first_cap(opts), policy=opts.policy or DEFAULT_POLICY, backend=opts.backend,
                                  io_threads=opts.io_threads, monitor=self.monitor)
         try:
-            self.engine = ModelEngine(opts.model_dir, self.cache, threads=opts.threads, route_trace=opts.route_trace)
+            self.engine = ModelEngine(opts.model_dir, self.cache, threads=opts.threads, route_trace=opts.route_trace,
+                                      prefill_threads=opts.prefill_threads or os.cpu_count())
         except BaseException:
             self.cache.close()
             raise
@@ -225,6 +228,7 @@ class Runtime:
             "model_steps": self.scheduler.steps,
             "ssd_util": self.monitor.last.ssd_util, "ssd_util_source": self.monitor.last.sources.get("ssd_util"),
             "store": self.store_health(), "online_learning": self.online.status(),
+            "step_profiles": [asdict(p) for p in list(self.engine.profiles)],  # list(): one C call, safe beside appends
         }
 
     def store_health(self) -> dict[str, Any]:

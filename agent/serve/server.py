@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, help="most requests sharing one decode step (default 16)")
     p.add_argument("--threads", type=threads, default=1, help="torch intra-op threads for the model step (default 1: "
                    "reads run on other threads, and on a small CPU more threads busy-wait against them)")
+    p.add_argument("--prefill-threads", type=threads, help="torch intra-op threads for a step that admits prompts "
+                   "(default: every core; its matmuls are large, and the disk mostly waits for them)")
     p.add_argument("--io-threads", type=threads, default=IO_THREADS, help=f"expert reads in flight at once (default "
                    f"{IO_THREADS}: an SSD reaches its bandwidth only with several requests queued)")
     p.add_argument("--admit-window-ms", type=float, default=ADMIT_WINDOW_S * 1000,
@@ -184,7 +186,7 @@ def serve(args: argparse.Namespace) -> None:
         try:
             opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
                                 args.max_batch_size, args.threads, args.io_threads, args.admit_window_ms / 1000,
-                                args.verify, tuple(args.route_trace))
+                                args.verify, tuple(args.route_trace), args.prefill_threads)
             runtime = Runtime(opts, CollectorRegistry(), store)
             runtime.start()
         except (ValueError, OSError, ExpertStoreError) as exc:
