@@ -22,15 +22,10 @@ def step_window(size: int, at: int, residents: int, room: int, ahead: int) -> tu
     `size` experts in the order they are taken (its `residents` resident ones first), a partition of
     `room` slots. A step that fits is pinned whole; a larger one (a batch's union) `ahead` experts from
     `at` on, and its residents until their use, so none is evicted before it is used and every miss
-    finds an expert to evict (at most `ahead` - 1 stay pinned). While the residents are being used, each
-    one used lets one more miss in (up to `ahead`): its slot is free, so the disk reads while the model
-    computes with the residents, rather than idling until `ahead` of them are done (at seed scale a
-    partition of 16 holds 16 residents, and the reads waited for 9 of them at every layer)."""
-    if size <= room:
-        return 0, max(room, residents)
-    span = min(room, ahead)
+    finds an expert to evict (at most `ahead` - 1 stay pinned)."""
+    span = room if size <= room else min(room, ahead)
     start = max(0, min(at, size - span))
-    return start, max(start + span, min(size, residents + min(at, span)))
+    return start, max(start + span, residents)
 
 
 @dataclass

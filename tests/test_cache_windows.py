@@ -64,27 +64,6 @@ def test_reads_run_a_partition_ahead_of_get_and_no_further(store):
     assert s.misses == s.reads == 6 and s.hits == 0
 
 
-def test_a_miss_is_read_as_soon_as_a_used_resident_frees_its_slot(store):
-    with ExpertCache(store, slots(store, LAYERS * 4), io_threads=2) as cache:  # 4 slots, two reads ahead
-        for e in cache.route(0, [0, 1, 2, 3]):
-            cache.get(0, e)
-        gated = GatedReads(cache)
-        order = cache.route(0, [0, 1, 2, 3, 4, 5])  # four residents fill the partition, then two misses
-        assert order == [0, 1, 2, 3, 4, 5] and gated.calls == []
-        cache.get(0, 0)
-        cache.get(0, 1)                              # 0 is done: its slot takes 4 while 1, 2, 3 are computed
-        wait_until(lambda: gated.calls == [(0, 4)], timeout=2)
-        assert gated.calls == [(0, 4)]
-        cache.get(0, 2)
-        wait_until(lambda: len(gated.calls) == 2, timeout=2)
-        assert gated.calls == [(0, 4), (0, 5)]
-        gated.gate.set()
-        for e in order[3:]:
-            cache.get(0, e)
-        s = cache.stats()
-    assert (s.hits, s.misses - 4) == (4, 2)          # every resident was still used before its slot went
-
-
 class EvictHighestId(Policy):
     name = "test-evict-highest-id"
 
