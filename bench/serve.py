@@ -7,8 +7,8 @@
 (a) the learned flashmoe policy with lookahead prefetch, O_DIRECT slots;
 (b) LRU with the same prefetch and slots;
 (c) the mmap backend, no prefetch: the page cache decides what stays (llama.cpp's way);
-(p) (a) with the steps that admit prompts on one torch thread (serve --prefill-threads 1; the agent's
-    default is every core): the A/B of the prefill threads;
+(p) (a) with the steps that admit prompts on every core (serve --prefill-threads N, N = os.cpu_count(); the
+    agent's default is one thread, as for decode): the A/B of the prefill threads;
 (A), (B), (C) with --reference (the same checkpoint's unquantized store, when --model is its int8 twin):
     (a), (b), (c) on that store, the weights as published.
 Each run starts `flashmoe-cli serve` as its own process with the cache cap at 25% of expert bytes,
@@ -90,7 +90,8 @@ class Config:
 CONFIGS = [Config("a: flashmoe + prefetch", "flashmoe", "direct", True),
            Config("b: lru + prefetch", "lru", "direct", True),
            Config("c: mmap (page cache)", "lru", "mmap", False),
-           Config("p: a, prefill on 1 thread", "flashmoe", "direct", True, extra=("--prefill-threads", "1"))]
+           Config("p: a, prefill on every core", "flashmoe", "direct", True,
+                  extra=("--prefill-threads", str(os.cpu_count())))]
 CONFIGS += [c.on_reference() for c in CONFIGS]
 
 

@@ -82,8 +82,9 @@ class ModelEngine:
     a step is many small per-expert matmuls while the cache's reads and CRC checks run on other
     threads. A step of PREFILL_TOKENS new tokens or more (prompts being admitted) runs on
     `prefill_threads` instead (default: `threads`): its matmuls are large enough to split (an OLMoE
-    projection of 850 tokens 34 -> 19 ms on two threads), and at seed scale it is compute-bound with
-    the disk idle most of it, so the reads lose no CPU that they use. It is set on the calling thread itself, because OpenMP and MKL keep the count per
+    projection of 850 tokens 34 -> 19 ms on two idle cores), and at seed scale that step is
+    compute-bound with the disk idle most of it. Served on this shared 2-core machine two threads did
+    not shorten it (BENCHMARKS.md, "Where (a)'s time goes when serving"), so it stays opt-in. It is set on the calling thread itself, because OpenMP and MKL keep the count per
     thread: a thread that never sets it uses one per core whatever the main thread set, and
     libgomp's idle team members then spin on the cores the reads and the step need. On a busy
     2-core machine that made every expert matmul ~20x slower, unless some torch op had happened to

@@ -9,7 +9,6 @@ never frees a slot the running step still reads.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -54,7 +53,7 @@ class ServeOptions:
     admit_window_s: float = ADMIT_WINDOW_S  # how long an idle scheduler waits for a burst to share its first step
     verify: bool = False             # check every block's CRC32 in the background while idle
     route_trace: tuple[Path, ...] = ()      # recorded routing that decides each token's experts (agent/model/route_trace.py)
-    prefill_threads: int | None = None      # torch threads of a step admitting prompts (engine.py); None: every core
+    prefill_threads: int | None = None      # torch threads of a step admitting prompts (engine.py); None: `threads`
 
     def __post_init__(self) -> None:
         check_admit_window(self.admit_window_s)  # before the model loads, so a bad value fails at once
@@ -69,7 +68,7 @@ class Runtime:
                                  io_threads=opts.io_threads, monitor=self.monitor)
         try:
             self.engine = ModelEngine(opts.model_dir, self.cache, threads=opts.threads, route_trace=opts.route_trace,
-                                      prefill_threads=opts.prefill_threads or os.cpu_count())
+                                      prefill_threads=opts.prefill_threads)
         except BaseException:
             self.cache.close()
             raise

@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=threads, default=1, help="torch intra-op threads for the model step (default 1: "
                    "reads run on other threads, and on a small CPU more threads busy-wait against them)")
     p.add_argument("--prefill-threads", type=threads, help="torch intra-op threads for a step that admits prompts "
-                   "(default: every core; its matmuls are large, and the disk mostly waits for them)")
+                   "(default: --threads; its matmuls are large enough to split, where a core is free for them)")
     p.add_argument("--io-threads", type=threads, default=IO_THREADS, help=f"expert reads in flight at once (default "
                    f"{IO_THREADS}: an SSD reaches its bandwidth only with several requests queued)")
     p.add_argument("--admit-window-ms", type=float, default=ADMIT_WINDOW_S * 1000,
