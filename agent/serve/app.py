@@ -289,7 +289,7 @@ def _prompt_ids(body: CompletionRequest, tokenizer, config) -> list[int]:
     return ids
 
 
-Piece = tuple[Event, str]   # an event and the text that may be sent so far (all of it once the request is over)
+Piece = tuple[Event, str]   # an event and the text it adds to the answer
 
 
 def _pass_on(ev: Event, job: Job, completion: CompletionText, loop: asyncio.AbstractEventLoop,
@@ -297,13 +297,13 @@ def _pass_on(ev: Event, job: Job, completion: CompletionText, loop: asyncio.Abst
     """The job's sink (on the scheduler thread): decodes its tokens and cancels it at a stop string,
     before its next step, so it ends there (finish_reason "cancelled", told as "stop")."""
     if ev.kind == "token":
-        end = completion.add(ev.token)
-        job.cancelled = job.cancelled or completion.cut is not None
+        piece = completion.add(ev.token)
+        job.cancelled = job.cancelled or completion.stopped
     else:
-        end = completion.end()
-        if ev.kind == "done" and completion.cut is not None:
+        piece = completion.finish()
+        if ev.kind == "done" and completion.stopped:
             ev = dataclasses.replace(ev, finish_reason="stop")
-    loop.call_soon_threadsafe(queue.put_nowait, (ev, completion.text[:end]))
+    loop.call_soon_threadsafe(queue.put_nowait, (ev, piece))
 
 
 def _usage(ev: Event) -> dict[str, int]:
@@ -320,18 +320,16 @@ def _flashmoe(ev: Event) -> dict[str, float]:
 
 
 async def _pieces(job: Job, queue: asyncio.Queue[Piece]) -> AsyncIterator[Piece]:
-    """The text that may be sent as it grows, one piece per token that adds some, then the last piece
-    with the event that ended the request ("done" or "error")."""
-    sent = ""
+    """The answer's text as it grows, one piece per token that adds some, then the last piece with
+    the event that ended the request ("done" or "error")."""
     try:
         while True:
             ev, text = await queue.get()
             if ev.kind != "token":
-                yield ev, text[len(sent):]
+                yield ev, text
                 return
-            if len(text) > len(sent):
-                yield ev, text[len(sent):]
-                sent = text
+            if text:
+                yield ev, text
     finally:
         job.cancelled = True  # a no-op once done; frees the slot if the client went away
 
