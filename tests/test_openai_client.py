@@ -1,6 +1,9 @@
 """The official openai client against the agent on loopback: completions and streaming."""
 from __future__ import annotations
 
+import contextlib
+
+import httpx
 import openai
 import pytest
 
@@ -107,7 +110,7 @@ def test_a_small_top_p_samples_the_greedy_text_and_top_p_takes_0_to_1(client, wh
 
 
 UNSUPPORTED = {"logprobs": 2, "echo": True, "suffix": "!", "best_of": 2, "logit_bias": {"65": 5.0},
-               "presence_penalty": 0.5, "frequency_penalty": -1.0, "seed": 3}
+               "presence_penalty": 0.5, "frequency_penalty": -1.0}
 
 
 @pytest.mark.parametrize("field", UNSUPPORTED)
@@ -121,3 +124,30 @@ def test_defaults_and_harmless_fields_pass(client, whole):
                                      echo=False, suffix=None, best_of=1, logit_bias={}, presence_penalty=0,
                                      frequency_penalty=0.0, seed=None, user="someone", top_p=1, stop=None)
     assert done.choices[0].text == whole
+
+
+def _sampled(client, seed: int | None) -> str:
+    return client.completions.create(model="demo", prompt=PROMPT, max_tokens=LONG, temperature=2.0,
+                                     seed=seed).choices[0].text
+
+
+def test_a_seed_gives_the_same_sampled_text_alone_and_beside_other_requests(agent, client, whole):
+    alone = _sampled(client, 7)
+    assert alone != whole and _sampled(client, 7) == alone
+    with contextlib.ExitStack() as others:  # sampled requests that run before, during and after the seeded one
+        lines = []  # kept: a dropped line iterator closes its connection, which cancels its request
+        for i in range(3):
+            body = {"prompt": f"another client {i}", "max_tokens": 3000, "temperature": 1.0, "stream": True}
+            stream = others.enter_context(httpx.stream("POST", agent.url + "/v1/completions", json=body, timeout=60))
+            lines.append(stream.iter_lines())
+            next(lines[-1])  # its first token: it is running
+        beside = _sampled(client, 7)
+        assert httpx.get(agent.url + "/v1/status").json()["batch_size"] == 3  # they ran through all its steps
+    assert beside == alone
+    assert len({alone, _sampled(client, 8), _sampled(client, 2**64 - 1)}) == 3
+
+
+@pytest.mark.parametrize("seed", [2**64, -2**63 - 1])
+def test_a_seed_outside_64_bits_is_refused_by_name(client, seed):
+    with pytest.raises(openai.UnprocessableEntityError, match="seed: Input should be"):
+        client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, seed=seed)

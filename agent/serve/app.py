@@ -45,7 +45,7 @@ CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
 # OpenAI's fields that this agent does not implement, and the values that ask for nothing (clients send them)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None,), "echo": (None, False), "suffix": (None,), "best_of": (None, 1), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "seed": (None,)}
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}
 
 
 class CompletionRequest(BaseModel):
@@ -68,7 +68,8 @@ class CompletionRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description="not supported: empty only")
     presence_penalty: float | None = Field(0.0, description="not supported: 0 only")
     frequency_penalty: float | None = Field(0.0, description="not supported: 0 only")
-    seed: int | None = Field(None, description="not supported: null only (the agent samples from one generator)")
+    seed: int | None = Field(None, ge=-2**63, le=2**64 - 1, description=(
+        "the same seed and request give the same completion, whatever runs beside it; null: unrepeatable"))
 
     @field_validator(*UNSUPPORTED)
     @classmethod
@@ -183,7 +184,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
         queue: asyncio.Queue[Piece] = asyncio.Queue()
         completion = CompletionText(tokenizer.decode, body.stop)
         job = Job(id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=prompt_ids, max_tokens=body.max_tokens,
-                  temperature=body.temperature, top_p=body.top_p, stop_ids=stop_ids,
+                  temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop_ids=stop_ids,
                   sink=lambda ev: _pass_on(ev, job, completion, loop, queue))
         try:
             runtime.submit(job)

@@ -117,6 +117,8 @@ class ModelEngine:
     def begin(self, request: Request) -> Sequence_:
         self._own_thread()
         self.cache.session()
+        if request.seed is not None:
+            request.sampler = torch.Generator().manual_seed(request.seed)
         return self.model.new_sequence(len(request.prompt_ids) + request.max_tokens)
 
     def step(self, batch: list[Request]) -> tuple[list[int], StepIO]:
@@ -129,10 +131,10 @@ class ModelEngine:
         after = self.cache.stats()
         self.profiles.append(StepProfile.between(batch, time.perf_counter() - start,
                                                  self.model.profile.since(seconds), before, after))
-        tokens = [sample(l, greedy=r.temperature <= 0, temperature=r.temperature, generator=self.generator,
-                         top_p=r.top_p) for l, r in zip(logits, batch)]
+        tokens = [sample(l, greedy=r.temperature <= 0, temperature=r.temperature, top_p=r.top_p,
+                         generator=r.sampler or self.generator) for l, r in zip(logits, batch)]
         return tokens, StepIO(after.hits - before.hits, after.misses - before.misses,
                               after.bytes_read - before.bytes_read)
 
     def end(self, request: Request) -> None:
-        request.state = None  # the Sequence owns the KV cache: dropping it frees the memory
+        request.state = request.sampler = None  # the Sequence owns the KV cache: dropping it frees the memory
