@@ -47,9 +47,9 @@ def assert_clean_4xx(r: httpx.Response, status: int, *words: str) -> None:
 
 @pytest.mark.parametrize("raw, words", [
     ('{"prompt": "hi", "temperature": NaN}', ["temperature", "finite"]),
-    ('{"prompt": "hi", "max_tokens": Infinity}', ["max_tokens", "finite"]),
-    ('{"prompt": "hi", "max_tokens": 1e400}', ["max_tokens", "finite"]),
-    ('{"prompt": [1, 2, NaN]}', ["prompt", "finite"]),
+    ('{"prompt": "hi", "max_tokens": Infinity}', ["max_tokens", "integer"]),
+    ('{"prompt": "hi", "max_tokens": 1e400}', ["max_tokens", "integer"]),
+    ('{"prompt": [1, 2, NaN]}', ["prompt", "integer"]),
     ('{"prompt": "a\\ud800b"}', ["prompt", "lone surrogate", "character 1"]),
     ('{"prompt": "hi", "max_tokens": 1' + "0" * 5000 + "}", ["parsing the body"]),  # past Python's int-parsing limit
     ('{"prompt": "hi", "max_tokens": 1' + "0" * 40 + "}", ["max_tokens"]),
@@ -60,6 +60,36 @@ def test_bad_completion_bodies_are_a_4xx_that_says_why(agent, raw, words):
     r = post(agent, "/v1/completions", raw)
     assert r.status_code in (400, 422), r.text
     assert_clean_4xx(r, r.status_code, *words)
+
+
+INTEGERS = {"max_tokens": 3, "n": 1, "seed": 3, "logprobs": None, "best_of": 1}
+
+
+@pytest.mark.parametrize("value", [True, False, "3", 3.5, 3.0, [3]], ids=repr)
+@pytest.mark.parametrize("field", INTEGERS)
+def test_an_integer_field_takes_integers_only(agent, field, value):
+    """Lax parsing read true as 1 (best_of: true passed as 1), "3" as 3 and 3.0 as 3."""
+    r = httpx.post(agent.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: value}, timeout=60)
+    assert_clean_4xx(r, 422, f"{field}: Input should be a valid integer")
+
+
+def test_the_integer_fields_take_integers(agent):
+    assert agent.complete(prompt="hi", **INTEGERS)["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"prompt": [72, True]}, "prompt.list[int].1: Input should be a valid integer"),
+    ({"prompt": "hi", "stream": 1}, "stream: Input should be a valid boolean"),
+    ({"prompt": "hi", "temperature": "0.5"}, "temperature: Input should be a valid number"),
+    ({"prompt": "hi", "top_p": True}, "top_p: Input should be a valid number"),
+])
+def test_token_ids_booleans_and_numbers_are_not_read_from_other_types(agent, body, words):
+    assert_clean_4xx(httpx.post(agent.url + "/v1/completions", json=body, timeout=60), 422, words)
+
+
+def test_a_preloaded_expert_is_two_integers(agent):
+    r = httpx.post(agent.url + "/v1/cache/preload", json={"experts": [[0, 1], [True, 0]]}, timeout=60)
+    assert_clean_4xx(r, 422, "experts.1.0: Input should be a valid integer")
 
 
 @pytest.mark.parametrize("knob", ["ssd_util_threshold", "max_batch_size", "cache_cap_bytes", "prefetch_depth",

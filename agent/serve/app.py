@@ -28,7 +28,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.serve.knobs import SOURCES, KnobError
@@ -49,8 +49,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 
 class CompletionRequest(BaseModel):
-    # fields that change nothing in the answer pass (e.g. user); NaN and Infinity are no sampling settings
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # fields that change nothing in the answer pass (e.g. user); NaN and Infinity are no sampling settings;
+    # strict: true, "3" and 3.5 are no integers (lax reads them as 1, 3 and a refusal), nor 1 a boolean
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     model: str | None = None
     prompt: str | list[int] = Field(description="text, or token ids")
     max_tokens: int = Field(16, ge=1, le=2**31 - 1)
@@ -105,7 +106,7 @@ class CompletionRequest(BaseModel):
 
 
 class PreloadRequest(BaseModel):
-    experts: list[tuple[int, int]] = Field(description="[[layer, expert], ...] to bring into the cache")
+    experts: list[tuple[StrictInt, StrictInt]] = Field(description="[[layer, expert], ...] to bring into the cache")
 
 
 def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None = None,
