@@ -27,3 +27,9 @@ def test_top_p_one_draws_as_plain_sampling():
     generator = torch.Generator().manual_seed(7)
     plain = [int(torch.multinomial(torch.softmax(LOGITS, -1), 1, generator=generator)) for _ in range(300)]
     assert draws(1.0) == plain and set(plain) == {0, 1, 2, 3, 4}
+
+
+def test_a_tiny_temperature_draws_the_argmax():
+    """logits / 1e-300 overflowed to inf, and softmax made NaN of it (a 500 from the agent)."""
+    generator = torch.Generator().manual_seed(7)
+    assert {sample(LOGITS, greedy=False, temperature=t, generator=generator) for t in (1e-300, 5e-324, 1e-30)} == {1}

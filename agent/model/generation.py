@@ -55,7 +55,9 @@ def sample(logits: Tensor, greedy: bool, temperature: float = 1.0, generator: to
     most likely tokens whose probabilities add up to top_p (the first to reach it included)."""
     if greedy or temperature <= 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits / temperature, dim=-1)
+    # from the top and by a temperature the logits' dtype can hold: a tiny one then gives -inf (no mass), not inf or 0/0
+    scaled = (logits - logits.max()) / max(temperature, torch.finfo(logits.dtype).tiny)
+    probs = torch.softmax(scaled, dim=-1)
     if top_p < 1.0:
         ranked, order = probs.sort(descending=True)
         kept = ranked.cumsum(-1) - ranked < top_p  # the mass before each token is under top_p: the first is kept
