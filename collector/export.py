@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from prometheus_client import make_wsgi_app
 from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily, Metric,
                                             UnknownMetricFamily)
 from prometheus_client.registry import Collector
@@ -153,6 +154,26 @@ class MachineExport(Collector):
         family = GaugeMetricFamily(name, doc, labels=[DEVICE_LABEL])
         family.add_metric([self.device_name], value)
         return family
+
+
+def metrics_app(registry: Collector) -> Callable[[dict, Callable], Iterable[bytes]]:
+    """prometheus_client's WSGI app at /metrics only, HEAD answered as GET without the body: its own
+    answers every path with the metrics (a mistyped scrape path looks right) and 405s HEAD (curl -I)."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found: this collector serves /metrics only\n"]
+        if environ["REQUEST_METHOD"] != "HEAD":
+            return metrics(environ, start_response)
+        answer: list = []
+        body = b"".join(metrics({**environ, "REQUEST_METHOD": "GET"}, lambda *head: answer.extend(head)))
+        status, headers = answer[0], answer[1]
+        start_response(status, [*headers, ("Content-Length", str(len(body)))])
+        return []
+
+    return app
 
 
 def _meminfo_name(key: str) -> str:

@@ -24,7 +24,7 @@ from wsgiref.simple_server import WSGIServer
 import pyudev
 from prometheus_client import CollectorRegistry, start_http_server
 
-from collector.export import MachineExport
+from collector.export import MachineExport, metrics_app
 from collector.samplers import (AgentSampler, BlockSampler, CgroupSampler, NvmeSampler, PressureSampler, Sampler,
                                 SelfSampler, SystemMemorySampler)
 from collector.series import loop_series
@@ -208,6 +208,7 @@ def start_export(collector: Collector, device_name: str, pid_file: Path | None,
     registry = CollectorRegistry()
     registry.register(MachineExport(device_name, lambda: collector.disks, lambda: collector.controllers, pid_file))
     server, _ = start_http_server(address[1], address[0], registry)
+    server.set_app(metrics_app(registry))  # a scrape in the instant before meets prometheus_client's own app
     log.info("exporting to Prometheus on http://%s:%d/metrics as device %s", address[0],
              server.server_address[1], device_name)
     return server

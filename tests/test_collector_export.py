@@ -10,10 +10,11 @@ import socket
 import subprocess
 from pathlib import Path
 
+import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agents import CLI, ROOT
+from agents import CLI, ROOT, free_port, spawn, stop, wait_http
 from collector.export import MachineExport
 
 MEMINFO = "MemTotal:       16000000 kB\nMemAvailable:    4000000 kB\nActive(anon):     123 kB\nHugePages_Total:  0\n"
@@ -90,3 +91,24 @@ def test_a_busy_listen_port_is_one_line_and_the_store_is_closed(tmp_path):
                                  "--duration", "5"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert f"cannot export on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_listen_serves_metrics_at_metrics_only_and_answers_head_without_a_body(tmp_path):
+    """prometheus_client's server answered every path with the metrics and HEAD with 405."""
+    port = free_port()
+    log = tmp_path / "collect.log"
+    proc = spawn([*CLI, "collect", "--db", str(tmp_path / "s.db"), "--listen", f"127.0.0.1:{port}"], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/metrics", proc, log)
+        got = httpx.get(url + "/metrics", timeout=10)
+        assert got.status_code == 200 and "node_memory_MemTotal_bytes" in got.text
+        head = httpx.head(url + "/metrics", timeout=10)
+        assert head.status_code == 200 and head.content == b""
+        assert head.headers["content-type"] == got.headers["content-type"]
+        assert int(head.headers["content-length"]) > 0
+        for path in ("/", "/metric", "/metrics/x", "/favicon.ico"):
+            missing = httpx.get(url + path, timeout=10)
+            assert missing.status_code == 404 and "/metrics only" in missing.text, path
+    finally:
+        assert stop(proc) == 0, log.read_text()
