@@ -176,7 +176,7 @@ def cap_widget(spec: dict[str, Any], expert_bytes: int | None, disabled: bool = 
     scale = transforms.cap_unit_bytes(unit, expert_bytes)
     lo, hi = (end / scale for end in transforms.cap_range(spec, expert_bytes))
     shown = min(max(spec["value"] / scale, lo), hi)
-    step, digits = transforms.CAP_STEPS[unit]
+    step, digits = transforms.cap_step(unit, lo, hi, shown)
     label = "%%" if unit == "% of experts" else unit     # printf-style: a literal percent sign
     chosen = st.slider(CAP, lo, hi, shown, step, format=f"%.{digits}f {label}", help=help_text(spec, CAP),
                        disabled=disabled)

@@ -1,6 +1,7 @@
 """Pure shaping of query results into what the figures and metrics take (no Streamlit, no I/O)."""
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime, timezone
 from collections.abc import Iterable, Mapping, Sequence
@@ -11,7 +12,9 @@ from store.units import human
 
 QUANTILES = {"P50": 0.5, "P95": 0.95, "P99": 0.99}
 CAP_UNITS = ("MiB", "GiB", "% of experts")          # how the Tuning page takes the cache cap
-CAP_STEPS = {"MiB": (1.0, 0), "GiB": (0.01, 2), "% of experts": (0.5, 1)}   # slider step, decimals shown
+CAP_STEPS = {"MiB": 1.0, "GiB": 0.01, "% of experts": 0.5}   # the cap slider's coarsest step in each unit
+CAP_STEPS_PER_RANGE = 100   # a range with fewer of them gets a finer step (the demo's 1.5 MiB of experts)
+SHOWN_DIGITS = 3            # significant digits of the cap the slider shows
 
 
 def latency_lines(rows: Sequence[Mapping[str, Any]], column: str = "latency_s"
@@ -115,6 +118,24 @@ def cap_bytes(chosen: float, shown: float, scale: float, spec: Mapping[str, Any]
     if chosen == shown:
         return spec["value"]
     return int(min(max(round(chosen * scale), spec["min"]), spec["max"]))
+
+
+def cap_step(unit: str, lo: float, hi: float, shown: float) -> tuple[float, int]:
+    """(step, decimals) of the cap slider over lo..hi in `unit`, showing `shown`: the unit's step, or
+    the power of ten that makes CAP_STEPS_PER_RANGE steps of a narrower range; decimals enough for
+    the step and for the value to SHOWN_DIGITS significant digits (768 KiB is 0.75 MiB, not "1 MiB")."""
+    step = CAP_STEPS[unit]
+    if 0 < (hi - lo) / step < CAP_STEPS_PER_RANGE:
+        step = 10.0 ** math.floor(math.log10((hi - lo) / CAP_STEPS_PER_RANGE))
+    return step, max(_decimals(step), _decimals(shown))
+
+
+def _decimals(x: float) -> int:
+    """The fewest decimals that write x to SHOWN_DIGITS significant digits (0.75 -> 2, 4096.3 -> 0)."""
+    if x == 0:
+        return 0
+    most = max(0, SHOWN_DIGITS - 1 - math.floor(math.log10(abs(x))))
+    return next(d for d in range(most + 1) if round(x, d) == round(x, most))
 
 
 def float_step(lo: float, hi: float) -> tuple[float, int]:

@@ -108,6 +108,15 @@ def test_the_cap_can_be_chosen_in_gib_or_percent_of_expert_bytes(monkeypatch, ag
     assert knob(url, "cache_cap_bytes")["value"] == max(round(pct * expert_bytes / 100), cap["min"])
 
 
+def test_the_cap_slider_shows_a_cap_below_one_mib_as_it_is_and_steps_finely_on_a_small_model(monkeypatch, agent):
+    """Whole MiB showed the demo's 768 KiB as "1 MiB", and its 3 MiB of experts took three steps."""
+    url, db = agent
+    with set_cap(url, 768 << 10):
+        bar = slider(open_page(monkeypatch, db, url, "tuning"), "cache_cap_bytes")
+        assert bar.proto.format % bar.value == "0.75 MiB"  # the slider's text: the browser's sprintf of the same
+        assert (bar.max - bar.min) / bar.step >= 100
+
+
 def test_a_refused_change_is_the_agents_validation_error_and_changes_nothing(agent):
     url, _ = agent
     before = knob(url, "cache_cap_bytes")

@@ -116,3 +116,16 @@ def test_request_rows_state_each_quantity_in_its_unit():
            "completion_tokens": 8, "hits": 3, "misses": 1, "bytes_read": 3 * MIB + 1}
     shown = transforms.request_rows([row])[0]
     assert (shown["latency"], shown["TTFT"], shown["TPOT"], shown["read"]) == ("1.23 s", "45.6 ms", "–", "3.0 MiB")
+
+
+@pytest.mark.parametrize("unit, lo, hi, shown, step, text", [
+    ("MiB", 0.375, 3.0, 0.75, 0.01, "0.75"),           # a small model: finer steps, the value as it is
+    ("MiB", 0.375, 3.0, 1000 / 1024, 0.01, "0.977"),   # to three significant digits
+    ("MiB", 1.0, 16384.0, 4096.3, 1.0, "4096"),
+    ("MiB", 1.0, 16384.0, 0.75, 1.0, "0.75"),          # a cap below the unit on a wide range
+    ("GiB", 0.001, 16.0, 4.0, 0.01, "4.00"),
+    ("% of experts", 1.5, 100.0, 50.0, 0.5, "50.0"),
+])
+def test_the_cap_slider_steps_and_shows_its_value_to_three_digits(unit, lo, hi, shown, step, text):
+    got_step, digits = transforms.cap_step(unit, lo, hi, shown)
+    assert got_step == step and f"{shown:.{digits}f}" == text
