@@ -158,3 +158,21 @@ def test_a_request_cancelled_while_it_waits_is_ended_and_never_runs(engine, cloc
     s.stop()
     assert ended == ["cancelled"]               # its handler is told, instead of waiting for ever
     assert engine.batches == [["first"]]
+
+
+def test_close_ends_running_and_waiting_requests_before_their_next_step_and_refuses_more(engine, clock):
+    s = scheduler(engine, clock, max_batch=1, window_s=0.0)
+    engine.hold.clear()
+    ended: dict[str, str] = {}
+    running, waiting = (Request(rid, [1, 2, 3], 1000, 0.0, lambda ev, rid=rid: ev.kind == "done" and
+                                ended.setdefault(rid, ev.finish_reason)) for rid in ("running", "waiting"))
+    s.submit(running)
+    assert engine.stepping.wait(TIMEOUT_S)      # `running` is in its first step, `waiting` waits for room
+    s.submit(waiting)
+    s.close()
+    engine.hold.set()
+    s.stop()
+    assert ended == {"running": "cancelled", "waiting": "cancelled"}
+    assert engine.batches == [["running"]]      # no step after the close
+    with pytest.raises(RuntimeError, match="shutting down"):
+        s.submit(request("late")[0])

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.policies import DEFAULT_POLICY
-from agents import CLI, demo_model, free_port, start_agent, wait_for
+from agents import CLI, demo_model, free_port, start_agent, stop, wait_for
 from store import queries
 
 
@@ -162,6 +165,32 @@ def test_sigterm_stops_cleanly_and_knobs_are_restored_on_restart(model, tmp_path
         assert allowed.status_code == 200 and allowed.json()["auto_shrink"]["value"] is True
     finally:
         assert second.stop() == 0
+
+
+HONCHO_KILL_S = 5  # honcho SIGKILLs what is still running this long after its SIGTERM
+
+
+def test_sigterm_under_load_ends_the_running_requests_and_exits_before_honcho_kills(model, tmp_path):
+    """The agent waited out uvicorn's 10 s graceful shutdown on streams with minutes to go, its scheduler
+    thread died on the closed event loop, and Python's finalization took seconds after "agent stopped"."""
+    agent = start_agent(model, tmp_path)
+    try:
+        with contextlib.ExitStack() as streams:
+            lines = []
+            for i in range(4):
+                body = {"prompt": f"a long answer {i}", "max_tokens": 4000, "stream": True}
+                r = streams.enter_context(httpx.stream("POST", agent.url + "/v1/completions", json=body, timeout=60))
+                lines.append(r.iter_lines())
+                next(lines[-1])  # its first token: it is running
+            os.killpg(agent.proc.pid, signal.SIGTERM)
+            assert agent.proc.wait(HONCHO_KILL_S) == 0
+            ends = [[json.loads(x[6:]) for x in rest if x.startswith("data: {")][-1] for rest in lines]
+        assert [end["choices"][0]["finish_reason"] for end in ends] == ["cancelled"] * 4
+        assert all(end["usage"]["completion_tokens"] < 4000 for end in ends)
+        log = agent.log.read_text()
+        assert "agent stopped" in log and "Traceback" not in log and not agent.pid_file.exists()
+    finally:
+        stop(agent.proc)
 
 
 def test_refuses_a_public_address_without_a_token(model, tmp_path):

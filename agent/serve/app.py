@@ -305,7 +305,10 @@ def _pass_on(ev: Event, job: Job, completion: CompletionText, loop: asyncio.Abst
         piece = completion.finish()
         if ev.kind == "done" and completion.stopped:
             ev = dataclasses.replace(ev, finish_reason="stop")
-    loop.call_soon_threadsafe(queue.put_nowait, (ev, piece))
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, (ev, piece))
+    except RuntimeError:  # the event loop is closed: the server stopped and no one waits for the answer
+        job.cancelled = True
 
 
 def _usage(ev: Event) -> dict[str, int]:

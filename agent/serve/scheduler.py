@@ -125,10 +125,20 @@ class Scheduler:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new requests, finish the accepted ones (unless closed) and end the thread."""
         with self._wake:
             self._stop = True
             self._wake.notify()
         self._thread.join(timeout)
+
+    def close(self) -> None:
+        """Refuse new requests and end the accepted ones before their next step ("cancelled"): the agent
+        is stopping, and finishing them could take minutes its process manager does not wait."""
+        with self._wake:
+            self._stop = True
+            for request in (*self.running, *self.waiting):
+                request.cancelled = True
+            self._wake.notify()
 
     def submit(self, request: Request) -> None:
         with self._wake:

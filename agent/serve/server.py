@@ -11,8 +11,9 @@ Loopback only by default. Binding any other address needs a token (--token or FL
 control calls (PUT /v1/knobs, POST /v1/cache/preload) must then send `Authorization: Bearer TOKEN`.
 /metrics labels every series device_name=NAME (--device-name, default this host's name), so a
 fleet's Prometheus tells devices apart by name. The port is bound before the model loads, so a busy
-port fails at once. SIGTERM or Ctrl-C stops gracefully: open requests finish, the last statistics
-are written and the pid file is removed.
+port fails at once. SIGTERM or Ctrl-C stops within a step: open requests end with the text they have
+(finish_reason "cancelled"), the last statistics are written, the pid file is removed, and the
+process exits at once (a process manager such as honcho kills it 5 s after its SIGTERM).
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ import logging
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 from agent.argtypes import count, port, threads
 from agent.experts.layout import StoreError as ExpertStoreError
@@ -136,7 +139,17 @@ def _server_class():
 
     class Server(uvicorn.Server):
         """uvicorn re-raises a caught SIGTERM after its shutdown, which would kill us before the runtime
-        stops, the last statistics are written and the pid file is removed; here a signal only stops."""
+        stops, the last statistics are written and the pid file is removed; here a signal only stops.
+        Its shutdown first runs `on_shutdown` (ending the running requests), so it does not wait out its
+        graceful timeout on responses that would stream for minutes."""
+
+        def __init__(self, config: uvicorn.Config, on_shutdown) -> None:
+            super().__init__(config)
+            self.on_shutdown = on_shutdown
+
+        async def shutdown(self, sockets=None) -> None:
+            self.on_shutdown()
+            await super().shutdown(sockets)
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -156,7 +169,16 @@ def run(args: argparse.Namespace) -> int:
     except ServeError as exc:
         log.error("%s", exc)
         return 2
-    return 0
+    _exit_now()
+
+
+def _exit_now() -> NoReturn:
+    """End the stopped agent's process without Python's finalization: everything is closed and written by
+    now, and garbage-collecting torch's and numba's modules took seconds more after "agent stopped"."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -196,7 +218,7 @@ def serve(args: argparse.Namespace) -> None:
         log.info("agent %s serving %s on http://%s:%d (token %s)", args.device_name, args.model, host, port,
                  "required" if token else "off")
         config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=10)
-        _server_class()(config).run(sockets=[sock])
+        _server_class()(config, runtime.scheduler.close).run(sockets=[sock])
     finally:
         if runtime is not None:
             runtime.stop()
