@@ -124,6 +124,13 @@ def unlabelled_samples(text: str) -> dict[str, float]:
             if set(s.labels) == {"device_name"}}
 
 
+def test_head_metrics_answers_as_get_without_a_body(agent):
+    """curl -I and uptime checks send HEAD; the route took GET only (405)."""
+    head = httpx.head(agent.url + "/metrics", timeout=30)
+    assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 0
+    assert head.headers["content-type"] == agent.get("/metrics").headers["content-type"]
+
+
 def test_metrics_and_store_get_the_same_counts(agent):
     agent.complete(prompt="count me", max_tokens=4)
     def exported():

@@ -170,7 +170,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
             raise HTTPException(400, str(exc)) from None
         return {"requested": len(body.experts), "loaded": loaded, "status": runtime.status()["cache"]}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: curl -I and uptime checks (the server sends no body)
     def metrics() -> Response:
         return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
