@@ -119,6 +119,14 @@ def test_a_field_the_agent_does_not_implement_is_refused_by_name(client, field):
         client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, **{field: UNSUPPORTED[field]})
 
 
+def test_null_settings_are_their_defaults(client):
+    """The openai client sends null for an explicit None; the agent refused it as no integer or number."""
+    done = client.completions.create(model="demo", prompt=PROMPT, max_tokens=None, temperature=None, top_p=None,
+                                     n=None, stream=None, seed=1)
+    assert done.usage.completion_tokens == 16 or done.choices[0].finish_reason == "stop"  # max_tokens' default
+    assert done.choices[0].text == _sampled_text(client, 1, 16)  # temperature 1 and top_p 1, as when left out
+
+
 def test_defaults_and_harmless_fields_pass(client, whole):
     done = client.completions.create(model="demo", prompt=PROMPT, max_tokens=LONG, temperature=0, logprobs=None,
                                      echo=False, suffix=None, best_of=1, logit_bias={}, presence_penalty=0,
@@ -129,6 +137,11 @@ def test_defaults_and_harmless_fields_pass(client, whole):
 def _sampled(client, seed: int | None) -> str:
     return client.completions.create(model="demo", prompt=PROMPT, max_tokens=LONG, temperature=2.0,
                                      seed=seed).choices[0].text
+
+
+def _sampled_text(client, seed: int, max_tokens: int) -> str:
+    """A seeded completion with every setting left out but max_tokens."""
+    return client.completions.create(model="demo", prompt=PROMPT, max_tokens=max_tokens, seed=seed).choices[0].text
 
 
 def test_a_seed_gives_the_same_sampled_text_alone_and_beside_other_requests(agent, client, whole):

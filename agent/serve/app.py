@@ -46,6 +46,7 @@ CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None,), "echo": (None, False), "suffix": (None,), "best_of": (None, 1), "logit_bias": (None, {}),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}
+NULL_IS_DEFAULT = ("max_tokens", "temperature", "top_p", "stream", "n")  # OpenAI's: null asks for the default
 
 
 class CompletionRequest(BaseModel):
@@ -71,6 +72,12 @@ class CompletionRequest(BaseModel):
     frequency_penalty: float | None = Field(0.0, description="not supported: 0 only")
     seed: int | None = Field(None, ge=-2**63, le=2**64 - 1, description=(
         "the same seed and request give the same completion, whatever runs beside it; null: unrepeatable"))
+
+    @field_validator(*NULL_IS_DEFAULT, mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """Clients send null for a setting left unset (the openai client, for an explicit None)."""
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @field_validator(*UNSUPPORTED)
     @classmethod
