@@ -149,8 +149,9 @@ def test_a_seed_gives_the_same_sampled_text_alone_and_beside_other_requests(agen
     assert alone != whole and _sampled(client, 7) == alone
     with contextlib.ExitStack() as others:  # sampled requests that run before, during and after the seeded one
         lines = []  # kept: a dropped line iterator closes its connection, which cancels its request
-        for i in range(3):
-            body = {"prompt": f"another client {i}", "max_tokens": 3000, "temperature": 1.0, "stream": True}
+        for i in range(3):  # seeded too, so that whether one samples the end of text early is the same every run
+            body = {"prompt": f"another client {i}", "max_tokens": 3000, "temperature": 1.0, "seed": 100 + i,
+                    "stream": True}
             stream = others.enter_context(httpx.stream("POST", agent.url + "/v1/completions", json=body, timeout=60))
             lines.append(stream.iter_lines())
             next(lines[-1])  # its first token: it is running
