@@ -198,5 +198,5 @@ def knob_widget(name: str, spec: dict[str, Any], disabled: bool = False, expert_
     if kind == "int":
         return st.number_input(name, int(spec["min"]), int(spec["max"]), int(value), 1, help=help_, disabled=disabled)
     step, digits = transforms.float_step(spec["min"], spec["max"])
-    return st.number_input(name, float(spec["min"]), float(spec["max"]), float(value), step, f"%.{digits}f",
-                           help=help_, disabled=disabled)
+    return st.number_input(name, float(spec["min"]), float(spec["max"]), float(value), step,
+                           f"%.{max(digits, transforms.decimals(value))}f", help=help_, disabled=disabled)

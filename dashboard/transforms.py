@@ -127,10 +127,10 @@ def cap_step(unit: str, lo: float, hi: float, shown: float) -> tuple[float, int]
     step = CAP_STEPS[unit]
     if 0 < (hi - lo) / step < CAP_STEPS_PER_RANGE:
         step = 10.0 ** math.floor(math.log10((hi - lo) / CAP_STEPS_PER_RANGE))
-    return step, max(_decimals(step), _decimals(shown))
+    return step, max(decimals(step), decimals(shown))
 
 
-def _decimals(x: float) -> int:
+def decimals(x: float) -> int:
     """The fewest decimals that write x to SHOWN_DIGITS significant digits (0.75 -> 2, 4096.3 -> 0)."""
     if x == 0:
         return 0

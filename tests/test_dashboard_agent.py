@@ -117,6 +117,19 @@ def test_the_cap_slider_shows_a_cap_below_one_mib_as_it_is_and_steps_finely_on_a
         assert (bar.max - bar.min) / bar.step >= 100
 
 
+def test_a_float_knob_shows_its_value_as_it_is(monkeypatch, agent):
+    """keep_percentile 37.5 showed as "38": a range over 10 took whole steps and no decimals."""
+    url, db = agent
+    put = functools.partial(httpx.put, f"{url}/v1/knobs", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=90)
+    before = knob(url, "keep_percentile")["value"]
+    assert put(json={"keep_percentile": 37.5}).status_code == 200
+    try:
+        box = next(w for w in open_page(monkeypatch, db, url, "tuning").number_input if w.label == "keep_percentile")
+        assert box.proto.format % box.value == "37.5"
+    finally:
+        assert put(json={"keep_percentile": before}).status_code == 200
+
+
 def test_a_refused_change_is_the_agents_validation_error_and_changes_nothing(agent):
     url, _ = agent
     before = knob(url, "cache_cap_bytes")
