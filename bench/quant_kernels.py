@@ -1,10 +1,11 @@
 """How to compute with int8 and int4 experts on this CPU: each choice against the bf16 expert, by tokens per expert.
 
-    .venv/bin/python bench/quant_kernels.py [--tokens 1,2,4,8,16,32,64,128] [--repeats 7] [--store DIR]
-                                            [--results quant_kernels]
+    .venv/bin/python bench/quant_kernels.py [--tokens 1,2,4,...,512] [--threads 1,2] [--chunk 64] [--repeats 7]
+                                            [--store DIR] [--results quant_kernels]
 
 One routed expert's SwiGLU (gate|up [2I, H], down [H, I]) of OLMoE-1B-7B (H 2048, I 1024) and
-Qwen3-30B-A3B (H 2048, I 768) with random weights, one torch thread (as the serving engine runs):
+Qwen3-30B-A3B (H 2048, I 768) with random weights, with each of --threads torch threads (the serving
+engine runs one):
 - bf16: the expert as stored today (F.linear on bf16 weights);
 - int8 kernel: torch's `_weight_int8pack_mm` (x @ (q * scale).T, scale per output channel);
 - int8 converted: q converted to bf16 for the matmul, output channels scaled after;
@@ -12,14 +13,17 @@ Qwen3-30B-A3B (H 2048, I 768) with random weights, one torch thread (as the serv
   (`_int_mm`), which adds their rounding error: measured as an option, not used by the runtime;
 - int4 kernel: torch's `_weight_int4pack_mm_for_cpu` on the store's int4 block (agent/experts/quant.py,
   a scale and zero per 64 weights along a row);
-- int4 dequantized: the int4 matrices unpacked and dequantized to bf16 for each matmul;
+- int4 kernel chunked: the same kernel called on chunks of at most --chunk tokens;
+- int4 dequantized: the int4 matrices dequantized to bf16 for each matmul (agent/experts/quant.py
+  dequantize_int4; its time alone, both matrices, is printed below the table);
 - dequantize on load: what a miss would pay once to turn an int8 block into bf16 in its slot (then the
   bf16 column applies); with --store, beside the read time that halving the block saves at the raw
   O_DIRECT rate of that store's experts.bin (the faster of one stream and the cache's I/O threads),
   measured in the same run.
-Times are CPU time of the calling thread (the machine is shared: others' bursts inflate wall time,
-not the work done), the minimum over `--repeats` rounds of the mean over a batch of calls; the
-configurations run interleaved. JSON: bench/results/<--results>.json.
+Times are, with one thread, CPU time of the calling thread (the machine is shared: others' bursts
+inflate wall time, not the work done), and with more, wall time (the calling thread's CPU time leaves
+out the others'); the minimum over `--repeats` rounds of the mean over a batch of calls (fewer calls
+above 16 tokens, at least 2); the configurations run interleaved. JSON: bench/results/<--results>.json.
 """
 from __future__ import annotations
 
@@ -45,16 +49,19 @@ from bench.loader import best_raw_read  # noqa: E402
 
 SHAPES = {"OLMoE-1B-7B": (2048, 1024), "Qwen3-30B-A3B": (2048, 768)}  # hidden, expert intermediate
 CALLS_PER_ROUND = 20
-CHOICES = ("int8 kernel", "int8 converted", "int8 W8A8", "int4 kernel", "int4 dequantized")  # beside bf16
+CHOICES = ("int8 kernel", "int8 converted", "int8 W8A8", "int4 kernel", "int4 kernel chunked",
+           "int4 dequantized")  # beside bf16
 
 
 def cpu_ms(fn: Callable[[], object], repeats: int, calls: int = CALLS_PER_ROUND) -> float:
+    """ms per call of `fn`: thread CPU time with one torch thread, wall time with more (see above)."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     best = float("inf")
     for _ in range(repeats):
-        start = time.thread_time()
+        start = clock()
         for _ in range(calls):
             fn()
-        best = min(best, (time.thread_time() - start) / calls)
+        best = min(best, (clock() - start) / calls)
     return best * 1e3
 
 
@@ -80,6 +87,10 @@ def int4_kernel(e: Int4Expert, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(F.silu(gate) * up, e.down, INT4_GROUP, e.down_sz)
 
 
+def int4_kernel_chunked(e: Int4Expert, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    return torch.cat([int4_kernel(e, part) for part in x.split(chunk)])
+
+
 def swiglu_with(linear: Callable, expert: Int8Expert, x: torch.Tensor) -> torch.Tensor:
     gate, up = linear(x, expert.gate_up, expert.gate_up_scale).chunk(2, dim=-1)
     return linear(F.silu(gate) * up, expert.down, expert.down_scale)
@@ -92,11 +103,12 @@ def linear_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     return (torch._int_mm(xq, q.T) * x_scale * scale.float()).to(x.dtype)
 
 
-def measure(hidden: int, inter: int, tokens: list[int], repeats: int) -> dict:
+def measure(hidden: int, inter: int, tokens: list[int], chunk: int, repeats: int) -> dict:
     plain, int8, int4 = experts(hidden, inter)
     rows = []
     for t in tokens:
         x = torch.randn(t, hidden, dtype=torch.bfloat16)
+        calls = max(2, min(CALLS_PER_ROUND, CALLS_PER_ROUND * 16 // t))
         times = {}
         for _ in range(2):  # interleaved rounds; keep each configuration's best
             for name, fn in {"bf16": lambda: plain(x),
@@ -104,11 +116,14 @@ def measure(hidden: int, inter: int, tokens: list[int], repeats: int) -> dict:
                              "int8 converted": lambda: swiglu_with(linear_int8_converted, int8, x),
                              "int8 W8A8": lambda: swiglu_with(linear_w8a8, int8, x),
                              "int4 kernel": lambda: int4_kernel(int4, x),
+                             "int4 kernel chunked": lambda: int4_kernel_chunked(int4, x, chunk),
                              "int4 dequantized": lambda: int4_dequantized(int4, x)}.items():
-                times[name] = min(times.get(name, float("inf")), cpu_ms(fn, repeats))
+                times[name] = min(times.get(name, float("inf")), cpu_ms(fn, repeats, calls))
         rows.append({"tokens": t, **{f"{k} ms": v for k, v in times.items()}})
     return {"hidden": hidden, "intermediate": inter, "rows": rows,
             "dequantize on load ms": cpu_ms(lambda: dequantize(int8), repeats, calls=3),
+            "int4 dequantize ms": cpu_ms(lambda: (dequantize_int4(int4.gate_up, int4.gate_up_sz, torch.bfloat16),
+                                                  dequantize_int4(int4.down, int4.down_sz, torch.bfloat16)), repeats),
             "bytes saved per miss": 3 * hidden * inter}  # int8 instead of bf16
 
 
@@ -126,17 +141,31 @@ def dequantize(e: Int8Expert) -> ExpertWeights:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128", help="tokens per expert to measure")
+    parser.add_argument("--tokens", default="1,2,4,8,16,24,32,48,64,96,128,256,512", help="tokens per expert to measure")
+    parser.add_argument("--threads", default="1,2", help="torch thread counts to measure")
+    parser.add_argument("--chunk", type=count, default=64, help="most tokens per call of the chunked int4 kernel")
     parser.add_argument("--repeats", type=count, default=7)
     parser.add_argument("--store", type=Path, help="an expert store whose experts.bin gives the raw O_DIRECT rate")
     parser.add_argument("--results", type=results_name, default="quant_kernels", help="name of the JSON in bench/results/")
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
-    torch.set_num_threads(1)
     raw_mb_s = raw_rate(args.store) if args.store else None
-    results = {name: measure(h, i, tokens, args.repeats) for name, (h, i) in SHAPES.items()}
+    runs = {}
+    for threads in (int(n) for n in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        runs[threads] = {name: measure(h, i, tokens, args.chunk, args.repeats) for name, (h, i) in SHAPES.items()}
+        print_run(runs[threads], threads, args.chunk, raw_mb_s)
+    write_results(args.results, {"threads": runs, "chunk": args.chunk, "raw_mb_s": raw_mb_s,
+                                 "clock": "thread CPU time with one thread, wall time with more",
+                                 "machine": machine(args.store)})
+    return 0
+
+
+def print_run(results: dict, threads: int, chunk: int, raw_mb_s: float | None) -> None:
+    clock = "CPU ms of the calling thread" if threads == 1 else "wall ms"
     for name, r in results.items():
-        print(f"\n{name} expert (hidden {r['hidden']}, intermediate {r['intermediate']}), CPU ms per call, one thread")
+        print(f"\n{name} expert (hidden {r['hidden']}, intermediate {r['intermediate']}), {clock} per call, "
+              f"{threads} torch thread(s), int4 kernel chunked at {chunk} tokens")
         print("| tokens | bf16 | " + " | ".join(f"{n} | × bf16" for n in CHOICES) + " |")
         print("|---|---|" + "---|---|" * len(CHOICES))
         for row in r["rows"]:
@@ -145,10 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                                                               for n in CHOICES) + " |")
         saved = (f", against {r['bytes saved per miss'] / raw_mb_s / 1e3:.2f} ms of reading saved at the raw "
                  f"{raw_mb_s:.0f} MB/s" if raw_mb_s else "")
-        print(f"dequantize on load: {r['dequantize on load ms']:.2f} ms per block{saved}")
-    write_results(args.results, {"shapes": results, "raw_mb_s": raw_mb_s, "threads": 1,
-                                    "machine": machine(args.store)})
-    return 0
+        print(f"dequantize on load: {r['dequantize on load ms']:.2f} ms per block{saved}; "
+              f"int4 dequantize (both matrices): {r['int4 dequantize ms']:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from agent.experts.layout import ALIGN, INDEX, Index, StoreError
 from agent.experts.provider import InMemoryExperts
 from agent.experts import quant
 from agent.experts.quant import (QMAX, Int4Expert, Int8Expert, dequantize_int4, int4_kernel_reads_store,
-                                 linear_int4, linear_int8, pack_int4, quantize_groups, quantize_rows, unpack_int4)
+                                 linear_int4, linear_int8, pack_int4, quantize_groups, quantize_rows)
 from agent.model.generation import generate
 from agent.model.loading import load_model
 from hf_models import ARCHS, tiny_checkpoint
@@ -85,7 +85,8 @@ def test_every_int4_weight_is_within_half_a_step_of_its_group(w, dtype):
     q, sz = quantize_groups(w, dtype)
     assert q.dtype == torch.uint8 and q.max() <= 15 and sz.dtype == dtype
     assert q.shape[0] % 64 == 0 and q.shape[1] % 64 == 0 and sz.shape == (q.shape[1] // 64, q.shape[0], 2)
-    assert torch.equal(unpack_int4(pack_int4(q)), q)
+    identity = torch.tensor([1.0, quant.INT4_MID]).expand(*sz.shape)  # scale 1, zero 8: w = q
+    assert torch.equal(dequantize_int4(pack_int4(q), identity, torch.float32), q.float())
     deq = dequantize_int4(pack_int4(q), sz, torch.float32)
     scale, zero = (t.T.repeat_interleave(64, dim=1).float() for t in sz.unbind(-1))  # [rows, columns] each
     # Half a step from rounding, plus what rounding the scale and zero to `dtype` moves the group's ends.

@@ -93,13 +93,6 @@ def pack_int4(q: Tensor) -> Tensor:
     return (halves[:, 0] | (halves[:, 1] << 4)).transpose(1, 2).contiguous().view(rows, columns // 2)
 
 
-def unpack_int4(packed: Tensor) -> Tensor:
-    """pack_int4's inverse: [N, K / 2] -> q uint8 [N, K]."""
-    rows, half = packed.shape
-    b = packed.view(rows // INT4_ROWS, 2 * half, INT4_ROWS // 2)
-    return torch.stack([b & 15, b >> 4], 1).transpose(2, 3).reshape(rows, 2 * half)
-
-
 def quantize_block(weights: dict[str, Tensor], index: Index, payload: memoryview) -> None:
     """Write a block of `index`'s layout (int8 or int4) into `payload`, from gate, up and down in the model's dtype."""
     out = torch.frombuffer(payload, dtype=torch.uint8)
@@ -188,11 +181,19 @@ def linear_int4(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
 
 
 def dequantize_int4(packed: Tensor, sz: Tensor, dtype: torch.dtype) -> Tensor:
-    """The int4 matrix [N, K] in `dtype`: (q - 8) * scale + zero."""
-    q = unpack_int4(packed).to(dtype).sub_(INT4_MID)
-    rows, columns = q.shape
-    scale, zero = sz.to(dtype).transpose(0, 1).unbind(-1)  # [N, K / INT4_GROUP] each
-    return q.view(rows, -1, INT4_GROUP).mul_(scale[..., None]).add_(zero[..., None]).view(rows, columns)
+    """The int4 matrix w [N, K] in `dtype`, (q - 8) * scale + zero rounded once, as the transposed view of a
+    contiguous [K, N] tensor: pack_int4's blocks hold, for each column k, runs of INT4_ROWS / 2 rows, so
+    w.T is written in runs (w itself would be a transpose of every block), and F.linear reads either."""
+    rows, half = packed.shape
+    run = INT4_ROWS // 2
+    # q ^ 8 in each nibble is q - 8 as a signed nibble: arithmetic shifts of the int8 byte extend its sign.
+    signed = (packed ^ 0x88).view(torch.int8).view(rows // INT4_ROWS, 2 * half, run).transpose(0, 1)
+    wt = torch.empty(2 * half, rows // INT4_ROWS, 2, run, dtype=dtype)  # [K, block, low|high nibble, run]
+    wt[:, :, 0].copy_(signed << 4 >> 4)
+    wt[:, :, 1].copy_(signed >> 4)
+    scale, zero = sz.to(dtype).permute(2, 0, 1).contiguous()[:, :, None]  # [K / INT4_GROUP, 1, N] each
+    grouped = wt.view(-1, INT4_GROUP, rows)
+    return torch.addcmul(zero, grouped, scale, out=grouped).view(2 * half, rows).T
 
 
 def slow_path(index: Index) -> str | None:
