@@ -93,6 +93,8 @@ def test_every_int4_weight_is_within_half_a_step_of_its_group(w, dtype):
     eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
     bound = 0.5 * scale + (15 * scale + zero.abs()) * eps + 16 * tiny
     assert ((deq - F.pad(w.float(), (0, q.shape[1] - columns, 0, q.shape[0] - rows))).abs() <= bound).all()
+    # bf16 is the same float32 value rounded once, to nearest even as torch rounds
+    assert torch.equal(dequantize_int4(pack_int4(q), sz, torch.bfloat16), deq.to(torch.bfloat16))
 
 
 def test_int4_zero_groups_stay_zero_and_non_finite_weights_are_refused():
@@ -111,7 +113,7 @@ def test_the_store_packs_int4_as_an_avx512_kernel_reads_it_and_the_runtime_knows
 
 @pytest.mark.parametrize("kernel", [True, False])  # False: a CPU whose kernel packs otherwise
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 3, 100])  # the int4 kernel (bf16, up to 64 tokens) and the dequantized path
+@pytest.mark.parametrize("tokens", [1, 3, quant.INT4_KERNEL_MAX_TOKENS, quant.INT4_KERNEL_MAX_TOKENS + 1, 100])
 @pytest.mark.parametrize("width", [128, 24, 200])  # padded to whole groups of 64
 def test_int4_linear_is_the_matmul_with_dequantized_weights(monkeypatch, kernel, dtype, tokens, width):
     monkeypatch.setattr(quant, "int4_kernel_reads_store", lambda: kernel)

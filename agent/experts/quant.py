@@ -21,15 +21,18 @@ against the stored pair. A matrix is padded with zero weights to whole INT4_ROWS
 (the layout's int4_padded; OLMoE's and Qwen3's widths need none). 0.56 bytes a weight with the group's
 pair: 0.56x an int8 block. q is packed as torch's `_weight_int4pack_mm_for_cpu` reads it on an AVX-512
 CPU (pack_int4): the store holds that layout as is, so the kernel computes straight from the slot. A
-bf16 model with few tokens per expert runs that kernel (as fast as the int8 one, bench/quant_kernels.py);
-more tokens, another dtype, or a CPU whose kernel packs differently (AVX2 packs 32 rows, not 64) unpack
-and dequantize the matrix to the model's dtype for the matmul.
+bf16 model with few tokens per expert runs that kernel (as fast as the int8 one, bench/quant_kernels.py),
+whose time grows with every token (it dequantizes its weights again for each few rows of x); more tokens,
+another dtype, or a CPU whose kernel packs differently (AVX2 packs 32 rows, not 64) dequantize the matrix
+to the model's dtype in one compiled pass (numba) for torch's matmul.
 """
 from __future__ import annotations
 
 from functools import cache
 from typing import NamedTuple
 
+import numba
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -181,19 +184,43 @@ def linear_int4(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
 
 
 def dequantize_int4(packed: Tensor, sz: Tensor, dtype: torch.dtype) -> Tensor:
-    """The int4 matrix w [N, K] in `dtype`, (q - 8) * scale + zero rounded once, as the transposed view of a
-    contiguous [K, N] tensor: pack_int4's blocks hold, for each column k, runs of INT4_ROWS / 2 rows, so
-    w.T is written in runs (w itself would be a transpose of every block), and F.linear reads either."""
+    """The int4 matrix w [N, K] in `dtype` (bfloat16 or float32): (q - 8) * scale + zero in float32, rounded
+    once, as the transposed view of a contiguous [K, N] tensor (F.linear reads either): pack_int4's blocks
+    hold each column's rows in runs of INT4_ROWS / 2, so w.T is written in runs, w in single weights."""
     rows, half = packed.shape
-    run = INT4_ROWS // 2
-    # q ^ 8 in each nibble is q - 8 as a signed nibble: arithmetic shifts of the int8 byte extend its sign.
-    signed = (packed ^ 0x88).view(torch.int8).view(rows // INT4_ROWS, 2 * half, run).transpose(0, 1)
-    wt = torch.empty(2 * half, rows // INT4_ROWS, 2, run, dtype=dtype)  # [K, block, low|high nibble, run]
-    wt[:, :, 0].copy_(signed << 4 >> 4)
-    wt[:, :, 1].copy_(signed >> 4)
-    scale, zero = sz.to(dtype).permute(2, 0, 1).contiguous()[:, :, None]  # [K / INT4_GROUP, 1, N] each
-    grouped = wt.view(-1, INT4_GROUP, rows)
-    return torch.addcmul(zero, grouped, scale, out=grouped).view(2 * half, rows).T
+    scale, zero = sz.float().permute(2, 0, 1).contiguous()  # [K / INT4_GROUP, N] each
+    wt = torch.empty(2 * half, rows, dtype=dtype)
+    _dequantize_int4(packed.view(rows // INT4_ROWS, 2 * half, INT4_ROWS // 2).numpy(), scale.numpy(), zero.numpy(),
+                     wt.view(_BITS[dtype]).numpy())
+    return wt.T
+
+
+_BITS = {torch.bfloat16: torch.uint16, torch.float32: torch.uint32}  # what the compiled loop writes
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _dequantize_int4(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray, out: np.ndarray) -> None:
+    """out [K, N] = w.T, one pass: packed uint8 [N / INT4_ROWS, K, INT4_ROWS / 2] (pack_int4's blocks),
+    scale and zero float32 [K / INT4_GROUP, N]; out holds float32 bit patterns (uint32) or bf16 ones
+    (uint16: the float32 rounded to nearest even, as torch rounds). A row of out is computed in float32
+    in a buffer that stays in L1, then stored; nogil lets the cache's I/O threads run meanwhile."""
+    blocks, columns, run = packed.shape
+    row = np.empty(out.shape[1], np.float32)
+    bits = row.view(np.uint32)
+    for k in range(columns):
+        g = k // INT4_GROUP
+        for b in range(blocks):
+            low = b * 2 * run  # rows b * INT4_ROWS + n in the low nibbles, + run in the high ones
+            for n in range(run):
+                byte = packed[b, k, n]
+                row[low + n] = np.float32(np.int32(byte & 15) - INT4_MID) * scale[g, low + n] + zero[g, low + n]
+                high = low + run + n
+                row[high] = np.float32(np.int32(byte >> 4) - INT4_MID) * scale[g, high] + zero[g, high]
+        if out.itemsize == 2:
+            for j in range(row.size):
+                out[k, j] = (bits[j] + np.uint32(0x7FFF) + ((bits[j] >> 16) & np.uint32(1))) >> 16
+        else:
+            out[k] = bits
 
 
 def slow_path(index: Index) -> str | None:
