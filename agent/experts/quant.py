@@ -43,7 +43,7 @@ QMAX = 127
 INT4_LEVELS = 15  # q in 0..INT4_LEVELS; the kernel subtracts INT4_MID
 INT4_MID = 8
 INT8_KERNEL_MAX_TOKENS = 12  # above ~12-16 tokens the kernel is slower than converting q (bench/quant_kernels.py)
-INT4_KERNEL_MAX_TOKENS = 32  # above ~32-48 tokens the dequantized matrix and torch's matmul win (bench/quant_kernels.py)
+INT4_KERNEL_MAX_TOKENS = 32  # above 32-48 tokens dequantizing and torch's matmul win (bench/quant_kernels.py)
 # torch 2.13's kernel reads whole 16-wide vectors along K: other widths give garbage or a segfault here.
 INT8_KERNEL_K_MULTIPLE = 16
 _WIDE = {torch.float16: torch.float32}  # x @ q.T, before scaling, can pass float16's largest value
@@ -225,7 +225,7 @@ def _dequantize_int4(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray, ou
 
 def slow_path(index: Index) -> str | None:
     """Why this store's experts would take the dequantized path at every token, if they would: int4
-    blocks the int4 kernel cannot compute here (bench/quant_kernels.py: ~10 ms an OLMoE expert at one
+    blocks the int4 kernel cannot compute here (bench/quant_kernels.py: ~3.9 ms an OLMoE expert at one
     token, against the kernel's ~0.35 ms), so a user can convert with int8 instead."""
     if index.quant != "int4":
         return None
