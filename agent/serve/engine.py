@@ -84,12 +84,13 @@ class ModelEngine:
     `prefill_threads` instead (default: `threads`): its matmuls are large enough to split (an OLMoE
     projection of 850 tokens 34 -> 19 ms on two idle cores), and at seed scale that step is
     compute-bound with the disk idle most of it. Served on this shared 2-core machine two threads did
-    not shorten it (BENCHMARKS.md, "Where (a)'s time goes when serving"), so it stays opt-in. It is set on the calling thread itself, because OpenMP and MKL keep the count per
-    thread: a thread that never sets it uses one per core whatever the main thread set, and
-    libgomp's idle team members then spin on the cores the reads and the step need. On a busy
-    2-core machine that made every expert matmul ~20x slower, unless some torch op had happened to
-    run on the main thread first (which changes libgomp's spin policy; the learned policy's
-    construction did, LRU's did not)."""
+    not shorten it (BENCHMARKS.md, "Where (a)'s time goes when serving"), so it stays opt-in. The
+    count is set on the calling thread itself, because OpenMP and MKL keep the count per thread: a
+    thread that never sets it uses one per core whatever the main thread set, and libgomp's idle team
+    members then spin on the cores the reads and the step need. On a busy 2-core machine that made
+    every expert matmul ~20x slower, unless some torch op had happened to run on the main thread
+    first (which changes libgomp's spin policy; the learned policy's construction did, LRU's did
+    not)."""
 
     def __init__(self, model_dir: Path, cache: ExpertCache, prefetch: bool = True, seed: int = 0,
                  threads: int = 1, route_trace: Sequence[Path] = (), prefill_threads: int | None = None) -> None:
