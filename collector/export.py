@@ -156,16 +156,28 @@ class MachineExport(Collector):
         return family
 
 
+METHODS = "GET, HEAD, OPTIONS"
+
+
 def metrics_app(registry: Collector) -> Callable[[dict, Callable], Iterable[bytes]]:
     """prometheus_client's WSGI app at /metrics only, HEAD answered as GET without the body: its own
-    answers every path with the metrics (a mistyped scrape path looks right) and 405s HEAD (curl -I)."""
+    answers every path with the metrics (a mistyped scrape path looks right), 405s HEAD (curl -I) and
+    leaves HEAD out of its Allow header."""
     metrics = make_wsgi_app(registry)
 
     def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        text = [("Content-Type", "text/plain; charset=utf-8")]
         if environ.get("PATH_INFO") != "/metrics":
-            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            start_response("404 Not Found", text)
             return [b"not found: this collector serves /metrics only\n"]
-        if environ["REQUEST_METHOD"] != "HEAD":
+        method = environ["REQUEST_METHOD"]
+        if method == "OPTIONS":
+            start_response("200 OK", [("Allow", METHODS)])
+            return []
+        if method not in METHODS.split(", "):
+            start_response("405 Method Not Allowed", [*text, ("Allow", METHODS)])
+            return [f"method {method} not allowed: use {METHODS}\n".encode()]
+        if method != "HEAD":
             return metrics(environ, start_response)
         answer: list = []
         body = b"".join(metrics({**environ, "REQUEST_METHOD": "GET"}, lambda *head: answer.extend(head)))

@@ -94,7 +94,8 @@ def test_a_busy_listen_port_is_one_line_and_the_store_is_closed(tmp_path):
 
 
 def test_listen_serves_metrics_at_metrics_only_and_answers_head_without_a_body(tmp_path):
-    """prometheus_client's server answered every path with the metrics and HEAD with 405."""
+    """prometheus_client's server answered every path with the metrics, HEAD with 405, and named only GET
+    and OPTIONS in a 405."""
     port = free_port()
     log = tmp_path / "collect.log"
     proc = spawn([*CLI, "collect", "--db", str(tmp_path / "s.db"), "--listen", f"127.0.0.1:{port}"], log)
@@ -110,5 +111,10 @@ def test_listen_serves_metrics_at_metrics_only_and_answers_head_without_a_body(t
         for path in ("/", "/metric", "/metrics/x", "/favicon.ico"):
             missing = httpx.get(url + path, timeout=10)
             assert missing.status_code == 404 and "/metrics only" in missing.text, path
+        assert httpx.options(url + "/metrics", timeout=10).headers["allow"] == "GET, HEAD, OPTIONS"
+        for method in ("POST", "PUT", "DELETE"):
+            refused = httpx.request(method, url + "/metrics", timeout=10)
+            assert refused.status_code == 405 and refused.headers["allow"] == "GET, HEAD, OPTIONS", method
+            assert f"method {method} not allowed" in refused.text
     finally:
         assert stop(proc) == 0, log.read_text()
