@@ -29,6 +29,11 @@ class AgentOffline(AgentError):
     """The agent did not answer at its URL."""
 
 
+class AgentBusy(AgentOffline):
+    """The agent took the connection but did not answer in time: it runs, slowly (memory thrash, a long
+    step), which is no reason to tell the user to start it."""
+
+
 @dataclass(frozen=True)
 class KnobAnswer:
     accepted: bool
@@ -51,6 +56,10 @@ class Agent:
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             return self._http.request(method, f"{self.base_url}{path}", **kwargs)
+        except (httpx.ReadTimeout, httpx.WriteTimeout) as err:
+            waited = kwargs.get("timeout", self._http.timeout.read)
+            raise AgentBusy(f"the agent at {self.base_url} took the request but did not answer within "
+                            f"{waited:g} s: it is running but busy (memory thrash or a long step)") from err
         except httpx.TransportError as err:
             raise AgentOffline(f"the agent at {self.base_url} did not answer ({type(err).__name__}); "
                                "start it with `flashmoe-cli serve` or set FLASHMOE_AGENT_URL") from err
@@ -101,7 +110,7 @@ class Agent:
         try:
             answer = self.put_knobs(changes)
         except AgentError as err:
-            return f"not sent: {err}"
+            return unsent(err)
         if not answer.accepted:
             return answer.message()
         return "accepted: " + ", ".join(f"{k} = {answer.knobs[k]['value']}" for k in changes if k in answer.knobs)
@@ -121,3 +130,8 @@ def error_detail(response: httpx.Response) -> str:
     if isinstance(detail, list):
         return "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg', d)}" for d in detail)
     return str(detail)
+
+
+def unsent(err: AgentError) -> str:
+    """A knob change that got no answer, in one line: a busy agent has it and may still apply it."""
+    return f"{'sent, no answer' if isinstance(err, AgentBusy) else 'not sent'}: {err}"

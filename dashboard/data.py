@@ -136,20 +136,30 @@ def agent(url: str, token: str | None) -> agent_client.Agent:
     return agent_client.Agent(url, token)
 
 
-def agent_status(url: str, token: str | None) -> dict[str, Any] | str:
+class Unanswered(str):
+    """Why the agent's answer is missing, as the text pages show; `busy`: the agent runs but did not
+    answer in time (agent_client.AgentBusy)."""
+
+    def __new__(cls, err: agent_client.AgentError) -> "Unanswered":
+        reason = super().__new__(cls, str(err))
+        reason.busy = isinstance(err, agent_client.AgentBusy)
+        return reason
+
+
+def agent_status(url: str, token: str | None) -> dict[str, Any] | Unanswered:
     """The agent's /v1/status, or the reason it could not be read (never cached: it is live)."""
     try:
         return agent(url, token).status()
     except agent_client.AgentError as err:
-        return str(err)
+        return Unanswered(err)
 
 
-def agent_knobs(url: str, token: str | None) -> dict[str, Any] | str:
+def agent_knobs(url: str, token: str | None) -> dict[str, Any] | Unanswered:
     """The agent's knobs with bounds, or the reason they could not be read."""
     try:
         return agent(url, token).knobs()
     except agent_client.AgentError as err:
-        return str(err)
+        return Unanswered(err)
 
 
 APPLYING = ("Applying: the agent changes the cache cap at once and other knobs between two model steps, "
@@ -166,7 +176,7 @@ def apply_knobs(url: str, token: str | None, changes: dict[str, Any]) -> tuple[b
         with st.spinner(APPLYING):
             answer = agent(url, token).put_knobs(changes)
     except agent_client.AgentError as err:
-        return False, f"not sent: {err}"
+        return False, agent_client.unsent(err)
     if not answer.accepted:
         return False, answer.message()
     return True, "accepted: " + ", ".join(f"{k} = {transforms.value_text(k, answer.knobs[k]['value'])}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ import pytest
 from streamlit import config
 from streamlit.testing.v1 import AppTest
 
-from agents import ROOT, demo_model, start_agent
+from agents import ROOT, demo_model, free_port, start_agent
 from bench import synthetic
 from dashboard import agent_client, auth, data, pages, sweep
 from store import queries
@@ -162,6 +163,22 @@ def test_an_address_that_is_html_server_is_no_traceback(monkeypatch, tmp_path, h
     answer = agent_client.Agent(html_server).push({"prefetch": True})
     assert answer.startswith(f"not sent: {html_server} is not a FlashMoE agent: it answered PUT /v1/knobs "
                              f"with text/html")
+
+
+def test_a_push_to_an_agent_too_busy_to_answer_says_it_was_sent_and_an_absent_one_that_it_was_not(monkeypatch):
+    """A thrashing agent takes the change and may still apply it: "not sent" would be wrong."""
+    monkeypatch.setattr(agent_client, "KNOBS_TIMEOUT_S", 1.0)
+    with socket.socket() as listener:   # takes connections into its backlog, never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        busy = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        assert agent_client.Agent(busy).push({"prefetch": True}).startswith(
+            f"sent, no answer: the agent at {busy} took the request but did not answer within 1 s")
+        with pytest.raises(agent_client.AgentBusy, match="within 3 s: it is running but busy"):
+            agent_client.Agent(busy).knobs()
+    absent = f"http://127.0.0.1:{free_port()}"
+    answer = agent_client.Agent(absent).push({"prefetch": True})
+    assert answer.startswith(f"not sent: the agent at {absent} did not answer (ConnectError)")
 
 
 def test_a_wrong_token_is_refused_by_name(agent):

@@ -6,6 +6,7 @@ against a running agent, and tests/test_browser.py the whole product in Chromium
 from __future__ import annotations
 
 import json
+import socket
 import sqlite3
 import time
 from datetime import datetime, timedelta, timezone
@@ -37,6 +38,17 @@ def fill(path: Path, ended_s_ago: float = 0.0, **options) -> Path:
 @pytest.fixture
 def offline(monkeypatch):
     monkeypatch.setenv("FLASHMOE_AGENT_URL", f"http://127.0.0.1:{free_port()}")   # nothing listens there
+
+
+@pytest.fixture
+def busy(monkeypatch):
+    """An agent that takes connections and never answers, as a thrashing one can for longer than the
+    dashboard waits: the kernel accepts into the listen backlog, nothing reads."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        monkeypatch.setenv("FLASHMOE_AGENT_URL", f"http://127.0.0.1:{listener.getsockname()[1]}")
+        yield
 
 
 def open_page(monkeypatch, db: Path, page: str | None = None) -> AppTest:
@@ -218,6 +230,18 @@ def test_memory_page_agent_thrashing_shows_evidence_thresholds_and_a_fix_within_
     button = at.button(key="apply-recommendation")
     assert button.label == "Apply: cache_cap_bytes = 3.0 GiB"
     assert button.disabled            # the agent is offline: the recommendation cannot be applied
+
+
+def test_an_agent_too_busy_to_answer_is_busy_not_down_and_is_still_offered_the_fix(monkeypatch, busy, tmp_path):
+    """Under memory thrash the agent answers slower than the dashboard's 3 s: the Overview said "Agent
+    down ... start it" and the Memory page disabled its fix, in the one case the fix is for."""
+    db = fill(tmp_path / "thrash.db", memory="agent thrashing")
+    at = open_page(monkeypatch, db)
+    assert "Agent busy" in texts(at.warning) and "did not answer within 3 s" in texts(at.warning)
+    assert "Agent down" not in texts(at.error)
+    at = open_page(monkeypatch, db, "memory")
+    assert "Agent thrashing" in texts(at.error)
+    assert not at.button(key="apply-recommendation").disabled
 
 
 def test_memory_page_pressure_from_another_process_never_offers_to_shrink_the_cache(monkeypatch, offline, tmp_path):

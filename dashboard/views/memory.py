@@ -69,7 +69,7 @@ def evidence_rows(d: thrash.Diagnosis) -> list[dict[str, str]]:
             for s in ordered]
 
 
-def recommendation(d: thrash.Diagnosis, knobs: dict | str) -> None:
+def recommendation(d: thrash.Diagnosis, knobs: dict | data.Unanswered) -> None:
     """The fix, one click away, unless the last change applied here still awaits its evidence: the
     verdict covers the minutes before that change, so it would only ask for the same step again."""
     rec = d.recommendation
@@ -82,7 +82,8 @@ def recommendation(d: thrash.Diagnosis, knobs: dict | str) -> None:
             st.caption(f"The change at {transforms.clock(last[2])} is taking hold: the next recommendation "
                        f"waits for {thrash.SETTLE_S:.0f} s of samples after it.")
         else:
-            refused = f"agent offline: {knobs}" if not isinstance(knobs, dict) else auth.control_lock()
+            # a busy agent (thrash slows its answers) is sent the change all the same: it waits up to 75 s
+            refused = auth.control_lock() if isinstance(knobs, dict) or knobs.busy else f"agent offline: {knobs}"
             label = "Apply: " + ", ".join(f"{k} = {transforms.value_text(k, v)}" for k, v in rec.changes.items())
             if st.button(label, key="apply-recommendation", type="primary", disabled=refused is not None,
                          help=refused):

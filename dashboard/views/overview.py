@@ -36,6 +36,8 @@ def live() -> None:
     if isinstance(status, dict):
         agent_col.success(f"Agent up at {url}: policy {status['policy']}, up {status['uptime_s'] / 60:.0f} min",
                           icon=":material/check_circle:")
+    elif status.busy:
+        agent_col.warning(f"Agent busy: {status}", icon=":material/hourglass_top:")
     else:
         agent_col.error(f"Agent down: {status}", icon=":material/cancel:")
     seen = heartbeat[0] if heartbeat else None
