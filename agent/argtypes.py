@@ -14,6 +14,11 @@ def count(text: str) -> int:
     return value
 
 
+def counts(text: str) -> list[int]:
+    """Comma-separated counts, e.g. "1,2,4"."""
+    return [count(part) for part in text.split(",")]
+
+
 def port(text: str) -> int:
     """A TCP port: 0 (the system picks a free one) to 65535."""
     return _within(_whole(text), 0, 65535, "a port")

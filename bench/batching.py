@@ -28,7 +28,7 @@ from agent.traces import Trace, TraceError, from_sets, load
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
-from bench.common import count, machine, results_name, write_results  # noqa: E402
+from bench.common import count, counts, machine, results_name, write_results  # noqa: E402
 TRACES = ROOT.parent / "shared" / "traces" / "decode"
 NAMES = "olmoe_math,olmoe_dialogue"
 CAPACITY = 0.25
@@ -81,17 +81,13 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", type=Path, default=TRACES, help="the shared decode traces directory")
-    parser.add_argument("--batches", default="1,2,4,8,16", help="requests per step, comma-separated")
+    parser.add_argument("--batches", type=counts, default=[1, 2, 4, 8, 16], help="requests per step, comma-separated")
     parser.add_argument("--tokens", type=count, default=12, help="decode tokens per request (default 12)")
     parser.add_argument("--waves", type=count, default=16, help="batches of requests one after the other (default 16)")
     parser.add_argument("--names", default=NAMES, help=f"decode traces in --traces, comma-separated (default {NAMES})")
     parser.add_argument("--results", type=results_name, default="batching",
                         help="write bench/results/<NAME>.json (default batching)")
     args = parser.parse_args()
-    try:
-        batches = [count(b) for b in args.batches.split(",")]
-    except argparse.ArgumentTypeError as e:
-        parser.error(f"--batches: {e}")
     try:
         sources = [load(args.traces / f"{name}.jsonl") for name in args.names.split(",")]
     except TraceError as e:
@@ -101,7 +97,7 @@ def main() -> None:
                      f"({min(s.n_tokens for s in sources)} tokens)")
     results = []
     for source in sources:
-        for batch in batches:
+        for batch in args.batches:
             results.append(measure(source, batch, args.tokens, args.waves))
             print(table(results[-1:]).splitlines()[-1], flush=True)
     print(table(results))

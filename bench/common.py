@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from agent.argtypes import count  # noqa: F401  (the benches' count arguments)
+from agent.argtypes import count, counts  # noqa: F401  (the benches' count arguments)
 from agent.experts.layout import EXPERTS
 from agent.experts.reader import dio_alignment
 

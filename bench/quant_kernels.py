@@ -44,7 +44,7 @@ from agent.experts.quant import (INT4_GROUP, Int4Expert, Int8Expert, dequantize_
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
-from bench.common import count, machine, results_name, write_results  # noqa: E402
+from bench.common import count, counts, machine, results_name, write_results  # noqa: E402
 from bench.loader import best_raw_read  # noqa: E402
 
 SHAPES = {"OLMoE-1B-7B": (2048, 1024), "Qwen3-30B-A3B": (2048, 768)}  # hidden, expert intermediate
@@ -141,19 +141,19 @@ def dequantize(e: Int8Expert) -> ExpertWeights:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default="1,2,4,8,16,24,32,48,64,96,128,256,512", help="tokens per expert to measure")
-    parser.add_argument("--threads", default="1,2", help="torch thread counts to measure")
+    parser.add_argument("--tokens", type=counts, default=[1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512],
+                        help="tokens per expert to measure, comma-separated")
+    parser.add_argument("--threads", type=counts, default=[1, 2], help="torch thread counts to measure, comma-separated")
     parser.add_argument("--chunk", type=count, default=64, help="most tokens per call of the chunked int4 kernel")
     parser.add_argument("--repeats", type=count, default=7)
     parser.add_argument("--store", type=Path, help="an expert store whose experts.bin gives the raw O_DIRECT rate")
     parser.add_argument("--results", type=results_name, default="quant_kernels", help="name of the JSON in bench/results/")
     args = parser.parse_args(argv)
-    tokens = [int(t) for t in args.tokens.split(",")]
     raw_mb_s = raw_rate(args.store) if args.store else None
     runs = {}
-    for threads in (int(n) for n in args.threads.split(",")):
+    for threads in args.threads:
         torch.set_num_threads(threads)
-        runs[threads] = {name: measure(h, i, tokens, args.chunk, args.repeats) for name, (h, i) in SHAPES.items()}
+        runs[threads] = {name: measure(h, i, args.tokens, args.chunk, args.repeats) for name, (h, i) in SHAPES.items()}
         print_run(runs[threads], threads, args.chunk, raw_mb_s)
     write_results(args.results, {"threads": runs, "chunk": args.chunk, "raw_mb_s": raw_mb_s,
                                  "clock": "thread CPU time with one thread, wall time with more",

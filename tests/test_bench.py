@@ -33,6 +33,9 @@ def test_bench_script_imports_and_parses_its_arguments(script):
                                                       ("scale", ["--threads", "0"], "--threads: must be at least 1, got 0"),
                                                       ("quant_scale", ["--tokens", "0"], "--tokens: must be at least 1"),
                                                       ("batching", ["--results", "../../x"], "expected a file name"),
+                                                      ("batching", ["--batches", "1,a"], "got 'a'"),
+                                                      ("quant_kernels", ["--tokens", "1,x"], "got 'x'"),
+                                                      ("quant_kernels", ["--threads", "0"], "--threads: must be at least 1"),
                                                       ("policies", ["--results", ""], "expected a file name")])
 def test_a_bad_count_is_one_usage_line_not_a_traceback(script, args, says):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), *args], cwd=ROOT,
