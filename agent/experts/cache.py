@@ -10,9 +10,9 @@ once, because both wait on the same in-flight future, and a block that prefetch 
 is waited for instead of read again. One lock guards all bookkeeping (Residency, slot
 table, in-flight table, counters); reads, CRC checks, a policy's slow work on a monitoring sample or
 new weights (Policy.prepare), building a new policy (set_policy), faulting in a grow's slots and
-freeing evicted experts' tensors run
-outside it, so the service may resize or switch policy from its HTTP threads while decode runs:
-under memory thrash each of those waits on page faults for seconds (RELIABILITY.md has the figures).
+freeing evicted experts' tensors run outside it, so the service may resize or switch policy from its
+HTTP threads while decode runs: under memory thrash each of those waits on page faults for seconds
+(RELIABILITY.md has the figures).
 """
 from __future__ import annotations
 
@@ -439,9 +439,9 @@ class ExpertCache:
     # -- live changes -----------------------------------------------------------------------------------------
     def resize(self, cap_bytes: int) -> list[Key]:
         """A new cap, at once: shrinking evicts by the policy and frees slots, growing allocates them
-        (before taking the lock). Returns evicted keys. Experts the running layer has pinned stay past a shrink until that layer ends
-        (the next route() or idle()), which frees their slots then: under memory thrash a step, even
-        one layer, can last minutes, and the relief must not wait for it."""
+        (before taking the lock). Returns evicted keys. Experts the running layer has pinned stay past a
+        shrink until that layer ends (the next route() or idle()), which frees their slots then: under
+        memory thrash a step, even one layer, can last minutes, and the relief must not wait for it."""
         self._check_cap(cap_bytes)
         asked = time.monotonic()
         memory = self._reserve(cap_bytes)
