@@ -139,6 +139,7 @@ def agent(url: str, token: str | None) -> agent_client.Agent:
 class Unanswered(str):
     """Why the agent's answer is missing, as the text pages show; `busy`: the agent runs but did not
     answer in time (agent_client.AgentBusy)."""
+    busy: bool
 
     def __new__(cls, err: agent_client.AgentError) -> "Unanswered":
         reason = super().__new__(cls, str(err))
