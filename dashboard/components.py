@@ -33,8 +33,7 @@ def time_range() -> tuple[float, float]:
     label = st.session_state.get("window", timerange.DEFAULT)
     if label == timerange.CUSTOM and RANGE in st.session_state:
         return st.session_state[RANGE]
-    return timerange.relative(timerange.PRESETS.get(label, timerange.PRESETS[timerange.DEFAULT]),
-                              datetime.now(timezone.utc).timestamp())
+    return timerange.relative(timerange.PRESETS.get(label, timerange.PRESETS[timerange.DEFAULT]), timerange.now())
 
 
 def refresh_every() -> int | None:
@@ -58,7 +57,7 @@ def _type_range() -> None:
 
 def _zoom_out() -> None:
     since, until = st.session_state[RANGE]
-    st.session_state[RANGE] = timerange.zoomed_out(since, until, datetime.now(timezone.utc).timestamp())
+    st.session_state[RANGE] = timerange.zoomed_out(since, until, timerange.now())
     _forget_typed()
 
 

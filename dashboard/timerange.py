@@ -1,12 +1,13 @@
 """The page's time range and refresh, as Grafana has them: relative presets from 5 min to 7 d, a
 custom absolute range (typed, or dragged across any chart), and an auto-refresh that can be paused.
 
-Pure functions of their inputs (no Streamlit), so the sidebar and the charts only wire them up.
-Times are Unix seconds; the dashboard shows them in UTC.
+Pure functions of their inputs (no Streamlit), so the sidebar and the charts only wire them up,
+and `now()`, the one clock every page reads. Times are Unix seconds; the dashboard shows them in UTC.
 """
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
@@ -17,6 +18,13 @@ REFRESH = {"off": None, "5 s": 5, "10 s": 10, "30 s": 30, "1 min": 60}
 DEFAULT_REFRESH = "5 s"
 STEP_S = 5                    # `until` of a relative range is rounded up to this, so sessions share cached queries
 MIN_SPAN_S = 10.0             # a narrower range holds too few 1 Hz samples to chart
+
+
+def now() -> float:
+    """The dashboard's clock. Pages judge how old the store's latest points are by it (a collector is "up"
+    while its last sample is recent), so a test fixes it at the instant its telemetry ends instead of
+    depending on how long the page took to render."""
+    return time.time()
 
 
 def relative(seconds: float, now: float, step: float = STEP_S) -> tuple[float, float]:

@@ -1,14 +1,16 @@
 """Every dashboard page under AppTest, reading a real store that the test filled through Store.
 
 The agent is offline here (a closed loopback port); tests/test_dashboard_agent.py covers the pages
-against a running agent, and tests/test_browser.py the whole product in Chromium.
+against a running agent, and tests/test_browser.py the whole product in Chromium. The pages' clock
+is fixed at the instant the test's telemetry ends (`NOW`): a page judges how old the latest points
+are by it, and the first page a process renders imports the app (20 s under load), long enough for
+the telemetry of a collector that is "up" to read as 20 s old.
 """
 from __future__ import annotations
 
 import json
 import socket
 import sqlite3
-import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from streamlit.testing.v1 import AppTest
 
 from agents import free_port
 from bench import synthetic
-from dashboard import pages
+from dashboard import pages, timerange
 from store.database import record_lost
 from store import queries
 from store.db import Store
@@ -26,11 +28,19 @@ from test_store import version_2_store
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 SPAN_S = 600
+NOW = 1_750_000_000.5     # what the pages read as now (the `clock` fixture): a page reading the wall clock
+                          # instead finds the telemetry over a year old; samples fall between whole seconds,
+                          # never on the edge of a range typed in minutes
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch) -> None:
+    monkeypatch.setattr(timerange, "now", lambda: NOW)
 
 
 def fill(path: Path, ended_s_ago: float = 0.0, **options) -> Path:
-    """`SPAN_S` of synthetic telemetry whose last sample is `ended_s_ago` before now."""
-    start = time.time() - ended_s_ago - SPAN_S
+    """`SPAN_S` of synthetic telemetry whose last sample is `ended_s_ago` + 1 s before NOW."""
+    start = NOW - ended_s_ago - SPAN_S
     synthetic.write(str(path), synthetic.Spec(start=start, seconds=SPAN_S, **options))
     return path
 
@@ -103,7 +113,7 @@ def test_overview_shows_latest_values_latency_tail_and_processes(monkeypatch, of
     assert (p50["line"]["dash"], p95["line"]["dash"], p99["line"]["dash"]) == ("solid", "dash", "dot")
     assert max(p50["y"]) < 2.0 < max(p99["y"]) <= 3.0       # the 3 s tails show in P99 only
     assert "Agent down" in texts(at.error)
-    assert "Collector up" in texts(at.success)
+    assert "Collector up: last sample 1 s ago" in texts(at.success)
 
 
 def test_every_time_chart_spans_the_range_and_marks_the_knob_changes_in_it(monkeypatch, offline, db):
@@ -120,7 +130,7 @@ def test_every_time_chart_spans_the_range_and_marks_the_knob_changes_in_it(monke
 def test_a_custom_range_applies_to_every_chart(monkeypatch, offline, db):
     at = open_page(monkeypatch, db)
     at.selectbox(key="window").set_value("Custom").run()
-    start = datetime.now(timezone.utc).replace(tzinfo=None, second=0, microsecond=0) - timedelta(minutes=5)
+    start = datetime.fromtimestamp(NOW, timezone.utc).replace(tzinfo=None, second=0, microsecond=0) - timedelta(minutes=5)
     at.datetime_input(key="range-to").set_value(start + timedelta(minutes=2)).run()
     at.datetime_input(key="range-from").set_value(start).run()
     assert not at.exception
@@ -144,7 +154,7 @@ def test_the_refresh_can_be_paused(monkeypatch, offline, db):
 
 def test_overview_now_metrics_are_a_dash_with_their_age_when_the_agent_stopped_writing(monkeypatch, offline,
                                                                                         tmp_path):
-    # the last sample is an hour old (outside the 15 min range): "60 min ago" for the next minute
+    # the last sample is an hour old (outside the 15 min range)
     at = open_page(monkeypatch, fill(tmp_path / "old.db", ended_s_ago=3570))
     last = SPAN_S - 1
     now = {m.label: m for m in at.metric}
@@ -332,6 +342,6 @@ def test_overview_and_memory_page_say_how_many_samples_the_collector_missed(monk
     assert "missed" not in texts(open_page(monkeypatch, db).warning)
     late = fill(tmp_path / "late.db")
     with Store(late, autoflush_s=0) as store:      # as the collector writes it after ticks it was too late for
-        store.append("collector.missed_samples", time.time() - 30, 7)
+        store.append("collector.missed_samples", NOW - 30, 7)
     for page in (None, "memory"):
         assert "The collector fell behind and missed 7 of its" in texts(open_page(monkeypatch, late, page).warning)

@@ -2,11 +2,9 @@
 policies, sweep."""
 from __future__ import annotations
 
-import time
-
 import streamlit as st
 
-from dashboard import auth, components, data, figures, settings, sweep, transforms
+from dashboard import auth, components, data, figures, settings, sweep, timerange, transforms
 from store.units import MISSING, human
 
 TIME_BUCKETS = 60
@@ -23,7 +21,7 @@ def live() -> None:
     status = data.agent_status(url, token)
     total = stats["total"] or {}
     c1, c2, c3, c4, c5 = st.columns(5)
-    c1.metric(components.HIT_RATE_NOW, human(data.hit_rate_now(db, time.time()), "fraction"),
+    c1.metric(components.HIT_RATE_NOW, human(data.hit_rate_now(db, timerange.now()), "fraction"),
               help=components.HIT_RATE_NOW_HELP)
     c2.metric("Hit rate (time range)", human(total.get("hit_rate"), "fraction"),
               help="hits over lookups in the time range shown")

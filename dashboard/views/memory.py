@@ -3,12 +3,10 @@ and one-click fix, then the agent's footprint, faults, refaults, pressure stalls
 with the verdict's thresholds drawn on them."""
 from __future__ import annotations
 
-import time
-
 import pandas as pd
 import streamlit as st
 
-from dashboard import auth, components, data, figures, settings, transforms
+from dashboard import auth, components, data, figures, settings, timerange, transforms
 from store import diagnosis as thrash
 from store.units import human
 
@@ -89,7 +87,7 @@ def recommendation(d: thrash.Diagnosis, knobs: dict | data.Unanswered) -> None:
                          help=refused):
                 accepted, text = data.apply_knobs(url, token, rec.changes)
                 evidence = [s.threshold.series for s in d.evidence]
-                last = st.session_state[ANSWER] = (accepted, text, time.time(), evidence)
+                last = st.session_state[ANSWER] = (accepted, text, timerange.now(), evidence)
                 effects = since_change(last)
     if last is not None:
         answer(last, effects)
@@ -99,7 +97,7 @@ def since_change(last: tuple | None) -> list[thrash.Effect] | None:
     """Each piece of evidence before and after the last change applied here, if the agent took it."""
     if last is None or not last[0] or not last[3]:
         return None
-    return thrash.effect(db, last[2], time.time(), last[3])
+    return thrash.effect(db, last[2], timerange.now(), last[3])
 
 
 def answer(last: tuple, effects: list[thrash.Effect] | None) -> None:

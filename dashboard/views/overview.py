@@ -1,11 +1,9 @@
 """Overview: throughput, hit rate, latency tails, requests, and which processes are up."""
 from __future__ import annotations
 
-import time
-
 import streamlit as st
 
-from dashboard import components, data, figures, settings, transforms
+from dashboard import components, data, figures, settings, timerange, transforms
 from store.schema import TOKEN_PHASES
 from store.units import human
 
@@ -30,7 +28,7 @@ def live() -> None:
     status = data.agent_status(url, settings.agent_token())
     ready = data.store_problem(db) is None
     heartbeat = data.latest(db, COLLECTOR_HEARTBEAT) if ready else None
-    now = time.time()
+    now = timerange.now()
 
     agent_col, collector_col = st.columns(2)
     if isinstance(status, dict):
