@@ -133,7 +133,7 @@ def _agent(method: str, url: str, token: str | None, **kwargs: Any) -> dict[str,
 
 
 def agent_status(agent_url: str) -> dict[str, Any]:
-    return _agent("GET", f"{agent_url}/v1/status", None)
+    return _agent("GET", f"{agent_url}/v1/status", None, params={"step_profiles": 0})
 
 
 def preload(agent_url: str, experts: list[tuple[int, int]], token: str | None) -> dict[str, Any]:

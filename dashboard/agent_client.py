@@ -86,7 +86,8 @@ class Agent:
         return body
 
     def status(self) -> dict[str, Any]:
-        return self._json("GET", "/v1/status")
+        """/v1/status without its step profiles: no page shows them, and every live fragment polls this."""
+        return self._json("GET", "/v1/status", params={"step_profiles": 0})
 
     def knobs(self) -> dict[str, Any]:
         """Each knob's value, default and bounds, as GET /v1/knobs describes them."""

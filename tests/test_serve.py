@@ -41,6 +41,33 @@ def test_models_status_and_openapi(agent, model):
     assert int(agent.pid_file.read_text()) == agent.proc.pid
 
 
+def test_a_completion_for_another_model_is_404_model_not_found_naming_the_served_one(agent, model):
+    """OpenAI's answer to an unknown model; the agent gave the demo's answer to "gpt-4"."""
+    for stream in (False, True):
+        r = httpx.post(agent.url + "/v1/completions", timeout=60,
+                       json={"model": "gpt-4", "prompt": "Hello", "max_tokens": 2, "stream": stream})
+        error = r.json()["error"]
+        assert r.status_code == 404 and (error["code"], error["param"]) == ("model_not_found", "model")
+        assert "'gpt-4' is not served here" in error["message"] and repr(model.name) in error["message"]
+    named = agent.complete(model=model.name, prompt="Hello", max_tokens=2, temperature=0)
+    unnamed = agent.complete(prompt="Hello", max_tokens=2, temperature=0)       # left out: the served model
+    assert named["model"] == unnamed["model"] == model.name and named["choices"] == unnamed["choices"]
+    field = agent.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]["model"]
+    assert field["anyOf"] == [{"type": "string", "enum": [model.name]}, {"type": "null"}]     # what clients draw from
+
+
+def test_status_lists_as_many_step_profiles_as_asked(agent):
+    agent.complete(prompt="a few model steps", max_tokens=4, temperature=0)
+    every = agent.get("/v1/status").json()["step_profiles"]         # the default: all kept (bench/serve.py)
+    assert len(every) >= 4
+    assert agent.get("/v1/status?step_profiles=0").json()["step_profiles"] == []
+    last_two = agent.get("/v1/status?step_profiles=2").json()["step_profiles"]
+    assert last_two == every[-2:]                                    # the most recent (no step ran since)
+    for bad in ("-1", "257", "two", "1.5"):
+        r = httpx.get(agent.url + "/v1/status", params={"step_profiles": bad}, timeout=30)
+        assert r.status_code == 422 and "step_profiles" in r.json()["error"]["message"], (bad, r.text)
+
+
 def test_completion_by_text_and_by_token_ids(agent):
     by_text = agent.complete(prompt="Hello, edge box", max_tokens=6, temperature=0)
     assert by_text["object"] == "text_completion" and by_text["choices"][0]["finish_reason"] in ("length", "stop")

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi import Body, Depends, FastAPI, Header, HTTPException, Request
+from fastapi import Body, Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from agent.serve.engine import STEP_PROFILES
 from agent.serve.knobs import SOURCES, KnobError
 from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
 from agent.serve.metrics import DeviceLabelled
@@ -53,7 +54,7 @@ class CompletionRequest(BaseModel):
     # fields that change nothing in the answer pass (e.g. user); NaN and Infinity are no sampling settings;
     # strict: true, "3" and 3.5 are no integers (lax reads them as 1, 3 and a refusal), nor 1 a boolean
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
-    model: str | None = None
+    model: str | None = Field(None, description="the served model's id (GET /v1/models); null or left out: that model")
     prompt: str | list[int] = Field(description="text, or token ids")
     max_tokens: int = Field(16, ge=1, le=2**31 - 1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -153,8 +154,10 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
                                             "owned_by": "flashmoe"}]}
 
     @app.get("/v1/status")
-    def status() -> dict[str, Any]:
-        return runtime.status()
+    def status(step_profiles: int = Query(STEP_PROFILES, ge=0, le=STEP_PROFILES, description=(
+            f"how many of the most recent model steps' profiles to list, 0 to {STEP_PROFILES}: a poller that "
+            f"shows none asks for 0 (all {STEP_PROFILES} are ~80 KB of JSON)"))) -> dict[str, Any]:
+        return runtime.status(step_profiles)
 
     @app.get("/v1/knobs")
     def get_knobs() -> dict[str, Any]:
@@ -175,14 +178,18 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
             loaded = runtime.preload([tuple(k) for k in body.experts])
         except KnobError as exc:
             raise HTTPException(400, str(exc)) from None
-        return {"requested": len(body.experts), "loaded": loaded, "status": runtime.status()["cache"]}
+        return {"requested": len(body.experts), "loaded": loaded, "status": runtime.status(0)["cache"]}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: curl -I and uptime checks (the server sends no body)
     def metrics() -> Response:
         return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={404: {"description": "model_not_found: `model` names another model"}})
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        if body.model is not None and body.model != model_name:  # another model's answer would be a wrong one
+            message = (f"the model {body.model!r} is not served here: this agent serves {model_name!r} "
+                       f"(GET /v1/models); send that, or leave model out")
+            return _error_body(404, message, message, code="model_not_found", param="model")
         size = len(body.prompt.encode()) if isinstance(body.prompt, str) else 0
         if size > max_prompt_bytes:
             raise HTTPException(413, f"prompt is {size} bytes; this agent takes at most {max_prompt_bytes} "
@@ -207,14 +214,23 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
         finally:
             watcher.cancel()
 
+    _name_the_served_model(app, model_name)
     return app
 
 
-def _error_body(status: int, message: str, detail: Any) -> JSONResponse:
-    """FastAPI's {"detail"} (the dashboard reads it) and OpenAI's {"error": {"message"}} (its clients raise it)."""
+def _name_the_served_model(app: FastAPI, name: str) -> None:
+    """/openapi.json gives `model` as the one id it may be (or null): what clients and the fuzzer draw from."""
+    field = app.openapi()["components"]["schemas"]["CompletionRequest"]["properties"]["model"]
+    field["anyOf"] = [{"type": "string", "enum": [name]}, {"type": "null"}]
+
+
+def _error_body(status: int, message: str, detail: Any, code: int | str | None = None,
+                param: str | None = None) -> JSONResponse:
+    """FastAPI's {"detail"} (the dashboard reads it) and OpenAI's {"error": {"message"}} (its clients raise it);
+    `code` is OpenAI's where it has one (model_not_found), else the status."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"detail": detail, "error": {"message": message, "type": kind, "param": None, "code": status}},
-                        status_code=status)
+    error = {"message": message, "type": kind, "param": param, "code": status if code is None else code}
+    return JSONResponse({"detail": detail, "error": error}, status_code=status)
 
 
 async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:

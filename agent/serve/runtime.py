@@ -26,7 +26,7 @@ from agent.model.config import MoEConfig
 from agent.learned.service import OnlineLearning
 from agent.policies import DEFAULT_POLICY, live_policies, policy_factory, policy_knobs, policy_options
 from agent.serve import batching, guard, scrub
-from agent.serve.engine import ModelEngine
+from agent.serve.engine import STEP_PROFILES, ModelEngine
 from agent.serve.knobs import KnobError, Knobs, Limits
 from agent.serve.metrics import Metrics, Tick
 from agent.serve.recorder import Recorder
@@ -209,8 +209,10 @@ class Runtime:
     def submit(self, request: Request) -> None:
         self.scheduler.submit(request)
 
-    def status(self) -> dict[str, Any]:
+    def status(self, step_profiles: int = STEP_PROFILES) -> dict[str, Any]:
+        """What /v1/status shows, with the `step_profiles` most recent model steps' profiles."""
         s = self.cache.stats()
+        profiles = list(self.engine.profiles)  # one C call, safe beside appends
         return {
             "model": str(self.opts.model_dir), "uptime_s": time.time() - self.started,
             "routing": self.engine.model.route_trace.describe() if self.engine.model.route_trace else "the model's router",
@@ -227,7 +229,7 @@ class Runtime:
             "model_steps": self.scheduler.steps,
             "ssd_util": self.monitor.last.ssd_util, "ssd_util_source": self.monitor.last.sources.get("ssd_util"),
             "store": self.store_health(), "online_learning": self.online.status(),
-            "step_profiles": [asdict(p) for p in list(self.engine.profiles)],  # list(): one C call, safe beside appends
+            "step_profiles": [asdict(p) for p in profiles[max(0, len(profiles) - step_profiles):]],
         }
 
     def store_health(self) -> dict[str, Any]:
