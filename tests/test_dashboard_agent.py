@@ -131,6 +131,14 @@ def test_a_float_knob_shows_its_value_as_it_is(monkeypatch, agent):
         assert put(json={"keep_percentile": before}).status_code == 200
 
 
+def test_the_dashboards_status_poll_asks_for_no_step_profiles(agent):
+    """Every live fragment polls /v1/status and no page shows the steps' profiles (256 by default)."""
+    url, _ = agent
+    httpx.post(f"{url}/v1/completions", json={"prompt": "a few steps", "max_tokens": 3}, timeout=60).raise_for_status()
+    assert httpx.get(f"{url}/v1/status").json()["step_profiles"]
+    assert data.agent_status(url, TOKEN)["step_profiles"] == []
+
+
 def test_a_refused_change_is_the_agents_validation_error_and_changes_nothing(agent):
     url, _ = agent
     before = knob(url, "cache_cap_bytes")
