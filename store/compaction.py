@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from store import codec
 from store.database import transaction
 from store.schema import ROW_TABLES
-from store.series_writer import write_chunk
+from store.series_writer import EncodedChunk, write_chunk
 
 COMPACT_MIN_AGE_S = 3600.0  # compaction merges only chunks whose data is older than this (> STALE_OPEN_S)
 COMPACT_POINTS = 7200       # merged chunk size: 2 h at 1 Hz (fewer, larger chunks decode faster)
@@ -55,8 +55,8 @@ def _delete_older(conn: sqlite3.Connection, cutoff: float, report: Compaction) -
         decoded = codec.decode(data)
         keep = decoded.t_ms >= cutoff * 1000
         conn.execute("DELETE FROM chunks WHERE id = ?", (chunk_id,))
-        write_chunk(conn, series_id, precision, None, codec.ChunkEncoder.of(
-            decoded.t_ms[keep].tolist(), decoded.q[keep].tolist()))
+        write_chunk(conn, series_id, EncodedChunk.of(codec.ChunkEncoder.of(
+            decoded.t_ms[keep].tolist(), decoded.q[keep].tolist()), precision))
     for table in ROW_TABLES:
         if not table.expires:
             continue
@@ -86,8 +86,8 @@ def _merge_runs(conn: sqlite3.Connection, series_id: int, before: float, target_
         conn.executemany("DELETE FROM chunks WHERE id = ?", [(r[0],) for r in run])
         for start in range(0, len(order), target_points):
             part = order[start:start + target_points]
-            write_chunk(conn, series_id, run[0][1], None,
-                        codec.ChunkEncoder.of([t_ms[i] for i in part], [q[i] for i in part]))
+            write_chunk(conn, series_id, EncodedChunk.of(
+                codec.ChunkEncoder.of([t_ms[i] for i in part], [q[i] for i in part]), run[0][1]))
             report.chunks_written += 1
         report.chunks_merged += len(run)
 

@@ -2,7 +2,8 @@
 
 `Store` buffers series points (store.series_writer) and rows (store.row_writer) in memory, and
 `flush()` commits both in one short `BEGIN IMMEDIATE` transaction, so a writer never holds the
-write lock for long and readers (WAL) never block. A background thread flushes every
+write lock for long and readers (WAL) never block: the points are encoded into chunks before it,
+and inside it only SQL runs. A background thread flushes every
 `autoflush_s` (default 1 s), so points reach readers within about a second even from a writer that
 never calls `flush()`. `close()` writes the rest; a process that exits without calling it has it
 written at interpreter exit (atexit), which a SIGTERM handler that ends in a normal exit reaches
@@ -186,10 +187,11 @@ class Store:
                 lost = (self.lost.unrecorded_points, self.lost.unrecorded_rows)
             if not rows and not series and not any(lost):
                 return True
+            chunks = self._series.encode(series)
             try:
                 with transaction(self.conn):
                     self._rows.write(self.conn, rows)
-                    opened = self._series.write(self.conn, series)
+                    opened = self._series.write(self.conn, chunks)
                     record_lost(self.conn, *lost)
             except sqlite3.Error as e:
                 with self._lock:

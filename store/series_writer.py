@@ -2,8 +2,11 @@
 on every flush until it holds `chunk_points` points, then sealed; a new open chunk follows.
 
 The open chunk's encoder is kept, so a flush encodes only the new points and no chunk ever needs
-re-reading to be extended; readers see every flushed point. Not thread-safe on its own: the Store
-holds its lock around every call, and runs `write` inside its transaction.
+re-reading to be extended; readers see every flushed point. A flush encodes (`encode`) before its
+transaction and only writes the encoded chunks inside it (`write`): the write lock is held for the
+SQL alone, not for the codec's work on every open chunk, which memory thrash made seconds long in
+the agent while the collector waited on the lock. Not thread-safe on its own: the Store holds its
+lock around every call but `encode` and `write`, which its write lock serialises.
 """
 from __future__ import annotations
 
@@ -35,6 +38,25 @@ Pending = dict[str, tuple[SeriesSpec, int | None, codec.ChunkEncoder | None, lis
 Opened = dict[str, tuple[int | None, codec.ChunkEncoder | None]]
 
 
+@dataclass(frozen=True)
+class EncodedChunk:
+    """One chunk as a row of `chunks`, encoded: it rewrites the open chunk `chunk_id`, or is a new one."""
+    chunk_id: int | None
+    t_start: float
+    t_end: float
+    n_points: int
+    precision: float
+    data: bytes
+
+    @classmethod
+    def of(cls, encoder: codec.ChunkEncoder, precision: float, chunk_id: int | None = None) -> "EncodedChunk":
+        return cls(chunk_id, encoder.t_min / 1000, encoder.t_max / 1000, encoder.n, precision, encoder.to_bytes())
+
+
+# per series: its spec, its chunks to write (the last one open unless full), and that open chunk's encoder
+Encoded = dict[str, tuple[SeriesSpec, list[EncodedChunk], codec.ChunkEncoder | None]]
+
+
 def to_fixed(value: float, spec: SeriesSpec) -> int:
     """The codec's fixed-point integer for a value; rejects NaN and infinities by name."""
     if not math.isfinite(value):
@@ -44,15 +66,14 @@ def to_fixed(value: float, spec: SeriesSpec) -> int:
     return round(value / spec.precision)
 
 
-def write_chunk(conn: sqlite3.Connection, series_id: int, precision: float, chunk_id: int | None,
-                encoder: codec.ChunkEncoder) -> int:
-    """Rewrite chunk `chunk_id` with the encoder's points, or insert a new chunk; returns its id."""
-    values = (encoder.t_min / 1000, encoder.t_max / 1000, encoder.n, precision, encoder.to_bytes())
-    if chunk_id is not None:
+def write_chunk(conn: sqlite3.Connection, series_id: int, chunk: EncodedChunk) -> int:
+    """Rewrite chunk `chunk.chunk_id`, or insert a new chunk; returns its id."""
+    values = (chunk.t_start, chunk.t_end, chunk.n_points, chunk.precision, chunk.data)
+    if chunk.chunk_id is not None:
         cur = conn.execute("UPDATE chunks SET t_start=?, t_end=?, n_points=?, precision=?, data=? WHERE id=?",
-                           values + (chunk_id,))
+                           values + (chunk.chunk_id,))
         if cur.rowcount == 1:
-            return chunk_id
+            return chunk.chunk_id
         # The open chunk is gone (deleted by retention): start a new one. Compaction merges
         # only chunks older than any open chunk (see store.compaction), so no point is doubled.
     cur = conn.execute("INSERT INTO chunks (series_id, t_start, t_end, n_points, precision, data) "
@@ -106,20 +127,31 @@ class SeriesWriter:
                 out[name] = (buf.spec, buf.open_id, buf.encoder, list(buf.new_points))
         return out
 
-    def write(self, conn: sqlite3.Connection, pending: Pending) -> Opened:
-        """Write inside the caller's transaction; returns per series its new open chunk (id, encoder).
-        The buffers' encoders are extended on copies, so a failed transaction leaves them as they were."""
-        opened: Opened = {}
+    def encode(self, pending: Pending) -> Encoded:
+        """The pending points as the chunk rows to write, before the transaction. The buffers' encoders
+        are extended on copies, so a failed transaction leaves them as they were."""
+        encoded: Encoded = {}
         for name, (spec, chunk_id, encoder, new_points) in pending.items():
-            series_id = self._series_id(conn, spec)
             encoder = encoder.copy() if encoder is not None else codec.ChunkEncoder()
+            chunks = []
             for point in new_points:
                 if encoder.n == self.chunk_points:
-                    write_chunk(conn, series_id, spec.precision, chunk_id, encoder)
+                    chunks.append(EncodedChunk.of(encoder, spec.precision, chunk_id))
                     chunk_id, encoder = None, codec.ChunkEncoder()
                 encoder.push(*point)
-            chunk_id = write_chunk(conn, series_id, spec.precision, chunk_id, encoder)
-            opened[name] = (None, None) if encoder.n == self.chunk_points else (chunk_id, encoder)
+            chunks.append(EncodedChunk.of(encoder, spec.precision, chunk_id))
+            encoded[name] = (spec, chunks, None if encoder.n == self.chunk_points else encoder)
+        return encoded
+
+    def write(self, conn: sqlite3.Connection, encoded: Encoded) -> Opened:
+        """Write inside the caller's transaction; returns per series its new open chunk (id, encoder)."""
+        opened: Opened = {}
+        for name, (spec, chunks, encoder) in encoded.items():
+            series_id = self._series_id(conn, spec)
+            chunk_id = None
+            for chunk in chunks:
+                chunk_id = write_chunk(conn, series_id, chunk)
+            opened[name] = (None, None) if encoder is None else (chunk_id, encoder)
         return opened
 
     def written(self, pending: Pending, opened: Opened) -> None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from store import queries
+from store import codec, queries
 from store.db import Store
 from store.errors import StoreError
 
@@ -160,6 +160,36 @@ def test_two_writers_and_a_reader_share_the_file(path):
         reader.close()
     assert queries.points(path, "agent.tokens_per_s")[1].tolist() == [float(i % 50) for i in range(300)]
     assert len(queries.requests(path)) == 30
+
+
+def test_a_flush_holds_the_write_lock_for_its_sql_alone(path):
+    """The codec's work on every open chunk runs before BEGIN IMMEDIATE: in an agent squeezed by memory
+    thrash it faulted for seconds while the collector and the dashboard's writes waited on the lock."""
+    calls: list[tuple[str, str]] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == codec.__file__:
+            calls.append(("codec", frame.f_code.co_name))
+
+    with Store(path, chunk_points=50, autoflush_s=0) as store:
+        store.conn.set_trace_callback(lambda sql: calls.append(("sql", sql.split()[0].upper())))
+        sys.setprofile(profile)
+        try:
+            for i in range(60):          # open chunks extended flush after flush, one sealed and a new one opened
+                store.append("block.vda.util", T0 + i, i / 100)
+                store.append("agent.tokens_per_s", T0 + i, 20.0)
+                store.record_request(T0 + i, f"r{i}", 0.1, 0.01, 0.5, 1, 2, 3, 4, 5)
+                if i % 7 == 0 or i == 59:
+                    store.flush()
+        finally:
+            sys.setprofile(None)
+    inside, encoded_outside = False, 0
+    for kind, name in calls:
+        inside = (inside or name == "BEGIN") and name not in ("COMMIT", "ROLLBACK")
+        assert not (inside and kind == "codec"), f"the codec's {name} ran inside the transaction"
+        encoded_outside += kind == "codec" and name == "to_bytes"
+    assert encoded_outside >= 2 * 10 and chunk_sizes(path, "block.vda.util") == [50, 10]
+    assert queries.points(path, "agent.tokens_per_s")[1].tolist() == [20.0] * 60
 
 
 def test_a_locked_database_is_reported_held_and_written_when_it_clears(path, caplog):
