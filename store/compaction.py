@@ -34,7 +34,8 @@ def compact(conn: sqlite3.Connection, cutoff: float, merge_before: float,
             target_points: int = COMPACT_POINTS) -> Compaction:
     """Delete chunks and rows older than `cutoff` (tables that do not expire, and the newest row of
     each knob, are kept), then merge runs of small chunks whose data ends before `merge_before`.
-    One short transaction for retention and one per series."""
+    One short transaction for retention and one per run merged: chunks are decoded and encoded
+    before it, so the write lock is held for the SQL alone."""
     report = Compaction()
     _retain(conn, cutoff, report)
     for (series_id,) in conn.execute("SELECT id FROM series").fetchall():
@@ -42,54 +43,71 @@ def compact(conn: sqlite3.Connection, cutoff: float, merge_before: float,
     return report
 
 
+class _Moved(Exception):
+    """A chunk read for rewriting changed before the transaction (another compaction merged it, or a
+    writer extended it): the transaction is rolled back and the chunk left to the next compaction."""
+
+
+_DELETE_AS_READ = "DELETE FROM chunks WHERE id = ? AND n_points = ?"
+
+
 def _retain(conn: sqlite3.Connection, cutoff: float, report: Compaction) -> None:
-    with transaction(conn):
-        _delete_older(conn, cutoff, report)
-
-
-def _delete_older(conn: sqlite3.Connection, cutoff: float, report: Compaction) -> None:
-    report.chunks_deleted = conn.execute("DELETE FROM chunks WHERE t_end < ?", (cutoff,)).rowcount
-    straddling = conn.execute("SELECT id, series_id, precision, data FROM chunks "
+    straddling = conn.execute("SELECT id, series_id, precision, data, n_points FROM chunks "
                               "WHERE t_start < ? AND t_end >= ?", (cutoff, cutoff)).fetchall()
-    for chunk_id, series_id, precision, data in straddling:     # keep only the recent points
-        decoded = codec.decode(data)
-        keep = decoded.t_ms >= cutoff * 1000
-        conn.execute("DELETE FROM chunks WHERE id = ?", (chunk_id,))
-        write_chunk(conn, series_id, EncodedChunk.of(codec.ChunkEncoder.of(
-            decoded.t_ms[keep].tolist(), decoded.q[keep].tolist()), precision))
-    for table in ROW_TABLES:
-        if not table.expires:
-            continue
-        keep = (f" AND id NOT IN (SELECT MAX(id) FROM {table.name} GROUP BY {table.keep_latest_of})"
-                if table.keep_latest_of else "")
-        report.rows_deleted += conn.execute(f"DELETE FROM {table.name} WHERE t < ?{keep}", (cutoff,)).rowcount
+    trimmed = [(chunk_id, n_points, series_id, _recent(data, precision, cutoff))  # keep only the recent points
+               for chunk_id, series_id, precision, data, n_points in straddling]
+    try:
+        with transaction(conn):
+            report.chunks_deleted = conn.execute("DELETE FROM chunks WHERE t_end < ?", (cutoff,)).rowcount
+            for chunk_id, n_points, series_id, chunk in trimmed:
+                if conn.execute(_DELETE_AS_READ, (chunk_id, n_points)).rowcount != 1:
+                    raise _Moved
+                write_chunk(conn, series_id, chunk)
+            for table in ROW_TABLES:
+                if not table.expires:
+                    continue
+                keep = (f" AND id NOT IN (SELECT MAX(id) FROM {table.name} GROUP BY {table.keep_latest_of})"
+                        if table.keep_latest_of else "")
+                report.rows_deleted += conn.execute(f"DELETE FROM {table.name} WHERE t < ?{keep}", (cutoff,)).rowcount
+    except _Moved:
+        report.chunks_deleted = report.rows_deleted = 0        # rolled back: the next compaction retains
+
+
+def _recent(data: bytes, precision: float, cutoff: float) -> EncodedChunk:
+    decoded = codec.decode(data)
+    keep = decoded.t_ms >= cutoff * 1000
+    return EncodedChunk.of(codec.ChunkEncoder.of(decoded.t_ms[keep].tolist(), decoded.q[keep].tolist()), precision)
 
 
 def _merge_series(conn: sqlite3.Connection, series_id: int, before: float, target_points: int,
                   report: Compaction) -> None:
-    with transaction(conn):
-        _merge_runs(conn, series_id, before, target_points, report)
-
-
-def _merge_runs(conn: sqlite3.Connection, series_id: int, before: float, target_points: int,
-                report: Compaction) -> None:
     rows = conn.execute(
         "SELECT id, precision, data, n_points FROM chunks WHERE series_id = ? AND t_end < ? "
         "AND n_points < ? ORDER BY t_start, id", (series_id, before, target_points)).fetchall()
     for run in _runs_to_merge(rows, target_points):
-        t_ms, q = [], []
-        for _, _, data, _ in run:
-            decoded = codec.decode(data)
-            t_ms.extend(decoded.t_ms.tolist())
-            q.extend(decoded.q.tolist())
-        order = sorted(range(len(t_ms)), key=t_ms.__getitem__)
-        conn.executemany("DELETE FROM chunks WHERE id = ?", [(r[0],) for r in run])
-        for start in range(0, len(order), target_points):
-            part = order[start:start + target_points]
-            write_chunk(conn, series_id, EncodedChunk.of(
-                codec.ChunkEncoder.of([t_ms[i] for i in part], [q[i] for i in part]), run[0][1]))
-            report.chunks_written += 1
+        merged = _merged(run, target_points)
+        try:
+            with transaction(conn):
+                if conn.executemany(_DELETE_AS_READ, [(r[0], r[3]) for r in run]).rowcount != len(run):
+                    raise _Moved
+                for chunk in merged:
+                    write_chunk(conn, series_id, chunk)
+        except _Moved:
+            continue                                             # rolled back: merged already
+        report.chunks_written += len(merged)
         report.chunks_merged += len(run)
+
+
+def _merged(run: list[ChunkRow], target_points: int) -> list[EncodedChunk]:
+    """A run's points in time order, in chunks of up to `target_points`."""
+    t_ms, q = [], []
+    for _, _, data, _ in run:
+        decoded = codec.decode(data)
+        t_ms.extend(decoded.t_ms.tolist())
+        q.extend(decoded.q.tolist())
+    order = sorted(range(len(t_ms)), key=t_ms.__getitem__)
+    return [EncodedChunk.of(codec.ChunkEncoder.of([t_ms[i] for i in part], [q[i] for i in part]), run[0][1])
+            for part in (order[start:start + target_points] for start in range(0, len(order), target_points))]
 
 
 def _runs_to_merge(rows: list[ChunkRow], target_points: int) -> list[list[ChunkRow]]:

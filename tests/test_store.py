@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from store import codec, queries
+from store import codec, compaction, queries
 from store.db import Store
 from store.errors import StoreError
 
@@ -162,34 +162,83 @@ def test_two_writers_and_a_reader_share_the_file(path):
     assert len(queries.requests(path)) == 30
 
 
-def test_a_flush_holds_the_write_lock_for_its_sql_alone(path):
-    """The codec's work on every open chunk runs before BEGIN IMMEDIATE: in an agent squeezed by memory
-    thrash it faulted for seconds while the collector and the dashboard's writes waited on the lock."""
+def codec_calls(store: Store, action) -> tuple[list[str], int]:
+    """Run `action()` profiled: the codec's calls made inside a transaction of the store's connection,
+    and the chunks it encoded outside one."""
     calls: list[tuple[str, str]] = []
 
     def profile(frame, event, arg):
         if event == "call" and frame.f_code.co_filename == codec.__file__:
             calls.append(("codec", frame.f_code.co_name))
 
-    with Store(path, chunk_points=50, autoflush_s=0) as store:
-        store.conn.set_trace_callback(lambda sql: calls.append(("sql", sql.split()[0].upper())))
-        sys.setprofile(profile)
-        try:
-            for i in range(60):          # open chunks extended flush after flush, one sealed and a new one opened
-                store.append("block.vda.util", T0 + i, i / 100)
-                store.append("agent.tokens_per_s", T0 + i, 20.0)
-                store.record_request(T0 + i, f"r{i}", 0.1, 0.01, 0.5, 1, 2, 3, 4, 5)
-                if i % 7 == 0 or i == 59:
-                    store.flush()
-        finally:
-            sys.setprofile(None)
-    inside, encoded_outside = False, 0
+    store.conn.set_trace_callback(lambda sql: calls.append(("sql", sql.split()[0].upper())))
+    sys.setprofile(profile)
+    try:
+        action()
+    finally:
+        sys.setprofile(None)
+        store.conn.set_trace_callback(None)
+    inside, within, encoded_outside = False, [], 0
     for kind, name in calls:
         inside = (inside or name == "BEGIN") and name not in ("COMMIT", "ROLLBACK")
-        assert not (inside and kind == "codec"), f"the codec's {name} ran inside the transaction"
-        encoded_outside += kind == "codec" and name == "to_bytes"
-    assert encoded_outside >= 2 * 10 and chunk_sizes(path, "block.vda.util") == [50, 10]
+        if kind == "codec":
+            within += [name] if inside else []
+            encoded_outside += not inside and name == "to_bytes"
+    return within, encoded_outside
+
+
+def test_a_flush_holds_the_write_lock_for_its_sql_alone(path):
+    """The codec's work on every open chunk runs before BEGIN IMMEDIATE: the agent's flush, squeezed by
+    memory thrash, held the lock past the collector's 2 s busy timeout."""
+    def write():
+        for i in range(60):          # open chunks extended flush after flush, one sealed and a new one opened
+            store.append("block.vda.util", T0 + i, i / 100)
+            store.append("agent.tokens_per_s", T0 + i, 20.0)
+            store.record_request(T0 + i, f"r{i}", 0.1, 0.01, 0.5, 1, 2, 3, 4, 5)
+            if i % 7 == 0 or i == 59:
+                store.flush()
+
+    with Store(path, chunk_points=50, autoflush_s=0) as store:
+        within, encoded = codec_calls(store, write)
+    assert within == [] and encoded >= 2 * 10
+    assert chunk_sizes(path, "block.vda.util") == [50, 10]
     assert queries.points(path, "agent.tokens_per_s")[1].tolist() == [20.0] * 60
+
+
+def test_compaction_holds_the_write_lock_for_its_sql_alone(path):
+    """Retention trims the chunk it cuts through, merging re-encodes runs of chunks: before the transaction."""
+    for session in range(4):                 # restarts leave small chunks behind
+        with Store(path, autoflush_s=0) as store:
+            for i in range(session * 30, session * 30 + 30):
+                store.append("mem.free_bytes", T0 + i, 4096 * i)
+    with Store(path, autoflush_s=0) as store:
+        within, encoded = codec_calls(store, lambda: store.compact(now=T0 + 15 + 86400, retention_days=1,
+                                                                   target_points=100))
+    assert within == [] and encoded == 1 + 2           # the trimmed chunk; 105 points merged into 2
+    assert chunk_sizes(path, "mem.free_bytes") == [100, 5]
+    assert queries.points(path, "mem.free_bytes")[1].tolist() == [4096.0 * i for i in range(15, 120)]
+
+
+def test_a_run_another_compaction_merged_meanwhile_is_left_as_it_merged_it(path, monkeypatch):
+    """Encoded before its transaction, a merge checks inside it that its chunks are still as read."""
+    for session in range(4):
+        with Store(path, autoflush_s=0) as store:
+            for i in range(session * 30, session * 30 + 30):
+                store.append("mem.free_bytes", T0 + i, 4096 * i)
+    merged, raced = compaction._merged, []
+
+    def merged_while_another_compacts(run, target_points):
+        if not raced:
+            raced.append(run)
+            with Store(path, autoflush_s=0) as other:
+                assert other.compact(now=T0 + 86400, target_points=100).chunks_merged == 4
+        return merged(run, target_points)
+
+    monkeypatch.setattr(compaction, "_merged", merged_while_another_compacts)
+    with Store(path, autoflush_s=0) as store:
+        assert store.compact(now=T0 + 86400, target_points=100).chunks_merged == 0
+    assert chunk_sizes(path, "mem.free_bytes") == [100, 20]
+    assert queries.points(path, "mem.free_bytes")[1].tolist() == [4096.0 * i for i in range(120)]   # none twice
 
 
 def test_a_locked_database_is_reported_held_and_written_when_it_clears(path, caplog):
