@@ -4,9 +4,10 @@ on every flush until it holds `chunk_points` points, then sealed; a new open chu
 The open chunk's encoder is kept, so a flush encodes only the new points and no chunk ever needs
 re-reading to be extended; readers see every flushed point. A flush encodes (`encode`) before its
 transaction and only writes the encoded chunks inside it (`write`): the write lock is held for the
-SQL alone, not for the codec's work on every open chunk, which memory thrash made seconds long in
-the agent while the collector waited on the lock. Not thread-safe on its own: the Store holds its
-lock around every call but `encode` and `write`, which its write lock serialises.
+SQL alone, not for the codec's work on every open chunk (copies, numpy for mode 2's sizes), whose
+pages a thrashing agent faults back in while the collector waits on the lock. Not thread-safe on its
+own: the Store holds its lock around every call but `encode` and `write`, which its write lock
+serialises.
 """
 from __future__ import annotations
 
