@@ -130,7 +130,8 @@ def test_every_time_chart_spans_the_range_and_marks_the_knob_changes_in_it(monke
 def test_a_custom_range_applies_to_every_chart(monkeypatch, offline, db):
     at = open_page(monkeypatch, db)
     at.selectbox(key="window").set_value("Custom").run()
-    start = datetime.fromtimestamp(NOW, timezone.utc).replace(tzinfo=None, second=0, microsecond=0) - timedelta(minutes=5)
+    start = datetime.fromtimestamp(NOW, timezone.utc).replace(tzinfo=None, second=0, microsecond=0)
+    start -= timedelta(minutes=5)
     at.datetime_input(key="range-to").set_value(start + timedelta(minutes=2)).run()
     at.datetime_input(key="range-from").set_value(start).run()
     assert not at.exception
