@@ -8,7 +8,7 @@ share of the slots and its own policy instance; in "global" scope all layers sha
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agent.policies.base import Key, Policy
@@ -181,6 +181,16 @@ class Residency:
         self.stats[key[0]].prefetches += 1
         self._ledger.admitted(key)
         return True, self._admit(part, key, keep)
+
+    def guess(self, layer: int, experts: Sequence[int]) -> list[tuple[Key, Key | None]]:
+        """Admit a lookahead guess at `layer`'s next step, most likely first, while room lasts; returns
+        each admitted key with the key it evicted (or None). No expert the guess names is the victim:
+        evicting one the step will hit only trades that hit for a read. A batched step's guess names
+        most of the layer, so only the few residents it does not name make room, and they go to the
+        likeliest experts (in ascending ids, a fifth of them went to experts the step never used)."""
+        protect = {(layer, e) for e in experts}
+        admitted = [((layer, e), self.prefetch((layer, e), protect)) for e in experts]
+        return [(key, victim) for key, (took, victim) in admitted if took]
 
     def drop(self, key: Key) -> None:
         """Forget a resident key without counting an eviction (e.g. its load failed)."""

@@ -33,6 +33,7 @@ from agent.traces import Trace, TraceError, access_sequence, load, parse_prompts
 
 if TYPE_CHECKING:
     from agent.learned.online import OnlineConfig, OnlineLearner
+    from agent.model.lookahead import Lookahead
 
 SSD_READ_S = 80e-6  # one random NVMe read (DESIGN.md), the synthetic series' floor
 
@@ -150,10 +151,11 @@ def _learner(trace: Trace, policy: str, slots: int, scope: str, config: OnlineCo
 
 
 def replay(trace: Trace, residency: Residency, system: SystemReplay, tokens: range | None = None,
-           ahead: int = IO_THREADS) -> None:
+           ahead: int = IO_THREADS, lookahead: Lookahead | None = None) -> None:
     """Drive `residency` through every step of `trace` (or those of `tokens`), as the runtime would
-    with `ahead` reads in flight. A trace the runtime recorded with monitoring samples gets those,
-    where its cache fed them, instead of `system`."""
+    with `ahead` reads in flight, and with `lookahead` (a CoActivation predictor: the trace has no
+    residual stream) its prefetch guess at the next layer after each layer's step. A trace the
+    runtime recorded with monitoring samples gets those, where its cache fed them, instead of `system`."""
     take = residency.take
     recorded = trace.system
     tokens = tokens if tokens is not None else range(trace.n_tokens)
@@ -172,6 +174,8 @@ def replay(trace: Trace, residency: Residency, system: SystemReplay, tokens: ran
         if row in recorded:
             residency.system(recorded[row])
         take(layer, experts, ahead)
+        if lookahead is not None and (guess := lookahead.after_route(layer, experts, None)) is not None:
+            residency.guess(*guess)
 
 
 def gap_closed(policy: float, lru: float, belady: float) -> float | None:

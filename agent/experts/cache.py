@@ -312,25 +312,24 @@ class ExpertCache:
         return self._inflight.get(key)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """A guess at `layer`'s next step, read once the current step has started all its own reads."""
+        """A guess at `layer`'s next step, most likely first, read once the current step has started
+        all its own reads."""
         with self._lock:
             self._guess = (layer, list(experts))
             self._start_guess()
 
     def _start_guess(self) -> None:
-        """Start the guessed reads while room lasts, if the current step has none left to start:
-        queued behind the step's reads they keep the device busy while the model finishes the step,
-        rather than delaying reads it already waits for. An expert the guess names is never the
-        victim: under batching a guess names most of the layer, and evicting a block the step will
-        hit only trades that hit for a read."""
+        """Start the guessed reads while room lasts (Residency.guess: the likeliest first, never
+        evicting an expert the guess names), if the current step has none left to start: queued
+        behind the step's reads they keep the device busy while the model finishes the step, rather
+        than delaying reads it already waits for."""
         step = self._current
         if self._guess is None or (step is not None and len(step.loads) < len(step.order)):
             return
         layer, experts = self._guess
         self._guess = None
-        protect = {(layer, e) for e in experts}
-        for e in experts:
-            self._prefetch_one((layer, e), protect)
+        for key, victim in self._policy(self._residency.guess, layer, experts):
+            self._start(key, victim)
 
     def preload(self, keys: Iterable[Key]) -> int:
         """Warm-up: bring `keys` in as prefetches (never evicting the pinned set) and wait for them."""
@@ -340,10 +339,10 @@ class ExpertCache:
             load.future.exception()  # wait; a failed read was already dropped and logged
         return sum(load.future.exception() is None for load in loads)
 
-    def _prefetch_one(self, key: Key, protect: Iterable[Key] = ()) -> _Load | None:
+    def _prefetch_one(self, key: Key) -> _Load | None:
         if key in self._residency:
             return None
-        admitted, victim = self._policy(self._residency.prefetch, key, protect)
+        admitted, victim = self._policy(self._residency.prefetch, key)
         return self._start(key, victim) if admitted else None
 
     # -- loading (called under the lock) ---------------------------------------------------------------------

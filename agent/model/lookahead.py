@@ -1,15 +1,18 @@
 """Lookahead prefetch: guess the next MoE layer's experts while this layer's are being read.
 
-Once layer L has routed, a predictor guesses layer L+1's experts and the guess goes to
-`provider.prefetch`. Two predictors:
+Once layer L has routed, a predictor guesses layer L+1's experts, most likely first, and the guess
+goes to `provider.prefetch`, which reads the likeliest while room lasts: a batched step's guess names
+most of the layer (the union over its tokens), more than the partition has room to read into without
+evicting an expert the guess names, so its order decides which few are read. Two predictors:
 - RouterGuess (the default): layer L+1's router applied to L+1's own post-attention RMSNorm of the
   residual stream entering L's MoE (L+1's attention and L's expert output are not known yet, so this
-  is the best guess available before L's experts run). The residual stream changes little from one
-  layer to the next, which is what makes the guess useful.
+  is the best guess available before L's experts run), ranked by how many tokens would choose each
+  expert. The residual stream changes little from one layer to the next, which is what makes the
+  guess useful.
 - CoActivation: when a route trace imposes the routing, the router of a random-weight model cannot
   predict it. Instead, the experts routed at L+1 most often in this run's earlier steps together
-  with the experts L routed now, counted online (no future knowledge): on OLMoE's decode traces
-  61-72% of its guesses are right, where a trained model's own router does better.
+  with the experts L routed now, counted online (no future knowledge), most often first: on OLMoE's
+  decode traces 61-72% of its guesses are right, where a trained model's own router does better.
 Accuracy: of the experts predicted for a layer, how many its real routing then used.
 """
 from __future__ import annotations
@@ -21,12 +24,12 @@ from typing import Protocol
 import numpy as np
 from torch import Tensor
 
-Guess = Callable[[Tensor], list[int]]   # residual stream [T, D] -> the experts a layer's router would choose
+Guess = Callable[[Tensor], list[int]]   # residual stream [T, D] -> the experts a layer's router would choose, most tokens first
 
 
 class Predictor(Protocol):
     def predict(self, layer: int, routed: list[int], residual: Tensor) -> list[int] | None:
-        """Layer `layer` routed `routed`: the experts layer+1 will want, or None for no guess."""
+        """Layer `layer` routed `routed`: the experts layer+1 will want, most likely first, or None for no guess."""
 
 
 @dataclass
@@ -43,7 +46,8 @@ class CoActivation:
         self._last: dict[int, list[int]] = {}                               # this step's routing so far
 
     def predict(self, layer: int, routed: list[int], residual: Tensor) -> list[int] | None:
-        """As many experts as `routed`, those most often seen at layer+1 with them; none never seen."""
+        """As many experts as `routed`, those most often seen at layer+1 with them, most often first
+        (ties: lower id first); none never seen."""
         previous = self._last.get(layer - 1)
         if previous is not None:
             self.counts[layer - 1][np.ix_(previous, routed)] += 1
@@ -52,7 +56,7 @@ class CoActivation:
             return None
         score = self.counts[layer, routed].sum(0)                            # [E]
         best = np.argsort(-score, kind="stable")[:len(routed)]
-        return sorted(int(e) for e in best if score[e] > 0) or None
+        return [int(e) for e in best if score[e] > 0] or None
 
 
 @dataclass

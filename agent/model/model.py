@@ -226,7 +226,7 @@ class Block(nn.Module):
         experts), so a bound method would close a cycle that keeps the model, and an mmap store's
         mapping, alive after use until the garbage collector runs."""
         norm, gate = self.post_attention_layernorm, self.mlp.gate
-        return lambda residual: gate(norm(residual)).experts
+        return lambda residual: gate(norm(residual)).ranked
 
 
 class Transformer(nn.Module):

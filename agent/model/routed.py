@@ -38,6 +38,12 @@ class Routing:
         """The union over the step's tokens, ascending: what the provider is routed."""
         return list(self.assignments)
 
+    @property
+    def ranked(self) -> list[int]:
+        """The union, most tokens first (ties: the larger summed gate weight): a guess's order."""
+        weight = {e: float(self.weights[tok, rank].sum()) for e, (tok, rank) in self.assignments.items()}
+        return sorted(self.assignments, key=lambda e: (-len(self.assignments[e][0]), -weight[e]))
+
 
 @dataclass
 class RoutedExperts:
