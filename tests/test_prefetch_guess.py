@@ -83,12 +83,12 @@ def test_the_bench_splits_a_tiny_burst_s_disk_idle_and_counts_both_guesses(tmp_p
     from test_route_trace import records, write_trace
 
     from agent.cli import main as cli
-    from bench.prefetch_guess import burst
+    from bench.prefetch_guess import VARIANTS, burst
     from bench.serve import request_mix
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf", num_hidden_layers=3, eos_token_id=None)
     assert cli(["convert", str(ckpt.path), str(tmp_path / "store")]) == 0
     trace = write_trace(tmp_path / "t.jsonl", records(64))
-    runs = {v: burst(tmp_path / "store", [trace], 3, "lru", v, cap="50%") for v in ("ranked", "ascending")}
+    runs = {v: burst(tmp_path / "store", [trace], 3, "lru", v, cap="50%") for v in VARIANTS}
     for run in runs.values():
         assert run["decode_steps"] == max(c[0]["max_tokens"] for c in request_mix(3, 1)) - 1  # the first token: admission
         assert 0 <= sum(run["decode_idle_s"].values()) <= run["decode_wall_s"]
