@@ -22,15 +22,10 @@ def step_window(size: int, at: int, residents: int, room: int, ahead: int) -> tu
     `size` experts in the order they are taken (its `residents` resident ones first), a partition of
     `room` slots. A step that fits is pinned whole; a larger one (a batch's union) `ahead` experts from
     `at` on, and its residents until their use, so none is evicted before it is used and every miss
-    finds an expert to evict (at most `ahead` - 1 stay pinned). Its first misses, up to `ahead` past
-    the residents, are pinned from the start, so their reads start at once into the slots of the
-    residents the step does not route rather than wait while the residents are computed: the policy
-    loses its choice between those and the residents just used, a choice that hardly ever mattered
-    (OLMoE's traces at 8 and 16 requests a step: LRU's hits unchanged, the learned policy's within
-    4 of ~40,000)."""
+    finds an expert to evict (at most `ahead` - 1 stay pinned)."""
     span = room if size <= room else min(room, ahead)
     start = max(0, min(at, size - span))
-    return start, max(start + span, residents, min(size, room, residents + ahead))
+    return start, max(start + span, residents)
 
 
 @dataclass

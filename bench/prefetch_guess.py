@@ -1,4 +1,4 @@
-"""Where a batched decode step leaves the disk idle, and what the guess's order and the first misses' early reads change.
+"""Where a batched decode step leaves the disk idle, and what the lookahead guess's order changes.
 
     flock /work/wt/bench.lock .venv/bin/python bench/prefetch_guess.py --model /work/models/olmoe-1b-7b-int8 \
         --route-trace /work/shared/traces/decode/olmoe_math.jsonl /work/shared/traces/decode/olmoe_dialogue.jsonl \
@@ -7,12 +7,10 @@
 bench/serve.py's burst without the HTTP around it: its request mix (one request per client, 4-12
 greedy tokens), every prompt admitted in one step, then batched decode steps until the last request
 ends, on the model and ExpertCache in this process (O_DIRECT, cache cap 25% of expert bytes, as the
-agent serves; no cgroup: O_DIRECT reads do not go through the page cache). Each round runs it from a
-cold cache in three variants, in rotating order: the runtime's (the guess ranked, most likely first;
-a step's first misses read at once into the slots of the residents it does not route), the same with
-the misses waiting for the window to pass the residents (agent/residency.py's step_window as it was),
-and that with the guess in ascending expert ids (what the predictors gave before): the code before.
-A 2-client run before the rounds, not counted, faults in the dense weights and compiles what compiles.
+agent serves; no cgroup: O_DIRECT reads do not go through the page cache). Each round runs it twice
+from a cold cache, in alternating order: with the guess ranked (the runtime's: most likely first) and
+with the same guess in ascending expert ids (what the predictors gave before). A 2-client run before
+the rounds, not counted, faults in the dense weights and compiles what compiles.
 
 Every read's start and end (the cache's own busy accounting: a read and its CRC check) and every
 layer's route() and get() are timed, and the decode steps' disk idle (no read running) is split by
@@ -25,13 +23,11 @@ variant reads the same in every round. Writes bench/results/prefetch-guess.json 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -47,8 +43,7 @@ from agent.tokenizer import load_tokenizer  # noqa: E402
 from bench.common import machine, results_name, write_results  # noqa: E402
 from bench.serve import CAP, request_mix  # noqa: E402
 
-VARIANTS = {"ranked, misses at once": (False, False), "ranked, misses wait": (False, True),
-            "ascending, misses wait": (True, True)}   # name -> (guess in ascending ids, the window as it was)
+VARIANTS = ("ranked", "ascending")
 
 
 class Ascending:
@@ -60,14 +55,6 @@ class Ascending:
     def predict(self, layer, routed, residual):
         guess = self.inner.predict(layer, routed, residual)
         return None if guess is None else sorted(guess)
-
-
-def window_as_it_was(size: int, at: int, residents: int, room: int, ahead: int) -> tuple[int, int]:
-    """step_window before a step's first misses were pinned from the start: they waited for the window
-    to pass the residents."""
-    span = room if size <= room else min(room, ahead)
-    start = max(0, min(at, size - span))
-    return start, max(start + span, residents)
 
 
 class Timeline:
@@ -125,18 +112,10 @@ class Timeline:
 
 def burst(model_dir: Path, traces: list[Path], clients: int, policy: str, variant: str, cap: str = CAP) -> dict:
     """One cold run of the burst; the decode steps' wall time, disk idle and counts, and the admission's wall."""
-    ascending, wait = VARIANTS[variant]
-    with contextlib.ExitStack() as stack:
-        if wait:
-            stack.enter_context(mock.patch("agent.experts.cache.step_window", window_as_it_was))
-        return _burst(model_dir, traces, clients, policy, ascending, cap) | {"variant": variant}
-
-
-def _burst(model_dir: Path, traces: list[Path], clients: int, policy: str, ascending: bool, cap: str) -> dict:
     index = Index.load(model_dir / INDEX)
     with ExpertCache(model_dir, parse_cap(cap, index.nbytes * len(index.blocks)), policy=policy) as cache:
         model = load_model(model_dir, cache, prefetch=True, route_trace=traces)
-        if ascending:
+        if variant == "ascending":
             model.lookahead.predictor = Ascending(model.lookahead.predictor)
         timeline, tokenizer = Timeline(cache), load_tokenizer(model_dir)
         requests = [client[0] for client in request_mix(clients, 1)]
@@ -156,7 +135,7 @@ def _burst(model_dir: Path, traces: list[Path], clients: int, policy: str, ascen
     (a0, a1, _, _), decode = steps[0], steps[1:]
     first, last = decode[0][2], decode[-1][3]
     idle = [timeline.idle(t0, t1) for t0, t1, _, _ in decode]
-    return {"admission_wall_s": a1 - a0, "decode_steps": len(decode),
+    return {"variant": variant, "admission_wall_s": a1 - a0, "decode_steps": len(decode),
             "decode_wall_s": sum(t1 - t0 for t0, t1, _, _ in decode),
             "decode_idle_s": {k: sum(i[k] for i in idle) for k in idle[0]},
             "decode_hits": last.hits - first.hits, "decode_misses": last.misses - first.misses,
@@ -191,11 +170,10 @@ def main() -> int:
     parser.add_argument("--results", type=results_name, default="prefetch-guess")
     args = parser.parse_args()
     torch.set_num_threads(1)   # as the agent's decode thread
-    burst(args.model, args.route_trace, 2, args.policy, next(iter(VARIANTS)))  # warm-up: the first run faulted in
+    burst(args.model, args.route_trace, 2, args.policy, VARIANTS[0])  # warm-up: the first run faulted in
     runs = []                                                                  # the dense weights, 2-3x slower
     for round_ in range(args.rounds):
-        names = list(VARIANTS)
-        for variant in names[round_ % 3:] + names[:round_ % 3]:
+        for variant in VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]:
             print(f"round {round_ + 1}/{args.rounds}: {variant} ...", flush=True)
             runs.append({"round": round_, **burst(args.model, args.route_trace, args.clients, args.policy, variant)})
             print(runs[-1], flush=True)
