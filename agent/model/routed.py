@@ -41,8 +41,10 @@ class Routing:
     @property
     def ranked(self) -> list[int]:
         """The union, most tokens first (ties: the larger summed gate weight): a guess's order."""
-        weight = {e: float(self.weights[tok, rank].sum()) for e, (tok, rank) in self.assignments.items()}
-        return sorted(self.assignments, key=lambda e: (-len(self.assignments[e][0]), -weight[e]))
+        ids = self.ids.flatten()
+        tokens = torch.bincount(ids).tolist()                                                    # [max id + 1]
+        weight = torch.zeros(len(tokens)).index_add_(0, ids, self.weights.flatten().float()).tolist()
+        return sorted(self.experts, key=lambda e: (-tokens[e], -weight[e]))
 
 
 @dataclass
