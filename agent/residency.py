@@ -187,7 +187,8 @@ class Residency:
         each admitted key with the key it evicted (or None). No expert the guess names is the victim:
         evicting one the step will hit only trades that hit for a read. A batched step's guess names
         most of the layer, so only the few residents it does not name make room, and they go to the
-        likeliest experts (in ascending ids, a fifth of them went to experts the step never used)."""
+        likeliest experts (in ascending ids, 19-31% of them went unused on OLMoE's traces at 8 requests
+        a step; ranked, 4-12%)."""
         protect = {(layer, e) for e in experts}
         admitted = [((layer, e), self.prefetch((layer, e), protect)) for e in experts]
         return [(key, victim) for key, (took, victim) in admitted if took]

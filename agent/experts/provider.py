@@ -2,8 +2,8 @@
 
 The model calls, per MoE layer and decode step: route() once with the experts the router chose
 for the whole batch, then get() for each of them, in the order route() returned (None: as routed),
-and prefetch() with its guess for the next layer, most likely first. Tensors returned by get() stay valid until the
-next route() of the same layer.
+and prefetch() with its guess for the next layer, most likely first. Tensors returned by get() stay
+valid until the next route() of the same layer.
 """
 from __future__ import annotations
 

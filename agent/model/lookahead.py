@@ -24,12 +24,12 @@ from typing import Protocol
 import numpy as np
 from torch import Tensor
 
-Guess = Callable[[Tensor], list[int]]   # residual stream [T, D] -> the experts a layer's router would choose, most tokens first
+Guess = Callable[[Tensor], list[int]]   # residual stream [T, D] -> a layer router's choice, most tokens first
 
 
 class Predictor(Protocol):
     def predict(self, layer: int, routed: list[int], residual: Tensor) -> list[int] | None:
-        """Layer `layer` routed `routed`: the experts layer+1 will want, most likely first, or None for no guess."""
+        """Layer `layer` routed `routed`: the experts layer+1 will want, most likely first (None: no guess)."""
 
 
 @dataclass
