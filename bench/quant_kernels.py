@@ -10,7 +10,9 @@ engine runs one):
 - int8 kernel: torch's `_weight_int8pack_mm` (x @ (q * scale).T, scale per output channel);
 - int8 converted: q converted to bf16 for the matmul, output channels scaled after;
 - int8 W8A8: the activations quantized too (per token, symmetric) for torch's int8 x int8 matmul
-  (`_int_mm`), which adds their rounding error: measured as an option, not used by the runtime;
+  (`_int_mm`, int32 sums), then scaled per token and output channel (agent/experts/quant.py
+  linear_int8_w8a8, which the runtime takes from W8A8_MIN_TOKENS tokens; its time includes quantizing
+  the activations and scaling the sums), which adds the activations' rounding error;
 - int4 kernel: torch's `_weight_int4pack_mm_for_cpu` on the store's int4 block (agent/experts/quant.py,
   a scale and zero per 64 weights along a row);
 - int4 kernel chunked: the same kernel called on chunks of at most --chunk tokens;
@@ -40,7 +42,7 @@ from agent.experts.layout import EXPERTS
 from agent.experts.provider import ExpertWeights
 from agent.experts.reader import IO_THREADS
 from agent.experts.quant import (INT4_GROUP, Int4Expert, Int8Expert, dequantize_int4, linear_int8_converted,
-                                 linear_int8_kernel, pack_int4, quantize_groups, quantize_rows)
+                                 linear_int8_kernel, linear_int8_w8a8, pack_int4, quantize_groups, quantize_rows)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
@@ -96,13 +98,6 @@ def swiglu_with(linear: Callable, expert: Int8Expert, x: torch.Tensor) -> torch.
     return linear(F.silu(gate) * up, expert.down, expert.down_scale)
 
 
-def linear_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    x32 = x.float()
-    x_scale = x32.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127  # [t, 1]
-    xq = torch.round(x32 / x_scale).to(torch.int8)
-    return (torch._int_mm(xq, q.T) * x_scale * scale.float()).to(x.dtype)
-
-
 def measure(hidden: int, inter: int, tokens: list[int], chunk: int, repeats: int) -> dict:
     plain, int8, int4 = experts(hidden, inter)
     rows = []
@@ -114,7 +109,7 @@ def measure(hidden: int, inter: int, tokens: list[int], chunk: int, repeats: int
             for name, fn in {"bf16": lambda: plain(x),
                              "int8 kernel": lambda: swiglu_with(linear_int8_kernel, int8, x),
                              "int8 converted": lambda: swiglu_with(linear_int8_converted, int8, x),
-                             "int8 W8A8": lambda: swiglu_with(linear_w8a8, int8, x),
+                             "int8 W8A8": lambda: swiglu_with(linear_int8_w8a8, int8, x),
                              "int4 kernel": lambda: int4_kernel(int4, x),
                              "int4 kernel chunked": lambda: int4_kernel_chunked(int4, x, chunk),
                              "int4 dequantized": lambda: int4_dequantized(int4, x)}.items():

@@ -65,7 +65,7 @@ def test_zero_rows_stay_zero_and_non_finite_weights_are_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 3, 40])  # the int8 kernel and the conversion path
+@pytest.mark.parametrize("tokens", [1, 3, 40])  # bf16: int8 activations, the int8 kernel, int8 activations
 @pytest.mark.parametrize("width", [64, 24, 40])  # the kernel takes multiples of 16 only
 def test_int8_linear_is_the_matmul_with_dequantized_weights(dtype, tokens, width):
     torch.manual_seed(0)
@@ -73,6 +73,58 @@ def test_int8_linear_is_the_matmul_with_dequantized_weights(dtype, tokens, width
     x = torch.randn(tokens, width, dtype=dtype)
     want = x.float() @ (q.float() * scale.float()[:, None]).T
     torch.testing.assert_close(linear_int8(x, q, scale).float(), want, atol=0.05 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 100])
+@pytest.mark.parametrize("width", [2048, 40])
+def test_int8_activations_are_within_half_a_step_of_their_token_scale(tokens, width):
+    """W8A8 against the float matmul on the same int8 weights: each activation is off by at most half its
+    token's step (max |x| of the row / 127), so an output by at most half a step times the row's sum of
+    |w|, plus the bf16 output's own rounding."""
+    torch.manual_seed(0)
+    q, scale = quantize_rows(torch.randn(64, width), torch.bfloat16)
+    x = (torch.randn(tokens, width) * torch.logspace(-3, 3, tokens)[:, None]).to(torch.bfloat16)  # scales apart
+    w = q.float() * scale.float()[:, None]
+    want = x.double() @ w.double().T
+    step = x.float().abs().amax(dim=1, keepdim=True) / QMAX
+    bound = 0.5 * step.double() * w.abs().sum(1).double() * (1 + 1e-5) + want.abs() * 2 ** -8
+    error = (quant.linear_int8_w8a8(x, q, scale).double() - want).abs()
+    assert (error <= bound).all() and error.max() > 0
+
+
+def test_int8_activations_of_a_zero_row_are_zero_and_a_non_finite_row_stays_non_finite():
+    torch.manual_seed(0)
+    q, scale = quantize_rows(torch.randn(32, 64), torch.bfloat16)
+    x = torch.randn(12, 64, dtype=torch.bfloat16)
+    x[1] = 0
+    x[3, 5], x[4, 0], x[5, 63] = float("nan"), float("inf"), -float("inf")
+    got = quant.linear_int8_w8a8(x, q, scale)
+    assert not got[1].any()
+    finite = torch.isfinite(got)
+    assert torch.equal(finite, torch.isfinite(quant.linear_int8_converted(x, q, scale)))  # as the float path
+    assert not finite[3:6].any() and finite[[0, 1, 2, *range(6, 12)]].all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("activations", [True, False])
+def test_linear_int8_quantizes_bf16_activations_at_one_token_and_above_the_kernels_range(monkeypatch, dtype,
+                                                                                        activations):
+    monkeypatch.setattr(quant, "INT8_ACTIVATIONS", activations)
+    taken = []
+    for name in ("linear_int8_w8a8", "linear_int8_kernel", "linear_int8_converted"):
+        real = getattr(quant, name)
+        monkeypatch.setattr(quant, name, lambda *a, real=real, name=name: taken.append(name) or real(*a))
+    q, scale = quantize_rows(torch.randn(32, 64), torch.float32 if dtype == torch.float16 else dtype)
+    last = quant.INT8_KERNEL_MAX_TOKENS
+    for tokens in (1, 2, last, last + 1, 200):
+        linear_int8(torch.randn(tokens, 64, dtype=dtype), q, scale)
+    if dtype != torch.bfloat16:
+        assert taken == ["linear_int8_converted"] * 5
+    elif activations:
+        assert taken == ["linear_int8_w8a8", "linear_int8_kernel", "linear_int8_kernel", "linear_int8_w8a8",
+                         "linear_int8_w8a8"]
+    else:
+        assert taken == ["linear_int8_kernel"] * 3 + ["linear_int8_converted"] * 2
 
 
 @settings(max_examples=100, deadline=None)
