@@ -1,16 +1,20 @@
 """How far quantized experts move the model: next-token distributions of int8 and int4 stores against their source.
 
-    .venv/bin/python bench/quant_error.py [--pair PLAIN_STORE QUANTIZED_STORE]... [--tokens 64] [--cap 2GB]
-                                          [--results quant_error]
+    .venv/bin/python bench/quant_error.py [--pair PLAIN_STORE QUANTIZED_STORE]... [--tokens 64] [--prefill N]
+                                          [--no-parity] [--cap 2GB] [--results quant_error]
 
 The parity checkpoints (tests/hf_models.py: tiny random-weight OLMoE, Qwen3-MoE, Qwen2-MoE and
 Mixtral, in float32 and bfloat16) are converted three times, as they are and with --quantize int8 and
 int4; with --pair, two stores converted from one checkpoint (e.g. the OLMoE-1B-7B-shaped model and its
-int8 or int4 twin) are compared as well, their experts read through the cache (O_DIRECT, LRU, --cap).
-Each model reads the same seeded random token sequence teacher-forced: its first half as one prefill
-step (many tokens per expert: the conversion or dequantized path of agent/experts/quant.py), then one
-token per step (decode: torch's int8 or int4 kernel in bf16). At every position: the largest |logit
-difference|, KL(source || quantized) of the next-token distribution, and whether the top token agrees.
+int8 or int4 twin) are compared as well, their experts read through the cache (O_DIRECT, LRU, --cap);
+--no-parity leaves the parity checkpoints out (their 128 positions are too few for a long --prefill).
+Each model reads the same seeded random token sequence teacher-forced: its first --prefill tokens (half
+by default) as one prefill step (many tokens per expert), then one token per step (decode). An int8
+store is measured twice: as the runtime computes it (bf16 activations quantized to int8 above 8 tokens
+per expert, agent/experts/quant.py) and with its weights only quantized (what the runtime did before;
+float32 models compute that way either way). At every position: the largest
+|logit difference|, KL(source || quantized) of the next-token distribution, and whether the top token
+agrees.
 JSON: bench/results/<--results>.json.
 """
 from __future__ import annotations
@@ -18,12 +22,15 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from agent.convert import convert
+from agent.experts import quant
 from agent.experts.cache import ExpertCache
 from agent.experts.cap import parse_cap
 from agent.experts.layout import CONFIG, INDEX, Index
@@ -59,13 +66,24 @@ def compare(ref: torch.Tensor, got: torch.Tensor, model: str) -> Error:
                  kl.max().item(), (got.argmax(-1) == ref.argmax(-1)).float().mean().item())
 
 
-def sequence_logits(store: Path, provider: ExpertProvider, ids: list[int]) -> torch.Tensor:
-    """[len(ids), V]: the first half as one prefill step, then one token per step."""
+def sequence_logits(store: Path, provider: ExpertProvider, ids: list[int], prefill: int) -> torch.Tensor:
+    """[len(ids), V]: the first `prefill` as one step, then one token per step."""
     model = load_model(store, provider)
-    seq, half = model.new_sequence(len(ids)), len(ids) // 2
-    out = [model.step([(seq, torch.tensor(ids[:half]))], all_logits=True)[0]]
-    out += [model.step([(seq, torch.tensor([t]))], all_logits=True)[0] for t in ids[half:]]
+    seq = model.new_sequence(len(ids))
+    out = [model.step([(seq, torch.tensor(ids[:prefill]))], all_logits=True)[0]]
+    out += [model.step([(seq, torch.tensor([t]))], all_logits=True)[0] for t in ids[prefill:]]
     return torch.cat(out)
+
+
+def ways(quantized: str) -> Iterator[str]:
+    """How a store of `quantized` is computed, each way set up while the caller's loop body runs: int8
+    with its activations quantized where the runtime does, and with its weights only."""
+    if quantized != "int8":
+        yield quantized
+        return
+    yield "int8 W8A8"
+    with mock.patch.object(quant, "INT8_ACTIVATIONS", False):
+        yield "int8 weights only"
 
 
 def token_ids(vocab: int, n: int) -> list[int]:
@@ -75,7 +93,7 @@ def token_ids(vocab: int, n: int) -> list[int]:
 QUANTS = ("int8", "int4")
 
 
-def parity(tokens: int) -> list[Error]:
+def parity(tokens: int, prefill: int) -> list[Error]:
     errors = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ARCHS:
@@ -84,15 +102,16 @@ def parity(tokens: int) -> list[Error]:
                 ckpt = tiny_checkpoint(arch, work / "hf", dtype=dtype)
                 ids = token_ids(ckpt.model.config.vocab_size, tokens)
                 plain = _converted(ckpt.path, work / "plain")
-                ref = sequence_logits(plain, InMemoryExperts(plain), ids)
-                for quant in QUANTS:
-                    store = _converted(ckpt.path, work / quant, quant)
-                    got = sequence_logits(store, InMemoryExperts(store), ids)
-                    errors.append(compare(ref, got, f"{arch} {name} (tiny parity checkpoint), {quant}"))
+                ref = sequence_logits(plain, InMemoryExperts(plain), ids, prefill)
+                for quantized in QUANTS:
+                    store = _converted(ckpt.path, work / quantized, quantized)
+                    for way in ways(quantized):
+                        got = sequence_logits(store, InMemoryExperts(store), ids, prefill)
+                        errors.append(compare(ref, got, f"{arch} {name} (tiny parity checkpoint), {way}"))
     return errors
 
 
-def pairs(stores: list[tuple[Path, Path]], tokens: int, cap: str) -> list[Error]:
+def pairs(stores: list[tuple[Path, Path]], tokens: int, prefill: int, cap: str) -> list[Error]:
     """Each (plain, quantized) pair of stores of one checkpoint, their experts read through the cache
     with the same cap in bytes (that of the plain store's `cap`)."""
     refs, errors = {}, []
@@ -101,15 +120,16 @@ def pairs(stores: list[tuple[Path, Path]], tokens: int, cap: str) -> list[Error]
         cap_bytes = parse_cap(cap, index.nbytes * len(index.blocks))
         ids = token_ids(MoEConfig.from_file(plain / CONFIG).vocab_size, tokens)
         if plain not in refs:
-            refs[plain] = _cached_logits(plain, cap_bytes, ids)
-        quant = Index.load(quantized / INDEX).quant
-        errors.append(compare(refs[plain], _cached_logits(quantized, cap_bytes, ids), f"{quantized} ({quant})"))
+            refs[plain] = _cached_logits(plain, cap_bytes, ids, prefill)
+        for way in ways(Index.load(quantized / INDEX).quant):
+            got = _cached_logits(quantized, cap_bytes, ids, prefill)
+            errors.append(compare(refs[plain], got, f"{quantized} ({way})"))
     return errors
 
 
-def _cached_logits(store: Path, cap_bytes: int, ids: list[int]) -> torch.Tensor:
+def _cached_logits(store: Path, cap_bytes: int, ids: list[int], prefill: int) -> torch.Tensor:
     with ExpertCache(store, cap_bytes, policy="lru", backend="direct") as cache:
-        return sequence_logits(store, cache, ids)
+        return sequence_logits(store, cache, ids, prefill)
 
 
 def _converted(src: Path, dst: Path, quantize: str | None = None) -> Path:
@@ -123,17 +143,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pair", nargs=2, type=Path, action="append", default=[], metavar=("PLAIN", "QUANTIZED"),
                         help="two stores of one checkpoint, unquantized and int8 or int4 (repeatable)")
     parser.add_argument("--tokens", type=count, default=64, help="length of the token sequence")
+    parser.add_argument("--prefill", type=count, help="tokens of the prefill step (default: half of --tokens)")
+    parser.add_argument("--parity", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the parity checkpoints (--no-parity: the --pair stores only)")
     parser.add_argument("--cap", default="2GB", help="cache cap for --pair stores")
     parser.add_argument("--results", type=results_name, default="quant_error", help="name of the JSON in bench/results/")
     args = parser.parse_args(argv)
+    prefill = args.prefill or args.tokens // 2
+    if prefill > args.tokens:
+        parser.error(f"--prefill {prefill} is more than --tokens {args.tokens}")
     torch.set_num_threads(1)
-    errors = parity(args.tokens) + pairs(args.pair, args.tokens, args.cap)
+    errors = (parity(args.tokens, prefill) if args.parity else []) + pairs(args.pair, args.tokens, prefill, args.cap)
     print("| model | positions | max logit diff | largest logit | mean KL | max KL | top-1 agreement |")
     print("|---|---|---|---|---|---|---|")
     for e in errors:
         print(f"| {e.model} | {e.positions} | {e.max_logit_diff:.4f} | {e.largest_logit:.2f} | {e.mean_kl:.2e} | "
               f"{e.max_kl:.2e} | {e.top1_agreement:.3f} |")
-    write_results(args.results, {"tokens": args.tokens,
+    write_results(args.results, {"tokens": args.tokens, "prefill": prefill,
                                   "errors": [asdict(e) for e in errors],
                                   "pairs": [[str(p), str(q)] for p, q in args.pair], "machine": machine()})
     return 0

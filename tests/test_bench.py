@@ -36,6 +36,8 @@ def test_bench_script_imports_and_parses_its_arguments(script):
                                                       ("batching", ["--batches", "1,a"], "got 'a'"),
                                                       ("quant_kernels", ["--tokens", "1,x"], "got 'x'"),
                                                       ("quant_kernels", ["--threads", "0"], "--threads: must be at least 1"),
+                                                      ("quant_error", ["--tokens", "4", "--prefill", "8"],
+                                                       "--prefill 8 is more than --tokens 4"),
                                                       ("policies", ["--results", ""], "expected a file name")])
 def test_a_bad_count_is_one_usage_line_not_a_traceback(script, args, says):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), *args], cwd=ROOT,

@@ -7,14 +7,16 @@ scale = max |w| of the row / 127, stored in the checkpoint's dtype (float32 for 
 against that stored scale, so the scale's own rounding costs nothing. Half the bytes of a bf16 block: each
 miss reads half as much, and the same cache cap holds twice the experts.
 
-Compute never dequantizes a whole block into RAM. A bf16 model quantizes its activations too where
-that is faster (W8A8: one token, and more than 8 tokens per expert, as in prefill and large batches):
-per token, symmetric, x ~ xq * x_scale, for torch's int8 x int8 matmul with int32 sums, scaled per token
-and output channel after (on this AVX-512 VNNI CPU an OLMoE expert costs 0.22x the CPU time of the bf16
-matvec at one token and 0.6-0.8x bf16's matmul from 12 tokens on, bench/quant_kernels.py). It rounds the
-activations as well as the weights (bench/quant_error.py measures what that adds). 2-8 tokens run
-torch's int8-weight kernel (`_weight_int8pack_mm`: x @ (q * scale).T, 0.4-0.8x bf16); another dtype
-converts q to the model's (float32 for float16) for the matmul and scales its output channels after.
+Compute never dequantizes a whole block into RAM. A bf16 model with few tokens per expert (decode)
+runs torch's int8-weight kernel (`_weight_int8pack_mm`: x @ (q * scale).T; for one token an expert
+costs 0.4-0.5x the CPU time of the bf16 matvec on this CPU, bench/quant_kernels.py). With more than 8
+(prefill, large batches), whose cost in the kernel grows with every token, it quantizes its activations
+too (W8A8): per token, symmetric, x ~ xq * x_scale, for torch's int8 x int8 matmul with int32 sums,
+scaled per token and output channel after; on this AVX-512 VNNI CPU an OLMoE expert then costs
+0.6-0.9x the CPU time of bf16's matmul, where converting q for it cost 1.1-1.7x. That rounds the
+activations as well as the weights (bench/quant_error.py measures what it adds). Another dtype, or a
+width the kernel does not take, converts q to the model's dtype (float32 for float16) for the matmul
+and scales its output channels after.
 
 int4 (asymmetric, group-wise along a row, as torch's int4 kernel reads it): w ~ (q - 8) * scale + zero,
 q in 0..15, one scale and one zero per group of INT4_GROUP weights, scale = (max - min) / 15 and zero =
@@ -44,10 +46,11 @@ from agent.experts.layout import INT4_GROUP, INT4_ROWS, Index, Part, int4_padded
 QMAX = 127
 INT4_LEVELS = 15  # q in 0..INT4_LEVELS; the kernel subtracts INT4_MID
 INT4_MID = 8
-# bf16 x: torch's int8-weight kernel for 2..8 tokens; int8 activations (W8A8) for 1 token and above 8, where
-# they take 0.3-0.7x the kernel's CPU time and 0.6x converting q's from 16 tokens on (bench/quant_kernels.py)
+# bf16 x: torch's int8-weight kernel up to 8 tokens; above, int8 activations (W8A8: 0.86x the kernel's CPU time
+# at 12 tokens, 0.6x converting q's from 16 on; bench/quant_kernels.py). At one token W8A8 takes 0.5x the
+# kernel's time too, but it would change every decoded token's rounding: left to a measured decision
 INT8_KERNEL_MAX_TOKENS = 8
-INT8_ACTIVATIONS = True  # W8A8 where it is faster; bench/quant_error.py turns it off to measure its error
+INT8_ACTIVATIONS = True  # W8A8 above INT8_KERNEL_MAX_TOKENS; bench/quant_error.py turns it off to measure its error
 INT4_KERNEL_MAX_TOKENS = 32  # above 32-48 tokens dequantizing and torch's matmul win (bench/quant_kernels.py)
 # torch 2.13's kernel reads whole 16-wide vectors along K: other widths give garbage or a segfault here.
 INT8_KERNEL_K_MULTIPLE = 16
@@ -142,11 +145,10 @@ def linear_int8(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """x [t, in] @ (q * scale[:, None]).T -> [t, out], by whichever way is faster for x."""
     if x.dtype != torch.bfloat16:
         return linear_int8_converted(x, q, scale)
-    tokens = x.shape[0]
-    if INT8_ACTIVATIONS and (tokens == 1 or tokens > INT8_KERNEL_MAX_TOKENS):
-        return linear_int8_w8a8(x, q, scale)
-    if tokens <= INT8_KERNEL_MAX_TOKENS and q.shape[1] % INT8_KERNEL_K_MULTIPLE == 0:
+    if x.shape[0] <= INT8_KERNEL_MAX_TOKENS and q.shape[1] % INT8_KERNEL_K_MULTIPLE == 0:
         return linear_int8_kernel(x, q, scale)
+    if INT8_ACTIVATIONS and x.shape[0] > INT8_KERNEL_MAX_TOKENS:
+        return linear_int8_w8a8(x, q, scale)
     return linear_int8_converted(x, q, scale)
 
 
