@@ -11,7 +11,7 @@ engine runs one):
 - int8 converted: q converted to bf16 for the matmul, output channels scaled after;
 - int8 W8A8: the activations quantized too (per token, symmetric) for torch's int8 x int8 matmul
   (`_int_mm`, int32 sums), then scaled per token and output channel (agent/experts/quant.py
-  linear_int8_w8a8, which the runtime takes from W8A8_MIN_TOKENS tokens; its time includes quantizing
+  linear_int8_w8a8, which the runtime takes above INT8_KERNEL_MAX_TOKENS; its time includes quantizing
   the activations and scaling the sums), which adds the activations' rounding error;
 - int4 kernel: torch's `_weight_int4pack_mm_for_cpu` on the store's int4 block (agent/experts/quant.py,
   a scale and zero per 64 weights along a row);
