@@ -3,7 +3,8 @@
 Restarts leave small chunks behind (each writer seals its open chunk when it stops); merging them
 into chunks of up to `target_points` makes reads decode fewer, larger chunks. Only chunks whose
 data is older than `min_age_s` are merged, which is older than any writer's open chunk
-(store.series_writer.STALE_OPEN_S), so no open chunk is ever rewritten by two writers.
+(store.series_writer.STALE_OPEN_S), so no open chunk is ever rewritten by two writers. Retention
+trims a chunk that straddles its cutoff by the same rule; a younger one is kept whole until then.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def compact(conn: sqlite3.Connection, cutoff: float, merge_before: float,
     One short transaction for retention and one per run merged: chunks are decoded and encoded
     before it, so the write lock is held for the SQL alone."""
     report = Compaction()
-    _retain(conn, cutoff, report)
+    _retain(conn, cutoff, merge_before, report)
     for (series_id,) in conn.execute("SELECT id FROM series").fetchall():
         _merge_series(conn, series_id, merge_before, target_points, report)
     return report
@@ -51,9 +52,12 @@ class _Moved(Exception):
 _DELETE_AS_READ = "DELETE FROM chunks WHERE id = ? AND n_points = ?"
 
 
-def _retain(conn: sqlite3.Connection, cutoff: float, report: Compaction) -> None:
+def _retain(conn: sqlite3.Connection, cutoff: float, sealed_before: float, report: Compaction) -> None:
+    """A straddling chunk whose data ends after `sealed_before` may be a writer's open chunk: were it
+    trimmed, that writer's next flush would find it gone and write all its points again."""
     straddling = conn.execute("SELECT id, series_id, precision, data, n_points FROM chunks "
-                              "WHERE t_start < ? AND t_end >= ?", (cutoff, cutoff)).fetchall()
+                              "WHERE t_start < ? AND t_end >= ? AND t_end < ?",
+                              (cutoff, cutoff, sealed_before)).fetchall()
     trimmed = [(chunk_id, n_points, series_id, _recent(data, precision, cutoff))  # keep only the recent points
                for chunk_id, series_id, precision, data, n_points in straddling]
     try:

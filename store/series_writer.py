@@ -71,12 +71,13 @@ def write_chunk(conn: sqlite3.Connection, series_id: int, chunk: EncodedChunk) -
     """Rewrite chunk `chunk.chunk_id`, or insert a new chunk; returns its id."""
     values = (chunk.t_start, chunk.t_end, chunk.n_points, chunk.precision, chunk.data)
     if chunk.chunk_id is not None:
-        cur = conn.execute("UPDATE chunks SET t_start=?, t_end=?, n_points=?, precision=?, data=? WHERE id=?",
-                           values + (chunk.chunk_id,))
+        cur = conn.execute("UPDATE chunks SET t_start=?, t_end=?, n_points=?, precision=?, data=? "
+                           "WHERE id=? AND series_id=?", values + (chunk.chunk_id, series_id))
         if cur.rowcount == 1:
             return chunk.chunk_id
-        # The open chunk is gone (deleted by retention): start a new one. Compaction merges
-        # only chunks older than any open chunk (see store.compaction), so no point is doubled.
+        # The open chunk is gone (retention deleted it, all its data older than the cutoff; its row id
+        # may since hold another series' chunk): start a new one. Compaction rewrites only chunks
+        # older than any open chunk (see store.compaction), so no point is doubled.
     cur = conn.execute("INSERT INTO chunks (series_id, t_start, t_end, n_points, precision, data) "
                        "VALUES (?,?,?,?,?,?)", (series_id,) + values)
     return int(cur.lastrowid)

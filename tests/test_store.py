@@ -353,13 +353,28 @@ def test_retention_deletes_old_data_but_keeps_results_and_current_knobs(path):
         store.record_knob_change(old + 1, "cache_cap_bytes", 100, 200, "test")
         store.record_simulation(old, "trace", "lru", 0.25, "layer", 0.5)
         store.record_sweep(old, 1 << 30, 12.5, 0.6)
-        store.compact(now=new + 60)
+        store.compact(now=new + 2 * compaction.COMPACT_MIN_AGE_S)  # old and new share a chunk: trimmed once sealed
     assert queries.points(path, "block.vda.util")[0].tolist() == [new]
     assert [r["t"] for r in queries.requests(path)] == [new]
     assert queries.latest_knobs(path) == {"cache_cap_bytes": 200, "policy": "lru"}
     assert len(queries.knob_history(path)) == 2
     assert len(queries.simulations(path)) == 1 and len(queries.sweeps(path)) == 1
     assert queries.activations(path) == {(0, 1): 3}
+
+
+def test_retention_leaves_another_writers_open_chunk_whole(path):
+    """The collector's retention must not trim the chunk the agent still extends: the agent's next
+    flush would find it gone and write every point of it again beside the trimmed copy."""
+    times = [T0 + 100 * i for i in range(11)]
+    with Store(path, chunk_points=600, autoflush_s=0) as agent:
+        for t in times:
+            agent.append("block.vda.util", t, 0.5)
+        agent.flush()
+        with Store(path, autoflush_s=0) as collector:   # cutoff T0 + 600, inside the agent's open chunk
+            collector.append("mem.free_bytes", T0 + 1050, 4096)   # a newer chunk: no rowid is reused
+            collector.compact(retention_days=500 / 86400, now=T0 + 1100)
+        agent.append("block.vda.util", T0 + 1100, 0.5)
+    assert queries.points(path, "block.vda.util")[0].tolist() == times + [T0 + 1100]
 
 
 def test_a_file_that_is_not_a_store_is_refused_with_advice(tmp_path):
