@@ -9,6 +9,7 @@
 (c) the mmap backend, no prefetch: the page cache decides what stays (llama.cpp's way);
 (p) (a) with the steps that admit prompts on every core (serve --prefill-threads N, N = os.cpu_count(); the
     agent's default is one thread, as for decode): the A/B of the prefill threads;
+(q) (c) with its admission steps on every core too, what (p) is to be compared with;
 (A), (B), (C) with --reference (the same checkpoint's unquantized store, when --model is its int8 twin):
     (a), (b), (c) on that store, the weights as published.
 Each run starts `flashmoe-cli serve` as its own process with the cache cap at 25% of expert bytes,
@@ -87,11 +88,12 @@ class Config:
                 + list(self.extra))
 
 
+EVERY_CORE = ("--prefill-threads", str(os.cpu_count()))
 CONFIGS = [Config("a: flashmoe + prefetch", "flashmoe", "direct", True),
            Config("b: lru + prefetch", "lru", "direct", True),
            Config("c: mmap (page cache)", "lru", "mmap", False),
-           Config("p: a, prefill on every core", "flashmoe", "direct", True,
-                  extra=("--prefill-threads", str(os.cpu_count())))]
+           Config("p: a, prefill on every core", "flashmoe", "direct", True, extra=EVERY_CORE),
+           Config("q: c, prefill on every core", "lru", "mmap", False, extra=EVERY_CORE)]
 CONFIGS += [c.on_reference() for c in CONFIGS]
 
 
@@ -297,43 +299,35 @@ def summarize(results: list[Result]) -> dict[str, dict]:
     return out
 
 
+# P99 ratios reported when a round ran both: (a) against the others; (p) against (q), the same
+# configurations with admission on every core, and against (c)
+P99_PAIRS = ("ac", "ab", "aA", "aC", "pq", "pc")
+
+
 def round_ratios(results: list[Result]) -> dict[str, dict[str, float]]:
-    """Ratios between configurations within each round that ran all of them, then their spread."""
+    """Ratios between configurations within each round that ran all of (a), (b), (c) the run had,
+    then their spread; a ratio missing from one of those rounds has none."""
+    base = set("abc") & {r.letter for r in results}
     per_round = []
     for n in sorted({r.round for r in results}):
         got = {r.letter: r for r in results if r.round == n}
-        if set(got) >= set("abc"):
-            a, b, c = got["a"], got["b"], got["c"]
-            per_round.append({"p99_a_over_c": a.p(99) / c.p(99), "p99_a_over_b": a.p(99) / b.p(99),
-                              "tokens_per_s_a_over_b": a.tokens_per_s / b.tokens_per_s,
-                              **{f"p99_a_over_{x}": a.p(99) / got[x].p(99) for x in "AC" if x in got}})
-    if not per_round:
-        return {}
+        if not base <= set(got):
+            continue
+        ratios = {f"p99_{x}_over_{y}": got[x].p(99) / got[y].p(99) for x, y in P99_PAIRS if x in got and y in got}
+        if "a" in got and "b" in got:
+            ratios["tokens_per_s_a_over_b"] = got["a"].tokens_per_s / got["b"].tokens_per_s
+        per_round.append(ratios)
     return {k: {**spread([x[k] for x in per_round]), "per_round": [x[k] for x in per_round]}
-            for k in per_round[0] if all(k in x for x in per_round)}
-
-
-def table(summary: dict[str, dict]) -> str:
-    cols = [("P50 s", "p50_s", ".2f"), ("P95 s", "p95_s", ".2f"), ("P99 s", "p99_s", ".2f"),
-            ("tok/s", "tokens_per_s", ".2f"), ("GB read", "gb_read", ".2f"), ("hit", "hit_rate", ".3f"),
-            ("peak RSS MiB", "peak_rss_mib", ".0f")]
-    head = f"{'config (median [min-max])':<36} {'runs':>4} " + " ".join(f"{h:>19}" for h, _, _ in cols)
-    rows = [head, "-" * len(head)]
-    for name, s in summary.items():
-        cells = [f"{s[k]['median']:{f}} [{s[k]['min']:{f}}-{s[k]['max']:{f}}]" for _, k, f in cols]
-        rows.append(f"{name:<36} {s['rounds']:>4} " + " ".join(f"{c:>19}" for c in cells))
-    return "\n".join(rows)
+            for k in per_round[0] if all(k in x for x in per_round)} if per_round else {}
 
 
 def describe_ratios(ratios: dict[str, dict]) -> str:
-    r = ratios["p99_a_over_c"], ratios["p99_a_over_b"], ratios["tokens_per_s_a_over_b"]
-    text = (f"within-round medians [min-max]: P99(a)/P99(c) = {r[0]['median']:.2f} [{r[0]['min']:.2f}-{r[0]['max']:.2f}] "
-            f"(goal <= {GOAL_P99_A_OVER_C}); P99(a)/P99(b) = {r[1]['median']:.2f} [{r[1]['min']:.2f}-{r[1]['max']:.2f}]; "
-            f"tok/s (a)/(b) = {r[2]['median']:.2f} [{r[2]['min']:.2f}-{r[2]['max']:.2f}]")
-    for other in (x for x in "AC" if f"p99_a_over_{x}" in ratios):
-        x = ratios[f"p99_a_over_{other}"]
-        text += f"; P99(a)/P99({other}) = {x['median']:.2f} [{x['min']:.2f}-{x['max']:.2f}]"
-    return text
+    def name(key: str) -> str:          # p99_a_over_c -> P99(a)/P99(c); tokens_per_s_a_over_b -> tok/s (a)/(b)
+        x, y = key.split("_")[-3::2]
+        return f"tok/s ({x})/({y})" if key.startswith("tokens") else f"P99({x})/P99({y})"
+    return "within-round medians [min-max]: " + "; ".join(
+        f"{name(k)} = {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]" for k, r in ratios.items()) + \
+        f" (goal: P99(a)/P99(c) <= {GOAL_P99_A_OVER_C})"
 
 
 # -- main -------------------------------------------------------------------------------------------------
@@ -346,7 +340,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=count, default=5, help="runs of every configuration, interleaved (default 5)")
     ap.add_argument("--admit-window-ms", type=float,
                     help="the agent's admission window (serve --admit-window-ms); default: the agent's own")
-    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c,p (A,B,C,P: on --reference) to run, in this order "
+    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c,p,q (A,B,C,P,Q: on --reference) to run, in this order "
                                                        "within every round")
     ap.add_argument("--reference", type=Path, help="the unquantized store of --model's checkpoint: the cap and memory "
                                                     "limit come from it, and configs A,B,C run on it")
@@ -358,7 +352,7 @@ def main() -> int:
     letters = args.configs.split(",")
     stores = (args.model, args.reference) if args.reference else (args.model,)
     if not set(letters) <= {c.name[0] for c in CONFIGS}:
-        ap.error(f"--configs {args.configs!r}: give letters among a,b,c,p and A,B,C,P, comma separated")
+        ap.error(f"--configs {args.configs!r}: give letters among a,b,c,p,q and A,B,C,P,Q, comma separated")
     if any(x.isupper() for x in letters) != (args.reference is not None):
         ap.error("configs A,B,C and --reference go together")
     if not (args.model / "experts.index.json").exists():

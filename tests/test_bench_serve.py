@@ -48,8 +48,16 @@ def test_runs_on_the_reference_store_are_more_ratios_when_every_round_ran_them()
     assert "p99_a_over_A" not in r                          # A lost in one round: no median of one kind
 
 
+def test_the_every_core_configurations_are_paired_with_each_other_and_with_mmap():
+    runs = [run("p: x", n, [1.0]) for n in (0, 1)] + [run("q: y", n, [2.0 + n]) for n in (0, 1)] + \
+           [run("c: z", n, [4.0]) for n in (0, 1)]
+    r = round_ratios(runs)
+    assert r["p99_p_over_q"]["per_round"] == [0.5, pytest.approx(1 / 3)] and r["p99_p_over_c"]["median"] == 0.25
+    assert not any(k.startswith(("p99_a", "tokens")) for k in r)  # no (a), no (b): none of theirs
+
+
 @pytest.mark.parametrize("argv,words", [(["--configs", "a,C"], "configs A,B,C and --reference go together"),
-                                        (["--configs", "a,r"], "give letters among a,b,c,p and A,B,C,P")])
+                                        (["--configs", "a,r"], "give letters among a,b,c,p,q and A,B,C,P,Q")])
 def test_configs_on_a_reference_store_need_one(argv, words):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
