@@ -54,6 +54,8 @@ def test_a_completion_for_another_model_is_404_model_not_found_naming_the_served
     assert named["model"] == unnamed["model"] == model.name and named["choices"] == unnamed["choices"]
     field = agent.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]["model"]
     assert field["anyOf"] == [{"type": "string", "enum": [model.name]}, {"type": "null"}]     # what clients draw from
+    huge = httpx.post(agent.url + "/v1/completions", timeout=60, json={"model": "m" * 100_000, "prompt": "Hello"})
+    assert huge.status_code == 404 and len(huge.content) < 1000   # the name is quoted shortened, not echoed whole
 
 
 def test_status_lists_as_many_step_profiles_as_asked(agent):

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import reprlib
 import secrets
 import time
 import uuid
@@ -187,7 +188,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
     @app.post("/v1/completions", responses={404: {"description": "model_not_found: `model` names another model"}})
     async def completions(body: CompletionRequest, request: Request) -> Any:
         if body.model is not None and body.model != model_name:  # another model's answer would be a wrong one
-            message = (f"the model {body.model!r} is not served here: this agent serves {model_name!r} "
+            message = (f"the model {reprlib.repr(body.model)} is not served here: this agent serves {model_name!r} "
                        f"(GET /v1/models); send that, or leave model out")
             return _error_body(404, message, message, code="model_not_found", param="model")
         size = len(body.prompt.encode()) if isinstance(body.prompt, str) else 0
