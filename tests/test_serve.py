@@ -39,6 +39,7 @@ def test_models_status_and_openapi(agent, model):
     paths = agent.get("/openapi.json").json()["paths"]
     assert {"/v1/completions", "/v1/knobs", "/v1/status", "/v1/models", "/v1/cache/preload", "/metrics"} <= set(paths)
     assert int(agent.pid_file.read_text()) == agent.proc.pid
+    assert "Warning" not in agent.log.read_text()       # e.g. FastAPI's duplicate operation id for GET+HEAD /metrics
 
 
 def test_a_completion_for_another_model_is_404_model_not_found_naming_the_served_one(agent, model):

@@ -181,7 +181,8 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
             raise HTTPException(400, str(exc)) from None
         return {"requested": len(body.experts), "loaded": loaded, "status": runtime.status(0)["cache"]}
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: curl -I and uptime checks (the server sends no body)
+    @app.get("/metrics")
+    @app.head("/metrics", include_in_schema=False)  # curl -I and uptime checks; one route in the schema, one operation id
     def metrics() -> Response:
         return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
