@@ -18,7 +18,10 @@ the model's dense weights and KV budget, and working memory; bench/memory.py), a
 files and dense weights of every store in the run are dropped from the page cache (posix_fadvise
 DONTNEED), so every run starts cold. The clients are set up first and start together, so their first requests arrive as a burst;
 each measures request latency (send to last byte); tokens/s is all completion tokens over the
-wall time of the whole load. Where (a)'s time goes: every run's model steps are profiled by the agent
+wall time of the whole load. A warm-up run of the first configuration comes before the rounds and is
+not measured (`--no-warm-up` leaves it out): without it the first run paid for what the drop leaves cold
+and no later run does (the agent's code and libraries, torch and numba faulting in) and came out 2-3x
+slower; the JSON keeps it under "warm_up", apart from the rounds. Where (a)'s time goes: every run's model steps are profiled by the agent
 (agent/serve/engine.py's StepProfile, from /v1/status), summed apart for admission steps (they prefill
 prompts) and decode steps: the model's phases (attention, router, route, wait for reads, expert
 matmuls, head; `other` is the rest of the step's wall time), CRC and policy, bytes read and the read
@@ -67,6 +70,7 @@ CAP = "25%"
 TOPICS = ["the pump log", "SSD latency", "a French translation", "Python code", "the weather", "expert caches",
           "a meeting reply", "unit conversion", "MoE routing", "memory pressure", "a haiku", "SQL queries"]
 GOAL_P99_A_OVER_C = 0.37
+WARM_UP = -1  # the round number of the warm-up run
 
 
 @dataclass(frozen=True)
@@ -226,7 +230,7 @@ def run_config(model: Path, config: Config, round_: int, mix, cgroup: MemoryCgro
     drop_stores_pages(model, *others)
     if cgroup.path is not None:
         cgroup.reset_peak()
-    log = logs / f"{config.name[0]}-{config.policy}-{config.backend}-round{round_}.log"
+    log = logs / f"{config.name[0]}-{config.policy}-{config.backend}-{_round_name(round_)}.log"
     proc, url = start(model, config, cgroup, log, serve_args)
     load_start = os.getloadavg()[0]
     try:
@@ -239,6 +243,10 @@ def run_config(model: Path, config: Config, round_: int, mix, cgroup: MemoryCgro
     cache = status["cache"]
     return Result(config.name, round_, len(latencies), tokens, wall, latencies, cache["hit_rate"], cache["bytes_read"],
                   status["model_steps"], rss, cgroup.peak(), (load_start, os.getloadavg()[0]), status["step_profiles"])
+
+
+def _round_name(round_: int) -> str:
+    return "warm-up" if round_ == WARM_UP else f"round{round_}"
 
 
 # -- where the steps' time went ------------------------------------------------------------------------------
@@ -321,6 +329,18 @@ def round_ratios(results: list[Result]) -> dict[str, dict[str, float]]:
             for k in per_round[0] if all(k in x for x in per_round)} if per_round else {}
 
 
+def table(summary: dict[str, dict]) -> str:
+    cols = [("P50 s", "p50_s", ".2f"), ("P95 s", "p95_s", ".2f"), ("P99 s", "p99_s", ".2f"),
+            ("tok/s", "tokens_per_s", ".2f"), ("GB read", "gb_read", ".2f"), ("hit", "hit_rate", ".3f"),
+            ("peak RSS MiB", "peak_rss_mib", ".0f")]
+    head = f"{'config (median [min-max])':<36} {'runs':>4} " + " ".join(f"{h:>19}" for h, _, _ in cols)
+    rows = [head, "-" * len(head)]
+    for name, s in summary.items():
+        cells = [f"{s[k]['median']:{f}} [{s[k]['min']:{f}}-{s[k]['max']:{f}}]" for _, k, f in cols]
+        rows.append(f"{name:<36} {s['rounds']:>4} " + " ".join(f"{c:>19}" for c in cells))
+    return "\n".join(rows)
+
+
 def describe_ratios(ratios: dict[str, dict]) -> str:
     def name(key: str) -> str:          # p99_a_over_c -> P99(a)/P99(c); tokens_per_s_a_over_b -> tok/s (a)/(b)
         x, y = key.split("_")[-3::2]
@@ -346,6 +366,8 @@ def main() -> int:
                                                     "limit come from it, and configs A,B,C run on it")
     ap.add_argument("--route-trace", type=Path, nargs="+", default=[], metavar="FILE",
                     help="serve --route-trace: recorded real routing for a random-weight model of real shape")
+    ap.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the first configuration once before the rounds, not measured (default: on)")
     ap.add_argument("--results", type=results_name, default="serve",
                     help="write bench/results/<NAME>.json (default serve)")
     args = ap.parse_args()
@@ -380,52 +402,68 @@ def main() -> int:
     mix = request_mix(args.clients, args.requests_per_client)
     by_letter = {c.name[0]: c for c in CONFIGS}
     chosen = [by_letter[x] for x in letters]
-    results, failed, raws = [], [], []
+    results, failed, raws, warm_up = [], [], [], None
     logs = ROOT / "bench" / "results" / "serve-logs"
     logs.mkdir(parents=True, exist_ok=True)
+
+    def measure(n: int, config: Config) -> Result | None:
+        """One run, or None when it failed (reported, and the others measured)."""
+        print(f"{'warm-up, not measured' if n == WARM_UP else f'round {n + 1}/{args.rounds}'}: {config.name} ... "
+              f"(agent logs in {logs})", flush=True)
+        try:
+            r = run_config(args.reference if config.reference else args.model, config, n, mix, cgroup, logs,
+                           serve_args, others=stores)
+        except (httpx.HTTPError, SystemExit) as exc:
+            failed.append({"config": config.name, "round": n, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"  FAILED: {failed[-1]['error']} (see the agent log)", flush=True)
+            return None
+        print(f"  P50 {r.p(50):.2f} s, P99 {r.p(99):.2f} s, {r.tokens_per_s:.2f} tok/s, "
+              f"{r.bytes_read / 1e9:.2f} GB read, {r.model_steps} steps, load {r.load_avg_1m[0]:.1f}", flush=True)
+        return r
+
     try:
+        if args.warm_up:
+            warm_up = measure(WARM_UP, chosen[0])
         for n in range(args.rounds):
-            for config in chosen:
-                print(f"round {n + 1}/{args.rounds}: {config.name} ... (agent logs in {logs})", flush=True)
-                try:
-                    store = args.reference if config.reference else args.model
-                    r = run_config(store, config, n, mix, cgroup, logs, serve_args, others=stores)
-                except (httpx.HTTPError, SystemExit) as exc:  # report it and measure the others
-                    failed.append({"config": config.name, "round": n, "error": f"{type(exc).__name__}: {exc}"})
-                    print(f"  FAILED: {failed[-1]['error']} (see the agent log)", flush=True)
-                    continue
-                results.append(r)
-                print(f"  P50 {r.p(50):.2f} s, P99 {r.p(99):.2f} s, {r.tokens_per_s:.2f} tok/s, "
-                      f"{r.bytes_read / 1e9:.2f} GB read, {r.model_steps} steps, load {r.load_avg_1m[0]:.1f}", flush=True)
+            results += filter(None, (measure(n, config) for config in chosen))
             raws.append(raw_baseline(args.model / EXPERTS, Index.load(args.model / INDEX), CHUNK, IO_THREADS))
             print(f"round {n + 1}: raw O_DIRECT {raws[-1]['raw_file_mb_s']:.0f} MB/s in file order "
                   f"({raws[-1]['raw_streams']} stream(s)), {raws[-1]['raw_blocks_mb_s']:.0f} MB/s as the cache reads",
                   flush=True)
     finally:
         cgroup.remove()
-    raw_mb_s = statistics.median(r["raw_mb_s"] for r in raws) if raws else None
-    profiles = {name: step_profile([s for r in results if r.config == name for s in r.steps], raw_mb_s)
-                for name in dict.fromkeys(r.config for r in results)}
-    summary, ratios = (summarize(results), round_ratios(results)) if results else ({}, {})
+    report = results_json(results, warm_up, failed, raws)
     print()
-    if summary:
-        print(table(summary))
-    if ratios:
-        print("\n" + describe_ratios(ratios))
-    if profiles:
-        print("\n" + profile_table(profiles, raw_mb_s))
+    if report["summary"]:
+        print(table(report["summary"]))
+    if len(report["ratios"]) > 1:
+        print("\n" + describe_ratios({k: v for k, v in report["ratios"].items() if k != "goal_p99_a_over_c"}))
+    if report["profile"]:
+        print("\n" + profile_table(report["profile"], report["raw_mb_s"]))
     for f in failed:
-        print(f"{f['config']} round {f['round'] + 1}: failed: {f['error']}")
+        print(f"{f['config']} {_round_name(f['round'])}: failed: {f['error']}")
     write_results(args.results, {
         "command": " ".join(sys.argv), "cache_cap": CAP, "clients": args.clients,
         "requests_per_client": args.requests_per_client, "max_batch_size": args.max_batch_size,
         "admit_window_ms": args.admit_window_ms, "rounds": args.rounds, "order": args.configs, "machine": facts,
-        "summary": summary, "ratios": {**ratios, "goal_p99_a_over_c": GOAL_P99_A_OVER_C}, "failed": failed,
-        "raw": raws, "raw_mb_s": raw_mb_s, "profile": profiles,
-        "runs": [{**asdict(r), **r.metrics(),
-                  "profile": step_profile(r.steps, raws[r.round]["raw_mb_s"] if r.round < len(raws) else None)}
-                 for r in results]})
+        **report})
     return 0
+
+
+def results_json(results: list[Result], warm_up: Result | None, failed: list[dict], raws: list[dict]) -> dict:
+    """What the rounds measured, the warm-up run apart (in none of the summary, ratios or profiles)."""
+    raw_mb_s = statistics.median(r["raw_mb_s"] for r in raws) if raws else None
+    profiles = {name: step_profile([s for r in results if r.config == name for s in r.steps], raw_mb_s)
+                for name in dict.fromkeys(r.config for r in results)}
+    summary, ratios = (summarize(results), round_ratios(results)) if results else ({}, {})
+
+    def detail(r: Result, raw: dict | None) -> dict:
+        return {**asdict(r), **r.metrics(), "profile": step_profile(r.steps, raw["raw_mb_s"] if raw else None)}
+
+    return {"summary": summary, "ratios": {**ratios, "goal_p99_a_over_c": GOAL_P99_A_OVER_C}, "failed": failed,
+            "raw": raws, "raw_mb_s": raw_mb_s, "profile": profiles,
+            "warm_up": None if warm_up is None else {**detail(warm_up, None), "measured": False},
+            "runs": [detail(r, raws[r.round] if r.round < len(raws) else None) for r in results]}
 
 
 if __name__ == "__main__":

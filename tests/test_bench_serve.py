@@ -12,7 +12,7 @@ import pytest
 from agents import ROOT, demo_model
 
 sys.path.insert(0, str(ROOT))
-from bench.serve import Result, round_ratios, summarize  # noqa: E402
+from bench.serve import WARM_UP, Result, results_json, round_ratios, summarize, table  # noqa: E402
 
 
 def run(config: str, round_: int, latencies: list[float], wall_s: float = 10.0, gb: float = 1.0) -> Result:
@@ -56,6 +56,21 @@ def test_the_every_core_configurations_are_paired_with_each_other_and_with_mmap(
     assert not any(k.startswith(("p99_a", "tokens")) for k in r)  # no (a), no (b): none of theirs
 
 
+def test_the_warm_up_run_is_kept_apart_from_the_rounds_in_the_json():
+    steps = [{"prompt_tokens": 40, "tokens": 40, "wall_s": 2.0, "io_busy_s": 1.0, "bytes_read": 10**9, "reads": 9,
+              "read_s": 1.5, "phases_s": {"experts": 1.0}}]
+    warm = run("b: y", WARM_UP, [30.0, 90.0])
+    warm.steps = steps
+    runs = [run("b: y", 0, [2.0]), run("a: x", 0, [1.0]), run("c: z", 0, [4.0])]
+    got = results_json(runs, warm, [], [{"raw_mb_s": 500.0}])
+    assert got["warm_up"]["measured"] is False and got["warm_up"]["p99_s"] == pytest.approx(89.4)
+    assert got["warm_up"]["round"] == WARM_UP and got["warm_up"]["profile"]["admission"]["io_bound_s"] is None
+    assert got["summary"]["b: y"]["rounds"] == 1 and got["summary"]["b: y"]["p99_s"]["max"] == 2.0  # not 90 s
+    assert [r["round"] for r in got["runs"]] == [0, 0, 0] and got["ratios"]["p99_a_over_c"]["median"] == 0.25
+    assert "b: y" in table(got["summary"]).splitlines()[2]
+    assert results_json(runs, None, [], [])["warm_up"] is None
+
+
 @pytest.mark.parametrize("argv,words", [(["--configs", "a,C"], "configs A,B,C and --reference go together"),
                                         (["--configs", "a,r"], "give letters among a,b,c,p,q and A,B,C,P,Q")])
 def test_configs_on_a_reference_store_need_one(argv, words):
@@ -76,7 +91,7 @@ def test_sigterm_stops_the_agent_it_started_and_removes_its_cgroup(tmp_path_fact
     bench = subprocess.Popen([sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--rounds", "1",
                               "--configs", "b"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     cgroup_line = bench.stdout.readline()      # the memory limit it set up (or why it could not)
-    assert "round 1/1" in bench.stdout.readline()
+    assert "warm-up, not measured: b: lru" in bench.stdout.readline()
     deadline = time.monotonic() + 60
     while not agents_serving(model) and time.monotonic() < deadline:  # it starts the agent just after
         time.sleep(0.1)
