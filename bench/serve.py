@@ -215,11 +215,15 @@ def drive(url: str, mix: list[list[dict]]) -> tuple[list[float], int, float]:
                 out.append((time.perf_counter() - start, r.json()["usage"]["completion_tokens"]))
         return out
 
-    with concurrent.futures.ThreadPoolExecutor(len(mix)) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(len(mix))
+    try:
         runs = [pool.submit(client, requests) for requests in mix]
         ready.wait()
         start = time.perf_counter()
         done = [row for run in runs for row in run.result()]
+    finally:  # interrupted (SIGTERM): not waiting for the clients lets the caller stop the agent, which ends them
+        ready.abort()  # releases clients still at the barrier; after it has passed, changes nothing
+        pool.shutdown(wait=False, cancel_futures=True)
     return [d[0] for d in done], sum(d[1] for d in done), time.perf_counter() - start
 
 
