@@ -34,6 +34,21 @@ def threads(text: str) -> int:
     return _within(_whole(text), 1, MAX_THREADS, "a thread count")
 
 
+def on_off(text: str) -> bool:
+    """A switch: on or off."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
+def add_int8_activations(parser: argparse.ArgumentParser) -> None:
+    """generate's and serve's --int8-activations, into `int8_activations` (a bool)."""
+    parser.add_argument("--int8-activations", type=on_off, default=True, metavar="{on,off}",
+                        help="int8 experts of a bf16 model quantize their activations too where an expert has more "
+                             "than 8 tokens (W8A8: prefill, large batches); off computes with the weights only "
+                             "quantized, for a model whose activations hold outliers (default on)")
+
+
 def _whole(text: str) -> int:
     try:
         return int(text)

@@ -91,7 +91,8 @@ class GenerateResult:
 def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] | None = None,
                  max_new_tokens: int = 32, greedy: bool = False, cache_cap: str = "100%", policy: str = DEFAULT_POLICY,
                  scope: str = "layer", backend: str = "direct", prefetch: bool = True, prefill: str = "sequential",
-                 record_trace: Path | None = None, seed: int = 0, route_trace: Sequence[Path] = ()) -> GenerateResult:
+                 record_trace: Path | None = None, seed: int = 0, route_trace: Sequence[Path] = (),
+                 int8_activations: bool = True) -> GenerateResult:
     """Generate from an expert store; the library function behind the command (same parameter names)."""
     model = Path(model)
     if not model.is_dir():
@@ -104,8 +105,9 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
     tokenizer = load_tokenizer(model)
     ids = list(prompt_ids) if prompt_ids is not None else list(tokenizer.encode(prompt or ""))
     index = Index.load(model / INDEX)
-    with ExpertCache(model, parse_cap(cache_cap, index.nbytes * len(index.blocks)), policy=policy, scope=scope,
-                     backend=backend) as cache:
+    cap = parse_cap(cache_cap, index.nbytes * len(index.blocks))
+    with ExpertCache(model, cap, policy=policy, scope=scope, backend=backend,
+                     int8_activations=int8_activations) as cache:
         _check_not_truncated(model, index)
         recorder = RoutingRecorder(cache)
         net = load_model(model, recorder, prefetch=prefetch, route_trace=route_trace)
@@ -122,7 +124,7 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
         gen = generate(net, ids, max_new_tokens, greedy=greedy, seed=seed, stop_ids=_stop_ids(net.config),
                        prefill_chunk=None if prefill == "batched" else 1, on_step=on_step)
         stats = _stats(gen, net, *after_prefill[0], cache.stats())
-    stats.update(prefetch=prefetch, prefill=prefill, steps=len(recorder.records),
+    stats.update(prefetch=prefetch, prefill=prefill, steps=len(recorder.records), int8_activations=int8_activations,
                  routing=net.route_trace.describe() if net.route_trace else "the model's router")
     if record_trace is not None:
         meta = {"model": model.name, "arch": net.config.arch, "prompt": prompt, "steps": len(recorder.records),
@@ -221,6 +223,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--route-trace", type=Path, nargs="+", default=(), metavar="FILE",
                         help="take each token's experts from recorded real routing (../shared/traces; it must match "
                         "the model's MoE layers, experts and top-k); the router still runs, its choice is discarded")
+    argtypes.add_int8_activations(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
 
 
@@ -239,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_generate(args.model, args.prompt, args.prompt_ids, args.max_new_tokens, args.greedy,
                               args.cache_cap, args.policy, args.scope, args.backend, args.prefetch, args.prefill,
-                              args.record_trace, args.seed, args.route_trace)
+                              args.record_trace, args.seed, args.route_trace, args.int8_activations)
     except OSError as exc:
         log.error("%s", exc)  # args[0] of an OSError is its errno
         return 2

@@ -11,8 +11,8 @@ int8 or int4 twin) are compared as well, their experts read through the cache (O
 Each model reads the same seeded random token sequence teacher-forced: its first --prefill tokens (half
 by default) as one prefill step (many tokens per expert), then one token per step (decode). An int8
 store is measured twice: as the runtime computes it (bf16 activations quantized to int8 above 8 tokens
-per expert, agent/experts/quant.py) and with its weights only quantized (what the runtime did before;
-float32 models compute that way either way). At every position: the largest
+per expert, agent/experts/quant.py) and with its weights only quantized (--int8-activations off, what the
+runtime did before; float32 models compute that way either way). At every position: the largest
 |logit difference|, KL(source || quantized) of the next-token distribution, and whether the top token
 agrees.
 JSON: bench/results/<--results>.json.
@@ -22,15 +22,12 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from unittest import mock
 
 import torch
 
 from agent.convert import convert
-from agent.experts import quant
 from agent.experts.cache import ExpertCache
 from agent.experts.cap import parse_cap
 from agent.experts.layout import CONFIG, INDEX, Index
@@ -75,15 +72,10 @@ def sequence_logits(store: Path, provider: ExpertProvider, ids: list[int], prefi
     return torch.cat(out)
 
 
-def ways(quantized: str) -> Iterator[str]:
-    """How a store of `quantized` is computed, each way set up while the caller's loop body runs: int8
-    with its activations quantized where the runtime does, and with its weights only."""
-    if quantized != "int8":
-        yield quantized
-        return
-    yield "int8 W8A8"
-    with mock.patch.object(quant, "INT8_ACTIVATIONS", False):
-        yield "int8 weights only"
+def ways(quantized: str) -> list[tuple[str, bool]]:
+    """How a store of `quantized` is computed, each with its int8_activations option: int8 with its
+    activations quantized where the runtime does, and with its weights only (--int8-activations off)."""
+    return [("int8 W8A8", True), ("int8 weights only", False)] if quantized == "int8" else [(quantized, True)]
 
 
 def token_ids(vocab: int, n: int) -> list[int]:
@@ -105,8 +97,8 @@ def parity(tokens: int, prefill: int) -> list[Error]:
                 ref = sequence_logits(plain, InMemoryExperts(plain), ids, prefill)
                 for quantized in QUANTS:
                     store = _converted(ckpt.path, work / quantized, quantized)
-                    for way in ways(quantized):
-                        got = sequence_logits(store, InMemoryExperts(store), ids, prefill)
+                    for way, activations in ways(quantized):
+                        got = sequence_logits(store, InMemoryExperts(store, int8_activations=activations), ids, prefill)
                         errors.append(compare(ref, got, f"{arch} {name} (tiny parity checkpoint), {way}"))
     return errors
 
@@ -121,14 +113,15 @@ def pairs(stores: list[tuple[Path, Path]], tokens: int, prefill: int, cap: str) 
         ids = token_ids(MoEConfig.from_file(plain / CONFIG).vocab_size, tokens)
         if plain not in refs:
             refs[plain] = _cached_logits(plain, cap_bytes, ids, prefill)
-        for way in ways(Index.load(quantized / INDEX).quant):
-            got = _cached_logits(quantized, cap_bytes, ids, prefill)
+        for way, activations in ways(Index.load(quantized / INDEX).quant):
+            got = _cached_logits(quantized, cap_bytes, ids, prefill, activations)
             errors.append(compare(refs[plain], got, f"{quantized} ({way})"))
     return errors
 
 
-def _cached_logits(store: Path, cap_bytes: int, ids: list[int], prefill: int) -> torch.Tensor:
-    with ExpertCache(store, cap_bytes, policy="lru", backend="direct") as cache:
+def _cached_logits(store: Path, cap_bytes: int, ids: list[int], prefill: int,
+                   int8_activations: bool = True) -> torch.Tensor:
+    with ExpertCache(store, cap_bytes, policy="lru", backend="direct", int8_activations=int8_activations) as cache:
         return sequence_logits(store, cache, ids, prefill)
 
 

@@ -108,7 +108,6 @@ def test_int8_activations_of_a_zero_row_are_zero_and_a_non_finite_row_stays_non_
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("activations", [True, False])
 def test_linear_int8_quantizes_bf16_activations_above_the_kernels_range(monkeypatch, dtype, activations):
-    monkeypatch.setattr(quant, "INT8_ACTIVATIONS", activations)
     taken = []
     for name in ("linear_int8_w8a8", "linear_int8_kernel", "linear_int8_converted"):
         real = getattr(quant, name)
@@ -116,7 +115,7 @@ def test_linear_int8_quantizes_bf16_activations_above_the_kernels_range(monkeypa
     q, scale = quantize_rows(torch.randn(32, 64), torch.float32 if dtype == torch.float16 else dtype)
     last = quant.INT8_KERNEL_MAX_TOKENS
     for tokens in (1, last, last + 1, 200):
-        linear_int8(torch.randn(tokens, 64, dtype=dtype), q, scale)
+        linear_int8(torch.randn(tokens, 64, dtype=dtype), q, scale, activations)
     if dtype != torch.bfloat16:
         assert taken == ["linear_int8_converted"] * 4
     else:

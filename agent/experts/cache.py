@@ -116,7 +116,10 @@ class ExpertCache:
     def __init__(self, store_dir: Path | str, cap_bytes: int, policy: str = "lru", scope: str = "layer",
                  backend: str = "direct", verify: bool = True, min_per_layer: int | None = None,
                  policy_options: dict | None = None, io_threads: int = IO_THREADS,
-                 monitor: SystemSampler | None = None) -> None:
+                 monitor: SystemSampler | None = None, int8_activations: bool = True) -> None:
+        """`int8_activations`: whether int8 experts quantize bf16 activations too where an expert has more
+        tokens than the int8 kernel takes (W8A8, agent/experts/quant.py); False computes with the weights
+        only quantized, for a model whose activations hold outliers."""
         if io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, got {io_threads}")
         self.store_dir = Path(store_dir)
@@ -126,7 +129,7 @@ class ExpertCache:
                         "for this machine", reason)
         self.min_per_layer = min_per_layer or _top_k(self.store_dir)
         self.reserved_bytes = resident_bytes(self.store_dir, self.index)  # dense weights and KV cache
-        self.policy_name, self.scope = policy, scope
+        self.policy_name, self.scope, self.int8_activations = policy, scope, int8_activations
         self._check_cap(cap_bytes)
         self.cap_bytes = cap_bytes
         self._residency = Residency(self._slots_for(cap_bytes), self.index.n_layers,
@@ -384,7 +387,7 @@ class ExpertCache:
             read_done = time.perf_counter()
             self._reader.check(block, data)
             elapsed, crc_s = time.perf_counter() - start, time.perf_counter() - read_done
-            weights = block_views(torch.from_numpy(data), self.index)
+            weights = block_views(torch.from_numpy(data), self.index, self.int8_activations)
         except BaseException as exc:
             with self._lock:  # cleanup and failure are seen together: no get() re-reads in between
                 self._read_ends()

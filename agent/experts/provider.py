@@ -39,10 +39,11 @@ class ExpertProvider(Protocol):
     def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
 
 
-def block_views(buf: torch.Tensor, index: Index) -> Expert:
-    """View one block's bytes (a uint8 tensor of at least index.nbytes) as an expert without a copy."""
+def block_views(buf: torch.Tensor, index: Index, int8_activations: bool = True) -> Expert:
+    """View one block's bytes (a uint8 tensor of at least index.nbytes) as an expert without a copy;
+    `int8_activations`: whether an int8 expert quantizes bf16 activations too (W8A8, agent/experts/quant.py)."""
     if index.quant == "int8":
-        return Int8Expert.view(buf, index)
+        return Int8Expert.view(buf, index, int8_activations)
     if index.quant == "int4":
         return Int4Expert.view(buf, index)
     return ExpertWeights(*(part.view(buf) for part in index.parts))
@@ -51,7 +52,7 @@ def block_views(buf: torch.Tensor, index: Index) -> Expert:
 class InMemoryExperts:
     """Every expert in RAM: the all-in-RAM reference the cached runtime is measured against."""
 
-    def __init__(self, store_dir: Path, verify: bool = True) -> None:
+    def __init__(self, store_dir: Path, verify: bool = True, int8_activations: bool = True) -> None:
         self.index = Index.load(Path(store_dir) / INDEX)
         raw = np.fromfile(Path(store_dir) / EXPERTS, dtype=np.uint8)
         self._blocks = {}
@@ -60,7 +61,7 @@ class InMemoryExperts:
             if len(chunk) < self.index.nbytes or (verify and crc32(chunk) != b.crc32):
                 raise StoreError(f"expert block layer {b.layer} expert {b.expert} is corrupt or truncated "
                                  f"in {Path(store_dir) / EXPERTS}; re-run flashmoe-cli convert")
-            self._blocks[b.layer, b.expert] = block_views(torch.from_numpy(chunk.copy()), self.index)
+            self._blocks[b.layer, b.expert] = block_views(torch.from_numpy(chunk.copy()), self.index, int8_activations)
 
     def route(self, layer: int, experts: Sequence[int]) -> None:
         pass

@@ -14,7 +14,9 @@ costs 0.4-0.5x the CPU time of the bf16 matvec on this CPU, bench/quant_kernels.
 too (W8A8): per token, symmetric, x ~ xq * x_scale, for torch's int8 x int8 matmul with int32 sums,
 scaled per token and output channel after; on this AVX-512 VNNI CPU an OLMoE expert then costs
 0.6-0.9x the CPU time of bf16's matmul, where converting q for it cost 1.1-1.7x. That rounds the
-activations as well as the weights (bench/quant_error.py measures what it adds). Another dtype, or a
+activations as well as the weights (bench/quant_error.py measures what it adds); a model whose
+activations hold outliers may be loaded without it (`activations=False`: generate and serve
+--int8-activations off), and converts q instead. Another dtype, or a
 width the kernel does not take, converts q to the model's dtype (float32 for float16) for the matmul
 and scales its output channels after.
 
@@ -50,7 +52,6 @@ INT4_MID = 8
 # at 12 tokens, 0.6x converting q's from 16 on; bench/quant_kernels.py). At one token W8A8 takes 0.5x the
 # kernel's time too, but it would change every decoded token's rounding: left to a measured decision
 INT8_KERNEL_MAX_TOKENS = 8
-INT8_ACTIVATIONS = True  # W8A8 above INT8_KERNEL_MAX_TOKENS; bench/quant_error.py turns it off to measure its error
 INT4_KERNEL_MAX_TOKENS = 32  # above 32-48 tokens dequantizing and torch's matmul win (bench/quant_kernels.py)
 # torch 2.13's kernel reads whole 16-wide vectors along K: other widths give garbage or a segfault here.
 INT8_KERNEL_K_MULTIPLE = 16
@@ -127,27 +128,29 @@ class Int8Expert(NamedTuple):
     down: Tensor            # [H, I] int8
     gate_up_scale: Tensor   # [2I]
     down_scale: Tensor      # [H]
+    activations: bool = True  # quantize bf16 activations above INT8_KERNEL_MAX_TOKENS (W8A8)
 
     @classmethod
-    def view(cls, buf: Tensor, index: Index) -> "Int8Expert":
+    def view(cls, buf: Tensor, index: Index, activations: bool = True) -> "Int8Expert":
         """The expert in a block's bytes (a uint8 tensor of at least index.nbytes)."""
         p = {part.name: part for part in index.parts}
         return cls(_joined(buf, p["gate"], p["up"]).view(2 * index.intermediate, index.hidden), p["down"].view(buf),
-                   _joined(buf, p["gate_scale"], p["up_scale"]), p["down_scale"].view(buf))
+                   _joined(buf, p["gate_scale"], p["up_scale"]), p["down_scale"].view(buf), activations)
 
     def __call__(self, x: Tensor) -> Tensor:
         """x [t, H] -> [t, H]"""
-        gate, up = linear_int8(x, self.gate_up, self.gate_up_scale).chunk(2, dim=-1)
-        return linear_int8(F.silu(gate) * up, self.down, self.down_scale)
+        gate, up = linear_int8(x, self.gate_up, self.gate_up_scale, self.activations).chunk(2, dim=-1)
+        return linear_int8(F.silu(gate) * up, self.down, self.down_scale, self.activations)
 
 
-def linear_int8(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    """x [t, in] @ (q * scale[:, None]).T -> [t, out], by whichever way is faster for x."""
+def linear_int8(x: Tensor, q: Tensor, scale: Tensor, activations: bool = True) -> Tensor:
+    """x [t, in] @ (q * scale[:, None]).T -> [t, out], by whichever way is faster for x; `activations`:
+    whether bf16 x may be quantized too (W8A8) where it has more tokens than the kernel takes."""
     if x.dtype != torch.bfloat16:
         return linear_int8_converted(x, q, scale)
     if x.shape[0] <= INT8_KERNEL_MAX_TOKENS and q.shape[1] % INT8_KERNEL_K_MULTIPLE == 0:
         return linear_int8_kernel(x, q, scale)
-    if INT8_ACTIVATIONS and x.shape[0] > INT8_KERNEL_MAX_TOKENS:
+    if activations and x.shape[0] > INT8_KERNEL_MAX_TOKENS:
         return linear_int8_w8a8(x, q, scale)
     return linear_int8_converted(x, q, scale)
 
@@ -244,6 +247,12 @@ def _dequantize_int4(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray, ou
                 out[k, j] = (bits[j] + np.uint32(0x7FFF) + ((bits[j] >> 16) & np.uint32(1))) >> 16
         else:
             out[k] = bits
+
+
+def quantizes_activations(index: Index) -> bool:
+    """Whether this store's experts may quantize their activations (linear_int8's W8A8): int8 blocks of a
+    bf16 model."""
+    return index.quant == "int8" and index.dtype == "bfloat16"
 
 
 def slow_path(index: Index) -> str | None:

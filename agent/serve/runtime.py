@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from agent.experts.cache import ExpertCache
 from agent.experts.cap import cap_bounds, memory_limit_bytes, parse_cap, resident_bytes
 from agent.experts.layout import CONFIG, INDEX, Index
+from agent.experts.quant import quantizes_activations
 from agent.experts.reader import IO_THREADS
 from agent.monitor import SystemSample, SystemSampler
 from agent.model.config import MoEConfig
@@ -54,6 +55,7 @@ class ServeOptions:
     verify: bool = False             # check every block's CRC32 in the background while idle
     route_trace: tuple[Path, ...] = ()      # recorded routing that decides each token's experts (agent/model/route_trace.py)
     prefill_threads: int | None = None      # torch threads of a step admitting prompts (engine.py); None: `threads`
+    int8_activations: bool = True    # int8 experts quantize bf16 activations above 8 tokens an expert (W8A8)
 
     def __post_init__(self) -> None:
         check_admit_window(self.admit_window_s)  # before the model loads, so a bad value fails at once
@@ -64,8 +66,9 @@ class Runtime:
         self.opts, self.started = opts, time.time()
         self.recorder = Recorder(store) if store is not None else None
         self.monitor = SystemSampler.for_experts(opts.model_dir, store.path if store is not None else None)
-        self.cache = ExpertCache(opts.model_dir, _first_cap(opts), policy=opts.policy or DEFAULT_POLICY, backend=opts.backend,
-                                 io_threads=opts.io_threads, monitor=self.monitor)
+        self.cache = ExpertCache(opts.model_dir, _first_cap(opts), policy=opts.policy or DEFAULT_POLICY,
+                                 backend=opts.backend, io_threads=opts.io_threads, monitor=self.monitor,
+                                 int8_activations=opts.int8_activations)
         try:
             self.engine = ModelEngine(opts.model_dir, self.cache, threads=opts.threads, route_trace=opts.route_trace,
                                       prefill_threads=opts.prefill_threads)
@@ -216,7 +219,7 @@ class Runtime:
         return {
             "model": str(self.opts.model_dir), "uptime_s": time.time() - self.started,
             "routing": self.engine.model.route_trace.describe() if self.engine.model.route_trace else "the model's router",
-            "policy": s.policy, "backend": s.backend, "scope": s.scope,
+            "policy": s.policy, "backend": s.backend, "scope": s.scope, "experts": self.experts_compute(),
             "cache": {"resident_experts": s.resident, "capacity_experts": s.capacity,
                       "cache_bytes": s.resident * s.slot_bytes, "cap_bytes": s.cap_bytes,
                       "occupancy": s.resident / s.capacity if s.capacity else 0.0,
@@ -231,6 +234,13 @@ class Runtime:
             "store": self.store_health(), "online_learning": self.online.status(),
             "step_profiles": [asdict(p) for p in profiles[max(0, len(profiles) - step_profiles):]],
         }
+
+    def experts_compute(self) -> dict[str, Any]:
+        """What the store's experts hold and how they are computed: int8_activations is whether int8
+        experts quantize bf16 activations too (W8A8), None where it does not apply (not int8, or not bf16)."""
+        index = self.cache.index
+        return {"quant": index.quant, "dtype": index.dtype,
+                "int8_activations": self.opts.int8_activations if quantizes_activations(index) else None}
 
     def store_health(self) -> dict[str, Any]:
         """Damaged blocks found by the size check at start, by reads while serving and by the scrub."""

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from agent.argtypes import count, port, threads
+from agent.argtypes import add_int8_activations, count, port, threads
 from agent.experts.layout import StoreError as ExpertStoreError
 from machine.memory import read_pid_file
 from agent.experts.reader import BACKENDS, IO_THREADS
@@ -73,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--route-trace", type=Path, nargs="+", default=(), metavar="FILE",
                    help="take each token's experts from recorded real routing (../shared/traces), for a random-weight "
                         "model; each request follows the trace from a place its prompt decides")
+    add_int8_activations(p)
     p.add_argument("--verify", action="store_true", help="check every expert block's CRC32 in the background "
                    "while idle; GET /v1/status reports progress and damaged blocks under \"store\"")
     p.add_argument("--max-prompt-bytes", type=count, default=MAX_PROMPT_BYTES,
@@ -208,7 +209,7 @@ def serve(args: argparse.Namespace) -> None:
         try:
             opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
                                 args.max_batch_size, args.threads, args.io_threads, args.admit_window_ms / 1000,
-                                args.verify, tuple(args.route_trace), args.prefill_threads)
+                                args.verify, tuple(args.route_trace), args.prefill_threads, args.int8_activations)
             runtime = Runtime(opts, CollectorRegistry(), store)
             runtime.start()
         except (ValueError, OSError, ExpertStoreError) as exc:
