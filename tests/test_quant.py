@@ -314,6 +314,30 @@ def test_an_int4_store_the_kernel_cannot_compute_here_is_named_when_the_cache_op
     slow = [r.getMessage() for r in caplog.records if "--quantize int8" in r.getMessage()]
     assert len(slow) == (warned is not None) and all(warned in m for m in slow)
 
+SIGNATURES = """
+import sys
+from agent.experts import quant
+from agent.experts.cache import ExpertCache
+from agent.experts.layout import INDEX, Index
+index = Index.load(sys.argv[1] + "/" + INDEX)
+before = len(quant._dequantize_int4.signatures)
+with ExpertCache(sys.argv[1], 2 * index.slot_bytes * index.n_layers):
+    print(before, [str(sig[-1].dtype) for sig in quant._dequantize_int4.signatures])
+"""
+
+
+@pytest.mark.parametrize("dtype, out", [(torch.bfloat16, "uint16"), (torch.float32, "uint32")])
+def test_opening_an_int4_store_compiles_its_dequantize_pass(tmp_path, dtype, out):
+    """In a new process (this one may have compiled it already): none before, the store's dtype after, so
+    the first step with many tokens an expert does not compile it inside a request's latency."""
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf", dtype=dtype)
+    convert(ckpt.path, tmp_path / "int4", quantize="int4")
+    done = subprocess.run([sys.executable, "-c", SIGNATURES, str(tmp_path / "int4")], cwd=REPO, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split(maxsplit=1) == ["0", f"['{out}']\n"]
+
+
 @pytest.mark.parametrize("backend", ["direct", "buffered", "mmap"])
 def test_every_backend_reads_int8_blocks_into_half_size_slots_and_computes_the_same(tmp_path, backend):
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf", dtype=torch.bfloat16, hidden_size=128, intermediate_size=64,

@@ -34,7 +34,7 @@ import torch
 from agent.experts.cap import MAX_MEMORY_SHARE, cap_bounds, resident_bytes
 from agent.experts.layout import CONFIG, EXPERTS, INDEX, Block, Index, StoreError
 from agent.experts.provider import Expert, block_views
-from agent.experts.quant import slow_path
+from agent.experts.quant import slow_path, warm_dequantize
 from agent.experts.reader import IO_THREADS, MmapReader, open_reader
 from agent.experts.slots import SlotPool
 from agent.monitor import SystemSampler
@@ -165,6 +165,7 @@ class ExpertCache:
         self._fed_t = -float("inf")  # the monitoring sample last passed to the policy
         self.system_fed: tuple[int, dict[str, float]] = (0, {})  # samples passed to the policy so far, the last
         self.damaged: dict[Key, str] = {}  # blocks whose read failed its CRC32 or came back short, and why
+        warm_dequantize(self.index)  # once the arguments are checked: not inside the first big step's latency
         log.info("expert cache: %d slots of %d bytes (%s scope, %s policy, %s backend)",
                  self._residency.capacity, self.index.slot_bytes, scope, policy, backend)
 

@@ -224,6 +224,17 @@ def dequantize_int4(packed: Tensor, sz: Tensor, dtype: torch.dtype) -> Tensor:
 _BITS = {torch.bfloat16: torch.uint16, torch.float32: torch.uint32}  # what the compiled loop writes
 
 
+def warm_dequantize(index: Index) -> None:
+    """Compile the dequantize pass an int4 store's model calls (or load it from numba's cache), on a
+    matrix of one block and one group: ~6 s compiling, ~0.5 s from the cache on this machine, which the
+    first step with more than INT4_KERNEL_MAX_TOKENS tokens an expert paid inside a request's latency."""
+    if index.quant != "int4":
+        return
+    dtype = getattr(torch, index.dtype)
+    q = torch.full((INT4_ROWS, INT4_GROUP), INT4_MID, dtype=torch.uint8)
+    dequantize_int4(pack_int4(q), torch.zeros(1, INT4_ROWS, 2), _WIDE.get(dtype, dtype))
+
+
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def _dequantize_int4(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray, out: np.ndarray) -> None:
     """out [K, N] = w.T, one pass: packed uint8 [N / INT4_ROWS, K, INT4_ROWS / 2] (pack_int4's blocks),
