@@ -99,7 +99,8 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
         raise ValueError(f"--model {model} is not a directory; give an expert store written by "
                          "flashmoe-cli convert or flashmoe-cli init-demo")
     if record_trace is not None and Path(record_trace).is_dir():
-        raise ValueError(f"--record-trace {record_trace} is a directory; name a file, e.g. {Path(record_trace) / 'run.jsonl'}")
+        raise ValueError(f"--record-trace {record_trace} is a directory; name a file, "
+                         f"e.g. {Path(record_trace) / 'run.jsonl'}")
     if prefill not in PREFILL_MODES:
         raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
     tokenizer = load_tokenizer(model)
@@ -177,7 +178,8 @@ def _check_batched_fits(config: MoEConfig, cache_stats: CacheStats, prompt_len: 
     room = cache_stats.capacity // len(config.moe_layer_ids) if cache_stats.scope == "layer" else cache_stats.capacity
     if room < union:
         raise ValueError(f"--prefill batched may route up to {union} experts per layer for this {prompt_len}-token "
-                         f"prompt, but the cache holds {room} per layer; use --prefill sequential or a larger --cache-cap")
+                         f"prompt, but the cache holds {room} per layer; "
+                         "use --prefill sequential or a larger --cache-cap")
 
 
 def write_trace(path: Path, meta: dict[str, Any], records: list[dict[str, list[int]]],
@@ -200,7 +202,8 @@ def write_trace(path: Path, meta: dict[str, Any], records: list[dict[str, list[i
 # -- command line ----------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = __doc__.split("\n\n", 1)[1]
-    parser.add_argument("--model", required=True, type=Path, help="expert store directory (flashmoe-cli convert / init-demo)")
+    parser.add_argument("--model", required=True, type=Path,
+                        help="expert store directory (flashmoe-cli convert / init-demo)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text, encoded with the model's tokenizer")
     prompt.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma separated: 1,2,3")
@@ -210,15 +213,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-cap", default="100%", help="expert cache size: bytes (300000000, 300MB) or a share "
                         "of all expert bytes (25%%); default 100%%")
     parser.add_argument("--policy", default=DEFAULT_POLICY, help="replacement policy (default %(default)s)")
-    parser.add_argument("--scope", choices=("layer", "global"), default="layer", help="cache partitioning (default layer)")
+    parser.add_argument("--scope", choices=("layer", "global"), default="layer",
+                        help="cache partitioning (default layer)")
     parser.add_argument("--backend", choices=("direct", "buffered", "mmap"), default="direct",
                         help="expert reads: O_DIRECT (default), buffered pread, or mmap of the whole file")
     parser.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                         help="no lookahead prefetch: a pure demand-access run")
     parser.add_argument("--prefill", choices=PREFILL_MODES, default="sequential",
                         help="prompt token by token (default) or in one batched step")
-    parser.add_argument("--threads", type=argtypes.threads, default=1, help="torch intra-op threads (default 1: the expert "
-                        "reads and their CRC checks run on other threads, and one token's matmuls are small)")
+    parser.add_argument("--threads", type=argtypes.threads, default=1,
+                        help="torch intra-op threads (default 1: the expert reads and their CRC checks run on "
+                        "other threads, and one token's matmuls are small)")
     parser.add_argument("--record-trace", type=Path, metavar="FILE", help="write the routing as decode-layout JSONL")
     parser.add_argument("--route-trace", type=Path, nargs="+", default=(), metavar="FILE",
                         help="take each token's experts from recorded real routing (../shared/traces; it must match "
@@ -231,7 +236,8 @@ def _ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r}: give integers separated by commas, e.g. 1,2,3") from None
+        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r}: give integers separated by commas, "
+                                         "e.g. 1,2,3") from None
     if not ids:
         raise argparse.ArgumentTypeError("--prompt-ids is empty; give at least one token id, e.g. 1,2,3")
     return ids
@@ -255,6 +261,6 @@ def run(args: argparse.Namespace) -> int:
         s = result.stats
         print(result.text)
         log.info("%d tokens, %.2f tok/s (decode %.2f tok/s), hit rate %.3f, %.1f MB read per token; %s",
-                 len(result.token_ids), s["tokens_per_s"], s["decode_tokens_per_s"], s["hit_rate"], s["mb_read_per_token"],
-                 s["routing"])
+                 len(result.token_ids), s["tokens_per_s"], s["decode_tokens_per_s"], s["hit_rate"],
+                 s["mb_read_per_token"], s["routing"])
     return 0

@@ -113,10 +113,12 @@ class SystemSampler:
             (f"collector block.{self.disk}.util", lambda: self._collected(f"block.{self.disk}.util"))]
         signals = {
             "mem_pressure": [("/proc/pressure/memory", lambda: psi()["some"]["avg10"] / 100),
-                             ("collector psi.memory.some_avg10", lambda: self._collected("psi.memory.some_avg10") / 100)],
+                             ("collector psi.memory.some_avg10",
+                              lambda: self._collected("psi.memory.some_avg10") / 100)],
             "psi_full_avg10": [("/proc/pressure/memory", lambda: psi()["full"]["avg10"]),
                                ("collector psi.memory.full_avg10", lambda: self._collected("psi.memory.full_avg10"))],
-            "ssd_util": disk + [("expert cache read-busy time", lambda: min(1.0, read_time / dt) if dt < INF else None)],
+            "ssd_util": disk + [("expert cache read-busy time",
+                                 lambda: min(1.0, read_time / dt) if dt < INF else None)],
             "major_faults_per_s": [(str(self.stat_path), lambda: self._fault_rate(now))],
             "mem_available_share": [(str(self.meminfo),
                                      lambda: available_share(parse_kib_table(self.meminfo.read_text())))],

@@ -206,7 +206,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy-model", metavar="FILE", help="weights for the learned flashmoe policy")
     parser.add_argument("--experts", type=count, metavar="N", help="experts per layer when a trace's meta has null")
     parser.add_argument("--prompts", metavar="A..B", help="prefill NPZ only: prompt numbers to replay")
-    parser.add_argument("--window", type=count, metavar="W", help=f"lfu-window: window in accesses of one layer (default {DEFAULT_WINDOW})")
+    parser.add_argument("--window", type=count, metavar="W",
+                        help=f"lfu-window: window in accesses of one layer (default {DEFAULT_WINDOW})")
     parser.add_argument("--system-series", metavar="FILE", help="monitoring series JSON to replay "
                         "(default: a deterministic synthetic one; a trace recorded with samples replays its own)")
     parser.add_argument("--online", action="store_true", help="also run flashmoe learning online from the "

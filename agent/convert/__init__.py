@@ -51,8 +51,9 @@ def convert(src: Path, dst: Path, overwrite: bool = False, progress: Progress | 
     """Convert the checkpoint in `src` into an expert store at `dst`; returns the store's index.
 
     `quantize="int8"` stores the experts as int8 with a scale per output channel, "int4" as int4 with a
-    scale and zero per group of weights along a row (agent/experts/quant.py), None in the checkpoint's dtype, and "auto" (the default) int8 for bf16 experts the int8 kernel takes
-    (widths multiples of INT8_KERNEL_K_MULTIPLE), as stored otherwise.
+    scale and zero per group of weights along a row (agent/experts/quant.py), None in the checkpoint's
+    dtype, and "auto" (the default) int8 for bf16 experts the int8 kernel takes (widths multiples of
+    INT8_KERNEL_K_MULTIPLE), as stored otherwise.
     Raises CheckpointError, before writing anything, if the checkpoint is unusable or `dst` is a
     non-empty directory and `overwrite` is false. `progress(done, total)` is called after each block.
     """
@@ -146,8 +147,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=(AUTO, *QUANTS, "none"), default=AUTO,
                         help="int8: the experts as int8 with a scale per output channel, half the bytes of bf16 "
                         "per block (the model's answers change slightly); int4: 4 bits a weight with a scale and "
-                        "zero per 64 weights, 0.28x the bytes of bf16 (the answers change more); none: in the checkpoint's dtype; "
-                        "auto (default): int8 for bf16 experts, none for float32 and float16")
+                        "zero per 64 weights, 0.28x the bytes of bf16 (the answers change more); none: in the "
+                        "checkpoint's dtype; auto (default): int8 for bf16 experts, none for float32 and float16")
 
 
 def run(args: argparse.Namespace) -> int:

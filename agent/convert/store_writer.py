@@ -108,7 +108,8 @@ class StoreWriter:
 
     def _swap_into_place(self) -> None:
         old = None
-        if self.dst.exists() and not (self.dst.is_dir() and not any(self.dst.iterdir())):  # rename replaces an empty dir
+        # rename replaces an empty directory
+        if self.dst.exists() and not (self.dst.is_dir() and not any(self.dst.iterdir())):
             if not self.replace:
                 raise CheckpointError(f"{self.dst} appeared while writing; nothing was replaced")
             old = Path(tempfile.mkdtemp(prefix=f".{self.dst.name}.old-", dir=self.dst.parent))

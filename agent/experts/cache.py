@@ -69,7 +69,7 @@ class CacheStats:
     read_latency_s: list[float] = field(default_factory=list)  # the most recent LATENCY_SAMPLES reads
     crc_s: float = 0.0           # spent checking CRC32s, on the I/O threads
     io_busy_s: float = 0.0       # wall time with at least one block being read or checked: the rest the device idled
-    read_s: float = 0.0          # summed over reads, each one's read and check: / io_busy_s = reads in flight while busy
+    read_s: float = 0.0          # each read's read and check, summed: / io_busy_s = reads in flight while busy
     policy_s: float = 0.0        # spent in Residency and the policy, on the thread that routes and gets
 
     @property
@@ -157,7 +157,8 @@ class ExpertCache:
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="expert-io")
         self.read_ahead = io_threads  # reads a step larger than a partition keeps in flight
         self._bytes_read = self._reads = self._issued = 0
-        self._crc_s = self._policy_s = self._read_s = 0.0  # CRC checks (I/O threads), the policy (under the lock), reads
+        # CRC checks (I/O threads), the policy (under the lock), reads
+        self._crc_s = self._policy_s = self._read_s = 0.0
         self._running, self._busy_since, self._io_busy_s = 0, 0.0, 0.0  # reads running, since when, busy time before
         self._busy_lock = threading.Lock()   # guards those three: a read's start need not wait for the cache lock
         self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
@@ -481,7 +482,8 @@ class ExpertCache:
             for slot in [s for s in self._busy if s not in self._pool]:
                 self._dropped.append(self._busy.pop(slot))  # a read's future holds its expert
         self._outgrown = len(self._residency) > self._residency.capacity  # pinned experts left for the layer's end
-        log.info("expert cache resized to %d bytes (%d slots), %d evicted", cap_bytes, self._residency.capacity, len(evicted))
+        log.info("expert cache resized to %d bytes (%d slots), %d evicted", cap_bytes, self._residency.capacity,
+                 len(evicted))
         return evicted
 
     def _layer_done(self) -> None:

@@ -71,7 +71,8 @@ class BlockReader:
 
     def _short(self, block: Block, got: int) -> StoreError:
         return StoreError(f"expert block layer {block.layer} expert {block.expert} is truncated in {self.path}: "
-                          f"read {got} of {self.index.nbytes} bytes at offset {block.offset}; re-run flashmoe-cli convert")
+                          f"read {got} of {self.index.nbytes} bytes at offset {block.offset}; "
+                          "re-run flashmoe-cli convert")
 
     def close(self) -> None:
         pass
@@ -121,7 +122,8 @@ class DirectReader(_PreadReader):
             return super()._open()
         except OSError as exc:
             if exc.errno == errno.EINVAL:
-                raise StoreError(f"the filesystem holding {self.path} refuses O_DIRECT; use --backend buffered") from None
+                raise StoreError(f"the filesystem holding {self.path} refuses O_DIRECT; "
+                                 "use --backend buffered") from None
             raise
 
     def _length(self) -> int:

@@ -33,9 +33,10 @@ class OnlineLearning:
         self._exported = 0  # the number of the last update of the current learner counted and recorded
         self.updates = Counter("flashmoe_online_updates", "online-learning updates swapped in", registry=registry)
         self.rollbacks = Counter("flashmoe_online_rollbacks",
-                                 "online updates rolled back: worse in hindsight than the weights before", registry=registry)
-        self.decisions = Counter("flashmoe_online_decisions", "eviction decisions labelled in hindsight and learned from",
+                                 "online updates rolled back: worse in hindsight than the weights before",
                                  registry=registry)
+        self.decisions = Counter("flashmoe_online_decisions",
+                                 "eviction decisions labelled in hindsight and learned from", registry=registry)
         self.cpu = Gauge("flashmoe_online_cpu_seconds", "CPU time of the online-learning worker since it was turned on",
                          registry=registry)
         self.enabled = Gauge("flashmoe_online_enabled", "1 while the learned policy learns online", registry=registry)
@@ -111,7 +112,7 @@ def update_row(u: Update) -> dict[str, Any]:
 
 def describe(u: Update) -> str:
     j = u.judgement
-    judged = "" if j is None else (f"; update {u.number - 1} on the {j.steps} steps since: hit rate {j.old_hit_rate:.4f} "
-                                   f"with the weights before, {j.new_hit_rate:.4f} with it"
+    judged = "" if j is None else (f"; update {u.number - 1} on the {j.steps} steps since: hit rate "
+                                   f"{j.old_hit_rate:.4f} with the weights before, {j.new_hit_rate:.4f} with it"
                                    f"{' (rolled back)' if j.rolled_back else ''}")
     return f"update {u.number} at step {u.step}: learned from {u.decisions} decisions, {u.cpu_s:.1f} s CPU{judged}"

@@ -223,7 +223,8 @@ def padded(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | Non
     """Decisions from (signature, features, distance, series or None) rows of up to MAX_CANDIDATES candidates."""
     d, m, bits, nf = len(rows), MAX_CANDIDATES, HISTORY_BITS, len(FEATURES)
     out = Decisions(np.zeros((d, m, bits), np.float32), np.zeros((d, m, nf), np.float32),
-                    np.zeros((d, m), np.float32), np.zeros((d, m), bool), np.full((d, SERIES_LEN, 2), np.nan, np.float32))
+                    np.zeros((d, m), np.float32), np.zeros((d, m), bool),
+                    np.full((d, SERIES_LEN, 2), np.nan, np.float32))
     for i, (sig, feat, dist, series) in enumerate(rows):
         n = len(dist)
         out.signature[i, :n], out.features[i, :n], out.distance[i, :n], out.mask[i, :n] = sig, feat, dist, True
@@ -319,8 +320,8 @@ def train_policy(parts: Sequence[Part], out: Path, root: Path = Path("."), epoch
         raise ValueError("the traces produced no eviction decisions (the cache never filled); "
                          "use longer traces or a smaller capacity")
     net = fit(data, epochs, seed)
-    summary = {"traces": [t.name for t in traces], "capacities": list(capacities), "drivers": list(drivers), "epochs": epochs,
-               "seed": seed, "decisions": len(data), "max_tokens": max_tokens,
+    summary = {"traces": [t.name for t in traces], "capacities": list(capacities), "drivers": list(drivers),
+               "epochs": epochs, "seed": seed, "decisions": len(data), "max_tokens": max_tokens,
                "victim_agreement_train": round(victim_agreement(net, data), 4),
                "seconds": round(time.monotonic() - started, 1)}
     save(net, out, summary)

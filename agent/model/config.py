@@ -162,7 +162,8 @@ class MoEConfig:
         try:
             hf = json.loads(Path(path).read_text())
         except FileNotFoundError:
-            raise ConfigError(f"{path} not found; point --model at a directory written by flashmoe-cli convert") from None
+            raise ConfigError(f"{path} not found; point --model at a directory written by "
+                              "flashmoe-cli convert") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path} is not valid JSON: {exc}") from None
         return cls.from_hf(hf)

@@ -48,7 +48,8 @@ def check_state(model: nn.Module, state: dict[str, Tensor]) -> None:
     wrong = [f"{k} {tuple(state[k].shape)} != {tuple(s)}" for k, s in own.items() if k in state and state[k].shape != s]
     if missing or unexpected or wrong:
         raise StoreError(f"dense weights do not match config.json: missing {missing[:5]}, unexpected {unexpected[:5]}, "
-                         f"wrong shape {wrong[:5]}; re-run flashmoe-cli convert on the checkpoint this config belongs to")
+                         f"wrong shape {wrong[:5]}; re-run flashmoe-cli convert on the checkpoint this config "
+                         "belongs to")
 
 
 def check_index(config: MoEConfig, index: Index) -> None:

@@ -126,7 +126,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if c.clip_qkv is not None:
             q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
-        q, k, v = q.view(T, c.n_heads, c.head_dim), k.view(T, c.n_kv_heads, c.head_dim), v.view(T, c.n_kv_heads, c.head_dim)
+        q = q.view(T, c.n_heads, c.head_dim)                                             # [T, H, Dh]
+        k, v = k.view(T, c.n_kv_heads, c.head_dim), v.view(T, c.n_kv_heads, c.head_dim)  # [T, Hkv, Dh]
         if c.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)

@@ -53,7 +53,8 @@ DECISION = Knob("decision", str, "score", choices=DECISIONS,
 KEEP_PERCENTILE = Knob("keep_percentile", float, 30.0, 0.0, 100.0,
                        help="learned policy, decision lfu: keep experts scoring at or above it")
 RECOMPUTE_THRESHOLD = Knob("recompute_threshold", float, 0.0, 0.0, 1.0,
-                           help="learned policy: activation-distribution shift (total variation) that triggers rescoring")
+                           help="learned policy: activation-distribution shift (total variation) that triggers "
+                                "rescoring")
 ONLINE_LEARNING = Knob("online_learning", bool, False,
                        help="learned policy: keep learning from this device's own routing, in a background process "
                             "at lowest priority and at most 5% of one core (agent/learned/online.py)")

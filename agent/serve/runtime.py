@@ -53,7 +53,7 @@ class ServeOptions:
     io_threads: int = IO_THREADS     # expert reads in flight at once
     admit_window_s: float = ADMIT_WINDOW_S  # how long an idle scheduler waits for a burst to share its first step
     verify: bool = False             # check every block's CRC32 in the background while idle
-    route_trace: tuple[Path, ...] = ()      # recorded routing that decides each token's experts (agent/model/route_trace.py)
+    route_trace: tuple[Path, ...] = ()      # recorded routing that decides each token's experts (model/route_trace.py)
     prefill_threads: int | None = None      # torch threads of a step admitting prompts (engine.py); None: `threads`
     int8_activations: bool = True    # int8 experts quantize bf16 activations above 8 tokens an expert (W8A8)
 
@@ -114,7 +114,8 @@ class Runtime:
     def _initial_knobs(self) -> None:
         """What the command line says (source "cli"), and the store's last value (source "restore") of
         every other knob: a flag given at start wins over history."""
-        cli = {"cache_cap_bytes": parse_cap(self.opts.cache_cap, self.cache.expert_bytes) if self.opts.cache_cap else None,
+        cap = self.opts.cache_cap
+        cli = {"cache_cap_bytes": parse_cap(cap, self.cache.expert_bytes) if cap else None,
                "policy": self.opts.policy, "prefetch": self.opts.prefetch, "max_batch_size": self.opts.max_batch_size}
         cli = {k: v for k, v in cli.items() if v is not None}
         stored = {k: v for k, v in self._stored_knobs().items() if k not in cli}
@@ -218,7 +219,7 @@ class Runtime:
         profiles = list(self.engine.profiles)  # one C call, safe beside appends
         return {
             "model": str(self.opts.model_dir), "uptime_s": time.time() - self.started,
-            "routing": self.engine.model.route_trace.describe() if self.engine.model.route_trace else "the model's router",
+            "routing": trace.describe() if (trace := self.engine.model.route_trace) else "the model's router",
             "policy": s.policy, "backend": s.backend, "scope": s.scope, "experts": self.experts_compute(),
             "cache": {"resident_experts": s.resident, "capacity_experts": s.capacity,
                       "cache_bytes": s.resident * s.slot_bytes, "cap_bytes": s.cap_bytes,
@@ -292,7 +293,8 @@ class Runtime:
 
     def _adapt_batch(self, sample: SystemSample) -> None:
         util = sample.ssd_util
-        limit = batching.next_limit(self.scheduler.limit, self.scheduler.max_batch, util, self.knobs["ssd_util_threshold"])
+        limit = batching.next_limit(self.scheduler.limit, self.scheduler.max_batch, util,
+                                    self.knobs["ssd_util_threshold"])
         if limit != self.scheduler.limit:
             log.debug("batch limit %d -> %d (SSD utilisation %.2f from %s, threshold %.2f)", self.scheduler.limit,
                      limit, util or 0.0, sample.sources["ssd_util"], self.knobs["ssd_util_threshold"])

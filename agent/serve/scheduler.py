@@ -66,7 +66,7 @@ class Request:
     sink: Callable[[Event], None]   # called on the scheduler thread; must not block
     stop_ids: frozenset[int] = frozenset()
     top_p: float = 1.0              # nucleus sampling: 1 samples from every token
-    seed: int | None = None         # its own random draws, undisturbed by requests sharing its steps; None: the engine's
+    seed: int | None = None         # its own random draws, whoever shares its steps; None: the engine's
     submitted: float = field(default_factory=time.time)
     state: Any = None               # the engine's per-request state (a model Sequence)
     sampler: Any = None             # the engine's random generator of a seeded request

@@ -48,10 +48,12 @@ class ServeError(Exception):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = __doc__.split("\n\n", 1)[1]
-    p.add_argument("--model", required=True, type=Path, help="expert store directory (flashmoe-cli convert / init-demo)")
+    p.add_argument("--model", required=True, type=Path,
+                   help="expert store directory (flashmoe-cli convert / init-demo)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; others need a token)")
     p.add_argument("--port", type=port, default=8600, help="TCP port (default 8600; 0 picks a free one)")
-    p.add_argument("--db", type=Path, help="telemetry store to write statistics and knob changes to, and restore knobs from")
+    p.add_argument("--db", type=Path,
+                   help="telemetry store to write statistics and knob changes to, and restore knobs from")
     p.add_argument("--pid-file", type=Path, help="write the agent's pid here (the collector finds the agent by it)")
     p.add_argument("--token", help=f"bearer token control calls must carry (or set {TOKEN_ENV})")
     add_device_name(p, "every /metrics series")
