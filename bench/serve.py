@@ -16,12 +16,14 @@ Each run starts `flashmoe-cli serve` as its own process with the cache cap at 25
 inside a cgroup memory limit when the machine allows one (the same limit for all three: the cap,
 the model's dense weights and KV budget, and working memory; bench/memory.py), after the expert
 files and dense weights of every store in the run are dropped from the page cache (posix_fadvise
-DONTNEED), so every run starts cold. The clients are set up first and start together, so their first requests arrive as a burst;
-each measures request latency (send to last byte); tokens/s is all completion tokens over the
-wall time of the whole load. A warm-up run of the first configuration comes before the rounds and is
-not measured (`--no-warm-up` leaves it out): without it the first run paid for what the drop leaves cold
-and no later run does (the agent's code and libraries, torch and numba faulting in) and came out 2-3x
-slower; the JSON keeps it under "warm_up", apart from the rounds. Where (a)'s time goes: every run's model steps are profiled by the agent
+DONTNEED), so every run starts cold. The clients are set up first and start together, so their first
+requests arrive as a burst; each measures request latency (send to last byte); tokens/s is all
+completion tokens over the wall time of the whole load. A warm-up run of the first configuration
+comes before the rounds and is not measured (`--no-warm-up` leaves it out): the first run of an
+invocation can be slower than the same configuration's later ones (P99 1.3x in one run of BENCHMARKS.md's
+"The final runs", none in the next, started right after; 2-3x seen before), for what the per-run drop
+leaves warm across invocations; the JSON keeps it under "warm_up", apart from the rounds.
+Where (a)'s time goes: every run's model steps are profiled by the agent
 (agent/serve/engine.py's StepProfile, from /v1/status), summed apart for admission steps (they prefill
 prompts) and decode steps: the model's phases (attention, router, route, wait for reads, expert
 matmuls, head; `other` is the rest of the step's wall time), CRC and policy, bytes read and the read
