@@ -1,6 +1,7 @@
 """bench/serve.py's statistics over rounds (pure functions on made-up runs) and its command line."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -115,3 +116,26 @@ def agents_serving(model: Path) -> list[int]:
         if b"serve" in argv and str(model).encode() in argv and state != "Z":
             pids.append(int(proc.name))
     return pids
+
+
+def test_sigterm_while_the_clients_wait_ends_the_run_at_once(tmp_path_factory):
+    """It waited for every client's answers (up to the whole run) before stopping the agent."""
+    model = demo_model(tmp_path_factory)
+    log = ROOT / "bench" / "results" / "serve-logs" / "b-lru-direct-round0.log"
+    log.unlink(missing_ok=True)
+    bench = subprocess.Popen([sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--rounds", "1",
+                              "--configs", "b", "--no-warm-up", "--requests-per-client", "400"], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and "POST /v1/completions" in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)                      # until the first answer: the clients are driving
+        assert bench.poll() is None and "POST /v1/completions" in log.read_text()
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) != 0 and not agents_serving(model)  # 6400 requests would take many minutes
+        assert log.read_text().count("POST /v1/completions") < 6400
+    finally:                                     # a failure leaves neither the bench nor its agent running
+        for pid in agents_serving(model):
+            os.kill(pid, signal.SIGKILL)
+        bench.kill()
+        bench.wait()
