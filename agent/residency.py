@@ -35,7 +35,7 @@ class LayerStats:
     evictions: int = 0
     prefetches: int = 0
     prefetch_hits: int = 0  # demand hits on a block that prefetch brought in
-    rereads: int = 0        # misses on a block evicted moments ago: within its partition's last `capacity` evictions
+    rereads: int = 0        # misses on a block the cache held and evicted (not a first read)
 
 
 @dataclass
@@ -43,13 +43,11 @@ class _Partition:
     capacity: int
     policy: Policy
     resident: set[Key] = field(default_factory=set)
-    # The last `capacity` keys evicted, oldest first: a miss on one of them is a re-read that a
-    # cache up to twice this size would have been a hit (ARC's ghost list, kept only for counting).
-    evicted: dict[Key, None] = field(default_factory=dict)
-
-    def forget_evicted_beyond_capacity(self) -> None:
-        while len(self.evicted) > self.capacity:
-            del self.evicted[next(iter(self.evicted))]
+    # Keys evicted and not read back since: a miss on one is a re-read, not a first read. Every one
+    # is remembered (at most the model's blocks): a ghost list of the last `capacity` evictions saw
+    # few of a small cap's re-reads, whose blocks went several capacities ago (7% of the misses at
+    # the small demo's smallest cap, hit rate 0.30, against 30% at its default cap, hit rate 0.58).
+    evicted: set[Key] = field(default_factory=set)
 
 
 class Residency:
@@ -95,7 +93,6 @@ class Residency:
             part.capacity = cap
             while len(part.resident) > cap and part.resident - self._pinned:
                 evicted.append(self._evict(part))
-            part.forget_evicted_beyond_capacity()
         return evicted
 
     # -- access -----------------------------------------------------------------------------------
@@ -201,7 +198,7 @@ class Residency:
 
     def _admit(self, part: _Partition, key: Key, keep: Collection[Key] | None = None) -> Key | None:
         victim = self._evict(part, keep) if len(part.resident) >= part.capacity else None
-        part.evicted.pop(key, None)
+        part.evicted.discard(key)
         part.resident.add(key)
         part.policy.insert(key)
         return victim
@@ -214,8 +211,7 @@ class Residency:
             victim = part.policy.victim(part.resident, keep)
         self._forget(part, victim)
         self.stats[victim[0]].evictions += 1
-        part.evicted[victim] = None
-        part.forget_evicted_beyond_capacity()
+        part.evicted.add(victim)
         return victim
 
     def _forget(self, part: _Partition, key: Key) -> None:

@@ -51,7 +51,7 @@ def latency_s(k: int) -> float:
 CALM = {"mem.agent.majflt_per_s": 2.0, "cgroup.agent.pgmajfault_per_s": 2.0,
         "cgroup.agent.workingset_refault_file_per_s": 10.0, "cgroup.agent.workingset_refault_anon_per_s": 0.0,
         "vm.pgmajfault_per_s": 3.0, "vm.workingset_refault_file_per_s": 10.0, "vm.workingset_refault_anon_per_s": 0.0,
-        "psi.memory.some_avg10": 0.5, "psi.memory.full_avg10": 0.0, "agent.reread_share": 0.2,
+        "psi.memory.some_avg10": 0.5, "psi.memory.full_avg10": 0.0, "agent.reread_rate": 0.2,
         "mem.available_bytes": 3 * GIB}
 MEMORY = {        # the memory signals of each state: the calm levels, with the trouble's own signals over
     "healthy": CALM,
@@ -62,7 +62,7 @@ MEMORY = {        # the memory signals of each state: the calm levels, with the 
     "pressure from another process": CALM | {"vm.pgmajfault_per_s": 900.0, "vm.workingset_refault_file_per_s": 50_000.0,
                                              "psi.memory.some_avg10": 25.0, "psi.memory.full_avg10": 3.0,
                                              "mem.available_bytes": 0.3 * GIB},
-    "cache thrashing": CALM | {"agent.reread_share": 0.8},
+    "cache thrashing": CALM | {"agent.reread_rate": 0.8},
 }
 
 

@@ -8,9 +8,10 @@ tells apart:
 - **pressure from another process**: the machine stalls on memory (PSI) or re-reads pages it just
   dropped (refaults) while the agent's own counters stay flat. The fix is outside the agent;
   shrinking its cache would only slow it down.
-- **cache thrashing**: memory is calm but most cache misses re-read a block the cache evicted
-  moments ago (within its last `capacity` evictions): the cap is below the working set, and a
-  larger one, where the bounds allow, turns those misses into hits.
+- **cache thrashing**: memory is calm but more than half of the expert lookups miss on a block the
+  cache held and evicted (first reads do not count, so a cold start is not thrash): the cap is below
+  the working set, and a larger one, where the bounds allow, turns those misses into hits. Judged on
+  lookups, not on misses: at a hit rate of 0.95 nearly every miss is a re-read.
 - **healthy**, or **no data** when the collector has written no memory signal in the window.
 
 A signal counts when its bucket averages stay over the threshold for SUSTAIN_S seconds of the
@@ -42,7 +43,7 @@ SUSTAIN_S = 20.0          # seconds over a threshold that make a trend rather th
 SAMPLE_S = 1.0            # the collector's and the agent's sampling interval: one bucket holds at least this much
 BUCKETS = 240             # the judged resolution; the page charts the same buckets
 SHRINK = 0.75             # a thrashing agent's cache steps down by a quarter, then the evidence says if that was enough
-GROW = 2.0                # re-reads are of blocks a cache up to twice as large would still hold
+GROW = 4.0                # a cache thrashing below its working set steps up fourfold, within memory and its bounds
 MIB = 1 << 20
 VERDICTS = ("agent thrashing", "pressure from another process", "cache thrashing", "healthy", "no data")
 CAP = "cache_cap_bytes"
@@ -71,7 +72,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     Threshold("psi.memory.full_avg10", "memory PSI full (avg10)", 2.0, "%", "system"),
     Threshold("vm.workingset_refault_file_per_s", "system file refaults", 10_000.0, "1/s", "system"),
     Threshold("vm.workingset_refault_anon_per_s", "system anon refaults", 1_000.0, "1/s", "system"),
-    Threshold("agent.reread_share", "cache misses re-reading a block evicted moments ago", 0.5, "fraction", "cache"),
+    Threshold("agent.reread_rate", "expert lookups re-reading a block the cache evicted", 0.5, "fraction", "cache"),
 )
 
 
@@ -165,6 +166,8 @@ class Facts:
     available: float | None
     cgroup_others: int = 0    # processes besides the agent in its memory cgroup: its counters are theirs too
     total: float | None = None  # the machine's memory
+    hit_rate: float | None = None          # the cache's, over the window: what a cap change moves
+    read_bytes_per_s: float | None = None  # expert bytes read from the SSD, over the window
 
 
 def judge(threshold: Threshold, buckets: Sequence[Bucket], width_s: float) -> Signal:
@@ -192,7 +195,7 @@ SUMMARIES = {
     "agent thrashing": "the agent's own pages are dropped and read back faster than it works.",
     "pressure from another process": "the machine is short of memory, but the agent's own fault and refault "
                                      "counters stayed flat: something else is thrashing.",
-    "cache thrashing": "memory is calm, but the expert cache keeps re-reading blocks it evicted moments ago: "
+    "cache thrashing": "memory is calm, but most expert lookups re-read a block the cache held and evicted: "
                        "its cap is below the working set.",
     "healthy": "no memory signal stayed over its threshold.",
     "no data": "no memory signal in the store for this window: start the collector "
@@ -239,6 +242,13 @@ def _outside(facts: Facts, signals: Sequence[Signal]) -> str:
             f"memory.stat) and give it more memory or stop it.{shared}")
 
 
+def _cache_evidence(facts: Facts) -> str:
+    """The cache's hit rate and SSD reads over the window, e.g. " (hit rate 0.30, SSD reads 9.8 MiB/s)"."""
+    said = ([f"hit rate {facts.hit_rate:.2f}"] if facts.hit_rate is not None else []) + (
+        [f"SSD reads {human(facts.read_bytes_per_s, 'B/s')}"] if facts.read_bytes_per_s is not None else [])
+    return f" ({', '.join(said)})" if said else ""
+
+
 def recommend(verdict: str, facts: Facts, signals: Sequence[Signal]) -> Recommendation | None:
     """The fix for `verdict`: a cap within [cap_min, cap_max] and what to expect, or what to do instead.
     A cap above its bound (the agent's memory limit fell) is brought to the bound whatever the verdict."""
@@ -279,12 +289,13 @@ def recommend(verdict: str, facts: Facts, signals: Sequence[Signal]) -> Recommen
         new = min(int(hi), _mib_floor(min(cap * GROW, room)))
         if new <= cap:
             return Recommendation(
-                f"The cache cap ({_size(cap)}) is already the most memory allows: a larger machine, or a model "
-                f"with smaller experts, is the fix.")
+                f"The cache cap ({_size(cap)}) is already the most memory allows{_cache_evidence(facts)}: a larger "
+                f"machine, or a model with smaller experts, is the fix.")
         return Recommendation(
-            f"Raise the cache cap from {_size(cap)} to {_size(new)}: the re-read blocks were evicted within the "
-            f"cache's last {_size(cap)} of evictions, so a cache up to twice as large holds them. Expect the "
-            f"re-read share and the misses to fall; the memory signals here will show what it costs.", {CAP: new})
+            f"Raise the cache cap from {_size(cap)} to {_size(new)}{_cache_evidence(facts)}: the blocks it re-reads "
+            f"are ones it held, so a larger cache keeps more of them. Expect the re-read rate and the SSD reads to "
+            f"fall within a minute; if the re-read rate stays over its threshold, raise the cap again. The memory "
+            f"signals here will show what it costs.", {CAP: new})
     return None
 
 
@@ -329,6 +340,10 @@ def facts(db: Db, knobs: Mapping[str, Mapping[str, Any]] | None, since: float, u
     def last(name: str) -> float | None:
         point = queries.latest(db, name)
         return point[1] if point else None
+
+    def mean(name: str) -> float | None:
+        _, values = queries.points(db, name, since, until)
+        return float(values.mean()) if len(values) else None
     cap = knobs.get(CAP) if knobs else None
     if cap is not None:
         value, lo, hi = cap["value"], cap.get("min"), cap.get("max")
@@ -336,7 +351,7 @@ def facts(db: Db, knobs: Mapping[str, Mapping[str, Any]] | None, since: float, u
         value, lo, hi = last("agent.cache_cap_bytes"), last("agent.cache_cap_min_bytes"), last("agent.cache_cap_max_bytes")
     others = max((most for *_, most in queries.series(db, SHARED, since, until, 1)), default=0)
     return Facts(value, lo, hi, last("cgroup.agent.limit_bytes"), last("mem.available_bytes"), int(others),
-                 last("mem.total_bytes"))
+                 last("mem.total_bytes"), mean("agent.hit_rate"), mean("agent.read_bytes_per_s"))
 
 
 def diagnose(db: str | Path, window: float = 300.0, until: float | None = None,

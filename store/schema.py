@@ -175,8 +175,8 @@ CATALOGUE: tuple[SeriesSpec, ...] = (
     _agent("cache_cap_min_bytes", "B", 1.0, "smallest cache cap the agent accepts now", "cap_min_bytes"),
     _agent("cache_cap_max_bytes", "B", 1.0, "largest cache cap the agent accepts now: 70% of its memory limit "
            "less what the model keeps besides the slots", "cap_max_bytes"),
-    _agent("reread_share", "fraction", 0.001, "share of cache misses re-reading a block evicted within the "
-           "cache's last capacity evictions"),
+    _agent("reread_rate", "fraction", 0.001, "share of expert lookups that missed on a block the cache held and "
+           "evicted (first reads excluded)"),
     _agent("read_latency_s", "s", 1e-6, "mean expert read latency"),
     _agent("read_bytes_per_s", "B/s", 512.0, "expert bytes read from the SSD per second"),
     *(_agent(f"token_ms.{phase}", "ms", 0.01, f"ms of a generated token spent in {what}", f"token_ms_{phase}")

@@ -215,7 +215,7 @@ def evidence(at: AppTest) -> dict[str, dict]:
 def test_memory_page_healthy_states_every_signal_against_its_threshold(monkeypatch, offline, db):
     at = open_page(monkeypatch, db, "memory")
     assert set(figures(at)) == {"Agent memory", "Major faults", "Workingset refaults", "Memory pressure stall (PSI avg10)",
-                                "Cache misses re-reading a block evicted moments ago"}
+                                "Expert lookups re-reading a block the cache evicted"}
     assert "Healthy" in texts(at.success)
     rows = evidence(at)
     assert rows["agent major faults"] | {} == {"counts": "", "signal": "agent major faults", "whose": "agent",

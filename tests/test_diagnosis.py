@@ -47,7 +47,7 @@ def test_no_store_is_an_error_naming_the_file(tmp_path):
 
 
 def test_no_memory_signal_is_no_data_without_a_recommendation(tmp_path):
-    d = judged(write(tmp_path / "s.db", {"agent.reread_share": 0.9}))      # the cache's own signal alone
+    d = judged(write(tmp_path / "s.db", {"agent.reread_rate": 0.9}))      # the cache's own signal alone
     assert d.verdict == "no data" and "start the collector" in d.summary
     assert d.recommendation is None
     assert "mem.agent.majflt_per_s" in {th.series for th in d.unsampled}
@@ -139,12 +139,16 @@ def test_the_agent_thrashing_under_system_pressure_is_the_agents(tmp_path):
 
 
 def test_re_reads_with_memory_calm_are_cache_thrashing_and_the_cap_grows_within_memory(tmp_path):
-    d = judged(write(tmp_path / "s.db", synthetic.MEMORY["cache thrashing"]))
+    d = judged(write(tmp_path / "s.db", synthetic.MEMORY["cache thrashing"]
+                     | {"agent.hit_rate": 0.3, "agent.read_bytes_per_s": 10 * MIB}))
     assert d.verdict == "cache thrashing"
-    # twice the cap is 8 GiB; the bound is 5 GiB, half of the 3 GiB available is 1.5 GiB more: 5.5 GiB
+    # four times the cap is 16 GiB; the bound is 5 GiB, half of the 3 GiB available is 1.5 GiB more: 5.5 GiB
     assert d.recommendation.changes == {"cache_cap_bytes": 5 * GIB}
-    small = {"cache_cap_bytes": {"value": 1 * GIB, "min": 512 * MIB, "max": 5 * GIB}}
+    assert "from 4.0 GiB to 5.0 GiB (hit rate 0.30, SSD reads 10.0 MiB/s)" in d.recommendation.text
+    small = {"cache_cap_bytes": {"value": 512 * MIB, "min": 512 * MIB, "max": 5 * GIB}}
     assert judged(tmp_path / "s.db", small).recommendation.changes == {"cache_cap_bytes": 2 * GIB}
+    short = {"cache_cap_bytes": {"value": 1 * GIB, "min": 512 * MIB, "max": 5 * GIB}}   # 1 GiB + half of 3 GiB
+    assert judged(tmp_path / "s.db", short).recommendation.changes == {"cache_cap_bytes": 2.5 * GIB}
 
 
 def test_without_the_agent_the_bounds_are_the_ones_it_recorded(tmp_path):

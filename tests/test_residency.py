@@ -62,15 +62,16 @@ def test_a_mispredicted_prefetch_is_evicted_before_the_policy_is_asked():
     assert r.stats[0].evictions == 1 and r.stats[0].prefetch_hits == 0
 
 
-def test_a_miss_on_a_block_evicted_within_the_last_capacity_evictions_is_a_reread():
+def test_a_miss_on_a_block_the_cache_held_is_a_reread_however_long_ago_and_a_first_read_is_not():
     r = make(capacity=2, layers=1)
     for e in (0, 1, 2, 0):          # 2 evicts 0; 0 comes back one eviction later: a re-read
         r.route(0, [e])
         r.access((0, e))
     assert (r.stats[0].misses, r.stats[0].rereads) == (4, 1)
-    for e in (3, 4, 5, 6):          # four more evictions push 1 and 2 out of the last two
+    for e in (3, 4, 5, 6):          # four more evictions, 1 and 2 among them
         r.route(0, [e])
         r.access((0, e))
+    assert (r.stats[0].misses, r.stats[0].rereads) == (8, 1)     # first reads, every one
     r.route(0, [1])
-    r.access((0, 1))                # evicted long ago: a miss, not a re-read
-    assert (r.stats[0].misses, r.stats[0].rereads) == (9, 1)
+    r.access((0, 1))                # evicted five evictions ago, over twice the capacity: still a re-read
+    assert (r.stats[0].misses, r.stats[0].rereads) == (9, 2)

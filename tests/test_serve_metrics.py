@@ -98,15 +98,15 @@ def test_rereads_and_the_caps_bounds_reach_prometheus_and_the_store(tmp_path):
     reg = CollectorRegistry()
     m = Metrics(reg, n_layers=2)
     m.tick(10.0, cache_stats([LayerStats(), LayerStats()], 0, 0, [], 0), 0, 0, 16, 0, {}, (1024, 8192))
-    tick = m.tick(11.0, cache_stats([LayerStats(misses=4, rereads=3), LayerStats(misses=4, rereads=1)], 0, 0, [], 0),
-                  0, 0, 16, 0, {}, (1024, 8192))
-    assert tick.reread_share == 0.5
+    tick = m.tick(11.0, cache_stats([LayerStats(hits=4, misses=4, rereads=3), LayerStats(hits=4, misses=4, rereads=1)],
+                                    0, 0, [], 0), 0, 0, 16, 0, {}, (1024, 8192))
+    assert tick.reread_rate == 0.25       # of the 16 lookups, not of the 8 misses
     assert sample(reg, "flashmoe_expert_cache_rereads_total", layer="0") == 3
     assert sample(reg, "flashmoe_cache_cap_max_bytes") == 8192 and sample(reg, "flashmoe_cache_cap_min_bytes") == 1024
     with Store(tmp_path / "s.db", autoflush_s=0) as store:
         Recorder(store).write(tick, [])
-    assert queries.latest(tmp_path / "s.db", "agent.reread_share") == (11.0, 0.5)
+    assert queries.latest(tmp_path / "s.db", "agent.reread_rate") == (11.0, 0.25)
     assert queries.latest(tmp_path / "s.db", "agent.cache_cap_max_bytes") == (11.0, 8192)
-    idle = m.tick(12.0, cache_stats([LayerStats(misses=4, rereads=3), LayerStats(misses=4, rereads=1)], 0, 0, [], 0),
-                  0, 0, 16, 0, {}, (1024, 8192))
-    assert idle.reread_share is None and "agent.reread_share" not in Recorder.series(idle)   # no misses: no share
+    idle = m.tick(12.0, cache_stats([LayerStats(hits=4, misses=4, rereads=3), LayerStats(hits=4, misses=4, rereads=1)],
+                                    0, 0, [], 0), 0, 0, 16, 0, {}, (1024, 8192))
+    assert idle.reread_rate is None and "agent.reread_rate" not in Recorder.series(idle)   # no lookups: no rate

@@ -24,7 +24,7 @@ CHARTS = {                    # title -> (unit, {store series: legend label})
                                                 "psi.memory.full_avg10": "system, full",
                                                 "cgroup.agent.psi_some_avg10": "agent cgroup, some",
                                                 "cgroup.agent.psi_full_avg10": "agent cgroup, full"}),
-    "Cache misses re-reading a block evicted moments ago": ("fraction", {"agent.reread_share": "share of misses"}),
+    "Expert lookups re-reading a block the cache evicted": ("fraction", {"agent.reread_rate": "share of lookups"}),
 }
 FOOTPRINT = {"mem.agent.hwm_bytes": "peak RSS", "mem.agent.rss_bytes": "RSS", "mem.agent.rss_file_bytes": "file-backed RSS",
              "agent.cache_cap_bytes": "cache cap", "cgroup.agent.usage_bytes": "agent cgroup usage",
