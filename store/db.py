@@ -88,6 +88,7 @@ class Store:
         self.max_held_points = max_held_points
         self.max_held_rows = max_held_rows
         self.retry_s = retry_s
+        self.busy_timeout_s = busy_timeout_s
         self.conn = open_database(self.path, busy_timeout_s, create, device_name)
         self.lost = Lost()
         self._series = SeriesWriter(chunk_points)
@@ -190,9 +191,11 @@ class Store:
             chunks = self._series.encode(series)
             try:
                 with transaction(self.conn):
+                    began = time.monotonic()
                     self._rows.write(self.conn, rows)
                     opened = self._series.write(self.conn, chunks)
                     record_lost(self.conn, *lost)
+                self._warn_if_held_long(time.monotonic() - began, len(series), sum(map(len, rows.values())))
             except sqlite3.Error as e:
                 with self._lock:
                     self._series.failed()
@@ -207,6 +210,14 @@ class Store:
         if outage is not None:
             self._on_recovery(outage)
         return True
+
+    def _warn_if_held_long(self, held_s: float, series: int, rows: int) -> None:
+        """Say so when a flush held the write lock past half the busy timeout: another writer waiting
+        that long (the collector, the agent) is that close to failing with "database is locked"."""
+        if held_s > self.busy_timeout_s / 2:
+            log.warning("store %s: a flush held the write lock for %.1f s, over half the %g s that other writers "
+                        "wait for it (%d series, %d rows); a machine short of memory or a slow disk makes this",
+                        self.path, held_s, self.busy_timeout_s, series, rows)
 
     def _retry_due(self) -> bool:
         outage = self._outage

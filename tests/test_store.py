@@ -205,6 +205,26 @@ def test_a_flush_holds_the_write_lock_for_its_sql_alone(path):
     assert queries.points(path, "agent.tokens_per_s")[1].tolist() == [20.0] * 60
 
 
+def test_a_flush_that_holds_the_write_lock_past_half_the_busy_timeout_says_so(path, caplog, monkeypatch):
+    """A writer held inside its transaction (as by a thrashing agent's pages faulting back in) is
+    warned about once the hold passes half the busy timeout: other writers are that close to failing."""
+    with Store(path, autoflush_s=0, busy_timeout_s=0.2) as store:
+        store.append("agent.tokens_per_s", T0, 20.0)
+        store.record_request(T0, "r0", 0.1, 0.01, 0.5, 1, 2, 3, 4, 5)
+        write = store._rows.write
+        monkeypatch.setattr(store._rows, "write", lambda *a: (time.sleep(0.3), write(*a)))   # held 0.3 s
+        with caplog.at_level(logging.WARNING, logger="store.db"):
+            assert store.flush()
+    (warning,) = [r.getMessage() for r in caplog.records if "held the write lock" in r.getMessage()]
+    assert "over half the 0.2 s that other writers wait for it (1 series, 1 rows)" in warning
+    assert queries.points(path, "agent.tokens_per_s")[1].tolist() == [20.0]    # and the flush went through
+    caplog.clear()
+    with Store(path, autoflush_s=0, busy_timeout_s=60) as store, caplog.at_level(logging.WARNING, logger="store.db"):
+        store.append("agent.tokens_per_s", T0 + 1, 20.0)
+        assert store.flush()
+    assert not [r for r in caplog.records if "held the write lock" in r.getMessage()]
+
+
 def test_compaction_holds_the_write_lock_for_its_sql_alone(path):
     """Retention trims the chunk it cuts through, merging re-encodes runs of chunks: before the transaction."""
     for session in range(4):                 # restarts leave small chunks behind
