@@ -151,6 +151,20 @@ def test_re_reads_with_memory_calm_are_cache_thrashing_and_the_cap_grows_within_
     assert judged(tmp_path / "s.db", short).recommendation.changes == {"cache_cap_bytes": 2.5 * GIB}
 
 
+def test_a_noisy_re_read_rate_is_judged_on_ten_second_averages(tmp_path):
+    """The small demo at its default cap: a fifth of its seconds over the threshold, its 10 s averages
+    under it. Judged second by second, a 5-minute window found a minute over, and "cache thrashing"."""
+    noisy = [0.9 if i % 5 == 0 else 0.35 for i in range(WINDOW)]                     # mean 0.46
+    with Store(tmp_path / "s.db", autoflush_s=0) as store:
+        for i, value in enumerate(noisy):
+            for name, level in (synthetic.CALM | {"agent.reread_rate": value}).items():
+                store.append(name, T0 - WINDOW + 1 + i, level)
+    d = judged(tmp_path / "s.db")
+    rate = d.signal("agent.reread_rate")
+    assert d.verdict == "healthy" and rate.seconds_over == 0 and rate.peak < 0.5
+    assert len(rate.buckets) == WINDOW // 10
+
+
 def test_without_the_agent_the_bounds_are_the_ones_it_recorded(tmp_path):
     path = write(tmp_path / "s.db", synthetic.MEMORY["agent thrashing"] | {
         "agent.cache_cap_bytes": 600 * MIB, "agent.cache_cap_min_bytes": 500 * MIB,

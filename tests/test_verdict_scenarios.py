@@ -1,0 +1,156 @@
+"""The cache verdict, and the false alarms a user would meet, on a real agent serving the demo's load
+(`flashmoe-cli traffic`) with its collector, each judged from the store they wrote, as
+`flashmoe-cli diagnose --json` gives it, over the window of its own scenario:
+
+(a) the agent's cold start: its first minute reads every expert it meets, and that is not thrash;
+(b) another process streaming a 2 GiB file through the page cache: not the agent's fault, and no
+    memory pressure either (a stream reads each page once: no refaults);
+(c) another process reading the same disk hard with O_DIRECT: the agent's reads slow, memory is calm;
+(d) the cache cap dragged to its minimum over HTTP with the token, as the Tuning page does (the
+    README's demo): "cache thrashing" with its evidence and a larger cap within the bounds; that cap
+    applied, the verdict clears.
+
+One agent serves all four in this order (the cold start first), so each scenario costs only its own
+window.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agents import CLI, Agent, demo_model, spawn, start_agent, start_collector, stop, wait_for
+from dashboard.agent_client import Agent as AgentClient
+from store import diagnosis, queries
+from test_thrash_scenarios import diagnose, signals
+
+pytestmark = pytest.mark.slow
+MIB = 1 << 20
+TOKEN = "verdict-scenarios"
+COLD_S = 45               # the cold start judged: the agent's first 45 s of serving
+NEIGHBOUR_S = 30          # each neighbour's run, longer than SUSTAIN_S: a sustained signal would show
+THRASH_WITHIN_S = 60      # the cap dragged down to the verdict
+BIG_FILE = 2048 * MIB
+REREADS = "agent.reread_rate"
+CACHE_THRASHING = "cache thrashing"
+BLAMES = ("agent thrashing", "pressure from another process", CACHE_THRASHING)
+
+
+@dataclass
+class Served:
+    agent: Agent
+    started: float            # when the traffic began
+    big_file: Path            # on the agent's disk, out of the page cache
+
+
+def mean(db: Path, series: str, since: float, until: float) -> float:
+    _, values = queries.points(db, series, since, until)
+    assert len(values), f"no {series} from {since} to {until}"
+    return float(values.mean())
+
+
+def blames(verdict: dict) -> list[str]:
+    """The sustained signals, as the verdict states them."""
+    return [s["text"] for s in verdict["signals"] if s["sustained"]]
+
+
+def uncached_file(path: Path, size: int) -> Path:
+    """`size` bytes written, synced and dropped from the page cache: a later read comes from the disk."""
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={size // MIB}", "conv=fsync"],
+                   check=True, capture_output=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return path
+
+
+def neighbour(path: Path, flag: str, seconds: float, workdir: Path) -> float:
+    """`dd` reading `path` with `flag` again and again for `seconds` (each buffered pass drops what it
+    read behind it, so every pass comes from the disk); the seconds it ran, from the clock the store uses."""
+    loop = (f'end=$(($(date +%s) + {int(seconds)})); while [ $(date +%s) -lt $end ]; do '
+            f'dd if={path} of=/dev/null bs=1M iflag={flag} 2>/dev/null; done')
+    proc = spawn(["sh", "-c", loop], workdir / f"dd-{flag}.log")
+    began = time.time()
+    assert proc.wait(seconds + 60) == 0
+    return began
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[Served]:
+    """The small demo model served at its default cap (25%) with the demo's traffic and the collector."""
+    workdir = tmp_path_factory.mktemp("verdicts")
+    big = uncached_file(workdir / "big.bin", BIG_FILE)
+    agent = start_agent(demo_model(tmp_path_factory), workdir, "--token", TOKEN)
+    collector = start_collector(agent, workdir)
+    traffic = spawn([*CLI, "traffic", "--agent-url", agent.url, "--clients", "2", "--pause", "0"],
+                    workdir / "traffic.log")
+    try:
+        yield Served(agent, time.time(), big)
+    finally:
+        stop(traffic)
+        stop(collector)
+        agent.stop()
+        big.unlink()
+
+
+def test_a_cold_start_reading_every_expert_it_meets_is_not_cache_thrashing(served):
+    db = served.agent.db
+    time.sleep(COLD_S)
+    verdict = diagnose(db, COLD_S, served.started + COLD_S)
+    first_reads = mean(db, "agent.read_bytes_per_s", served.started, served.started + COLD_S)
+    assert first_reads > 0 and mean(db, "agent.hit_rate", served.started, served.started + COLD_S) < 0.9
+    assert verdict["verdict"] not in BLAMES, (verdict["verdict"], blames(verdict))
+    assert not signals(verdict)[REREADS]["sustained"]
+
+
+def test_another_process_streaming_a_file_through_the_page_cache_is_no_memory_trouble(served, tmp_path):
+    began = neighbour(served.big_file, "nocache", NEIGHBOUR_S, tmp_path)
+    verdict = diagnose(served.agent.db, time.time() - began)
+    assert verdict["verdict"] not in BLAMES, (verdict["verdict"], blames(verdict))
+    seen = signals(verdict)
+    assert seen["vm.workingset_refault_file_per_s"]["peak"] < seen["vm.workingset_refault_file_per_s"]["threshold"]
+
+
+def test_another_process_reading_the_disk_hard_slows_the_agents_reads_and_is_no_memory_trouble(served, tmp_path):
+    db = served.agent.db
+    before = mean(db, "agent.read_latency_s", time.time() - NEIGHBOUR_S, time.time())
+    began = neighbour(served.big_file, "direct", NEIGHBOUR_S, tmp_path)
+    during = mean(db, "agent.read_latency_s", began, time.time())
+    verdict = diagnose(db, time.time() - began)
+    assert during > 1.5 * before, (before, during)
+    assert verdict["verdict"] not in BLAMES, (verdict["verdict"], blames(verdict))
+
+
+def test_a_cap_dragged_far_below_the_working_set_is_cache_thrashing_and_the_raise_it_advises_clears_it(served):
+    agent, db = served.agent, served.agent.db
+    client = AgentClient(agent.url, TOKEN)
+    cap = client.knobs()["cache_cap_bytes"]
+    before = (mean(db, "agent.hit_rate", time.time() - NEIGHBOUR_S, time.time()),
+              mean(db, "agent.read_bytes_per_s", time.time() - NEIGHBOUR_S, time.time()))
+    assert client.push({"cache_cap_bytes": cap["min"]}).startswith("accepted")
+    dragged = time.time()
+    verdict = wait_for(lambda: (v := diagnose(db, time.time() - dragged))["verdict"] == CACHE_THRASHING and v,
+                       THRASH_WITHIN_S, "the verdict to find the cache thrashing")
+    rate = signals(verdict)[REREADS]
+    assert rate["sustained"] and rate["mean"] > rate["threshold"], rate["text"]
+    hit_rate, reads = mean(db, "agent.hit_rate", dragged, time.time()), mean(db, "agent.read_bytes_per_s", dragged,
+                                                                             time.time())
+    assert hit_rate < before[0] and reads > before[1], (before, hit_rate, reads)
+    change = verdict["recommendation"]["changes"]["cache_cap_bytes"]
+    assert cap["min"] < change <= cap["max"]
+    assert verdict["recommendation"]["text"].startswith(f"Raise the cache cap from ")
+    assert "(hit rate 0." in verdict["recommendation"]["text"] and "SSD reads " in verdict["recommendation"]["text"]
+
+    assert client.push({"cache_cap_bytes": change}).startswith("accepted")
+    settled = time.time() + diagnosis.SETTLE_S
+    time.sleep(diagnosis.SETTLE_S + NEIGHBOUR_S)
+    after = diagnose(db, time.time() - settled)
+    assert after["verdict"] != CACHE_THRASHING and not signals(after)[REREADS]["sustained"], signals(after)[REREADS]
+    assert mean(db, "agent.hit_rate", settled, time.time()) > hit_rate
