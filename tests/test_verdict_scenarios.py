@@ -5,7 +5,7 @@
 (a) the agent's cold start: its first minute reads every expert it meets, and that is not thrash;
 (b) another process streaming a 2 GiB file through the page cache: not the agent's fault, and no
     memory pressure either (a stream reads each page once: no refaults);
-(c) another process reading the same disk hard with O_DIRECT: the agent's reads slow, memory is calm;
+(c) another process reading the same disk hard with O_DIRECT while the agent reads it: memory is calm;
 (d) the cache cap dragged to its minimum over HTTP with the token, as the Tuning page does (the
     README's demo): "cache thrashing" with its evidence and a larger cap within the bounds; that cap
     applied, the verdict clears.
@@ -38,7 +38,6 @@ THRASH_WITHIN_S = 60      # the cap dragged down to the verdict
 BIG_FILE = 2048 * MIB
 REREADS = "agent.reread_rate"
 CACHE_THRASHING = "cache thrashing"
-BLAMES = ("agent thrashing", "pressure from another process", CACHE_THRASHING)
 
 
 @dataclass
@@ -57,6 +56,23 @@ def mean(db: Path, series: str, since: float, until: float) -> float:
 def blames(verdict: dict) -> list[str]:
     """The sustained signals, as the verdict states them."""
     return [s["text"] for s in verdict["signals"] if s["sustained"]]
+
+
+def assert_not_the_agents(verdict: dict) -> None:
+    """Neither the agent nor its cache is blamed. The machine is shared: if something else stalled it
+    meanwhile (a system signal sustained), that, and only that, is the verdict."""
+    mine = [s["text"] for s in verdict["signals"] if s["side"] in ("agent", "cache") and s["sustained"]]
+    busy = [s["text"] for s in verdict["signals"] if s["side"] == "system" and s["sustained"]]
+    assert not mine and verdict["verdict"] == ("pressure from another process" if busy else "healthy"), \
+        (verdict["verdict"], mine, busy)
+
+
+def quiet(db: Path) -> None:
+    """Skip when the machine's memory is not calm before a neighbour starts: another process's thrash
+    would be the verdict, rightly, and the scenario could not tell what its neighbour did."""
+    busy = blames(diagnose(db, NEIGHBOUR_S))
+    if busy:
+        pytest.skip(f"another process thrashes the machine: {busy}")
 
 
 def uncached_file(path: Path, size: int) -> Path:
@@ -106,26 +122,29 @@ def test_a_cold_start_reading_every_expert_it_meets_is_not_cache_thrashing(serve
     verdict = diagnose(db, COLD_S, served.started + COLD_S)
     first_reads = mean(db, "agent.read_bytes_per_s", served.started, served.started + COLD_S)
     assert first_reads > 0 and mean(db, "agent.hit_rate", served.started, served.started + COLD_S) < 0.9
-    assert verdict["verdict"] not in BLAMES, (verdict["verdict"], blames(verdict))
-    assert not signals(verdict)[REREADS]["sustained"]
+    assert_not_the_agents(verdict)
 
 
 def test_another_process_streaming_a_file_through_the_page_cache_is_no_memory_trouble(served, tmp_path):
+    quiet(served.agent.db)
     began = neighbour(served.big_file, "nocache", NEIGHBOUR_S, tmp_path)
     verdict = diagnose(served.agent.db, time.time() - began)
-    assert verdict["verdict"] not in BLAMES, (verdict["verdict"], blames(verdict))
+    assert verdict["verdict"] == "healthy", (verdict["verdict"], blames(verdict))
     seen = signals(verdict)
     assert seen["vm.workingset_refault_file_per_s"]["peak"] < seen["vm.workingset_refault_file_per_s"]["threshold"]
 
 
-def test_another_process_reading_the_disk_hard_slows_the_agents_reads_and_is_no_memory_trouble(served, tmp_path):
+def test_another_process_reading_the_disk_hard_is_no_memory_trouble(served, tmp_path):
+    """The agent's reads share the disk with a neighbour's; memory is calm, and the verdict says so
+    (its read latency is reported in RELIABILITY.md, not asserted: a timing)."""
     db = served.agent.db
-    before = mean(db, "agent.read_latency_s", time.time() - NEIGHBOUR_S, time.time())
+    quiet(db)
     began = neighbour(served.big_file, "direct", NEIGHBOUR_S, tmp_path)
-    during = mean(db, "agent.read_latency_s", began, time.time())
-    verdict = diagnose(db, time.time() - began)
-    assert during > 1.5 * before, (before, during)
-    assert verdict["verdict"] not in BLAMES, (verdict["verdict"], blames(verdict))
+    disk = max((mean(db, name, began, time.time()), name) for name in queries.series_names(db)
+               if name.startswith("block.") and name.endswith(".read_bytes_per_s"))
+    agent_reads = mean(db, "agent.read_bytes_per_s", began, time.time())
+    assert disk[0] > 4 * agent_reads, (disk, agent_reads)          # the disk read mostly for the neighbour
+    assert_not_the_agents(diagnose(db, time.time() - began))
 
 
 def test_a_cap_dragged_far_below_the_working_set_is_cache_thrashing_and_the_raise_it_advises_clears_it(served):
@@ -136,8 +155,9 @@ def test_a_cap_dragged_far_below_the_working_set_is_cache_thrashing_and_the_rais
               mean(db, "agent.read_bytes_per_s", time.time() - NEIGHBOUR_S, time.time()))
     assert client.push({"cache_cap_bytes": cap["min"]}).startswith("accepted")
     dragged = time.time()
-    verdict = wait_for(lambda: (v := diagnose(db, time.time() - dragged))["verdict"] == CACHE_THRASHING and v,
-                       THRASH_WITHIN_S, "the verdict to find the cache thrashing")
+    # the last NEIGHBOUR_S since the drag: a window that another process's passing thrash has left is judged too
+    verdict = wait_for(lambda: (v := diagnose(db, min(time.time() - dragged, NEIGHBOUR_S)))["verdict"]
+                       == CACHE_THRASHING and v, THRASH_WITHIN_S, "the verdict to find the cache thrashing")
     rate = signals(verdict)[REREADS]
     assert rate["sustained"] and rate["mean"] > rate["threshold"], rate["text"]
     hit_rate, reads = mean(db, "agent.hit_rate", dragged, time.time()), mean(db, "agent.read_bytes_per_s", dragged,
