@@ -107,7 +107,8 @@ class Signal:
         th = self.threshold
         over = (f"over {human(th.limit, th.unit)} for {self.seconds_over:,.0f} s" if self.seconds_over
                 else f"never over {human(th.limit, th.unit)}")
-        return f"{th.label}: peak {human(self.peak, th.unit)}, mean {human(self.mean, th.unit)}, {over}"
+        averaged = f" ({th.average_s:.0f} s averages)" if th.average_s else ""
+        return f"{th.label}{averaged}: peak {human(self.peak, th.unit)}, mean {human(self.mean, th.unit)}, {over}"
 
     def as_dict(self) -> dict[str, Any]:
         th = self.threshold

@@ -163,6 +163,7 @@ def test_a_noisy_re_read_rate_is_judged_on_ten_second_averages(tmp_path):
     rate = d.signal("agent.reread_rate")
     assert d.verdict == "healthy" and rate.seconds_over == 0 and rate.peak < 0.5
     assert len(rate.buckets) == WINDOW // 10
+    assert rate.sentence().startswith("expert lookups re-reading a block the cache evicted (10 s averages): peak ")
 
 
 def test_without_the_agent_the_bounds_are_the_ones_it_recorded(tmp_path):
