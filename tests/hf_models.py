@@ -20,10 +20,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from transformers import (AutoModelForCausalLM, MixtralConfig, OlmoeConfig,  # noqa: E402
+from transformers import (AutoModelForCausalLM, DeepseekV2Config, MixtralConfig, OlmoeConfig,  # noqa: E402
                           PretrainedConfig, PreTrainedModel, Qwen2MoeConfig, Qwen3MoeConfig)
 
-ARCHS = ("olmoe", "qwen3_moe", "qwen2_moe", "mixtral")
+ARCHS = ("olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2")
 LAYOUTS = ("per_expert", "fused")
 
 # Small enough to build in milliseconds, big enough to exercise GQA, top-k > 1 and several layers.
@@ -38,6 +38,13 @@ _CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
                                        shared_expert_intermediate_size=40, num_experts=8,
                                        num_experts_per_tok=2)),
     "mixtral": (MixtralConfig, dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)),
+    # MLA with every head size different (so a mixed-up split shows), a dense first layer, two shared
+    # experts and a routed scale other than 1; q_lora_rank=None is Lite's, set it for V2's q bottleneck.
+    "deepseek_v2": (DeepseekV2Config, dict(num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=4,
+                                           intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+                                           num_experts_per_tok=2, n_shared_experts=2, routed_scaling_factor=1.5,
+                                           q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=6,
+                                           qk_rope_head_dim=4, v_head_dim=8)),
 }
 
 

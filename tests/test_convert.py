@@ -24,12 +24,17 @@ CLI = [sys.executable, "-m", "agent.cli"]
 LAYOUT_CASES = [("per_expert", None), ("per_expert", "20KB"), ("fused", None), ("fused", "20KB")]
 
 
+def _moe_layers(ckpt) -> list[int]:
+    """The decoder layers with routed experts; store layer i holds the i-th of them."""
+    return [i for i, layer in enumerate(ckpt.model.model.layers) if hasattr(layer.mlp, "experts")]
+
+
 def _assert_store_matches(store: Path, ckpt) -> Index:
     index = Index.load(store / INDEX)
     experts = InMemoryExperts(store)  # verifies every block's CRC
-    for layer in range(index.n_layers):
+    for store_layer, layer in enumerate(_moe_layers(ckpt)):
         for e in range(index.n_experts):
-            for got, want in zip(experts.get(layer, e), expert_weights(ckpt.model, layer, e)):
+            for got, want in zip(experts.get(store_layer, e), expert_weights(ckpt.model, layer, e)):
                 assert torch.equal(got, want), (layer, e)
     _assert_dense_matches(store, ckpt)
     assert (store / CONFIG).read_bytes() == (ckpt.path / CONFIG).read_bytes()
@@ -62,24 +67,26 @@ def test_converted_store_holds_the_checkpoints_weights(tmp_path, arch, layout, s
     n_experts = cfg.num_local_experts if arch == "mixtral" else cfg.num_experts
     inter = cfg.intermediate_size if arch in ("olmoe", "mixtral") else cfg.moe_intermediate_size
     assert (index.n_layers, index.n_experts, index.hidden, index.intermediate) == (
-        cfg.num_hidden_layers, n_experts, cfg.hidden_size, inter)
+        len(_moe_layers(ckpt)), n_experts, cfg.hidden_size, inter)
     assert (index.dtype, index.itemsize, index.alignment) == ("float32", 4, ALIGN)
 
 
 # (arch, config overrides, the decoder layers with routed experts)
 DENSE_LAYER_CASES = [("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[0]), [1, 2]),
-                     ("qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2), [1, 3])]
+                     ("qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2), [1, 3]),
+                     ("deepseek_v2", dict(num_hidden_layers=4, first_k_dense_replace=2), [2, 3])]
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 @pytest.mark.parametrize("arch,overrides,moe_layers", DENSE_LAYER_CASES)
 def test_dense_mlp_layers_stay_dense_and_the_model_matches_transformers(tmp_path, layout, arch, overrides,
                                                                        moe_layers):
-    """Qwen's mlp_only_layers / decoder_sparse_step: store layer i holds the experts of the i-th MoE
-    decoder layer; the dense MLPs go to dense.safetensors; the loaded store computes transformers' logits."""
+    """Qwen's mlp_only_layers / decoder_sparse_step, DeepSeek's first_k_dense_replace: store layer i holds
+    the experts of the i-th MoE decoder layer; the dense MLPs go to dense.safetensors; the loaded store
+    computes transformers' logits."""
     ckpt = tiny_checkpoint(arch, tmp_path / "hf", layout=layout, **overrides)
     hf_layers = ckpt.model.model.layers
-    assert [i for i, layer in enumerate(hf_layers) if hasattr(layer.mlp, "experts")] == moe_layers
+    assert _moe_layers(ckpt) == moe_layers
     index = convert(ckpt.path, tmp_path / "store")
     assert index.n_layers == len(moe_layers)
     experts = InMemoryExperts(tmp_path / "store")

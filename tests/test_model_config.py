@@ -14,7 +14,7 @@ def hf_json(arch: str, **overrides) -> dict:
     return json.loads(tiny_config(arch, **overrides).to_json_string())
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "deepseek_v2"])  # MLA: its own test below
 def test_shapes_follow_the_checkpoint(arch):
     hf = hf_json(arch)
     c = MoEConfig.from_hf(hf)
@@ -56,6 +56,35 @@ def test_dense_mlp_layers_are_not_moe_layers():
     assert c.moe_layers == (False, True, True, True) and c.moe_layer_ids == [1, 2, 3] and c.dense_dim == 48
     c = MoEConfig.from_hf(hf_json("qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2))
     assert c.moe_layer_ids == [1, 3]
+
+
+def test_deepseek_v2_shapes_and_switches():
+    c = MoEConfig.from_hf(hf_json("deepseek_v2", q_lora_rank=8))
+    assert (c.n_heads, c.n_kv_heads, c.n_experts, c.top_k, c.expert_dim) == (4, 4, 8, 2, 16)
+    assert (c.head_dim, c.k_head_dim, c.v_head_dim) == (4, 10, 8)  # rotary part, nope + rope, value
+    assert (c.mla.q_lora_rank, c.mla.kv_lora_rank, c.mla.nope_dim) == (8, 12, 6)
+    assert c.moe_layers == (False, True, True) and c.dense_dim == 48
+    assert c.shared_experts_dim == 2 * 16 and c.shared_expert_dim == 0
+    assert c.routed_scale == 1.5 and not c.norm_topk_prob
+    assert MoEConfig.from_hf({**hf_json("deepseek_v2"), "n_shared_experts": 0}).shared_experts_dim == 0
+
+
+@pytest.mark.parametrize("change", [
+    dict(topk_method="group_limited_greedy", n_group=2, topk_group=1), dict(topk_method="noaux_tc"),
+    dict(scoring_func="sigmoid"), dict(norm_topk_prob=True), dict(moe_layer_freq=2), dict(mlp_bias=True),
+    dict(qk_rope_head_dim=5),
+])
+def test_deepseek_v2_variants_we_do_not_run_are_named(change):
+    field = next(iter(change))
+    with pytest.raises(ConfigError, match=rf"deepseek_v2 config.json has {field}=.*supported: topk_method greedy"):
+        MoEConfig.from_hf({**hf_json("deepseek_v2"), **change})
+
+
+def test_deepseek_v2_needs_its_expert_count():
+    hf = hf_json("deepseek_v2")
+    del hf["n_routed_experts"]
+    with pytest.raises(ConfigError, match="missing n_routed_experts"):
+        MoEConfig.from_hf(hf)
 
 
 def test_legacy_rope_theta_and_eos_list():

@@ -75,7 +75,7 @@ def test_prompt_logits_and_16_greedy_tokens_match_transformers(tmp_path, arch):
     assert generate(model, PROMPT, 16, greedy=True, prefill_chunk=1).token_ids == expected
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "deepseek_v2"])
 def test_fused_checkpoint_layout(tmp_path, arch):
     hf, store = converted(tmp_path, arch, layout="fused")
     torch.testing.assert_close(our_logits(load(store), PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
@@ -100,6 +100,14 @@ def test_sliding_window(tmp_path, arch, overrides):
 def test_olmoe_variants(tmp_path, overrides):
     hf, store = converted(tmp_path, "olmoe", **overrides)
     torch.testing.assert_close(our_logits(load(store), PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_deepseek_v2_with_a_q_bottleneck(tmp_path):
+    """DeepSeek-V2 (not Lite) projects q through q_lora_rank and an RMSNorm."""
+    hf, store = converted(tmp_path, "deepseek_v2", q_lora_rank=8)
+    assert hf.model.layers[0].self_attn.q_a_proj is not None
+    torch.testing.assert_close(our_logits(load(store), PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
+    assert generate(load(store), PROMPT, 8, greedy=True).token_ids == hf_greedy(hf, PROMPT, 8)
 
 
 class Recording:

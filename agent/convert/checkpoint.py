@@ -31,7 +31,7 @@ class Arch:
 
 _QWEN = ("gate_proj", "up_proj", "down_proj")
 ARCHS = {"olmoe": Arch(("mlp",), _QWEN), "qwen3_moe": Arch(("mlp",), _QWEN), "qwen2_moe": Arch(("mlp",), _QWEN),
-         "mixtral": Arch(("block_sparse_moe", "mlp"), ("w1", "w3", "w2"))}
+         "mixtral": Arch(("block_sparse_moe", "mlp"), ("w1", "w3", "w2")), "deepseek_v2": Arch(("mlp",), _QWEN)}
 
 
 @dataclass
@@ -66,8 +66,8 @@ def plan(src: Path) -> Plan:
         dtypes |= layer_dtypes
     if layers:
         raise CheckpointError(f"{src}: layer(s) {sorted(layers)} have expert tensors but config.json makes them "
-                              f"dense MLP layers (mlp_only_layers / decoder_sparse_step); the config disagrees "
-                              f"with the checkpoint")
+                              f"dense MLP layers (mlp_only_layers / decoder_sparse_step / first_k_dense_replace); "
+                              f"the config disagrees with the checkpoint")
     if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
         raise CheckpointError(f"{src}: expert tensors have dtype(s) {sorted(dtypes)}; flashmoe needs one of "
                               f"{', '.join(DTYPES)} for all experts (quantized checkpoints are not supported)")

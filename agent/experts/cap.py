@@ -55,7 +55,7 @@ def resident_bytes(store_dir: Path, index: Index) -> int:
     if not dense.exists():
         return 0
     config = MoEConfig.from_file(Path(store_dir) / CONFIG)
-    kv_per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim * index.itemsize
+    kv_per_token = config.n_layers * config.n_kv_heads * (config.k_head_dim + config.v_head_dim) * index.itemsize
     return dense.stat().st_size + KV_BUDGET_TOKENS * kv_per_token
 
 

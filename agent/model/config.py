@@ -1,9 +1,10 @@
 """MoEConfig: one dataclass for every supported decoder, built from a Hugging Face config.json.
 
-The four architectures differ only in a handful of switches (q/k norms, biases, the router's
-renormalisation, Qwen2-MoE's gated shared expert, sliding windows, dense-MLP layers), so one
-config and one model cover them all. Defaults for optional fields are transformers 5.24's, so a
-config.json that omits them means what it means to transformers; shape fields are required.
+The architectures differ only in a handful of switches (q/k norms, biases, the router's
+renormalisation and scale, shared experts, sliding windows, dense-MLP layers, DeepSeek-V2's
+multi-head latent attention), so one config and one model cover them all. Defaults for optional
+fields are transformers 5.24's, so a config.json that omits them means what it means to
+transformers; shape fields are required.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED = ("olmoe", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED = ("olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2")
 
 
 class ConfigError(ValueError):
@@ -31,6 +32,9 @@ _REQUIRED = {
                   "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok"),
     "mixtral": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "num_experts_per_tok"),
+    "deepseek_v2": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                    "moe_intermediate_size", "num_experts_per_tok", "kv_lora_rank", "qk_nope_head_dim",
+                    "qk_rope_head_dim", "v_head_dim"),
 }
 
 # transformers 5.24 defaults of the optional fields we read (configuration_<arch>.py).
@@ -47,6 +51,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                       max_position_embeddings=32768),
     "mixtral": dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
                     sliding_window=None, max_position_embeddings=131072),
+    "deepseek_v2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=False, tie_word_embeddings=False,
+                        attention_bias=False, mlp_bias=False, max_position_embeddings=2048, first_k_dense_replace=0,
+                        q_lora_rank=1536, n_shared_experts=2, routed_scaling_factor=1.0, topk_method="greedy",
+                        scoring_func="softmax", moe_layer_freq=1),
 }
 
 
@@ -76,16 +84,32 @@ _FIELDS: dict[str, _Kind] = {
     **dict.fromkeys(("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                      "num_experts", "num_local_experts", "num_experts_per_tok", "decoder_sparse_step",
-                     "max_position_embeddings"), _POSITIVE_INT),
-    **dict.fromkeys(("max_window_layers", "sliding_window"), _COUNT),  # Qwen2-MoE writes sliding_window 0 when off
-    **dict.fromkeys(("rms_norm_eps", "rope_theta", "clip_qkv"), _POSITIVE_NUMBER),
-    **dict.fromkeys(("norm_topk_prob", "tie_word_embeddings", "attention_bias", "qkv_bias", "use_sliding_window"),
-                    _BOOL),
-    "hidden_act": _STRING, "mlp_only_layers": _COUNTS, "eos_token_id": _TOKEN_IDS, "layer_types": _STRINGS,
+                     "max_position_embeddings", "n_routed_experts", "q_lora_rank", "kv_lora_rank",
+                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_layer_freq"), _POSITIVE_INT),
+    # Qwen2-MoE writes sliding_window 0 when off
+    **dict.fromkeys(("max_window_layers", "sliding_window", "first_k_dense_replace", "n_shared_experts"), _COUNT),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "clip_qkv", "routed_scaling_factor"), _POSITIVE_NUMBER),
+    **dict.fromkeys(("norm_topk_prob", "tie_word_embeddings", "attention_bias", "qkv_bias", "use_sliding_window",
+                     "mlp_bias"), _BOOL),
+    **dict.fromkeys(("hidden_act", "topk_method", "scoring_func"), _STRING),
+    "mlp_only_layers": _COUNTS, "eos_token_id": _TOKEN_IDS, "layer_types": _STRINGS,
     "rope_parameters": _OBJECT, "rope_scaling": _OBJECT,
 }
 _NULLABLE = {"num_key_value_heads", "head_dim", "clip_qkv", "sliding_window", "eos_token_id", "mlp_only_layers",
-             "layer_types", "rope_parameters", "rope_scaling", "num_experts", "num_local_experts"}
+             "layer_types", "rope_parameters", "rope_scaling", "num_experts", "num_local_experts",
+             "q_lora_rank"}
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek-V2's multi-head latent attention: q (optionally through a rank-q_lora_rank bottleneck) and
+    one shared latent of kv_lora_rank from which every head's key and value are expanded; each q/k head
+    is a part without RoPE (nope_dim) then a rotary part (rope_dim, the model's head_dim)."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
 
 
 @dataclass(frozen=True)
@@ -96,24 +120,35 @@ class MoEConfig:
     n_layers: int
     n_heads: int
     n_kv_heads: int
-    head_dim: int
+    head_dim: int                   # per q/k head; MLA: its rotary part only (as transformers has it)
     n_experts: int
     top_k: int
     expert_dim: int                 # intermediate size of one routed expert
     norm_topk_prob: bool            # renormalise the top-k softmax weights to sum to 1
     rms_eps: float
     rope_theta: float
+    routed_scale: float = 1.0       # DeepSeek-V2 multiplies the routed experts' weights by this
     qk_norm: str | None = None      # "full": RMSNorm over the whole q/k projection (OLMoE); "head": per head (Qwen3)
     qkv_bias: bool = False
     o_bias: bool = False
     clip_qkv: float | None = None   # OLMoE clamps q, k, v to [-clip, clip]
     shared_expert_dim: int = 0      # Qwen2-MoE: one always-on expert scaled by sigmoid(shared_expert_gate(x))
+    shared_experts_dim: int = 0     # DeepSeek-V2: n_shared always-on experts as one ungated MLP of this size
+    mla: MLAConfig | None = None
     dense_dim: int = 0              # intermediate size of dense-MLP layers (Qwen mlp_only_layers / sparse step)
     moe_layers: tuple[bool, ...] = ()        # per layer: routed experts (True) or a dense MLP (False)
     sliding_window: tuple[int | None, ...] = ()  # per layer: attend to the last N positions, or None for all
     tie_embeddings: bool = False
     max_seq_len: int = 4096
     eos_token_id: int | None = None
+
+    @property
+    def k_head_dim(self) -> int:
+        return self.mla.nope_dim + self.mla.rope_dim if self.mla else self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.mla.v_dim if self.mla else self.head_dim
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -129,7 +164,9 @@ class MoEConfig:
         if arch not in SUPPORTED:
             raise ConfigError(f"model_type {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")
         missing = [k for k in _REQUIRED[arch] if hf.get(k) is None]
-        if hf.get("num_experts") is None and hf.get("num_local_experts") is None:
+        if arch == "deepseek_v2" and hf.get("n_routed_experts") is None:
+            missing.append("n_routed_experts")
+        elif arch != "deepseek_v2" and hf.get("num_experts") is None and hf.get("num_local_experts") is None:
             missing.append("num_experts (or num_local_experts)")
         if missing:
             raise ConfigError(f"{arch} config.json is missing {', '.join(missing)}; "
@@ -139,19 +176,23 @@ class MoEConfig:
         if c.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {c['hidden_act']!r} is not supported; only silu (SwiGLU experts)")
         n_layers, n_heads = c["num_hidden_layers"], c["num_attention_heads"]
-        head_dim = c.get("head_dim") or c["hidden_size"] // n_heads
+        mla = _latent_attention(c) if arch == "deepseek_v2" else None
+        head_dim = mla.rope_dim if mla else c.get("head_dim") or c["hidden_size"] // n_heads
+        deepseek = arch == "deepseek_v2"
         return cls(
             arch=arch, vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=n_layers, n_heads=n_heads,
-            n_kv_heads=c["num_key_value_heads"] or n_heads, head_dim=head_dim,
-            n_experts=c.get("num_experts") or c["num_local_experts"], top_k=c["num_experts_per_tok"],
-            expert_dim=c["moe_intermediate_size" if arch.startswith("qwen") else "intermediate_size"],
+            n_kv_heads=n_heads if mla else c["num_key_value_heads"] or n_heads, head_dim=head_dim,
+            n_experts=_n_experts(arch, c), top_k=c["num_experts_per_tok"],
+            expert_dim=c["intermediate_size" if arch in ("olmoe", "mixtral") else "moe_intermediate_size"],
             norm_topk_prob=True if arch == "mixtral" else bool(c["norm_topk_prob"]),
+            routed_scale=float(c["routed_scaling_factor"]) if deepseek else 1.0,
             rms_eps=float(c["rms_norm_eps"]), rope_theta=_rope_theta(c),
             qk_norm={"olmoe": "full", "qwen3_moe": "head"}.get(arch),
             qkv_bias=bool(c.get("qkv_bias") or c.get("attention_bias")), o_bias=bool(c.get("attention_bias")),
             clip_qkv=c.get("clip_qkv"),
             shared_expert_dim=c["shared_expert_intermediate_size"] if arch == "qwen2_moe" else 0,
-            dense_dim=c["intermediate_size"] if arch.startswith("qwen") else 0,
+            shared_experts_dim=c["n_shared_experts"] * c["moe_intermediate_size"] if deepseek else 0,
+            mla=mla, dense_dim=c["intermediate_size"] if arch.startswith("qwen") or deepseek else 0,
             moe_layers=_moe_layers(arch, c), sliding_window=_sliding_windows(arch, c),
             tie_embeddings=bool(c["tie_word_embeddings"]), max_seq_len=int(c["max_position_embeddings"]),
             eos_token_id=_first(c.get("eos_token_id")),
@@ -175,17 +216,38 @@ def _check_fields(arch: str, c: dict[str, Any]) -> None:
         value = c.get(key)
         if key in c and not (kind.ok(value) or (value is None and key in _NULLABLE)):
             raise ConfigError(f"{arch} config.json has {key}={_show(value)}; it must be {kind.what}")
-    n_experts = c.get("num_experts") or c["num_local_experts"]
+    n_experts = _n_experts(arch, c)
     if c["num_experts_per_tok"] > n_experts:
         raise ConfigError(f"{arch} config.json routes each token to num_experts_per_tok={c['num_experts_per_tok']} "
                           f"experts but has only {n_experts}; the config is wrong")
-    n_kv_heads = c["num_key_value_heads"] or c["num_attention_heads"]
+    n_kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
     if c["num_attention_heads"] % n_kv_heads:
         raise ConfigError(f"{arch} config.json has num_attention_heads={c['num_attention_heads']}, not a multiple "
                           f"of num_key_value_heads={n_kv_heads}; the config is wrong")
     if c.get("layer_types") is not None and len(c["layer_types"]) != c["num_hidden_layers"]:
         raise ConfigError(f"{arch} config.json has {len(c['layer_types'])} layer_types for "
                           f"num_hidden_layers={c['num_hidden_layers']}; the config is wrong")
+
+
+def _n_experts(arch: str, c: dict[str, Any]) -> int:
+    return c["n_routed_experts"] if arch == "deepseek_v2" else c.get("num_experts") or c["num_local_experts"]
+
+
+def _latent_attention(c: dict[str, Any]) -> MLAConfig:
+    """DeepSeek-V2's attention and routing switches; those we do not run are refused by name."""
+    refuse = {"topk_method": c["topk_method"] != "greedy", "scoring_func": c["scoring_func"] != "softmax",
+              # transformers' DeepseekV2 ignores norm_topk_prob, DeepSeek's own code applies it: ambiguous
+              "norm_topk_prob": c["norm_topk_prob"], "moe_layer_freq": c["moe_layer_freq"] != 1,
+              "mlp_bias": c["mlp_bias"], "attention_bias": c["attention_bias"],
+              "qk_rope_head_dim": c["qk_rope_head_dim"] % 2 == 1}
+    bad = [k for k, no in refuse.items() if no]
+    if bad:
+        raise ConfigError(f"deepseek_v2 config.json has {', '.join(f'{k}={_show(c[k])}' for k in bad)}, which "
+                          "flashmoe does not run; supported: topk_method greedy, scoring_func softmax, "
+                          "norm_topk_prob false, moe_layer_freq 1, no MLP or attention bias, an even "
+                          "qk_rope_head_dim (DeepSeek-V2-Lite's settings)")
+    return MLAConfig(c["q_lora_rank"], c["kv_lora_rank"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
+                           c["v_head_dim"])
 
 
 def _show(value: Any, limit: int = 40) -> str:
@@ -212,6 +274,8 @@ def _rope_theta(c: dict[str, Any]) -> float:
 
 def _moe_layers(arch: str, c: dict[str, Any]) -> tuple[bool, ...]:
     n = c["num_hidden_layers"]
+    if arch == "deepseek_v2":
+        return tuple(i >= c["first_k_dense_replace"] for i in range(n))
     if not arch.startswith("qwen"):
         return (True,) * n
     step, dense = c["decoder_sparse_step"], set(c["mlp_only_layers"] or [])

@@ -1,4 +1,5 @@
-"""A compact MoE decoder (OLMoE, Qwen3-MoE, Qwen2-MoE, Mixtral) whose routed experts stream from a provider.
+"""A compact MoE decoder (OLMoE, Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2) whose routed experts stream
+from a provider.
 
 Reads top to bottom like gpt-fast's model.py. Shapes: T tokens in a step (all sequences together),
 D hidden, H / Hkv query / key-value heads, Dh head dim, E experts, k top-k, V vocab.
@@ -55,6 +56,13 @@ def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dty
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def deinterleave(x: Tensor) -> Tensor:
+    """[..., Dh] with rotary pairs adjacent (DeepSeek-V2's complex layout) -> evens then odds, the half-split
+    layout apply_rope takes. Applied to both q and k it permutes their dot products' terms alike, so the
+    attention scores are unchanged and nothing needs to be put back."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [T, H, Dh] rotated by the angles of its token's position."""
     half = x.shape[-1] // 2
@@ -63,16 +71,18 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Sequence:
-    """One request's KV cache: two buffers [layers, max_len, Hkv, Dh] allocated once, and its length."""
+    """One request's KV cache: two buffers [layers, max_len, Hkv, Dk or Dv] allocated once, and its length.
+    MLA's keys and values are cached expanded per head: simple, at ~9x the memory of its latent."""
 
     def __init__(self, config: MoEConfig, max_len: int, dtype: torch.dtype = torch.float32) -> None:
-        shape = (config.n_layers, max_len, config.n_kv_heads, config.head_dim)
-        self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        rows = (config.n_layers, max_len, config.n_kv_heads)
+        self.k = torch.zeros(*rows, config.k_head_dim, dtype=dtype)
+        self.v = torch.zeros(*rows, config.v_head_dim, dtype=dtype)
         self.max_len, self.pos = max_len, 0
         self.route: Placement | None = None  # where it follows a route trace, if the model has one
 
     def write(self, layer: int, pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v [n, Hkv, Dh] at pos..pos+n; return every key and value so far [pos+n, Hkv, Dh]."""
+        """Store k [n, Hkv, Dk], v [n, Hkv, Dv] at pos..pos+n; return every key and value so far [pos+n, Hkv, D]."""
         end = pos + k.shape[0]
         self.k[layer, pos:end], self.v[layer, pos:end] = k, v
         return self.k[layer, :end], self.v[layer, :end]
@@ -131,26 +141,65 @@ class Attention(nn.Module):
         if c.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = torch.empty_like(q)                                        # [T, H, Dh]
-        for s in segments:
-            rows = slice(s.start, s.start + s.n)
-            keys, values = s.seq.write(layer, s.pos, k[rows], v[rows])  # [S, Hkv, Dh]
-            out[rows] = self.attend(q[rows], keys, values, s.mask(self.window))
-        return self.o_proj(out.view(T, -1))
+        return self.o_proj(attend_segments(q, k, v, layer, segments, self.window).view(T, -1))
 
-    @staticmethod
-    def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-        """q [n, H, Dh] over keys/values [S, Hkv, Dh] with mask [n, S] -> [n, H, Dh].
 
-        Plain matmul-softmax (transformers' eager path): at decode sizes it is ~40x faster than
-        F.scaled_dot_product_attention on a CPU shared with other work, whose kernel spreads tiny
-        heads over threads."""
-        group = q.shape[1] // keys.shape[1]                                  # query heads per kv head (GQA)
-        k = keys.repeat_interleave(group, dim=1).transpose(0, 1)             # [H, S, Dh]
-        v = values.repeat_interleave(group, dim=1).transpose(0, 1)           # [H, S, Dh]
-        scores = q.transpose(0, 1) @ k.transpose(1, 2) * q.shape[-1] ** -0.5  # [H, n, S]
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(q.dtype)
-        return (probs @ v).transpose(0, 1)                                   # [n, H, Dh]
+class LatentAttention(nn.Module):
+    """DeepSeek-V2's MLA (config.MLAConfig): keys and values expanded from one latent per token."""
+
+    def __init__(self, c: MoEConfig) -> None:
+        super().__init__()
+        self.c, m = c, c.mla
+        q_out = c.n_heads * c.k_head_dim
+        if m.q_lora_rank is None:
+            self.q_proj = Linear(c.dim, q_out, bias=False)
+        else:
+            self.q_a_proj = Linear(c.dim, m.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6)  # transformers' default eps, not rms_norm_eps
+            self.q_b_proj = Linear(m.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(c.dim, m.kv_lora_rank + m.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6)
+        self.kv_b_proj = Linear(m.kv_lora_rank, c.n_heads * (m.nope_dim + m.v_dim), bias=False)
+        self.o_proj = Linear(c.n_heads * m.v_dim, c.dim, bias=False)
+
+    def forward(self, x: Tensor, layer: int, segments: list[Segment], rope: tuple[Tensor, Tensor]) -> Tensor:
+        c, m, T = self.c, self.c.mla, x.shape[0]
+        q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(T, c.n_heads, c.k_head_dim).split([m.nope_dim, m.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, c.n_heads, m.nope_dim + m.v_dim)
+        k_nope, v = kv.split([m.nope_dim, m.v_dim], dim=-1)                  # [T, H, Dn], [T, H, Dv]
+        q_rope = apply_rope(deinterleave(q_rope), *rope)                     # [T, H, Dr]
+        k_rope = apply_rope(deinterleave(k_rope)[:, None], *rope)            # [T, 1, Dr]: one for all heads
+        q = torch.cat((q_nope, q_rope), dim=-1)                              # [T, H, Dn+Dr]
+        k = torch.cat((k_nope, k_rope.expand(-1, c.n_heads, -1)), dim=-1)    # [T, H, Dn+Dr]
+        return self.o_proj(attend_segments(q, k, v, layer, segments, None).reshape(T, -1))
+
+
+def attend_segments(q: Tensor, k: Tensor, v: Tensor, layer: int, segments: list[Segment],
+                    window: int | None) -> Tensor:
+    """q [T, H, Dk], this step's k [T, Hkv, Dk] and v [T, Hkv, Dv]: each sequence's tokens attend over its
+    cache (which takes their k and v) -> [T, H, Dv]."""
+    out = q.new_empty(*q.shape[:2], v.shape[-1])
+    for s in segments:
+        rows = slice(s.start, s.start + s.n)
+        keys, values = s.seq.write(layer, s.pos, k[rows], v[rows])          # [S, Hkv, Dk], [S, Hkv, Dv]
+        out[rows] = attend(q[rows], keys, values, s.mask(window))
+    return out
+
+
+def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """q [n, H, Dk] over keys [S, Hkv, Dk], values [S, Hkv, Dv] with mask [n, S] -> [n, H, Dv].
+
+    Plain matmul-softmax (transformers' eager path): at decode sizes it is ~40x faster than
+    F.scaled_dot_product_attention on a CPU shared with other work, whose kernel spreads tiny
+    heads over threads."""
+    group = q.shape[1] // keys.shape[1]                                  # query heads per kv head (GQA)
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)             # [H, S, Dk]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)           # [H, S, Dv]
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) * q.shape[-1] ** -0.5  # [H, n, S]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(q.dtype)
+    return (probs @ v).transpose(0, 1)                                   # [n, H, Dv]
 
 
 class MLP(nn.Module):
@@ -171,7 +220,7 @@ class Router(nn.Module):
 
     def __init__(self, c: MoEConfig) -> None:
         super().__init__()
-        self.top_k, self.norm_topk_prob = c.top_k, c.norm_topk_prob
+        self.top_k, self.norm_topk_prob, self.scale = c.top_k, c.norm_topk_prob, c.routed_scale
         self.weight = nn.Parameter(torch.empty(c.n_experts, c.dim))
 
     def forward(self, h: Tensor, imposed: Tensor | None = None) -> Routing:
@@ -183,11 +232,11 @@ class Router(nn.Module):
             weights, ids = probs.gather(-1, imposed), imposed
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return Routing(weights.to(h.dtype), ids)
+        return Routing((weights * self.scale).to(h.dtype), ids)
 
 
 class MoE(nn.Module):
-    """Routed experts from the provider, plus Qwen2-MoE's gated shared expert where there is one."""
+    """Routed experts from the provider, plus Qwen2-MoE's gated shared expert or DeepSeek-V2's shared experts."""
 
     def __init__(self, c: MoEConfig, layer: int, experts: RoutedExperts) -> None:
         super().__init__()
@@ -195,6 +244,7 @@ class MoE(nn.Module):
         self.gate = Router(c)
         self.shared_expert = MLP(c.dim, c.shared_expert_dim) if c.shared_expert_dim else None
         self.shared_expert_gate = nn.Linear(c.dim, 1, bias=False) if c.shared_expert_dim else None
+        self.shared_experts = MLP(c.dim, c.shared_experts_dim) if c.shared_experts_dim else None
 
     def forward(self, h: Tensor, residual: Tensor, routes: Tensor | None) -> Tensor:
         """h [T, D] normalised; `residual` [T, D] the stream it came from (for the lookahead's guess)."""
@@ -203,6 +253,8 @@ class MoE(nn.Module):
         out = self.experts(self.layer, h, routing, residual)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(h)
         return out
 
 
@@ -210,7 +262,7 @@ class Block(nn.Module):
     def __init__(self, c: MoEConfig, i: int, store_layer: int | None, experts: RoutedExperts) -> None:
         super().__init__()
         self.i, self.profile = i, experts.profile
-        self.self_attn = Attention(c, c.sliding_window[i])
+        self.self_attn = LatentAttention(c) if c.mla else Attention(c, c.sliding_window[i])
         self.mlp = MLP(c.dim, c.dense_dim) if store_layer is None else MoE(c, store_layer, experts)
         self.input_layernorm = RMSNorm(c.dim, c.rms_eps)
         self.post_attention_layernorm = RMSNorm(c.dim, c.rms_eps)
