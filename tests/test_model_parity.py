@@ -110,6 +110,22 @@ def test_deepseek_v2_with_a_q_bottleneck(tmp_path):
     assert generate(load(store), PROMPT, 8, greedy=True).token_ids == hf_greedy(hf, PROMPT, 8)
 
 
+# DeepSeek-V2-Lite's rope_scaling, with mscale != mscale_all_dim so both the cos/sin and the softmax
+# scale differ from 1; a rotary part of 8 puts the blend between original and interpolated frequencies
+# in the middle of the dimensions.
+LITE_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                 beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.707)
+
+
+def test_deepseek_v2_with_yarn_rope(tmp_path):
+    hf, store = converted(tmp_path, "deepseek_v2", qk_rope_head_dim=8, rope_parameters=LITE_YARN)
+    ref = hf_logits(hf, PROMPT)
+    plain = tiny_checkpoint("deepseek_v2", tmp_path / "plain", qk_rope_head_dim=8).model
+    assert not torch.allclose(ref, hf_logits(plain, PROMPT), atol=1e-3)  # yarn changes the output
+    torch.testing.assert_close(our_logits(load(store), PROMPT), ref, atol=1e-4, rtol=0)
+    assert generate(load(store), PROMPT, 8, greedy=True).token_ids == hf_greedy(hf, PROMPT, 8)
+
+
 class Recording:
     """Passes through to a real provider and logs every call in order."""
 

@@ -85,7 +85,8 @@ _FIELDS: dict[str, _Kind] = {
                      "head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                      "num_experts", "num_local_experts", "num_experts_per_tok", "decoder_sparse_step",
                      "max_position_embeddings", "n_routed_experts", "q_lora_rank", "kv_lora_rank",
-                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_layer_freq"), _POSITIVE_INT),
+                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_layer_freq",
+                     "original_max_position_embeddings"), _POSITIVE_INT),
     # Qwen2-MoE writes sliding_window 0 when off
     **dict.fromkeys(("max_window_layers", "sliding_window", "first_k_dense_replace", "n_shared_experts"), _COUNT),
     **dict.fromkeys(("rms_norm_eps", "rope_theta", "clip_qkv", "routed_scaling_factor"), _POSITIVE_NUMBER),
@@ -98,6 +99,19 @@ _FIELDS: dict[str, _Kind] = {
 _NULLABLE = {"num_key_value_heads", "head_dim", "clip_qkv", "sliding_window", "eos_token_id", "mlp_only_layers",
              "layer_types", "rope_parameters", "rope_scaling", "num_experts", "num_local_experts",
              "q_lora_rank"}
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE: frequencies blended between interpolated (/factor) and original by a ramp over the
+    dimensions, cos/sin scaled by attention_factor; DeepSeek also scales its softmax by softmax_scale."""
+    factor: float
+    original_max_len: float
+    beta_fast: float
+    beta_slow: float
+    attention_factor: float
+    softmax_scale: float            # yarn_mscale(factor, mscale_all_dim) ** 2, 1 without mscale_all_dim
+    truncate: bool
 
 
 @dataclass(frozen=True)
@@ -135,6 +149,7 @@ class MoEConfig:
     shared_expert_dim: int = 0      # Qwen2-MoE: one always-on expert scaled by sigmoid(shared_expert_gate(x))
     shared_experts_dim: int = 0     # DeepSeek-V2: n_shared always-on experts as one ungated MLP of this size
     mla: MLAConfig | None = None
+    yarn: Yarn | None = None        # DeepSeek-V2-Lite's RoPE scaling (agent/model/rope.py)
     dense_dim: int = 0              # intermediate size of dense-MLP layers (Qwen mlp_only_layers / sparse step)
     moe_layers: tuple[bool, ...] = ()        # per layer: routed experts (True) or a dense MLP (False)
     sliding_window: tuple[int | None, ...] = ()  # per layer: attend to the last N positions, or None for all
@@ -179,6 +194,7 @@ class MoEConfig:
         mla = _latent_attention(c) if arch == "deepseek_v2" else None
         head_dim = mla.rope_dim if mla else c.get("head_dim") or c["hidden_size"] // n_heads
         deepseek = arch == "deepseek_v2"
+        rope_theta, yarn = _rope(arch, c)
         return cls(
             arch=arch, vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=n_layers, n_heads=n_heads,
             n_kv_heads=n_heads if mla else c["num_key_value_heads"] or n_heads, head_dim=head_dim,
@@ -186,7 +202,7 @@ class MoEConfig:
             expert_dim=c["intermediate_size" if arch in ("olmoe", "mixtral") else "moe_intermediate_size"],
             norm_topk_prob=True if arch == "mixtral" else bool(c["norm_topk_prob"]),
             routed_scale=float(c["routed_scaling_factor"]) if deepseek else 1.0,
-            rms_eps=float(c["rms_norm_eps"]), rope_theta=_rope_theta(c),
+            rms_eps=float(c["rms_norm_eps"]), rope_theta=rope_theta, yarn=yarn,
             qk_norm={"olmoe": "full", "qwen3_moe": "head"}.get(arch),
             qkv_bias=bool(c.get("qkv_bias") or c.get("attention_bias")), o_bias=bool(c.get("attention_bias")),
             clip_qkv=c.get("clip_qkv"),
@@ -260,16 +276,43 @@ def _json_kind(value: Any) -> str:
     return {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
 
 
-def _rope_theta(c: dict[str, Any]) -> float:
+def _rope(arch: str, c: dict[str, Any]) -> tuple[float, Yarn | None]:
     """transformers 5 writes rope_parameters; older config.json files have rope_theta / rope_scaling."""
-    params = c.get("rope_parameters") or {}
-    rope_type = params.get("rope_type") or params.get("type") or (c.get("rope_scaling") or {}).get("type", "default")
-    if rope_type != "default":
-        raise ConfigError(f"rope_type {rope_type!r} is not supported; only the default RoPE")
+    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = params.get("rope_theta", c["rope_theta"])
     if not _POSITIVE_NUMBER.ok(theta):
         raise ConfigError(f"config.json has rope_theta={_show(theta)}; it must be {_POSITIVE_NUMBER.what}")
-    return float(theta)
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "yarn" or arch != "deepseek_v2":
+        raise ConfigError(f"{arch} rope_type {rope_type!r} is not supported; only the default RoPE "
+                          "(and yarn for deepseek_v2)")
+    return float(theta), _yarn(params, c)
+
+
+def _yarn(params: dict[str, Any], c: dict[str, Any]) -> Yarn:
+    """YaRN as transformers 5.24 reads it (modeling_rope_utils._compute_yarn_parameters): a missing factor is
+    max_position_embeddings over the original length, a top-level original_max_position_embeddings wins."""
+    for key in ("factor", "attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow",
+                "original_max_position_embeddings"):
+        if params.get(key) is not None and not _POSITIVE_NUMBER.ok(params[key]):
+            raise ConfigError(f"config.json's rope yarn {key}={_show(params[key])}; it must be {_POSITIVE_NUMBER.what}")
+    original = (c.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                or c["max_position_embeddings"])
+    factor = params.get("factor") or c["max_position_embeddings"] / original
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    attention_factor = params.get("attention_factor") or (
+        yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+        else yarn_mscale(factor))
+    return Yarn(float(factor), float(original), float(params.get("beta_fast") or 32),
+                float(params.get("beta_slow") or 1), float(attention_factor),
+                yarn_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0,
+                bool(params.get("truncate", True)))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _moe_layers(arch: str, c: dict[str, Any]) -> tuple[bool, ...]:

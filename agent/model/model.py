@@ -25,6 +25,7 @@ from agent.experts.provider import ExpertProvider
 from agent.model.config import MoEConfig
 from agent.model.lookahead import CoActivation, Guess, Lookahead, RouterGuess
 from agent.model.profile import Profile
+from agent.model.rope import apply_rope, deinterleave, rope_tables
 from agent.model.route_trace import Placement, RouteTrace
 from agent.model.routed import RoutedExperts, Routing
 
@@ -46,28 +47,6 @@ class RMSNorm(nn.Module):
         # Normalise in fp32, scale in the model dtype (as transformers does).
         x32 = x.float()
         return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
-def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, Dh] for the given absolute positions (half-split layout of the HF checkpoints)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)  # [Dh/2]
-    freqs = positions[:, None].float() * inv_freq                                        # [T, Dh/2]
-    emb = torch.cat((freqs, freqs), dim=-1)                                              # [T, Dh]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def deinterleave(x: Tensor) -> Tensor:
-    """[..., Dh] with rotary pairs adjacent (DeepSeek-V2's complex layout) -> evens then odds, the half-split
-    layout apply_rope takes. Applied to both q and k it permutes their dot products' terms alike, so the
-    attention scores are unchanged and nothing needs to be put back."""
-    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, H, Dh] rotated by the angles of its token's position."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
 
 
 class Sequence:
@@ -141,7 +120,7 @@ class Attention(nn.Module):
         if c.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return self.o_proj(attend_segments(q, k, v, layer, segments, self.window).view(T, -1))
+        return self.o_proj(attend_segments(q, k, v, layer, segments, self.window, c.head_dim ** -0.5).view(T, -1))
 
 
 class LatentAttention(nn.Module):
@@ -173,23 +152,25 @@ class LatentAttention(nn.Module):
         k_rope = apply_rope(deinterleave(k_rope)[:, None], *rope)            # [T, 1, Dr]: one for all heads
         q = torch.cat((q_nope, q_rope), dim=-1)                              # [T, H, Dn+Dr]
         k = torch.cat((k_nope, k_rope.expand(-1, c.n_heads, -1)), dim=-1)    # [T, H, Dn+Dr]
-        return self.o_proj(attend_segments(q, k, v, layer, segments, None).reshape(T, -1))
+        scale = c.k_head_dim ** -0.5 * (c.yarn.softmax_scale if c.yarn else 1.0)
+        return self.o_proj(attend_segments(q, k, v, layer, segments, None, scale).reshape(T, -1))
 
 
 def attend_segments(q: Tensor, k: Tensor, v: Tensor, layer: int, segments: list[Segment],
-                    window: int | None) -> Tensor:
+                    window: int | None, scale: float) -> Tensor:
     """q [T, H, Dk], this step's k [T, Hkv, Dk] and v [T, Hkv, Dv]: each sequence's tokens attend over its
     cache (which takes their k and v) -> [T, H, Dv]."""
     out = q.new_empty(*q.shape[:2], v.shape[-1])
     for s in segments:
         rows = slice(s.start, s.start + s.n)
         keys, values = s.seq.write(layer, s.pos, k[rows], v[rows])          # [S, Hkv, Dk], [S, Hkv, Dv]
-        out[rows] = attend(q[rows], keys, values, s.mask(window))
+        out[rows] = attend(q[rows], keys, values, s.mask(window), scale)
     return out
 
 
-def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """q [n, H, Dk] over keys [S, Hkv, Dk], values [S, Hkv, Dv] with mask [n, S] -> [n, H, Dv].
+def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """q [n, H, Dk] over keys [S, Hkv, Dk], values [S, Hkv, Dv] with mask [n, S], scores times scale
+    -> [n, H, Dv].
 
     Plain matmul-softmax (transformers' eager path): at decode sizes it is ~40x faster than
     F.scaled_dot_product_attention on a CPU shared with other work, whose kernel spreads tiny
@@ -197,7 +178,7 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
     group = q.shape[1] // keys.shape[1]                                  # query heads per kv head (GQA)
     k = keys.repeat_interleave(group, dim=1).transpose(0, 1)             # [H, S, Dk]
     v = values.repeat_interleave(group, dim=1).transpose(0, 1)           # [H, S, Dv]
-    scores = q.transpose(0, 1) @ k.transpose(1, 2) * q.shape[-1] ** -0.5  # [H, n, S]
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) * scale              # [H, n, S]
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(q.dtype)
     return (probs @ v).transpose(0, 1)                                   # [n, H, Dv]
 
@@ -324,7 +305,7 @@ class Transformer(nn.Module):
         segments = self._segments(batch)
         tokens = torch.cat([t.view(-1) for _, t in batch])                              # [T]
         positions = torch.cat([torch.arange(s.pos, s.pos + s.n) for s in segments])    # [T]
-        step = Step(segments, rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype),
+        step = Step(segments, rope_tables(positions, self.config, self.dtype),
                     self._imposed_routes(batch, segments))
         with self.profile.phase("head"):
             x = self.embed_tokens(tokens)                                               # [T, D]
