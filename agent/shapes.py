@@ -42,6 +42,17 @@ SHAPES: dict[str, dict[str, Any]] = {
                           num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                           rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960,
                           tie_word_embeddings=False, eos_token_id=151645, hidden_act="silu"),
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], vocab_size=102400,
+                             hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+                             intermediate_size=10944, moe_intermediate_size=1408, first_k_dense_replace=1,
+                             moe_layer_freq=1, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                             norm_topk_prob=False, routed_scaling_factor=1.0, topk_method="greedy", n_group=1,
+                             topk_group=1, scoring_func="softmax", q_lora_rank=None, kv_lora_rank=512,
+                             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_theta=10000,
+                             rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                                               beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
+                             rms_norm_eps=1e-6, max_position_embeddings=163840, attention_bias=False,
+                             tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001, hidden_act="silu"),
 }
 SEED = 0
 STD = 0.02                 # transformers' initializer_range

@@ -16,10 +16,12 @@ from safetensors.torch import load_file, save_file
 from agent.cli import main as cli
 from agent.experts.layout import CONFIG, DENSE, StoreError
 from agent.experts.provider import InMemoryExperts
-from agent.model.config import ConfigError
+from agent.model.config import ConfigError, MoEConfig
 from agent.model.generation import generate
 from agent.model.loading import load_model
 from agent.model.model import Transformer
+from agent.model.rope import inv_freq
+from agent.shapes import shape_config
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 120, 33]
 
@@ -124,6 +126,22 @@ def test_deepseek_v2_with_yarn_rope(tmp_path):
     assert not torch.allclose(ref, hf_logits(plain, PROMPT), atol=1e-3)  # yarn changes the output
     torch.testing.assert_close(our_logits(load(store), PROMPT), ref, atol=1e-4, rtol=0)
     assert generate(load(store), PROMPT, 8, greedy=True).token_ids == hf_greedy(hf, PROMPT, 8)
+
+
+def test_deepseek_v2_lite_rope_scaling_is_read_as_transformers_reads_it():
+    """Lite's config.json has the legacy rope_scaling form; its frequencies, cos/sin and softmax scale."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Attention, DeepseekV2RotaryEmbedding
+
+    lite = shape_config("deepseek-v2-lite")
+    ours = MoEConfig.from_hf(lite)
+    hf_config = DeepseekV2Config(**{k: v for k, v in lite.items() if k != "model_type"})
+    rotary = DeepseekV2RotaryEmbedding(hf_config)
+    torch.testing.assert_close(inv_freq(ours.head_dim, ours.rope_theta, ours.yarn), rotary.inv_freq, atol=0, rtol=1e-6)
+    assert ours.yarn.attention_factor == pytest.approx(rotary.attention_scaling) and ours.yarn.attention_factor == 1.0
+    with torch.device("meta"):
+        scaling = DeepseekV2Attention(hf_config, 0).scaling
+    assert ours.k_head_dim ** -0.5 * ours.yarn.softmax_scale == pytest.approx(scaling) and scaling > 192 ** -0.5
 
 
 class Recording:

@@ -29,6 +29,9 @@ def tiny(name: str) -> dict:
                  intermediate_size=32, moe_intermediate_size=32)
     if "head_dim" in SHAPES[name]:
         small |= dict(head_dim=16, num_key_value_heads=2)
+    elif "kv_lora_rank" in SHAPES[name]:  # DeepSeek-V2's MLA; transformers reads num_experts as n_routed_experts
+        small |= dict(num_key_value_heads=4, n_routed_experts=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                      qk_rope_head_dim=8, v_head_dim=12)
     else:
         small |= dict(num_key_value_heads=4)
     return {**shape_config(name), **small}
@@ -48,6 +51,11 @@ def test_the_real_shapes_have_the_published_sizes():
         (48, 128, 8, 768, 128, "head")
     assert expert_bytes(shape_config("qwen3-30b-a3b")) / GB == pytest.approx(57.98, abs=0.01)
     assert expert_bytes(shape_config("qwen3-30b-a3b", layers=12)) / GB == pytest.approx(57.98 / 4, abs=0.01)
+    lite = MoEConfig.from_hf(shape_config("deepseek-v2-lite"))
+    assert (lite.n_layers, lite.moe_layer_ids[0], lite.n_experts, lite.top_k, lite.expert_dim) == (27, 1, 64, 6, 1408)
+    assert (lite.mla.q_lora_rank, lite.mla.kv_lora_rank, lite.k_head_dim, lite.v_head_dim) == (None, 512, 192, 128)
+    assert lite.shared_experts_dim == 2816 and lite.yarn.factor == 40
+    assert expert_bytes(shape_config("deepseek-v2-lite")) / GB == pytest.approx(28.79, abs=0.01)  # 26 x 64 x 17.3 MB
 
 
 def test_hub_names_and_shapes():
