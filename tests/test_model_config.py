@@ -70,7 +70,7 @@ def test_deepseek_v2_shapes_and_switches():
 
 
 @pytest.mark.parametrize("change", [
-    dict(topk_method="group_limited_greedy", n_group=2, topk_group=1), dict(topk_method="noaux_tc"),
+    dict(topk_method="noaux_tc"),
     dict(scoring_func="sigmoid"), dict(norm_topk_prob=True), dict(moe_layer_freq=2), dict(mlp_bias=True),
     dict(qk_rope_head_dim=5),
 ])
@@ -78,6 +78,15 @@ def test_deepseek_v2_variants_we_do_not_run_are_named(change):
     field = next(iter(change))
     with pytest.raises(ConfigError, match=rf"deepseek_v2 config.json has {field}=.*supported: topk_method greedy"):
         MoEConfig.from_hf({**hf_json("deepseek_v2"), **change})
+
+
+def test_deepseek_v2_expert_groups():
+    c = MoEConfig.from_hf(hf_json("deepseek_v2", topk_method="group_limited_greedy", n_group=4, topk_group=2))
+    assert c.expert_groups == (4, 2)
+    assert MoEConfig.from_hf(hf_json("deepseek_v2", n_group=4, topk_group=2)).expert_groups is None  # greedy
+    for groups in (dict(n_group=3, topk_group=1), dict(n_group=4, topk_group=5), dict(n_group=None, topk_group=1)):
+        with pytest.raises(ConfigError, match="n_group must divide n_routed_experts=8"):
+            MoEConfig.from_hf({**hf_json("deepseek_v2"), "topk_method": "group_limited_greedy", **groups})
 
 
 def test_deepseek_v2_needs_its_expert_count():

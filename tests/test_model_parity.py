@@ -104,10 +104,14 @@ def test_olmoe_variants(tmp_path, overrides):
     torch.testing.assert_close(our_logits(load(store), PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
 
 
-def test_deepseek_v2_with_a_q_bottleneck(tmp_path):
-    """DeepSeek-V2 (not Lite) projects q through q_lora_rank and an RMSNorm."""
-    hf, store = converted(tmp_path, "deepseek_v2", q_lora_rank=8)
+def test_deepseek_v2_with_a_q_bottleneck_and_expert_groups(tmp_path):
+    """DeepSeek-V2 (not Lite) projects q through q_lora_rank and an RMSNorm, and routes each token among
+    the experts of its best groups (group_limited_greedy)."""
+    groups = dict(topk_method="group_limited_greedy", n_group=4, topk_group=1)
+    hf, store = converted(tmp_path, "deepseek_v2", q_lora_rank=8, **groups)
     assert hf.model.layers[0].self_attn.q_a_proj is not None
+    free = tiny_checkpoint("deepseek_v2", tmp_path / "greedy", q_lora_rank=8).model
+    assert not torch.allclose(hf_logits(hf, PROMPT), hf_logits(free, PROMPT), atol=1e-3)  # the groups matter
     torch.testing.assert_close(our_logits(load(store), PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
     assert generate(load(store), PROMPT, 8, greedy=True).token_ids == hf_greedy(hf, PROMPT, 8)
 

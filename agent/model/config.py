@@ -142,6 +142,7 @@ class MoEConfig:
     rms_eps: float
     rope_theta: float
     routed_scale: float = 1.0       # DeepSeek-V2 multiplies the routed experts' weights by this
+    expert_groups: tuple[int, int] | None = None  # DeepSeek-V2 group_limited_greedy: (n_group, topk_group)
     qk_norm: str | None = None      # "full": RMSNorm over the whole q/k projection (OLMoE); "head": per head (Qwen3)
     qkv_bias: bool = False
     o_bias: bool = False
@@ -202,6 +203,7 @@ class MoEConfig:
             expert_dim=c["intermediate_size" if arch in ("olmoe", "mixtral") else "moe_intermediate_size"],
             norm_topk_prob=True if arch == "mixtral" else bool(c["norm_topk_prob"]),
             routed_scale=float(c["routed_scaling_factor"]) if deepseek else 1.0,
+            expert_groups=_expert_groups(c) if deepseek else None,
             rms_eps=float(c["rms_norm_eps"]), rope_theta=rope_theta, yarn=yarn,
             qk_norm={"olmoe": "full", "qwen3_moe": "head"}.get(arch),
             qkv_bias=bool(c.get("qkv_bias") or c.get("attention_bias")), o_bias=bool(c.get("attention_bias")),
@@ -251,7 +253,8 @@ def _n_experts(arch: str, c: dict[str, Any]) -> int:
 
 def _latent_attention(c: dict[str, Any]) -> MLAConfig:
     """DeepSeek-V2's attention and routing switches; those we do not run are refused by name."""
-    refuse = {"topk_method": c["topk_method"] != "greedy", "scoring_func": c["scoring_func"] != "softmax",
+    refuse = {"topk_method": c["topk_method"] not in ("greedy", "group_limited_greedy"),
+              "scoring_func": c["scoring_func"] != "softmax",
               # transformers' DeepseekV2 ignores norm_topk_prob, DeepSeek's own code applies it: ambiguous
               "norm_topk_prob": c["norm_topk_prob"], "moe_layer_freq": c["moe_layer_freq"] != 1,
               "mlp_bias": c["mlp_bias"], "attention_bias": c["attention_bias"],
@@ -259,11 +262,26 @@ def _latent_attention(c: dict[str, Any]) -> MLAConfig:
     bad = [k for k, no in refuse.items() if no]
     if bad:
         raise ConfigError(f"deepseek_v2 config.json has {', '.join(f'{k}={_show(c[k])}' for k in bad)}, which "
-                          "flashmoe does not run; supported: topk_method greedy, scoring_func softmax, "
-                          "norm_topk_prob false, moe_layer_freq 1, no MLP or attention bias, an even "
-                          "qk_rope_head_dim (DeepSeek-V2-Lite's settings)")
-    return MLAConfig(c["q_lora_rank"], c["kv_lora_rank"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
-                           c["v_head_dim"])
+                          "flashmoe does not run; supported: topk_method greedy or group_limited_greedy, "
+                          "scoring_func softmax, norm_topk_prob false, moe_layer_freq 1, no MLP or attention "
+                          "bias, an even qk_rope_head_dim (DeepSeek-V2 and V2-Lite's settings)")
+    return MLAConfig(c["q_lora_rank"], c["kv_lora_rank"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"])
+
+
+def _expert_groups(c: dict[str, Any]) -> tuple[int, int] | None:
+    """group_limited_greedy: top-k only among the experts of the topk_group groups (of n_group equal ones)
+    whose best expert scores highest."""
+    if c["topk_method"] != "group_limited_greedy":
+        return None  # transformers ignores n_group and topk_group then
+    n_group, topk_group = c.get("n_group"), c.get("topk_group")
+    n_experts, top_k = c["n_routed_experts"], c["num_experts_per_tok"]
+    if not (_POSITIVE_INT.ok(n_group) and _POSITIVE_INT.ok(topk_group) and topk_group <= n_group
+            and n_experts % n_group == 0 and top_k <= topk_group * n_experts // n_group):
+        raise ConfigError(f"deepseek_v2 config.json has topk_method group_limited_greedy with "
+                          f"n_group={_show(n_group)}, topk_group={_show(topk_group)}; n_group must divide "
+                          f"n_routed_experts={n_experts} and topk_group groups (at most n_group) must hold "
+                          f"num_experts_per_tok={top_k} experts")
+    return n_group, topk_group
 
 
 def _show(value: Any, limit: int = 40) -> str:

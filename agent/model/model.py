@@ -197,23 +197,34 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Softmax over all experts, then top-k, then (if the architecture says so) renormalise to sum 1."""
+    """Softmax over all experts, then top-k (DeepSeek-V2: within the best expert groups), then (if the
+    architecture says so) renormalise to sum 1, and scale."""
 
     def __init__(self, c: MoEConfig) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob, self.scale = c.top_k, c.norm_topk_prob, c.routed_scale
+        self.groups = c.expert_groups
         self.weight = nn.Parameter(torch.empty(c.n_experts, c.dim))
 
     def forward(self, h: Tensor, imposed: Tensor | None = None) -> Routing:
         """Route h [T, D]; `imposed` [T, k] (a route trace) replaces the top-k choice, not the softmax."""
         probs = F.softmax(linear(h, self.weight).float(), dim=-1)  # [T, E]
         if imposed is None:
-            weights, ids = torch.topk(probs, self.top_k, dim=-1)       # [T, k]
+            weights, ids = torch.topk(self._in_best_groups(probs), self.top_k, dim=-1)  # [T, k]
         else:
             weights, ids = probs.gather(-1, imposed), imposed
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing((weights * self.scale).to(h.dtype), ids)
+
+    def _in_best_groups(self, probs: Tensor) -> Tensor:
+        """probs [T, E] with the experts outside each token's topk_group best groups zeroed (as transformers)."""
+        if self.groups is None:
+            return probs
+        n_group, topk_group = self.groups
+        best = probs.view(probs.shape[0], n_group, -1).amax(dim=-1)                       # [T, G]
+        keep = torch.zeros_like(best).scatter_(1, best.topk(topk_group, dim=-1).indices, 1.0)
+        return probs * keep.repeat_interleave(probs.shape[1] // n_group, dim=1)
 
 
 class MoE(nn.Module):
