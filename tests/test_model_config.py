@@ -61,7 +61,8 @@ def test_dense_mlp_layers_are_not_moe_layers():
 def test_deepseek_v2_shapes_and_switches():
     c = MoEConfig.from_hf(hf_json("deepseek_v2", q_lora_rank=8))
     assert (c.n_heads, c.n_kv_heads, c.n_experts, c.top_k, c.expert_dim) == (4, 4, 8, 2, 16)
-    assert (c.head_dim, c.k_head_dim, c.v_head_dim) == (4, 10, 8)  # rotary part, nope + rope, value
+    assert (c.head_dim, c.k_head_dim, c.mla.v_dim) == (4, 10, 8)  # rotary part, nope + rope, value
+    assert c.kv_cache_shape == (1, 12, 4)  # one latent and one rotary key per token
     assert (c.mla.q_lora_rank, c.mla.kv_lora_rank, c.mla.nope_dim) == (8, 12, 6)
     assert c.moe_layers == (False, True, True) and c.dense_dim == 48
     assert c.shared_experts_dim == 2 * 16 and c.shared_expert_dim == 0

@@ -165,8 +165,9 @@ class Recording:
         self.calls.append(("prefetch", layer, list(experts)))
 
 
-def test_batched_step_equals_sequences_run_alone(tmp_path):
-    _, store = converted(tmp_path, "qwen3_moe")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])  # GQA; MLA's latent cache
+def test_batched_step_equals_sequences_run_alone(tmp_path, arch):
+    _, store = converted(tmp_path, arch)
     model = load(store, prefetch=False)
     a_ids, b_ids, c_ids = PROMPT[:5], PROMPT[3:10], PROMPT[7:]
 

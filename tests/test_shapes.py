@@ -53,7 +53,7 @@ def test_the_real_shapes_have_the_published_sizes():
     assert expert_bytes(shape_config("qwen3-30b-a3b", layers=12)) / GB == pytest.approx(57.98 / 4, abs=0.01)
     lite = MoEConfig.from_hf(shape_config("deepseek-v2-lite"))
     assert (lite.n_layers, lite.moe_layer_ids[0], lite.n_experts, lite.top_k, lite.expert_dim) == (27, 1, 64, 6, 1408)
-    assert (lite.mla.q_lora_rank, lite.mla.kv_lora_rank, lite.k_head_dim, lite.v_head_dim) == (None, 512, 192, 128)
+    assert (lite.mla.q_lora_rank, lite.mla.kv_lora_rank, lite.k_head_dim, lite.mla.v_dim) == (None, 512, 192, 128)
     assert lite.shared_experts_dim == 2816 and lite.yarn.factor == 40
     assert expert_bytes(shape_config("deepseek-v2-lite")) / GB == pytest.approx(28.79, abs=0.01)  # 26 x 64 x 17.3 MB
 

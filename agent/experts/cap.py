@@ -55,7 +55,8 @@ def resident_bytes(store_dir: Path, index: Index) -> int:
     if not dense.exists():
         return 0
     config = MoEConfig.from_file(Path(store_dir) / CONFIG)
-    kv_per_token = config.n_layers * config.n_kv_heads * (config.k_head_dim + config.v_head_dim) * index.itemsize
+    heads, k_dim, v_dim = config.kv_cache_shape
+    kv_per_token = config.n_layers * heads * (k_dim + v_dim) * index.itemsize
     return dense.stat().st_size + KV_BUDGET_TOKENS * kv_per_token
 
 

@@ -163,8 +163,12 @@ class MoEConfig:
         return self.mla.nope_dim + self.mla.rope_dim if self.mla else self.head_dim
 
     @property
-    def v_head_dim(self) -> int:
-        return self.mla.v_dim if self.mla else self.head_dim
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) a KV cache holds per token and layer; MLA caches one latent
+        (kv_lora_rank) and one rotary key (rope_dim) from which every head's key and value are made."""
+        if self.mla:
+            return 1, self.mla.kv_lora_rank, self.mla.rope_dim
+        return self.n_kv_heads, self.head_dim, self.head_dim
 
     @property
     def moe_layer_ids(self) -> list[int]:

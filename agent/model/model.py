@@ -51,12 +51,12 @@ class RMSNorm(nn.Module):
 
 class Sequence:
     """One request's KV cache: two buffers [layers, max_len, Hkv, Dk or Dv] allocated once, and its length.
-    MLA's keys and values are cached expanded per head: simple, at ~9x the memory of its latent."""
+    MLA caches what its keys and values come from instead: k the latent, v the rotary key (one "head")."""
 
     def __init__(self, config: MoEConfig, max_len: int, dtype: torch.dtype = torch.float32) -> None:
-        rows = (config.n_layers, max_len, config.n_kv_heads)
-        self.k = torch.zeros(*rows, config.k_head_dim, dtype=dtype)
-        self.v = torch.zeros(*rows, config.v_head_dim, dtype=dtype)
+        heads, k_dim, v_dim = config.kv_cache_shape
+        self.k = torch.zeros(config.n_layers, max_len, heads, k_dim, dtype=dtype)
+        self.v = torch.zeros(config.n_layers, max_len, heads, v_dim, dtype=dtype)
         self.max_len, self.pos = max_len, 0
         self.route: Placement | None = None  # where it follows a route trace, if the model has one
 
@@ -120,11 +120,33 @@ class Attention(nn.Module):
         if c.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return self.o_proj(attend_segments(q, k, v, layer, segments, self.window, c.head_dim ** -0.5).view(T, -1))
+        out = torch.empty_like(q)                                        # [T, H, Dh]
+        for s in segments:
+            rows = slice(s.start, s.start + s.n)
+            keys, values = s.seq.write(layer, s.pos, k[rows], v[rows])  # [S, Hkv, Dh]
+            out[rows] = self.attend(q[rows], keys, values, s.mask(self.window))
+        return self.o_proj(out.view(T, -1))
+
+    @staticmethod
+    def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """q [n, H, Dh] over keys/values [S, Hkv, Dh] with mask [n, S] -> [n, H, Dh].
+
+        Plain matmul-softmax (transformers' eager path): at decode sizes it is ~40x faster than
+        F.scaled_dot_product_attention on a CPU shared with other work, whose kernel spreads tiny
+        heads over threads."""
+        group = q.shape[1] // keys.shape[1]                                  # query heads per kv head (GQA)
+        k = keys.repeat_interleave(group, dim=1).transpose(0, 1)             # [H, S, Dh]
+        v = values.repeat_interleave(group, dim=1).transpose(0, 1)           # [H, S, Dh]
+        scores = q.transpose(0, 1) @ k.transpose(1, 2) * q.shape[-1] ** -0.5  # [H, n, S]
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(q.dtype)
+        return (probs @ v).transpose(0, 1)                                   # [n, H, Dh]
 
 
 class LatentAttention(nn.Module):
-    """DeepSeek-V2's MLA (config.MLAConfig): keys and values expanded from one latent per token."""
+    """DeepSeek-V2's MLA (config.MLAConfig). Every head's key and value are kv_b_proj of one normalised
+    latent per token; the cache holds that latent and the rotary key shared by all heads (576 numbers per
+    token and layer in Lite, not 16 heads x 320), and kv_b_proj is folded into the query (keys) and the
+    output (values), so no step expands the cache."""
 
     def __init__(self, c: MoEConfig) -> None:
         super().__init__()
@@ -140,47 +162,27 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(m.kv_lora_rank, c.n_heads * (m.nope_dim + m.v_dim), bias=False)
         self.o_proj = Linear(c.n_heads * m.v_dim, c.dim, bias=False)
+        self.scale = c.k_head_dim ** -0.5 * (c.yarn.softmax_scale if c.yarn else 1.0)
 
     def forward(self, x: Tensor, layer: int, segments: list[Segment], rope: tuple[Tensor, Tensor]) -> Tensor:
         c, m, T = self.c, self.c.mla, x.shape[0]
         q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(T, c.n_heads, c.k_head_dim).split([m.nope_dim, m.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, c.n_heads, m.nope_dim + m.v_dim)
-        k_nope, v = kv.split([m.nope_dim, m.v_dim], dim=-1)                  # [T, H, Dn], [T, H, Dv]
-        q_rope = apply_rope(deinterleave(q_rope), *rope)                     # [T, H, Dr]
-        k_rope = apply_rope(deinterleave(k_rope)[:, None], *rope)            # [T, 1, Dr]: one for all heads
-        q = torch.cat((q_nope, q_rope), dim=-1)                              # [T, H, Dn+Dr]
-        k = torch.cat((k_nope, k_rope.expand(-1, c.n_heads, -1)), dim=-1)    # [T, H, Dn+Dr]
-        scale = c.k_head_dim ** -0.5 * (c.yarn.softmax_scale if c.yarn else 1.0)
-        return self.o_proj(attend_segments(q, k, v, layer, segments, None, scale).reshape(T, -1))
-
-
-def attend_segments(q: Tensor, k: Tensor, v: Tensor, layer: int, segments: list[Segment],
-                    window: int | None, scale: float) -> Tensor:
-    """q [T, H, Dk], this step's k [T, Hkv, Dk] and v [T, Hkv, Dv]: each sequence's tokens attend over its
-    cache (which takes their k and v) -> [T, H, Dv]."""
-    out = q.new_empty(*q.shape[:2], v.shape[-1])
-    for s in segments:
-        rows = slice(s.start, s.start + s.n)
-        keys, values = s.seq.write(layer, s.pos, k[rows], v[rows])          # [S, Hkv, Dk], [S, Hkv, Dv]
-        out[rows] = attend(q[rows], keys, values, s.mask(window), scale)
-    return out
-
-
-def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """q [n, H, Dk] over keys [S, Hkv, Dk], values [S, Hkv, Dv] with mask [n, S], scores times scale
-    -> [n, H, Dv].
-
-    Plain matmul-softmax (transformers' eager path): at decode sizes it is ~40x faster than
-    F.scaled_dot_product_attention on a CPU shared with other work, whose kernel spreads tiny
-    heads over threads."""
-    group = q.shape[1] // keys.shape[1]                                  # query heads per kv head (GQA)
-    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)             # [H, S, Dk]
-    v = values.repeat_interleave(group, dim=1).transpose(0, 1)           # [H, S, Dv]
-    scores = q.transpose(0, 1) @ k.transpose(1, 2) * scale              # [H, n, S]
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(q.dtype)
-    return (probs @ v).transpose(0, 1)                                   # [n, H, Dv]
+        latent = self.kv_a_layernorm(latent)                                   # [T, R]
+        q_rope = apply_rope(deinterleave(q_rope), *rope)                       # [T, H, Dr]
+        k_rope = apply_rope(deinterleave(k_rope)[:, None], *rope)              # [T, 1, Dr]: one for all heads
+        up = self.kv_b_proj.weight.view(c.n_heads, m.nope_dim + m.v_dim, m.kv_lora_rank)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, up[:, :m.nope_dim])    # [T, H, R]: q_nope . k_nope
+        context = q.new_empty(T, c.n_heads, m.kv_lora_rank)                    # [T, H, R]
+        for s in segments:
+            rows = slice(s.start, s.start + s.n)
+            latents, ropes = s.seq.write(layer, s.pos, latent[rows, None], k_rope[rows])  # [S, 1, R], [S, 1, Dr]
+            scores = (q_latent[rows] @ latents[:, 0].T + q_rope[rows] @ ropes[:, 0].T) * self.scale  # [n, H, S]
+            probs = torch.softmax(scores.masked_fill(~s.mask(None)[:, None], float("-inf")).float(), dim=-1)
+            context[rows] = probs.to(q.dtype) @ latents[:, 0]
+        out = torch.einsum("thr,hvr->thv", context, up[:, m.nope_dim:])      # [T, H, Dv]
+        return self.o_proj(out.reshape(T, -1))
 
 
 class MLP(nn.Module):
