@@ -131,14 +131,12 @@ def _ensure_schema(conn: sqlite3.Connection, path: Path) -> None:
     """Create the schema in a new file, or upgrade an older store in place (store.migrations)."""
     if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
         conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")   # new, or written before the mark
-    has_meta = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone()
-    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() if has_meta else None
-    if row is None:
+    version = stored_schema_version(conn, path)
+    if version is None:
         for statement in DDL:
             conn.execute(statement)
         conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         return
-    version = int(row[0])
     while version < SCHEMA_VERSION and version in UPGRADES:
         done = UPGRADES[version](conn, path)
         version += 1
@@ -147,6 +145,20 @@ def _ensure_schema(conn: sqlite3.Connection, path: Path) -> None:
     if version != SCHEMA_VERSION:
         raise StoreError(f"{path} has store schema version {version}, this FlashMoE uses "
                          f"{SCHEMA_VERSION} and cannot upgrade it; move the old file aside to start a new store")
+
+
+def stored_schema_version(conn: sqlite3.Connection, path: Path) -> int | None:
+    """The schema version the store records, or None for a file with no schema yet. A `meta` table
+    without a whole-number version is damage (the schema is made in one transaction), not a new store."""
+    if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone():
+        return None
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    try:
+        return int(row[0])
+    except (TypeError, ValueError):
+        found = "no schema_version" if row is None else f"schema_version {row[0]!r}, not a whole number"
+        raise StoreError(f"{path} is a damaged FlashMoE store: its meta table holds {found}; "
+                         f"move it aside to start a new store") from None
 
 
 def record_lost(conn: sqlite3.Connection, points: int, rows: int) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from store import codec, rollup
-from store.database import foreign, place_problem
+from store.database import foreign, place_problem, stored_schema_version
 from store.errors import StoreError
 from store.schema import ACTIVATIONS_ROLLUP, CACHE_STATS_ROLLUP, ROW_TABLES, SCHEMA_VERSION
 
@@ -54,12 +54,16 @@ def connect_ro(path: str | Path, setting: str = "--db") -> sqlite3.Connection | 
     if not tables:            # just created by a writer that has not yet made the schema
         conn.close()
         return None
-    (version,) = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    if int(version) != SCHEMA_VERSION:
+    try:
+        version = stored_schema_version(conn, path)
+    except StoreError:
+        conn.close()
+        raise
+    if version != SCHEMA_VERSION:
         conn.close()
         raise StoreError(f"{path} has store schema version {version}, this reader needs {SCHEMA_VERSION}: "
                          + (f"start the agent or the collector on it, or run `flashmoe-cli store compact "
-                            f"--db {path}`, to upgrade it in place" if int(version) < SCHEMA_VERSION
+                            f"--db {path}`, to upgrade it in place" if version < SCHEMA_VERSION
                             else "update this FlashMoE to the version that wrote it"))
     return conn
 

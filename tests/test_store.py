@@ -410,6 +410,20 @@ def test_a_file_that_is_not_a_store_is_refused_with_advice(tmp_path):
         Store(newer)
 
 
+@pytest.mark.parametrize("damage", ["UPDATE meta SET value = 'abc' WHERE key = 'schema_version'",
+                                    "DELETE FROM meta WHERE key = 'schema_version'"])
+def test_a_store_whose_schema_version_is_damaged_is_refused_by_name_by_writers_and_readers(tmp_path, damage):
+    damaged = tmp_path / "damaged.db"
+    Store(damaged, autoflush_s=0).close()
+    with sqlite3.connect(damaged) as conn:
+        conn.execute(damage)
+    before = damaged.read_bytes()
+    for open_it in (Store, queries.stats):
+        with pytest.raises(StoreError, match="damaged.db is a damaged FlashMoE store: its meta table holds"):
+            open_it(damaged)
+    assert damaged.read_bytes() == before     # no schema_version written over the damage
+
+
 def test_a_simulation_capacity_must_be_a_fraction_of_experts(path):
     with Store(path, autoflush_s=0) as store:
         for bad in (64, 0, 1.5):
