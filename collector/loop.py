@@ -12,8 +12,10 @@ samples its range lacks. SIGTERM or SIGINT: flush and exit 0.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -194,6 +196,22 @@ def open_store(path: Path, stop: threading.Event, device_name: str | None = None
             return None
 
 
+def hold_sole_collector_lock(path: Path) -> int:
+    """Take the store's collector lock (flock, which SQLite's fcntl locks do not touch) and return its
+    descriptor: two collectors on one store write every series twice over. The kernel frees it when
+    the process dies; close it only after the store, as closing any descriptor of the file drops
+    this process's SQLite locks on it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreError(f"another collector is already writing {path}: one collector per store; stop it "
+                         f"(`fuser {path}` lists the processes that have the file open) or give this one "
+                         f"its own --db") from None
+    return fd
+
+
 def listen_address(text: str) -> tuple[str, int]:
     """--listen HOST:PORT (IPv6 in brackets); port 0 picks a free one."""
     host, sep, port = text.rpartition(":")
@@ -244,6 +262,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if store is None:
         return 0
+    try:
+        lock = hold_sole_collector_lock(args.db)
+    except StoreError as e:
+        store.close()
+        log.error("%s", e)
+        return 1
     export = None
     try:
         collector = Collector(store, args.pid_file, args.store_path)
@@ -259,5 +283,6 @@ def run(args: argparse.Namespace) -> int:
         if export is not None:
             export.shutdown()
         ok = store.close()
+        os.close(lock)
     log.info("collector stopped; store %s", "flushed" if ok else "NOT fully written (see errors above)")
     return 0 if ok else 1

@@ -89,6 +89,27 @@ def test_collect_command_stops_cleanly_on_sigterm_with_everything_flushed(tmp_pa
     assert np.allclose(np.round(t / 0.2), t / 0.2)              # stamped on the 0.2 s grid
 
 
+def test_a_second_collector_on_a_store_is_refused_and_a_killed_ones_lock_is_freed(tmp_path):
+    db = tmp_path / "flashmoe.db"
+    first = subprocess.Popen(CLI + ["collect", "--db", str(db), "--interval", "0.2"],
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (db.exists() and queries.latest(db, "mem.free_bytes")):
+            time.sleep(0.1)
+        second = subprocess.run(CLI + ["collect", "--db", str(db), "--duration", "5"],
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1, second.stderr
+        assert f"another collector is already writing {db}: one collector per store" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.kill()                       # SIGKILL: the kernel frees its lock
+        first.wait()
+    third = subprocess.run(CLI + ["collect", "--db", str(db), "--duration", "0.5", "--interval", "0.1"],
+                           capture_output=True, text=True, timeout=60)
+    assert third.returncode == 0 and "collector stopped; store flushed" in third.stderr
+
+
 def test_collect_refuses_bad_arguments_with_a_message(tmp_path):
     junk = tmp_path / "junk.db"
     junk.write_bytes(b"x" * 4096)
