@@ -43,10 +43,16 @@ def place_problem(path: Path) -> str | None:
     return None
 
 
+def is_busy(error: sqlite3.Error) -> bool:
+    """Whether another connection held the lock past the busy timeout (the file itself may be fine)."""
+    text = str(error).lower()
+    return "locked" in text or "busy" in text
+
+
 def advice_for(error: sqlite3.Error, path: Path) -> str:
     """What an operator should do about a write error (shared by the writer and the CLI)."""
     text = str(error).lower()
-    if "locked" in text or "busy" in text:
+    if is_busy(error):
         return (f"another connection holds the write lock on {path} beyond the busy timeout; "
                 f"find it with `fuser {path}` and end its long transaction")
     if "full" in text:

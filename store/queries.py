@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from store import codec, rollup
-from store.database import foreign, place_problem, stored_schema_version
+from store.database import advice_for, foreign, is_busy, place_problem, stored_schema_version
 from store.errors import StoreError
 from store.schema import ACTIVATIONS_ROLLUP, CACHE_STATS_ROLLUP, ROW_TABLES, SCHEMA_VERSION
 
@@ -45,6 +45,8 @@ def connect_ro(path: str | Path, setting: str = "--db") -> sqlite3.Connection | 
         tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         problem = foreign(conn)
     except sqlite3.DatabaseError as e:
+        if is_busy(e):      # e.g. a writer creating the file, descheduled under load: not a damaged store
+            raise StoreError(f"cannot read {path} yet ({e}): {advice_for(e, path)}") from e
         raise StoreError(f"{path} is not a readable FlashMoE store ({e}); {advice}") from e
     if problem is None and tables and not {"meta", "chunks"} <= tables:
         problem = f"an SQLite file without the store's tables (tables: {', '.join(sorted(tables))})"

@@ -424,6 +424,23 @@ def test_a_store_whose_schema_version_is_damaged_is_refused_by_name_by_writers_a
     assert damaged.read_bytes() == before     # no schema_version written over the damage
 
 
+def test_a_reader_kept_out_by_a_writers_lock_says_so_and_does_not_call_the_store_unreadable(tmp_path):
+    db = tmp_path / "held.db"
+    Store(db, autoflush_s=0).close()
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("PRAGMA locking_mode = EXCLUSIVE")      # as a writer mid-creation holds it: readers wait
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("INSERT INTO meta VALUES ('x', 'y')")
+    try:
+        with pytest.raises(StoreError) as raised:
+            queries.stats(db)
+    finally:
+        holder.close()
+    assert f"cannot read {db} yet (database is locked): another connection holds the write lock" in str(raised.value)
+    assert "not a readable FlashMoE store" not in str(raised.value)
+    assert queries.stats(db)["series"] == []
+
+
 def test_a_simulation_capacity_must_be_a_fraction_of_experts(path):
     with Store(path, autoflush_s=0) as store:
         for bad in (64, 0, 1.5):
