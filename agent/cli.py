@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 COMMANDS = {
@@ -54,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         build_parser(None).print_help()
         return 2
-    return importlib.import_module(COMMANDS[args.command][0]).run(args)
+    try:
+        return importlib.import_module(COMMANDS[args.command][0]).run(args)
+    except BrokenPipeError:     # `... | head` stopped reading: stop writing, as cat does, without a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # for the flush at exit
+        return 1
 
 
 if __name__ == "__main__":

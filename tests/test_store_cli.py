@@ -2,6 +2,8 @@
 import csv
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -93,3 +95,13 @@ def test_every_subcommand_documents_an_example(capsys):
     with pytest.raises(SystemExit):
         main(["collect", "--help"])
     assert "example:\n  flashmoe-cli collect --db" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["export", "--series", "block.vda.util"], ["stats"]])
+def test_a_reader_that_stops_reading_ends_the_command_without_a_traceback(db, command):
+    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "store", *command, "--db", str(db)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()                        # as `| head -1` does once it has its line
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=60) == 1
+    assert stderr == ""
