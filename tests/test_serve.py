@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.policies import DEFAULT_POLICY
+from agent.serve.access import addressed_to_loopback
 from agents import CLI, demo_model, free_port, start_agent, stop, wait_for
 from store import queries
 
@@ -228,6 +229,31 @@ def test_sigterm_under_load_ends_the_running_requests_and_exits_before_honcho_ki
         assert "agent stopped" in log and "Traceback" not in log and not agent.pid_file.exists()
     finally:
         stop(agent.proc)
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1:8600", True), ("localhost", True), ("[::1]:8600", True),
+                                             ("127.9.9.9", True), ("evil.example:8600", False), ("[::1", False),
+                                             ("", False), ("127.0.0.1.evil.example", False), ("0.0.0.0:8600", False)])
+def test_a_host_header_is_loopback_only_when_it_names_a_loopback_host(host, loopback):
+    assert addressed_to_loopback(host) is loopback
+
+
+def test_a_token_less_agent_refuses_control_calls_addressed_to_another_host_as_dns_rebinding_sends(agent):
+    """A web page whose host name was re-pointed at 127.0.0.1 is same-origin with the agent in the
+    browser; its requests still carry the page's host name. It changed knobs and preloaded experts."""
+    before = agent.get("/v1/knobs").json()["auto_shrink"]["value"]
+    rebound = {"Host": "attacker.example:8600"}
+    for method, path, body in (("PUT", "/v1/knobs", {"auto_shrink": not before}),
+                               ("POST", "/v1/cache/preload", {"experts": [[0, 0]]})):
+        r = httpx.request(method, agent.url + path, json=body, headers=rebound, timeout=30)
+        assert r.status_code == 403, (path, r.text)
+        assert "no token" in r.json()["error"]["message"] and "attacker.example" in r.json()["error"]["message"]
+    assert httpx.get(agent.url + "/v1/knobs", headers=rebound, timeout=30).status_code == 200   # reading is open
+    assert agent.get("/v1/knobs").json()["auto_shrink"]["value"] == before
+    port = agent.url.rsplit(":", 1)[1]
+    allowed = httpx.put(agent.url + "/v1/knobs", json={"auto_shrink": before}, headers={"Host": f"localhost:{port}"},
+                        timeout=30)
+    assert allowed.status_code == 200
 
 
 def test_refuses_a_public_address_without_a_token(model, tmp_path):

@@ -1,7 +1,8 @@
 """The agent's HTTP routes (FastAPI): OpenAI-style completions, knobs, status, preload, /metrics.
 
 Routes only translate HTTP to Runtime calls. Control calls (PUT /v1/knobs, POST /v1/cache/preload)
-need the bearer token when the agent has one; the `X-FlashMoE-Source` header says who changed a
+need the bearer token when the agent has one, and a Host header naming loopback when it has none
+(agent.serve.access: DNS rebinding); the `X-FlashMoE-Source` header says who changed a
 knob ("api" by default, "dashboard" from the dashboard) and goes into the store with the change.
 
 Work per request is bounded before it starts (agent.serve.limits): a body over the limit is refused
@@ -32,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from agent.serve.access import addressed_to_loopback
 from agent.serve.engine import STEP_PROFILES
 from agent.serve.knobs import SOURCES, KnobError
 from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
@@ -132,8 +134,14 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
     stop_ids = frozenset([] if config.eos_token_id is None else [config.eos_token_id])
     exposed = DeviceLabelled(runtime.metrics.registry, device_name)
 
-    def control(authorization: str | None = Header(None)) -> None:
+    def control(request: Request, authorization: str | None = Header(None)) -> None:
         if token is None:
+            host = request.headers.get("host", "")
+            if not addressed_to_loopback(host):
+                raise HTTPException(403, f"this agent has no token, so it takes control calls only addressed to "
+                                         f"a loopback host (127.0.0.1, [::1] or localhost), not Host: "
+                                         f"{reprlib.repr(host)}; call it at http://127.0.0.1:<port>, or start it "
+                                         f"with --token to control it under another name")
             return
         scheme, _, given = (authorization or "").strip().partition(" ")
         if authorization and scheme.lower() != "bearer":     # RFC 7235: the scheme is case-insensitive

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import ipaddress
 import logging
 import os
 import signal
@@ -33,6 +32,7 @@ from agent.argtypes import add_int8_activations, count, port, threads
 from agent.experts.layout import StoreError as ExpertStoreError
 from machine.memory import read_pid_file
 from agent.experts.reader import BACKENDS, IO_THREADS
+from agent.serve.access import is_loopback
 from agent.serve.limits import BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES
 from agent.serve.scheduler import ADMIT_WINDOW_S
 from machine.identity import add_device_name
@@ -81,15 +81,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-bytes", type=count, default=MAX_PROMPT_BYTES,
                    help=f"refuse a text prompt longer than this before tokenizing it (default {MAX_PROMPT_BYTES}); "
                         f"request bodies may be {BODY_BYTES_PER_PROMPT_BYTE}x this")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost may resolve anywhere
 
 
 def check_token(host: str, token: str | None) -> None:
