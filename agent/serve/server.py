@@ -180,6 +180,7 @@ def serve(args: argparse.Namespace) -> None:
     from prometheus_client import CollectorRegistry
 
     from agent.serve.app import create_app
+    from agent.serve.request_deadline import RequestDeadline
     from agent.serve.runtime import Runtime, ServeOptions
     from agent.tokenizer import load_tokenizer
 
@@ -211,7 +212,7 @@ def serve(args: argparse.Namespace) -> None:
         host, port = sock.getsockname()[:2]
         log.info("agent %s serving %s on http://%s:%d (token %s)", args.device_name, args.model, host, port,
                  "required" if token else "off")
-        config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=10)
+        config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=10, http=RequestDeadline)
         _server_class()(config, runtime.scheduler.close).run(sockets=[sock])
     finally:
         if runtime is not None:
