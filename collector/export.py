@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily, Metric,
                                             UnknownMetricFamily)
 from prometheus_client.registry import Collector
@@ -186,6 +190,56 @@ def metrics_app(registry: Collector) -> Callable[[dict, Callable], Iterable[byte
         return []
 
     return app
+
+
+MAX_SCRAPES = 32        # connections served at once; Prometheus scrapes one at a time
+READ_TIMEOUT_S = 10.0   # a client silent this long in the middle of its request is dropped
+
+
+class ScrapeServer(ThreadingWSGIServer):
+    """prometheus_client's server (a thread per connection, kept for as long as the client takes to
+    send its request), bounded: at most MAX_SCRAPES connections at once, a newer one closed unread,
+    and each dropped after READ_TIMEOUT_S of silence. Unbounded, 15,000 connections that sent half a
+    request gave the collector 4,000 threads and 150 MB, and it missed ticks."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.slots = threading.BoundedSemaphore(MAX_SCRAPES)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("scrape from %s dropped", client_address, exc_info=True)  # a timed-out or vanished client
+
+
+class ScrapeHandler(WSGIRequestHandler):
+    timeout = READ_TIMEOUT_S
+
+    def log_message(self, format: str, *args) -> None:
+        pass     # a line per scrape would drown the collector's own
+
+
+def serve_metrics(registry: Collector, host: str, port: int) -> ScrapeServer:
+    """metrics_app on http://HOST:PORT/metrics in a daemon thread; shutdown() stops it."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("ScrapeServer", (ScrapeServer,), {"address_family": family})
+    server = make_server(host, port, metrics_app(registry), server_class, handler_class=ScrapeHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
 
 
 def _meminfo_name(key: str) -> str:

@@ -24,9 +24,9 @@ from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 import pyudev
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
-from collector.export import MachineExport, metrics_app
+from collector.export import MachineExport, serve_metrics
 from collector.samplers import (AgentSampler, BlockSampler, CgroupSampler, NvmeSampler, PressureSampler, Sampler,
                                 SelfSampler, SystemMemorySampler)
 from collector.series import loop_series
@@ -225,8 +225,7 @@ def start_export(collector: Collector, device_name: str, pid_file: Path | None,
     """Serve collector.export's families on http://HOST:PORT/metrics; returns the server (shutdown() stops it)."""
     registry = CollectorRegistry()
     registry.register(MachineExport(device_name, lambda: collector.disks, lambda: collector.controllers, pid_file))
-    server, _ = start_http_server(address[1], address[0], registry)
-    server.set_app(metrics_app(registry))  # a scrape in the instant before meets prometheus_client's own app
+    server = serve_metrics(registry, *address)
     log.info("exporting to Prometheus on http://%s:%d/metrics as device %s", address[0],
              server.server_address[1], device_name)
     return server
