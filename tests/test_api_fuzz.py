@@ -5,8 +5,9 @@ generation, hypothesis underneath) against a real agent on loopback without a to
 calls reach validation. For each: no 5xx, an answer within HANG_S, and every 4xx says what was
 wrong. Afterwards the agent still answers a known greedy completion exactly as before: nothing the
 fuzzer sent (knob changes included) changed what the model computes. A second agent, started with a
-token, gets the control calls' inputs as drawn, without a token and with a wrong one: none is
-answered 2xx, and its knobs, cache and knob history are as they were.
+token, gets the control calls' inputs as drawn, without a token and with a wrong one, and the first
+agent gets them addressed to another host (DNS rebinding): none is answered 2xx, and the agent's
+knobs, cache and knob history are as they were.
 
 FLASHMOE_FUZZ_EXAMPLES sets the examples per operation (CI: 25); FLASHMOE_FUZZ_REPORT=FILE writes
 the counts (RELIABILITY.md's table).
@@ -92,7 +93,8 @@ def fuzz(operation, mode, headers: dict[str, str] | None = None, refused: bool =
     def check(case):
         cheap(case)
         if headers is not None:
-            case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"} | headers
+            replaced = {"authorization"} | {k.lower() for k in headers}
+            case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() not in replaced} | headers
         response = case.call(timeout=HANG_S)  # a slower answer raises: a hang fails the test
         seen["inputs"] += 1
         seen[f"{response.status_code // 100}xx"] += 1
@@ -105,6 +107,7 @@ def fuzz(operation, mode, headers: dict[str, str] | None = None, refused: bool =
     check()
 
 
+CONTROL = {"PUT /v1/knobs", "POST /v1/cache/preload"}
 TOKEN = "fuzz-control-token"
 WITHOUT_TOKEN = {"as drawn": None, "none": {}, "its prefix": {"Authorization": "Bearer " + TOKEN[:-1]},
                  "latin-1": {"Authorization": "Bearer " + TOKEN + "é"}}
@@ -122,7 +125,7 @@ def test_no_control_call_without_the_token_changes_the_agent(guarded, headers):
     api = schemathesis.openapi.from_url(guarded.url + "/openapi.json")
     control = [op for op in (r.ok() for r in api.get_all_operations())
                if op.method.upper() not in ("GET", "HEAD") and op.path != "/v1/completions"]
-    assert {op.label for op in control} == {"PUT /v1/knobs", "POST /v1/cache/preload"}
+    assert {op.label for op in control} == CONTROL
     knobs, cache = guarded.get("/v1/knobs").json(), guarded.get("/v1/status").json()["cache"]
     for operation in control:
         for mode in schemathesis.GenerationMode:
@@ -130,6 +133,21 @@ def test_no_control_call_without_the_token_changes_the_agent(guarded, headers):
     assert guarded.get("/v1/knobs").json() == knobs
     assert guarded.get("/v1/status").json()["cache"]["resident_experts"] == cache["resident_experts"]
     assert [h for h in queries.knob_history(guarded.db) if h["source"] != "restore"] == []
+
+
+def test_no_control_call_addressed_to_another_host_changes_a_token_less_agent(agent, before):
+    """DNS rebinding: a web page's requests reach a loopback agent under the page's own host name."""
+    api = schemathesis.openapi.from_url(agent.url + "/openapi.json")
+    control = [op for op in (r.ok() for r in api.get_all_operations()) if op.label in CONTROL]
+    assert {op.label for op in control} == CONTROL
+    knobs, cache = agent.get("/v1/knobs").json(), agent.get("/v1/status").json()["cache"]
+    changes = len(queries.knob_history(agent.db))
+    for operation in control:
+        for mode in schemathesis.GenerationMode:
+            fuzz(operation, mode, {"Host": "attacker.example:8600"}, refused=True)
+    assert agent.get("/v1/knobs").json() == knobs
+    assert agent.get("/v1/status").json()["cache"]["resident_experts"] == cache["resident_experts"]
+    assert len(queries.knob_history(agent.db)) == changes
 
 
 def test_the_agent_answers_a_known_greedy_completion_as_before(agent, before):
