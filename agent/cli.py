@@ -9,6 +9,7 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
 
 COMMANDS = {
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:     # `... | head` stopped reading: stop writing, as cat does, without a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # for the flush at exit
         return 1
+    except KeyboardInterrupt:   # Ctrl-C: the commands write their outputs whole or not at all
+        logging.getLogger("agent.cli").error("%s interrupted (Ctrl-C) before it finished; run it again", args.command)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """train-policy on a tiny real trace slice: the weights load, are reproducible, and change decisions;
 the train / validation / report splits never overlap."""
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +217,22 @@ def test_bad_numbers_name_their_flag(tiny_trace, tmp_path, capsys, argv, message
 def test_an_empty_prompt_range_says_why(tiny_trace, tmp_path, capsys):
     assert main(["train-policy", "--trace", str(tiny_trace), "--prompts", "9..1", "--out", str(tmp_path / "w")]) == 2
     assert "'9..1' is empty: A must not exceed B" in capsys.readouterr().err
+
+
+def test_ctrl_c_mid_training_is_one_line_and_leaves_no_weights(tiny_trace, tmp_path):
+    """It ended in a KeyboardInterrupt traceback from inside torch."""
+    out = tmp_path / "w.safetensors"
+    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "train-policy", "--trace", str(tiny_trace),
+                             "--out", str(out), "--epochs", "100000"], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # as a terminal has it
+    lines = []
+    for line in proc.stderr:              # the last driver's decisions are in: training has begun
+        lines.append(line)
+        if "lru deciding" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    lines += proc.stderr.readlines()
+    assert proc.wait(timeout=120) == 130, "".join(lines)
+    assert "train-policy interrupted (Ctrl-C) before it finished; run it again" in lines[-1]
+    assert not any("Traceback" in line for line in lines)
+    assert list(tmp_path.iterdir()) == []      # neither the weights nor their .tmp
