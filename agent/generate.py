@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import Any
 import torch
 
 from agent import argtypes
+from agent.atomic_file import check_writable, write_atomically
 from agent.experts.cache import CacheStats, ExpertCache
 from agent.experts.cap import parse_cap
 from agent.experts.layout import EXPERTS, INDEX, Index, StoreError
@@ -43,6 +42,7 @@ from agent.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 PREFILL_MODES = ("sequential", "batched")
+TRACE = ("the routing trace", "--record-trace")   # what write_trace writes, and the flag that names it
 
 
 class RoutingRecorder:
@@ -98,9 +98,8 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
     if not model.is_dir():
         raise ValueError(f"--model {model} is not a directory; give an expert store written by "
                          "flashmoe-cli convert or flashmoe-cli init-demo")
-    if record_trace is not None and Path(record_trace).is_dir():
-        raise ValueError(f"--record-trace {record_trace} is a directory; name a file, "
-                         f"e.g. {Path(record_trace) / 'run.jsonl'}")
+    if record_trace is not None:     # before the model runs, not after
+        check_writable(Path(record_trace), *TRACE)
     if prefill not in PREFILL_MODES:
         raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
     tokenizer = load_tokenizer(model)
@@ -184,19 +183,12 @@ def _check_batched_fits(config: MoEConfig, cache_stats: CacheStats, prompt_len: 
 
 def write_trace(path: Path, meta: dict[str, Any], records: list[dict[str, list[int]]],
                 samples: list[list[dict[str, float]]]) -> None:
-    """The decode JSONL layout of ../shared/traces/README.md, written to a temporary file and renamed;
+    """The decode JSONL layout of ../shared/traces/README.md, written whole or not at all (agent.atomic_file);
     a step during which the cache fed its policy monitoring samples also has "system": [...]."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"meta": meta}) + "\n")
-            for step, (routed, fed) in enumerate(zip(records, samples)):
-                f.write(json.dumps({"step": step, "routed": routed, **({"system": fed} if fed else {})}) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    steps = [{"step": step, "routed": routed, **({"system": fed} if fed else {})}
+             for step, (routed, fed) in enumerate(zip(records, samples))]
+    lines = [json.dumps({"meta": meta})] + [json.dumps(step) for step in steps]
+    write_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"), *TRACE)
 
 
 # -- command line ----------------------------------------------------------------------------------------

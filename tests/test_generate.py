@@ -120,7 +120,8 @@ def test_text_prompt_goes_through_the_tokenizer(store, capsys):
     (["--prompt-ids", PROMPT, "--prefill", "batched", "--cache-cap", "SMALL"], "use --prefill sequential"),
     (["--prompt-ids", "5", "--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
     (["--prompt-ids", "5", "--max-new-tokens", "1000000000000"], "exceed the model's context of"),
-    (["--prompt-ids", "5", "--record-trace", "TMP"], "is a directory; name a file"),
+    (["--prompt-ids", "5", "--record-trace", "TMP"], "it is a directory; pass another --record-trace"),
+    (["--prompt-ids", "5", "--record-trace", "/proc/never.jsonl"], "cannot write the routing trace /proc/never.jsonl"),
 ])
 def test_bad_input_is_a_clear_error_and_writes_no_trace(store, tmp_path, caplog, args, words):
     args = [a.replace("SMALL", slot_cap(store, 2)).replace("TMP", str(tmp_path)) for a in args]

@@ -15,7 +15,6 @@ Weights file: one safetensors file; its metadata holds the config and how it was
 """
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,8 +24,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
+from agent import atomic_file
+from agent.atomic_file import write_atomically
 from agent.learned.features import FEATURES, HISTORY_BITS
 
+WEIGHTS = ("the policy weights", "--out")   # what save writes, and the flag that names it
 SYSTEM_INPUTS = 2  # read latency, memory pressure
 
 
@@ -80,43 +82,17 @@ class RetentionNet(nn.Module):
 
 
 def save(net: RetentionNet, path: Path, training: dict) -> None:
-    """Write weights atomically (temp file, then rename): a reader never sees half a file, and a write
-    that fails leaves nothing (a ValueError names the file)."""
+    """Write weights atomically (agent.atomic_file): a reader never sees half a file, and a write that
+    fails leaves nothing (a ValueError names the file)."""
     meta = {"config": json.dumps(asdict(net.config)), "training": json.dumps(training)}
     state = {k: v.contiguous() for k, v in net.state_dict().items()}
-    _write_atomically(Path(path), lambda tmp: save_file(state, str(tmp), metadata=meta))
+    write_atomically(Path(path), lambda tmp: save_file(state, str(tmp), metadata=meta), *WEIGHTS,
+                     errors=(SafetensorError,))
 
 
 def check_writable(path: Path) -> None:
-    """Fail now, with the reason, if `save` could not write `path` (before hours of training, not after).
-    Leaves nothing behind: `save` makes the directories again."""
-    _write_atomically(Path(path), lambda tmp: tmp.write_bytes(b""), keep=False)
-
-
-def _write_atomically(path: Path, write, keep: bool = True) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    missing = [d for d in path.absolute().parents if not d.exists()]  # deepest first
-    try:
-        if path.is_dir():
-            raise IsADirectoryError(21, "it is a directory")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        tmp.replace(path) if keep else tmp.unlink()
-    except (OSError, SafetensorError) as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        _remove(missing)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
-        raise ValueError(f"cannot write the policy weights {path}: {reason}; pass another --out") from None
-    if not keep:
-        _remove(missing)
-
-
-def _remove(directories: list[Path]) -> None:
-    """Remove the directories a write made (deepest first), each only if it is still empty."""
-    for d in directories:
-        with contextlib.suppress(OSError):
-            d.rmdir()
+    """Fail now, with the reason, if `save` could not write `path` (before hours of training, not after)."""
+    atomic_file.check_writable(Path(path), *WEIGHTS)
 
 
 def load(path: Path) -> RetentionNet:

@@ -1,0 +1,46 @@
+"""Output files written whole or not at all, and checked before the work that fills them.
+
+Each is written to `NAME.tmp` beside it and renamed over it: a reader never sees half a file, and a
+write that fails leaves nothing, not even the directories it made. A command checks its output can
+be written before it starts (`check_writable`), so a bad path is an error in a second, not after
+minutes of training or generating.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+
+def write_atomically(path: Path, write: Callable[[Path], object], what: str, flag: str,
+                     errors: tuple[type[Exception], ...] = (), keep: bool = True) -> None:
+    """`write(tmp)` then rename tmp to `path`; any OSError (or one of `errors`) is a ValueError that names
+    `what` and `path` and asks for another `flag`, with nothing left behind."""
+    tmp = path.with_name(path.name + ".tmp")
+    missing = [d for d in path.absolute().parents if not d.exists()]  # deepest first
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "it is a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        tmp.replace(path) if keep else tmp.unlink()
+    except (OSError, *errors) as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        _remove(missing)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise ValueError(f"cannot write {what} {path}: {reason}; pass another {flag}") from None
+    if not keep:
+        _remove(missing)
+
+
+def check_writable(path: Path, what: str, flag: str) -> None:
+    """Fail now, with the reason, if `write_atomically` could not write `path`. Leaves nothing behind."""
+    write_atomically(path, lambda tmp: tmp.write_bytes(b""), what, flag, keep=False)
+
+
+def _remove(directories: list[Path]) -> None:
+    """Remove the directories a write made (deepest first), each only if it is still empty."""
+    for d in directories:
+        with contextlib.suppress(OSError):
+            d.rmdir()
