@@ -57,6 +57,12 @@ def load_prompts(path: Path) -> Prompts:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise WarmupError(f"{path} not found; see examples/benchmark_input.json for the format") from None
+    except OSError as exc:      # a directory, no permission
+        raise WarmupError(f"cannot read {path}: {exc.strerror}; give a prompt file such as "
+                          f"examples/benchmark_input.json") from None
+    except UnicodeDecodeError:
+        raise WarmupError(f"{path} is not a text file (not UTF-8); give a JSON prompt file such as "
+                          f"examples/benchmark_input.json") from None
     except json.JSONDecodeError as exc:
         raise WarmupError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("prompts"), list) or not data["prompts"]:
