@@ -356,6 +356,30 @@ def test_bit_flip_names_layer_and_expert(tmp_path):
         InMemoryExperts(tmp_path / "store")
 
 
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_damaged_dense_weights_are_refused_by_name(tmp_path, where):
+    """A flipped bit in the dense weights loaded silently (only the experts' blocks had a checksum), and
+    a damaged header gave safetensors' own traceback."""
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    convert(ckpt.path, tmp_path / "store")
+    load_model(tmp_path / "store", InMemoryExperts(tmp_path / "store"))       # whole, it loads
+    path = tmp_path / "store" / DENSE
+    data = bytearray(path.read_bytes())
+    at = len(data) - 100 if where == "data" else 8    # a weight near the end; the header's opening brace
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=f"{DENSE} is damaged: its crc32 differs"):
+        load_model(tmp_path / "store", InMemoryExperts(tmp_path / "store"))
+    index = json.loads((tmp_path / "store" / INDEX).read_text())
+    index["dense_crc32"] = None                       # a store written before the checksum was kept
+    (tmp_path / "store" / INDEX).write_text(json.dumps(index))
+    if where == "header":
+        with pytest.raises(StoreError, match=f"{DENSE} is not a readable safetensors file"):
+            load_model(tmp_path / "store", InMemoryExperts(tmp_path / "store"))
+    else:
+        load_model(tmp_path / "store", InMemoryExperts(tmp_path / "store"))   # unchecked, as before
+
+
 def test_truncated_expert_file_names_layer_and_expert(tmp_path):
     ckpt = tiny_checkpoint("mixtral", tmp_path / "hf")
     index = convert(ckpt.path, tmp_path / "store")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from agent.convert.errors import CheckpointError
 from agent.convert.safetensors_io import DenseSource, write_safetensors
-from agent.experts.layout import ALIGN, CONFIG, DENSE, EXPERTS, INDEX, Block, Index, crc32, partial_prefix
+from agent.experts.layout import ALIGN, CONFIG, DENSE, EXPERTS, INDEX, Block, Index, crc32, file_crc32, partial_prefix
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class StoreWriter:
 
     def write_dense(self, tensors: Sequence[tuple[str, DenseSource]]) -> None:
         write_safetensors(self.tmp / DENSE, tensors)
+        self.index.dense_crc32 = file_crc32(self.tmp / DENSE)  # read back from the page cache
 
     def add_block(self, fill: Callable[[memoryview], None]) -> Block:
         """Append the next (layer, expert) block; `fill` writes gate|up|down into the payload view."""

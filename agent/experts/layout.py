@@ -95,6 +95,7 @@ class Index:
     blocks: list[Block]
     quant: str | None = None  # None: experts in dtype; "int8": per-output-channel scales; "int4": group-wise
     version: int = FORMAT_VERSION
+    dense_crc32: int | None = None  # of dense.safetensors; None in stores written before it was kept
     parts: tuple[Part, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -224,3 +225,12 @@ def _missing_index(path: Path) -> StoreError:
 
 def crc32(buf) -> int:
     return zlib.crc32(buf) & 0xFFFFFFFF
+
+
+def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
+    """crc32 of a whole file, read in chunks (a dense file can be gigabytes)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            crc = zlib.crc32(data, crc)
+    return crc & 0xFFFFFFFF

@@ -9,10 +9,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from agent.experts.layout import CONFIG, DENSE, INDEX, Index, StoreError
+from agent.experts.layout import CONFIG, DENSE, INDEX, Index, StoreError, file_crc32
 from agent.experts.provider import ExpertProvider
 from agent.model.config import ConfigError, MoEConfig
 from agent.model.model import Transformer
@@ -25,9 +26,10 @@ def load_model(store_dir: Path, provider: ExpertProvider, prefetch: bool = True,
     With route trace files, each token's experts follow them (agent/model/route_trace.py)."""
     store_dir = Path(store_dir)
     config = MoEConfig.from_file(store_dir / CONFIG)
-    check_index(config, Index.load(store_dir / INDEX))
+    index = Index.load(store_dir / INDEX)
+    check_index(config, index)
     trace = RouteTrace.load(route_trace, config) if route_trace else None  # a bad trace fails before the weights load
-    model = from_state(config, dense_state(config, store_dir / DENSE), provider, prefetch)
+    model = from_state(config, dense_state(config, store_dir / DENSE, index.dense_crc32), provider, prefetch)
     if trace is not None:
         model.follow(trace)
     return model
@@ -61,11 +63,20 @@ def check_index(config: MoEConfig, index: Index) -> None:
                           f"experts.index.json has {got}; re-run flashmoe-cli convert")
 
 
-def dense_state(config: MoEConfig, path: Path) -> dict[str, Tensor]:
-    """dense.safetensors (transformers' save_pretrained names) renamed to this module's parameter names."""
+def dense_state(config: MoEConfig, path: Path, crc: int | None) -> dict[str, Tensor]:
+    """dense.safetensors (transformers' save_pretrained names) renamed to this module's parameter names,
+    checked against the index's crc32 first: the dense weights take part in every token, so a flipped bit
+    would quietly change every answer (the experts' blocks are checked as they are read)."""
     if not path.exists():
         raise StoreError(f"{path} is missing; re-run flashmoe-cli convert")
-    return hf_to_state(config, load_file(str(path)))
+    if crc is not None and file_crc32(path) != crc:
+        raise StoreError(f"{path} is damaged: its crc32 differs from the one {INDEX} recorded when the store was "
+                         "written; re-run flashmoe-cli convert")
+    try:
+        tensors = load_file(str(path))
+    except SafetensorError as exc:
+        raise StoreError(f"{path} is not a readable safetensors file ({exc}); re-run flashmoe-cli convert") from None
+    return hf_to_state(config, tensors)
 
 
 def hf_to_state(config: MoEConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
