@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,7 @@ import pytest
 from agent.experts.layout import EXPERTS, INDEX, Index
 from agent.generate import run_generate
 from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
-from agents import demo_model, start_agent, wait_for
+from agents import CLI, demo_model, start_agent, wait_for
 
 JSON = {"Content-Type": "application/json"}
 
@@ -224,3 +225,13 @@ def test_a_truncated_store_is_reported_at_start(model, tmp_path):
         assert "truncated" in store["damaged_blocks"][0]["reason"]
     finally:
         assert agent.stop() == 0
+
+
+@pytest.mark.parametrize("token", [" s3cret", "s3cret\n", "s3 cret\t", "sécret"])
+def test_a_token_no_header_can_carry_is_refused_at_start(tmp_path, token):
+    """HTTP strips a header's ends and carries no control or non-ASCII characters: an agent started with
+    such a token could never be unlocked (every control call 401)."""
+    out = subprocess.run([*CLI, "serve", "--model", str(tmp_path), "--port", "0", "--token", token],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "the token must be printable ASCII" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

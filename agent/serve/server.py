@@ -87,6 +87,11 @@ def check_token(host: str, token: str | None) -> None:
     if not is_loopback(host) and not token:
         raise ServeError(f"refusing to bind {host}: it is not a loopback address, so control calls need a token; "
                          f"pass --token TOKEN or set {TOKEN_ENV}, or bind 127.0.0.1")
+    if token and not (token.isascii() and token.isprintable() and token == token.strip()):
+        # A client's header cannot carry it as given (HTTP strips the ends; no control or non-ASCII
+        # characters): an agent no caller could ever unlock
+        raise ServeError("the token must be printable ASCII with no space at either end, as an HTTP header "
+                         f"carries it; the one given (--token or {TOKEN_ENV}, {len(token)} characters) is not")
 
 
 def bind(host: str, port: int) -> socket.socket:
