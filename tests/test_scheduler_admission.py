@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from agent.serve.scheduler import Request, Scheduler, SchedulerBusy, StepIO
+from agent.serve.scheduler import Overloaded, Request, Scheduler, SchedulerBusy, StepIO
 
 WINDOW_S = 0.05
 TIMEOUT_S = 30
@@ -65,8 +65,8 @@ def engine() -> RecordingEngine:
     return RecordingEngine()
 
 
-def scheduler(engine, clock, max_batch=16, window_s=WINDOW_S) -> Scheduler:
-    s = Scheduler(engine, max_batch, lambda stats: None, admit_window_s=window_s, clock=clock)
+def scheduler(engine, clock, max_batch=16, window_s=WINDOW_S, max_waiting=256) -> Scheduler:
+    s = Scheduler(engine, max_batch, lambda stats: None, admit_window_s=window_s, clock=clock, max_waiting=max_waiting)
     s.start()
     return s
 
@@ -176,3 +176,22 @@ def test_close_ends_running_and_waiting_requests_before_their_next_step_and_refu
     assert engine.batches == [["running"]]      # no step after the close
     with pytest.raises(RuntimeError, match="shutting down"):
         s.submit(request("late")[0])
+
+
+def test_a_request_beyond_the_waiting_bound_is_refused_and_the_queue_stays_whole(engine, clock):
+    s = scheduler(engine, clock, max_waiting=2)
+    first, first_done = request("first")
+    second, second_done = request("second")
+    s.submit(first)
+    assert clock.read_by_scheduler.wait(TIMEOUT_S)  # held in the window: both wait
+    s.submit(second)
+    with pytest.raises(Overloaded, match="2 requests already wait"):
+        s.submit(request("third")[0])
+    clock.now = WINDOW_S
+    assert first_done.wait(TIMEOUT_S) and second_done.wait(TIMEOUT_S)
+    later, later_done = request("later")
+    s.submit(later)                                 # room again once they were admitted
+    clock.now = 2 * WINDOW_S                        # its own window closes
+    assert later_done.wait(TIMEOUT_S)
+    s.stop()
+    assert engine.batches == [["first", "second"], ["later"]]

@@ -235,3 +235,26 @@ def test_a_token_no_header_can_carry_is_refused_at_start(tmp_path, token):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "the token must be printable ASCII" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_requests_beyond_the_waiting_bound_get_429_and_the_rest_are_served(model, tmp_path):
+    """The queue of requests waiting for a place in the batch was unbounded: every one held its prompt,
+    and a flood lengthened every wait. One runs, one waits, the next is refused with OpenAI's 429."""
+    agent = start_agent(model, tmp_path, "--max-batch-size", "1", "--max-waiting", "1", "--admit-window-ms", "0")
+    status = lambda: agent.get("/v1/status?step_profiles=0").json()   # noqa: E731
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            running = pool.submit(agent.complete, prompt="a long one", max_tokens=2000, temperature=0)
+            wait_for(lambda: status()["batch_size"] == 1, 60, "the first to run")   # greedy, it runs all 2000
+            waiting = pool.submit(agent.complete, prompt="waits its turn", max_tokens=2)
+            wait_for(lambda: status()["queue_depth"] == 1, 60, "the second to wait")
+            refused = httpx.post(agent.url + "/v1/completions", json={"prompt": "one too many"}, timeout=60)
+            assert not running.done(), "the first request ended before the third was sent: nothing was tested"
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            error = refused.json()["error"]
+            assert error["code"] == "rate_limit_exceeded" and "serve --max-waiting" in error["message"]
+            assert running.result(300)["usage"]["completion_tokens"] == 2000
+            assert waiting.result(300)["usage"]["completion_tokens"] >= 1
+        assert agent.complete(prompt="room again", max_tokens=2)["usage"]["completion_tokens"] >= 1
+    finally:
+        assert agent.stop() == 0

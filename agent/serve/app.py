@@ -39,7 +39,7 @@ from agent.serve.knobs import SOURCES, KnobError
 from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
 from agent.serve.metrics import DeviceLabelled
 from agent.serve.runtime import Runtime
-from agent.serve.scheduler import Event
+from agent.serve.scheduler import Event, Overloaded
 from agent.serve.scheduler import Request as Job
 from agent.serve.stops import MAX_STOP_CHARS, MAX_STOPS, CompletionText
 
@@ -194,7 +194,8 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
     def metrics() -> Response:
         return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions", responses={404: {"description": "model_not_found: `model` names another model"}})
+    @app.post("/v1/completions", responses={404: {"description": "model_not_found: `model` names another model"},
+                                             429: {"description": "as many requests wait as serve --max-waiting"}})
     async def completions(body: CompletionRequest, request: Request) -> Any:
         if body.model is not None and body.model != model_name:  # another model's answer would be a wrong one
             message = (f"the model {reprlib.repr(body.model)} is not served here: this agent serves {model_name!r} "
@@ -213,6 +214,10 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
                   sink=lambda ev: _pass_on(ev, job, completion, loop, queue))
         try:
             runtime.submit(job)
+        except Overloaded as exc:
+            response = _error_body(429, str(exc), str(exc), code="rate_limit_exceeded")
+            response.headers["Retry-After"] = "1"   # OpenAI's clients wait and retry a 429
+            return response
         except RuntimeError as exc:
             raise HTTPException(503, str(exc)) from None
         head = {"id": job.id, "object": "text_completion", "created": int(time.time()), "model": model_name}

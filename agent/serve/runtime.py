@@ -31,7 +31,7 @@ from agent.serve.engine import STEP_PROFILES, ModelEngine
 from agent.serve.knobs import KnobError, Knobs, Limits
 from agent.serve.metrics import Metrics, Tick
 from agent.serve.recorder import Recorder
-from agent.serve.scheduler import ADMIT_WINDOW_S, Request, Scheduler, check_admit_window
+from agent.serve.scheduler import ADMIT_WINDOW_S, MAX_WAITING, Request, Scheduler, check_admit_window
 
 log = logging.getLogger(__name__)
 SLOW_KNOB_S = 5.0   # a knob change taking longer is logged with where its time went
@@ -56,6 +56,7 @@ class ServeOptions:
     route_trace: tuple[Path, ...] = ()      # recorded routing that decides each token's experts (model/route_trace.py)
     prefill_threads: int | None = None      # torch threads of a step admitting prompts (engine.py); None: `threads`
     int8_activations: bool = True    # int8 experts quantize bf16 activations above 8 tokens an expert (W8A8)
+    max_waiting: int = MAX_WAITING   # requests queued for a place in the batch; more get 429
 
     def __post_init__(self) -> None:
         check_admit_window(self.admit_window_s)  # before the model loads, so a bad value fails at once
@@ -80,7 +81,8 @@ class Runtime:
         self.knobs.commit({"cache_cap_bytes": self.cache.cap_bytes, "policy": self.cache.policy_name})
         self.metrics = Metrics(registry, self.cache.index.n_layers)
         self.online = OnlineLearning(self.cache, registry)
-        self.scheduler = Scheduler(self.engine, self.knobs["max_batch_size"], self.metrics.request, opts.admit_window_s)
+        self.scheduler = Scheduler(self.engine, self.knobs["max_batch_size"], self.metrics.request, opts.admit_window_s,
+                                   max_waiting=opts.max_waiting)
         self.truncated = scrub.truncated(opts.model_dir, self.cache.index)
         if self.truncated:
             log.error("the expert store is truncated: %d blocks end past the end of its file", len(self.truncated))

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
+# Requests waiting for a place in the batch; more are refused (HTTP 429), not held without bound: each
+# holds its prompt, and a queue that outgrows the model only lengthens every wait
+MAX_WAITING = 256
 
 
 @dataclass(frozen=True)
@@ -104,10 +107,15 @@ class SchedulerBusy(TimeoutError):
     """A control call waited too long for the running step to end and was withdrawn."""
 
 
+class Overloaded(Exception):
+    """As many requests wait for a place in the batch as the agent queues: the caller should retry later."""
+
+
 class Scheduler:
     def __init__(self, engine: Engine, max_batch: int, on_finish: Callable[[RequestStats], None],
-                 admit_window_s: float = ADMIT_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
-        self.engine, self.on_finish = engine, on_finish
+                 admit_window_s: float = ADMIT_WINDOW_S, clock: Callable[[], float] = time.monotonic,
+                 max_waiting: int = MAX_WAITING) -> None:
+        self.engine, self.on_finish, self.max_waiting = engine, on_finish, max_waiting
         self.admit_window_s, self.clock = check_admit_window(admit_window_s), clock
         self._window_ends = float("-inf")   # set by the first request that finds the scheduler idle
         self.max_batch = self.limit = max_batch
@@ -144,6 +152,9 @@ class Scheduler:
         with self._wake:
             if self._stop:
                 raise RuntimeError("the agent is shutting down; retry against a running agent")
+            if len(self.waiting) >= self.max_waiting:
+                raise Overloaded(f"{len(self.waiting)} requests already wait for the model, as many as this agent "
+                                 "queues (serve --max-waiting); retry later")
             if not (self.running or self.waiting):
                 self._window_ends = self.clock() + self.admit_window_s
             self.waiting.append(request)

@@ -34,7 +34,7 @@ from machine.memory import read_pid_file
 from agent.experts.reader import BACKENDS, IO_THREADS
 from agent.serve.access import is_loopback
 from agent.serve.limits import BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES
-from agent.serve.scheduler import ADMIT_WINDOW_S
+from agent.serve.scheduler import ADMIT_WINDOW_S, MAX_WAITING
 from machine.identity import add_device_name
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", help="replacement policy (lru, flashmoe, ...)")
     p.add_argument("--backend", choices=BACKENDS, default="direct", help="expert reads: O_DIRECT, buffered or mmap")
     p.add_argument("--max-batch-size", type=int, help="most requests sharing one decode step (default 16)")
+    p.add_argument("--max-waiting", type=count, default=MAX_WAITING,
+                   help=f"most requests queued for a place in the batch; more get HTTP 429 (default {MAX_WAITING})")
     p.add_argument("--threads", type=threads, default=1, help="torch intra-op threads for the model step (default 1: "
                    "reads run on other threads, and on a small CPU more threads busy-wait against them)")
     p.add_argument("--prefill-threads", type=threads, help="torch intra-op threads for a step that admits prompts "
@@ -208,7 +210,8 @@ def serve(args: argparse.Namespace) -> None:
         try:
             opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
                                 args.max_batch_size, args.threads, args.io_threads, args.admit_window_ms / 1000,
-                                args.verify, tuple(args.route_trace), args.prefill_threads, args.int8_activations)
+                                args.verify, tuple(args.route_trace), args.prefill_threads, args.int8_activations,
+                                args.max_waiting)
             runtime = Runtime(opts, CollectorRegistry(), store)
             runtime.start()
         except (ValueError, OSError, ExpertStoreError) as exc:
