@@ -190,7 +190,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
         return {"requested": len(body.experts), "loaded": loaded, "status": runtime.status(0)["cache"]}
 
     @app.get("/metrics")
-    @app.head("/metrics", include_in_schema=False)  # curl -I and uptime checks; one route in the schema, one operation id
+    @app.head("/metrics", include_in_schema=False)  # curl -I and uptime checks; in the schema once, one operation id
     def metrics() -> Response:
         return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
