@@ -14,6 +14,7 @@ series recorded by the collector and saved as JSON (`--system-series FILE`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -33,6 +34,7 @@ from agent.traces import Trace, TraceError, access_sequence, load, parse_prompts
 
 if TYPE_CHECKING:
     from agent.learned.online import OnlineConfig, OnlineLearner
+    from store.db import Store
     from agent.model.lookahead import Lookahead
 
 SSD_READ_S = 80e-6  # one random NVMe read (DESIGN.md), the synthetic series' floor
@@ -218,41 +220,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from store.errors import StoreError
     try:
-        policies = _policies(args.policy)
-        prompts = parse_prompts(args.prompts) if args.prompts else None
-        traces = [load(p, args.experts, prompts if p.endswith(".npz") else None) for p in args.trace]
-        system = SystemReplay.load(args.system_series) if args.system_series else None
-        runs = [(p, None) for p in policies]
-        if args.online:
-            from agent.learned.online import OnlineConfig
-            runs.insert(runs.index(("flashmoe", None)) + 1 if "flashmoe" in policies else -1,
-                        ("flashmoe", OnlineConfig()))
-        results = [simulate(t, p, args.capacity, args.scope, system, online, **_options(p, args))
-                   for t in traces for p, online in runs]
-    except (TraceError, ValueError) as e:
-        print(f"flashmoe-cli simulate: error: {e}", file=sys.stderr)
+        store = _results_store(args.db)  # before the replay, which can take minutes: a store it cannot use fails first
+    except StoreError as e:
+        print(f"flashmoe-cli simulate: cannot record to {args.db}: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"results": [r.as_dict() for r in results]}, indent=1) if args.json
-          else format_table(results))
-    if args.db:
-        from store.errors import StoreError
+    with store if store is not None else contextlib.nullcontext():
         try:
-            record(args.db, results)
-        except StoreError as e:
-            print(f"flashmoe-cli simulate: cannot record to {args.db}: {e}", file=sys.stderr)
+            results = _simulate_all(args)
+        except (TraceError, ValueError) as e:
+            print(f"flashmoe-cli simulate: error: {e}", file=sys.stderr)
             return 2
+        print(json.dumps({"results": [r.as_dict() for r in results]}, indent=1) if args.json
+              else format_table(results))
+        if store is not None:
+            record(store, results)
     return 0
 
 
-def record(db: str, results: Sequence[SimResult]) -> None:
-    """Write results to the telemetry store, one row each, all stamped with the same time."""
-    from store.db import Store
+def _simulate_all(args: argparse.Namespace) -> list[SimResult]:
+    policies = _policies(args.policy)
+    prompts = parse_prompts(args.prompts) if args.prompts else None
+    traces = [load(p, args.experts, prompts if p.endswith(".npz") else None) for p in args.trace]
+    system = SystemReplay.load(args.system_series) if args.system_series else None
+    runs = [(p, None) for p in policies]
+    if args.online:
+        from agent.learned.online import OnlineConfig
+        runs.insert(runs.index(("flashmoe", None)) + 1 if "flashmoe" in policies else -1,
+                    ("flashmoe", OnlineConfig()))
+    return [simulate(t, p, args.capacity, args.scope, system, online, **_options(p, args))
+            for t in traces for p, online in runs]
 
+
+def _results_store(db: str | None) -> Store | None:
+    if db is None:
+        return None
+    from store.db import Store
+    return Store(db)
+
+
+def record(store: Store, results: Sequence[SimResult]) -> None:
+    """Write results to the telemetry store, one row each, all stamped with the same time."""
     t = time.time()
-    with Store(db) as store:
-        for r in results:
-            store.record_simulation(t, r.trace, r.label, r.capacity_used, r.scope, r.hit_rate)
+    for r in results:
+        store.record_simulation(t, r.trace, r.label, r.capacity_used, r.scope, r.hit_rate)
 
 
 def _raised(results: Sequence[SimResult]) -> list[str]:

@@ -140,6 +140,16 @@ def test_results_are_recorded_in_the_store_for_the_dashboard(tmp_path, capsys):
     assert {(r["trace"], r["capacity"], r["scope"]) for r in stored} == {("olmoe_math", 0.25, "layer")}
 
 
+def test_a_store_it_cannot_record_to_is_refused_before_the_replay(tmp_path, capsys):
+    """It replayed every trace (minutes, with many policies) and only then found the store unreadable."""
+    db = tmp_path / "flashmoe.db"
+    db.write_bytes(b"not a database" * 100)
+    assert main(["simulate", "--trace", str(OLMOE), "--policy", "lfu", "--db", str(db)]) == 2
+    out, err = capsys.readouterr()
+    assert f"cannot record to {db}" in err and out == ""     # no table: nothing was replayed
+    assert db.read_bytes() == b"not a database" * 100
+
+
 def test_table_reports_the_gap_of_the_means(olmoe):
     results = [simulate(olmoe, p, 0.5, "global") for p in ("lru", "lfu", "belady")]
     table = format_table(results)
