@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
+from urllib.parse import urlsplit
 
 import streamlit as st
 
@@ -32,29 +33,50 @@ def on_loopback(address: str | None) -> bool:
         return False  # a host name may resolve to any interface
 
 
-def lock_reason(address: str | None, token: str | None, unlocked: bool) -> str | None:
-    """Why control actions are refused for this session, or None when they are allowed."""
-    if on_loopback(address) or (unlocked and token):
+def addressed_to_loopback(host_header: str | None) -> bool:
+    """Whether a session's HTTP Host header ("127.0.0.1:8501", "localhost") names a loopback host. A page
+    that re-points its own name at this box (DNS rebinding) reaches a loopback dashboard under that name.
+    No header (no HTTP request: Streamlit's AppTest) counts as loopback; a browser always sends one."""
+    if host_header is None:
+        return True
+    try:
+        host = urlsplit(f"//{host_header}").hostname
+    except ValueError:
+        return False
+    return host is not None and on_loopback(host)
+
+
+def lock_reason(address: str | None, token: str | None, unlocked: bool, host: str | None = None) -> str | None:
+    """Why control actions are refused for this session (reached under the Host header `host`), or None
+    when they are allowed."""
+    if (on_loopback(address) and addressed_to_loopback(host)) or (unlocked and token):
         return None
+    where = (f"this page was reached as {host!r}, not as 127.0.0.1 or localhost" if on_loopback(address)
+             else f"this dashboard listens on {address or 'every interface'}")
     if not token:
-        return (f"control is off: this dashboard listens on {address or 'every interface'} and has no {TOKEN_ENV}; "
-                f"start it with {TOKEN_ENV} set to the agent's token, or bind it to 127.0.0.1")
+        return (f"control is off: {where}, and it has no {TOKEN_ENV}; start it with {TOKEN_ENV} set to the "
+                "agent's token, or open it at 127.0.0.1")
     return "control is locked: enter the agent's token under Control in the sidebar"
+
+
+def _host() -> str | None:
+    return st.context.headers.get("Host")
 
 
 def control_lock() -> str | None:
     """lock_reason for the running dashboard and this browser session."""
-    return lock_reason(st.get_option("server.address"), settings.agent_token(), st.session_state.get(UNLOCKED, False))
+    return lock_reason(st.get_option("server.address"), settings.agent_token(), st.session_state.get(UNLOCKED, False),
+                       _host())
 
 
 def sidebar() -> None:
-    """The token form of an exposed dashboard (nothing on loopback)."""
+    """The token form of an exposed dashboard (nothing on loopback reached as a loopback host)."""
     address, token = st.get_option("server.address"), settings.agent_token()
-    if on_loopback(address):
+    if on_loopback(address) and addressed_to_loopback(_host()):
         return
     st.subheader("Control")
     if not token:
-        st.caption(lock_reason(address, token, False))
+        st.caption(lock_reason(address, token, False, _host()))
     elif st.session_state.get(UNLOCKED):
         st.caption("Unlocked for this browser session.")
         if st.button("Lock", key="lock-control"):

@@ -221,6 +221,25 @@ def test_no_label_title_or_legend_entry_is_cut_at_common_window_widths(product, 
     assert cut == {}
 
 
+def test_the_dashboard_reached_under_a_rebound_host_name_keeps_control_locked(product):
+    """DNS rebinding, as the browser sees it: a name of the attacker's page resolves to 127.0.0.1 (here by
+    Chromium's resolver rules), so the page can load the loopback dashboard as its own origin. Reached
+    under that name, control is locked until the token is entered; the knob is not changed."""
+    port = product["dashboard"].rsplit(":", 1)[1]
+    before = httpx.get(f"{product['agent']}/v1/knobs").json()["prefetch"]["value"]
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=[*CHROMIUM_ARGS, "--host-resolver-rules=MAP rebind.test 127.0.0.1"])
+        page = browser.new_page()
+        page.set_default_timeout(RENDER_TIMEOUT_MS)
+        page.goto(f"http://rebind.test:{port}/{pages.page('tuning').url_path}")
+        expect(page.get_by_text("control is locked: enter the agent's token")).to_be_visible(timeout=RENDER_TIMEOUT_MS)
+        expect(page.get_by_role("button", name="Apply")).to_be_disabled()
+        expect(page.get_by_role("button", name="Unlock control")).to_be_visible()
+        browser.close()
+    assert httpx.get(f"{product['agent']}/v1/knobs").json()["prefetch"]["value"] == before
+
+
 def test_the_cap_set_with_the_tuning_pages_slider_reaches_the_agent(product, page):
     knobs_url = f"{product['agent']}/v1/knobs"
     cap = httpx.get(knobs_url).json()["cache_cap_bytes"]
