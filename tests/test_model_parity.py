@@ -14,7 +14,7 @@ from hf_models import ARCHS, tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from agent.cli import main as cli
-from agent.experts.layout import CONFIG, DENSE, StoreError
+from agent.experts.layout import CONFIG, DENSE, INDEX, StoreError, file_crc32
 from agent.experts.provider import InMemoryExperts
 from agent.model.config import ConfigError, MoEConfig
 from agent.model.generation import generate
@@ -228,6 +228,8 @@ def test_store_that_disagrees_with_config_is_refused(tmp_path):
     dense = load_file(str(store / DENSE))
     del dense["model.layers.1.self_attn.k_proj.weight"]
     save_file(dense, str(store / DENSE))
+    index = json.loads((store / INDEX).read_text())   # written whole, as a converter of another config would
+    (store / INDEX).write_text(json.dumps({**index, "dense_crc32": file_crc32(store / DENSE)}))
     with pytest.raises(StoreError, match=r"missing \['layers.1.self_attn.k_proj.weight'\]"):
         load(store)
 
