@@ -36,6 +36,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 CHARTS = {"overview": 5, "cache": 4, "ssd": 5, "memory": 5, "tuning": 0,   # with traffic, before any sweep
           "fleet": 0}                                                     # without Prometheus (tests/test_fleet.py)
 RENDER_TIMEOUT_MS = 60_000
+REBOUND = "rebind.test"   # a name the browser resolves to 127.0.0.1, as a DNS-rebinding page's own name would
 MIB = 1 << 20
 
 pytestmark = pytest.mark.browser
@@ -102,7 +103,8 @@ def product(tmp_path_factory) -> Iterator[dict[str, str]]:
 @pytest.fixture(scope="module")
 def browser_context(product) -> Iterator[BrowserContext]:
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=[*CHROMIUM_ARGS, f"--host-resolver-rules=MAP {REBOUND} 127.0.0.1"])
         context = browser.new_context(viewport={"width": 1600, "height": 1100})
         context.set_default_timeout(RENDER_TIMEOUT_MS)     # a click waits for Streamlit's rerun; slow under load
         yield context
@@ -221,22 +223,18 @@ def test_no_label_title_or_legend_entry_is_cut_at_common_window_widths(product, 
     assert cut == {}
 
 
-def test_the_dashboard_reached_under_a_rebound_host_name_keeps_control_locked(product):
+def test_the_dashboard_reached_under_a_rebound_host_name_keeps_control_locked(product, browser_context):
     """DNS rebinding, as the browser sees it: a name of the attacker's page resolves to 127.0.0.1 (here by
     Chromium's resolver rules), so the page can load the loopback dashboard as its own origin. Reached
     under that name, control is locked until the token is entered; the knob is not changed."""
     port = product["dashboard"].rsplit(":", 1)[1]
     before = httpx.get(f"{product['agent']}/v1/knobs").json()["prefetch"]["value"]
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                     args=[*CHROMIUM_ARGS, "--host-resolver-rules=MAP rebind.test 127.0.0.1"])
-        page = browser.new_page()
-        page.set_default_timeout(RENDER_TIMEOUT_MS)
-        page.goto(f"http://rebind.test:{port}/{pages.page('tuning').url_path}")
-        expect(page.get_by_text("control is locked: enter the agent's token")).to_be_visible(timeout=RENDER_TIMEOUT_MS)
-        expect(page.get_by_role("button", name="Apply")).to_be_disabled()
-        expect(page.get_by_role("button", name="Unlock control")).to_be_visible()
-        browser.close()
+    page = browser_context.new_page()
+    page.goto(f"http://{REBOUND}:{port}/{pages.page('tuning').url_path}")
+    expect(page.get_by_text("control is locked: enter the agent's token")).to_be_visible(timeout=RENDER_TIMEOUT_MS)
+    expect(page.get_by_role("button", name="Apply")).to_be_disabled()
+    expect(page.get_by_role("button", name="Unlock control")).to_be_visible()
+    page.close()
     assert httpx.get(f"{product['agent']}/v1/knobs").json()["prefetch"]["value"] == before
 
 
