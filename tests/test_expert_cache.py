@@ -412,15 +412,7 @@ def test_a_resize_goes_ahead_while_set_policy_builds_the_new_policies(store, mon
         resized_meanwhile = []
 
         def lru_with_a_resize():
-<<<<<<< Updated upstream
             resize_the_first_time(cache, slots(store, LAYERS * 2), resized_meanwhile)
-=======
-            if not resized_meanwhile:
-                resize = threading.Thread(target=cache.resize, args=(slots(store, LAYERS * 2),))
-                resize.start()
-                resize.join(30)  # a bound, not a measurement: a resize waiting for the lock never ends while we wait
-                resized_meanwhile.append(not resize.is_alive())
->>>>>>> Stashed changes
             return lru()
 
         monkeypatch.setattr(cache_module, "policy_factory", lambda name, **options: lru_with_a_resize)
