@@ -380,6 +380,16 @@ def test_damaged_dense_weights_are_refused_by_name(tmp_path, where):
         load_model(tmp_path / "store", InMemoryExperts(tmp_path / "store"))   # unchecked, as before
 
 
+@pytest.mark.parametrize("value", ["abc", 1.5, -1, 1 << 32, True, [1]])
+def test_a_dense_checksum_that_is_not_a_crc32_is_refused_by_name(tmp_path, value):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    convert(ckpt.path, tmp_path / "store")
+    index = json.loads((tmp_path / "store" / INDEX).read_text())
+    (tmp_path / "store" / INDEX).write_text(json.dumps({**index, "dense_crc32": value}))
+    with pytest.raises(StoreError, match="dense_crc32 is .*expected a crc32"):
+        Index.load(tmp_path / "store" / INDEX)
+
+
 def test_truncated_expert_file_names_layer_and_expert(tmp_path):
     ckpt = tiny_checkpoint("mixtral", tmp_path / "hf")
     index = convert(ckpt.path, tmp_path / "store")

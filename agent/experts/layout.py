@@ -200,6 +200,9 @@ def _check_blocks(index: Index, parts: list | None, path: Path) -> None:
             raise StoreError(f"{path}: block {i} is {[b.layer, b.expert, b.offset, b.crc32]}, expected [layer, expert, "
                              f"offset, crc32] for layer {i // index.n_experts} expert {i % index.n_experts} at an "
                              f"offset that is a multiple of {index.alignment}; re-run flashmoe-cli convert")
+    if index.dense_crc32 is not None and not (type(index.dense_crc32) is int and 0 <= index.dense_crc32 < 1 << 32):
+        raise StoreError(f"{path}: dense_crc32 is {index.dense_crc32!r}, expected a crc32 (a whole number "
+                         "from 0 to 2**32 - 1) or null; re-run flashmoe-cli convert")
     if index.version > 1 and parts != [p.listed() for p in index.parts]:
         raise StoreError(f"{path}: the block layout it lists is not the one this flashmoe reads for "
                          f"{index.quant or index.dtype} blocks; re-run flashmoe-cli convert")
