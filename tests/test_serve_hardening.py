@@ -133,6 +133,15 @@ def test_unknown_paths_and_methods_keep_the_error_shape(agent):
     assert_clean_4xx(httpx.delete(agent.url + "/v1/knobs"), 405, "Method Not Allowed")
 
 
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_no_page_needs_the_network_and_the_api_is_described_at_openapi_json(agent, page):
+    """FastAPI's /docs and /redoc load Swagger UI and ReDoc from a CDN: blank on an offline edge box."""
+    r = httpx.get(agent.url + page, timeout=60)
+    assert_clean_4xx(r, 404, "/openapi.json")
+    assert "http" not in r.text
+    assert agent.get("/openapi.json").json()["paths"].keys() >= {"/v1/completions", "/v1/knobs"}
+
+
 def test_a_client_that_leaves_stops_its_non_streaming_request(agent):
     before = agent.get("/v1/status").json()["tokens_generated"]
     with pytest.raises(httpx.ReadTimeout):

@@ -122,7 +122,8 @@ class PreloadRequest(BaseModel):
 
 def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None = None,
                max_prompt_bytes: int = MAX_PROMPT_BYTES) -> FastAPI:
-    app = FastAPI(title="FlashMoE agent", version="0.1.0",
+    # no /docs nor /redoc: their pages load Swagger UI and ReDoc from a CDN, blank on an offline edge box
+    app = FastAPI(title="FlashMoE agent", version="0.1.0", docs_url=None, redoc_url=None,
                   description="MoE inference with experts on the SSD behind a learned RAM cache.")
     app.add_exception_handler(StarletteHTTPException, _http_error)  # ours, and FastAPI's own (a body not JSON)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -156,6 +157,13 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
             raise HTTPException(400, f"X-FlashMoE-Source must be one of {', '.join(CLIENT_SOURCES)}; "
                                      f"got {x_flashmoe_source!r}")
         return x_flashmoe_source
+
+    @app.get("/docs", include_in_schema=False)
+    @app.get("/redoc", include_in_schema=False)
+    def no_docs_page() -> JSONResponse:
+        message = ("this agent serves no API page (Swagger UI and ReDoc load their scripts from the network); "
+                   "its API is described at /openapi.json: open that in any OpenAPI viewer")
+        return _error_body(404, message, message)
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
