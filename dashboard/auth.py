@@ -5,13 +5,14 @@ Bound to loopback (the default: .streamlit/config.toml, the Procfile) the dashbo
 from the box itself or through an SSH tunnel, and control actions are open. Bound to any other
 address, a visitor must first enter the agent's token (FLASHMOE_TOKEN, which the dashboard also
 sends to the agent on control calls) in the sidebar; the browser session stays unlocked until it
-ends or is locked again. An exposed dashboard without a token is read-only. Reading needs no token.
+ends or is locked again. Wrong tokens lock their address out for a while (store.guesses), across sessions. An exposed dashboard without a token is read-only. Reading needs no token.
 The gate is checked where the action is sent (data.apply_knobs, the sweep's start), not only by disabling
 buttons, since a browser can send a click on a disabled button.
 """
 from __future__ import annotations
 
 import ipaddress
+import logging
 import secrets
 from urllib.parse import urlsplit
 
@@ -19,6 +20,9 @@ import streamlit as st
 
 from dashboard import settings
 from dashboard.agent_client import TOKEN_ENV
+from store.guesses import GuessLimit, lockout_message
+
+log = logging.getLogger(__name__)
 
 UNLOCKED = "control-unlocked"    # session_state key: this browser session entered the token
 
@@ -86,7 +90,27 @@ def sidebar() -> None:
         with st.form("unlock-control"):
             entered = st.text_input("Agent token", type="password", help=f"the agent's {TOKEN_ENV}")
             if st.form_submit_button("Unlock control"):
-                if secrets.compare_digest(entered.encode(), token.encode()):
-                    st.session_state[UNLOCKED] = True
-                    st.rerun()
-                st.error("That is not the agent's token.")
+                _unlock(entered, token)
+
+
+@st.cache_resource   # one for the dashboard process: a new browser session must not bring new guesses
+def _guesses() -> GuessLimit:
+    return GuessLimit()
+
+
+def _unlock(entered: str, token: str) -> None:
+    """The form's check, heard only while this client is not locked out for wrong tokens (store.guesses)."""
+    address = st.context.ip_address
+    client = address if isinstance(address, str) else "127.0.0.1"  # None on loopback (a stand-in under AppTest)
+    guesses = _guesses()
+    if wait := guesses.wait_s(client):
+        st.error(lockout_message(wait).capitalize())
+        return
+    if secrets.compare_digest(entered.encode(), token.encode()):
+        guesses.right(client)
+        st.session_state[UNLOCKED] = True
+        st.rerun()
+    wrong, lock = guesses.wrong(client)
+    log.warning("wrong token in the Unlock control form from %s (%d in a row)%s", client, wrong,
+                f"; locked out for {lock:.0f} s" if lock else "")
+    st.error("That is not the agent's token." + (f" {lockout_message(lock).capitalize()}." if lock else ""))

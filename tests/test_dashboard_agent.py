@@ -22,10 +22,11 @@ import pytest
 from streamlit import config
 from streamlit.testing.v1 import AppTest
 
-from agents import ROOT, demo_model, free_port, start_agent
+from agents import ROOT, demo_model, free_port, start_agent, wait_for
 from bench import synthetic
 from dashboard import agent_client, auth, data, pages, sweep
 from store import queries
+from store.guesses import FREE_GUESSES
 from store.units import human
 
 APP = str(ROOT / "dashboard" / "app.py")
@@ -318,6 +319,23 @@ def test_an_exposed_dashboard_sends_nothing_before_the_token_is_entered(monkeypa
     apply_prefetch(at, not before)
     assert f"accepted: prefetch = {str(not before).lower()}" in texts(at.success) and prefetch(url) == (not before)
     httpx.put(f"{url}/v1/knobs", json={"prefetch": before}, headers={"Authorization": f"Bearer {TOKEN}"})
+
+
+def unlock(at: AppTest, token: str) -> AppTest:
+    at.text_input[0].set_value(token)
+    return next(b for b in at.button if b.label == "Unlock control").click().run()
+
+
+def test_wrong_tokens_lock_the_form_out_for_a_while_even_in_a_new_session(monkeypatch, agent, exposed):
+    """The Unlock control form heard wrong tokens without end at full speed, and a new session was one reload away."""
+    url, db = agent
+    at = open_page(monkeypatch, db, url, "tuning")
+    for i in range(FREE_GUESSES):
+        assert texts(unlock(at, f"guess-{i}").error) == "That is not the agent's token."
+    assert "Too many wrong tokens from this address: it is locked out for 1 s more" in texts(unlock(at, "guess").error)
+    again = open_page(monkeypatch, db, url, "tuning")     # a new browser session, same address
+    assert "locked out" in texts(unlock(again, TOKEN).error) and auth.UNLOCKED not in again.session_state
+    wait_for(lambda: unlock(again, TOKEN).session_state[auth.UNLOCKED], timeout=30, what="the lock-out to end")
 
 
 def test_an_exposed_dashboard_without_a_token_is_read_only(monkeypatch, agent, exposed):

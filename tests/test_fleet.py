@@ -35,7 +35,7 @@ from test_serve import wait_for
 APP = str(ROOT / "dashboard" / "app.py")
 DEVICES = ("edge-a", "edge-b", "edge-c")
 THRASH, PRESSURE = fleet.MEMORY_ALERTS          # the agent's own thrash alert, and another process's
-TOKENS = {name: f"token-of-{name}" for name in DEVICES}
+TOKENS = {name: f"control-token-of-{name}" for name in DEVICES}
 WRONG_TOKENS = {**TOKENS, "edge-c": "not-edge-c's-token"}   # what the dashboard holds: edge-c will refuse it
 ALERT_WAIT_S = 180          # FlashMoEAgentDown needs a minute of failed scrapes
 

@@ -186,7 +186,7 @@ def test_sigterm_stops_cleanly_and_knobs_are_restored_on_restart(model, tmp_path
     cap = first.get("/v1/knobs").json()["cache_cap_bytes"]["min"] * 3
     assert httpx.put(first.url + "/v1/knobs", json={"cache_cap_bytes": cap, "ssd_util_threshold": 0.5}).status_code == 200
     assert first.stop() == 0 and not first.pid_file.exists()
-    second = start_agent(model, tmp_path, "--token", "s3cret")
+    second = start_agent(model, tmp_path, "--token", "s3cret-of-sixteen")
     try:
         knobs = second.get("/v1/knobs").json()
         assert knobs["cache_cap_bytes"]["value"] == cap and knobs["ssd_util_threshold"]["value"] == 0.5
@@ -194,12 +194,12 @@ def test_sigterm_stops_cleanly_and_knobs_are_restored_on_restart(model, tmp_path
                                                        for h in queries.knob_history(second.db)}
         denied = httpx.put(second.url + "/v1/knobs", json={"auto_shrink": True})
         assert denied.status_code == 401 and "Bearer" in denied.text
-        schemeless = httpx.put(second.url + "/v1/knobs", json={"auto_shrink": True}, headers={"Authorization": "s3cret"})
+        schemeless = httpx.put(second.url + "/v1/knobs", json={"auto_shrink": True}, headers={"Authorization": "s3cret-of-sixteen"})
         assert schemeless.status_code == 401, schemeless.text       # the token alone was accepted
-        assert "without the Bearer scheme" in schemeless.text and "s3cret" not in schemeless.text
+        assert "without the Bearer scheme" in schemeless.text and "s3cret-of-sixteen" not in schemeless.text
         assert second.get("/v1/knobs").json()["auto_shrink"]["value"] is False
         allowed = httpx.put(second.url + "/v1/knobs", json={"auto_shrink": True},
-                            headers={"Authorization": "Bearer s3cret"})
+                            headers={"Authorization": "Bearer s3cret-of-sixteen"})
         assert allowed.status_code == 200 and allowed.json()["auto_shrink"]["value"] is True
     finally:
         assert second.stop() == 0

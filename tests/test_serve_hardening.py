@@ -17,7 +17,9 @@ import pytest
 from agent.experts.layout import EXPERTS, INDEX, Index
 from agent.generate import run_generate
 from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
+from agent.serve.server import MIN_TOKEN_CHARS
 from agents import CLI, demo_model, start_agent, wait_for
+from store.guesses import FREE_GUESSES
 
 JSON = {"Content-Type": "application/json"}
 
@@ -236,7 +238,7 @@ def test_a_truncated_store_is_reported_at_start(model, tmp_path):
         assert agent.stop() == 0
 
 
-@pytest.mark.parametrize("token", [" s3cret", "s3cret\n", "s3 cret\t", "sécret"])
+@pytest.mark.parametrize("token", [" s3cret-of-sixteen", "s3cret-of-sixteen\n", "s3 cret-of-sixteen\t", "sécret-of-sixteen"])
 def test_a_token_no_header_can_carry_is_refused_at_start(tmp_path, token):
     """HTTP strips a header's ends and carries no control or non-ASCII characters: an agent started with
     such a token could never be unlocked (every control call 401)."""
@@ -244,6 +246,40 @@ def test_a_token_no_header_can_carry_is_refused_at_start(tmp_path, token):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "the token must be printable ASCII" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_token_too_short_to_withstand_guessing_is_refused_at_start(tmp_path):
+    out = subprocess.run([*CLI, "serve", "--model", str(tmp_path), "--port", "0", "--token", "s3cret"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"is 6 characters; give at least {MIN_TOKEN_CHARS}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "s3cret" not in out.stderr
+
+
+GUARD_TOKEN = "hardening-control-token"
+
+
+def test_wrong_tokens_lock_their_address_out_for_a_while_and_say_so(model, tmp_path):
+    """Wrong tokens were heard without end at full speed: a guesser had as many tries as it could send."""
+    agent = start_agent(model, tmp_path, "--token", GUARD_TOKEN)
+
+    def put(token: str) -> httpx.Response:
+        return httpx.put(agent.url + "/v1/knobs", json={"auto_shrink": True},
+                         headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    try:
+        assert [put(f"guess-{i}").status_code for i in range(FREE_GUESSES + 1)] == [401] * (FREE_GUESSES + 1)
+        locked = put(GUARD_TOKEN)          # the right token, unheard while the address is locked out
+        assert_clean_4xx(locked, 429, "too many wrong tokens from this address", "locked out for 1 s more")
+        assert locked.headers["Retry-After"] == "1"
+        assert agent.get("/v1/knobs").json()["auto_shrink"]["value"] is False
+        assert (f"wrong token on PUT /v1/knobs from 127.0.0.1 ({FREE_GUESSES + 1} in a row); locked out for 1 s"
+                in agent.log.read_text())
+        wait_for(lambda: put(GUARD_TOKEN).status_code == 200, timeout=30, what="the lock-out to end")
+        assert put("guess").status_code == 401    # the right token cleared the count: a free guess again
+        assert put(GUARD_TOKEN).status_code == 200
+        missing = [httpx.put(agent.url + "/v1/knobs", json={}, timeout=60).status_code for _ in range(FREE_GUESSES + 2)]
+        assert missing == [401] * (FREE_GUESSES + 2) and put(GUARD_TOKEN).status_code == 200  # no token: no guess
+    finally:
+        assert agent.stop() == 0
 
 
 def test_requests_beyond_the_waiting_bound_get_429_and_the_rest_are_served(model, tmp_path):

@@ -17,6 +17,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
+import math
 import reprlib
 import secrets
 import time
@@ -42,6 +44,9 @@ from agent.serve.runtime import Runtime
 from agent.serve.scheduler import Event, Overloaded
 from agent.serve.scheduler import Request as Job
 from agent.serve.stops import MAX_STOP_CHARS, MAX_STOPS, CompletionText
+from store.guesses import GuessLimit, lockout_message
+
+log = logging.getLogger(__name__)
 
 CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
 
@@ -134,6 +139,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
     config = runtime.engine.config
     stop_ids = frozenset([] if config.eos_token_id is None else [config.eos_token_id])
     exposed = DeviceLabelled(runtime.metrics.registry, device_name)
+    guesses = GuessLimit()
 
     def control(request: Request, authorization: str | None = Header(None)) -> None:
         if token is None:
@@ -144,13 +150,22 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
                                          f"{reprlib.repr(host)}; call it at http://127.0.0.1:<port>, or start it "
                                          f"with --token to control it under another name")
             return
+        client = request.client.host if request.client else None
+        if wait := guesses.wait_s(client):   # locked out: not even the right token is heard, or guessing goes on
+            raise HTTPException(429, lockout_message(wait), headers={"Retry-After": str(math.ceil(wait))})
         scheme, _, given = (authorization or "").strip().partition(" ")
         if authorization and scheme.lower() != "bearer":     # RFC 7235: the scheme is case-insensitive
             raise HTTPException(401, "the Authorization header is without the Bearer scheme: send "
                                      "'Authorization: Bearer <token>'")
-        if not secrets.compare_digest(given.strip().encode(), token.encode()):
-            raise HTTPException(401, "this control call needs the agent's token: send 'Authorization: Bearer <token>' "
-                                     "(the --token or FLASHMOE_TOKEN the agent was started with)")
+        if secrets.compare_digest(given.strip().encode(), token.encode()):
+            guesses.right(client)
+            return
+        if given:   # a missing token is no guess (a dashboard without FLASHMOE_TOKEN, a forgotten header)
+            wrong, lock = guesses.wrong(client)
+            log.warning("wrong token on %s %s from %s (%d in a row)%s", request.method, request.url.path, client,
+                        wrong, f"; locked out for {lock:.0f} s" if lock else "")
+        raise HTTPException(401, "this control call needs the agent's token: send 'Authorization: Bearer <token>' "
+                                 "(the --token or FLASHMOE_TOKEN the agent was started with)")
 
     def source(x_flashmoe_source: str = Header("api")) -> str:
         if x_flashmoe_source not in CLIENT_SOURCES:
@@ -257,7 +272,9 @@ def _error_body(status: int, message: str, detail: Any, code: int | str | None =
 
 
 async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:
-    return _error_body(exc.status_code, str(exc.detail), exc.detail)
+    response = _error_body(exc.status_code, str(exc.detail), exc.detail)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:

@@ -4,11 +4,13 @@ Examples:
     flashmoe-cli serve --model data/demo --db data/flashmoe.db --pid-file data/agent.pid
     flashmoe-cli serve --model data/demo --cache-cap 25% --policy flashmoe --backend direct --port 8600
     flashmoe-cli serve --model data/demo --device-name edge-01 --port 8600
-    FLASHMOE_TOKEN=secret flashmoe-cli serve --model data/demo --host 0.0.0.0
+    FLASHMOE_TOKEN=$(openssl rand -hex 16) flashmoe-cli serve --model data/demo --host 0.0.0.0
     flashmoe-cli serve --model data/demo --verify --max-prompt-bytes 32768
 
 Loopback only by default. Binding any other address needs a token (--token or FLASHMOE_TOKEN):
-control calls (PUT /v1/knobs, POST /v1/cache/preload) must then send `Authorization: Bearer TOKEN`.
+control calls (PUT /v1/knobs, POST /v1/cache/preload) must then send `Authorization: Bearer TOKEN`
+(at least 16 characters). After 5 wrong tokens from one address, each further one locks that address
+out of control calls (HTTP 429) for twice as long as the last, up to 60 s.
 /metrics labels every series device_name=NAME (--device-name, default this host's name), so a
 fleet's Prometheus tells devices apart by name. The port is bound before the model loads, so a busy
 port fails at once. SIGTERM or Ctrl-C stops within a step: open requests end with the text they have
@@ -40,6 +42,7 @@ from machine.identity import add_device_name
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "FLASHMOE_TOKEN"
+MIN_TOKEN_CHARS = 16
 
 
 class ServeError(Exception):
@@ -89,6 +92,9 @@ def check_token(host: str, token: str | None) -> None:
     if not is_loopback(host) and not token:
         raise ServeError(f"refusing to bind {host}: it is not a loopback address, so control calls need a token; "
                          f"pass --token TOKEN or set {TOKEN_ENV}, or bind 127.0.0.1")
+    if token and len(token) < MIN_TOKEN_CHARS:   # each address gets a few guesses a minute (store/guesses.py)
+        raise ServeError(f"the token (--token or {TOKEN_ENV}) is {len(token)} characters; give at least "
+                         f"{MIN_TOKEN_CHARS}, e.g. one from `openssl rand -hex 16`")
     if token and not (token.isascii() and token.isprintable() and token == token.strip()):
         # A client's header cannot carry it as given (HTTP strips the ends; no control or non-ASCII
         # characters): an agent no caller could ever unlock

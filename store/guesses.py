@@ -1,0 +1,103 @@
+"""Wrong guesses at the agent's token, counted per client and bounded: the agent's control calls and
+the dashboard's "Unlock control" form both take guesses, so both hold one GuessLimit. It lives here,
+in the one room both may import; it keeps nothing on disk.
+
+A client (an IP address; an IPv6 one by its /64, which one machine usually holds whole) has
+FREE_GUESSES wrong guesses. Each wrong one after those locks it out for twice as long as the last
+(1 s, 2 s, 4 s, ... at most MAX_LOCK_S), and while it is locked out every guess is refused unheard,
+the right one too: otherwise the lock-out would not slow the guessing. The right token clears the
+client's count, and a client not wrong for FORGET_S is forgotten. So the real user, from another
+address, is not locked out (unless the guesser holds more than MAX_CLIENTS addresses, below), and
+from the same one (behind a proxy) for at most MAX_LOCK_S after the guessing stops. At most MAX_CLIENTS clients are remembered; once that many are, every new client
+shares one entry, so many addresses buy a guesser FREE_GUESSES each for the first MAX_CLIENTS and
+then one shared, locked-out entry, never unbounded memory.
+"""
+from __future__ import annotations
+
+import ipaddress
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+FREE_GUESSES = 5
+MAX_LOCK_S = 60.0
+FORGET_S = 600.0
+MAX_CLIENTS = 1024
+OTHERS = "other clients"   # the shared entry of the clients past MAX_CLIENTS
+
+
+@dataclass
+class _Client:
+    wrong: int = 0
+    last_wrong: float = 0.0
+    locked_until: float = 0.0
+
+
+def client_key(address: str | None) -> str:
+    """Who guesses: the IP address, an IPv6 one by its /64; anything else (no address) as given."""
+    try:
+        ip = ipaddress.ip_address(address or "")
+    except ValueError:
+        return address or "unknown"
+    if ip.version == 4:
+        return str(ip)
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+
+
+class GuessLimit:
+    """Per-client wrong-token counts and lock-outs (thread-safe; `clock` in seconds, monotonic)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_clients: int = MAX_CLIENTS) -> None:
+        self.clock, self.max_clients = clock, max_clients
+        self._clients: OrderedDict[str, _Client] = OrderedDict()   # least recently wrong first
+        self._lock = threading.Lock()
+
+    def wait_s(self, address: str | None) -> float:
+        """Seconds before a guess from `address` is heard again (0: now)."""
+        with self._lock:
+            client = self._clients.get(self._key(client_key(address)))
+            return max(0.0, client.locked_until - self.clock()) if client else 0.0
+
+    def wrong(self, address: str | None) -> tuple[int, float]:
+        """Count a wrong guess from `address`: its wrong guesses in a row, and the seconds it is now
+        locked out for (0 while free guesses remain)."""
+        with self._lock:
+            now = self.clock()
+            self._forget(now)
+            key = self._key(client_key(address))
+            client = self._clients.pop(key, None) or _Client()
+            self._clients[key] = client        # now the most recently wrong
+            client.wrong += 1
+            client.last_wrong = now
+            over = client.wrong - FREE_GUESSES
+            lock = 0.0 if over <= 0 else min(MAX_LOCK_S, 2.0 ** min(over - 1, 32))
+            client.locked_until = now + lock
+            return client.wrong, lock
+
+    def right(self, address: str | None) -> None:
+        with self._lock:
+            key = client_key(address)
+            if key in self._clients:   # never the shared entry: one right token must not unlock other clients
+                del self._clients[key]
+
+    def _key(self, key: str) -> str:
+        return key if key in self._clients or len(self._clients) < self.max_clients else OTHERS
+
+    def _forget(self, now: float) -> None:
+        while self._clients:
+            key, client = next(iter(self._clients.items()))
+            if now - client.last_wrong < FORGET_S:
+                return
+            del self._clients[key]
+
+
+def lockout_message(wait_s: float) -> str:
+    """What a locked-out client is told (the agent's 429, the dashboard's form)."""
+    return (f"too many wrong tokens from this address: it is locked out for {math.ceil(wait_s)} s more; after "
+            f"{FREE_GUESSES} wrong tokens each further one locks the address out twice as long (up to "
+            f"{MAX_LOCK_S:.0f} s), and the right token clears the count")
