@@ -231,6 +231,27 @@ def test_sigterm_under_load_ends_the_running_requests_and_exits_before_honcho_ki
         stop(agent.proc)
 
 
+def test_sigterm_during_a_completion_answers_503_with_retry_after_not_its_text_so_far(model, tmp_path):
+    """A non-streamed completion the shutdown ended early was a 200 with the text so far (finish_reason
+    "cancelled", which OpenAI's clients do not read), or a 500 when the step outlasted the shutdown."""
+    agent = start_agent(model, tmp_path)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, agent.url + "/v1/completions",
+                                 json={"prompt": "a long answer", "max_tokens": 4000}, timeout=60)
+            wait_for(lambda: agent.get("/v1/status").json()["tokens_generated"] > 0, what="the completion to run")
+            os.killpg(agent.proc.pid, signal.SIGTERM)
+            r = answer.result(60)
+        assert agent.proc.wait(HONCHO_KILL_S) == 0
+        assert r.status_code == 503 and r.headers["Retry-After"] == "5", r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith("the agent is shutting down: this completion was stopped after ") and \
+            "of its 4000 tokens" in message and "retry it against a running agent" in message
+        assert "Traceback" not in agent.log.read_text()
+    finally:
+        stop(agent.proc)
+
+
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1:8600", True), ("localhost", True), ("[::1]:8600", True),
                                              ("127.9.9.9", True), ("evil.example:8600", False), ("[::1", False),
                                              ("", False), ("127.0.0.1.evil.example", False), ("0.0.0.0:8600", False)])

@@ -1,6 +1,6 @@
 """The agent stopping while a model step outlasts uvicorn's graceful shutdown (memory thrash makes steps
 that slow): the step's events reach a closed event loop, and app._pass_on's guard must keep the
-scheduler thread alive, so the agent still stops, and the client must get an answer, not hang."""
+scheduler thread alive, so the agent still stops, and the client must get an answer that says so, not hang."""
 from __future__ import annotations
 
 import threading
@@ -42,8 +42,9 @@ def test_a_step_that_outlasts_the_shutdown_ends_on_the_closed_loop_and_the_clien
     monkeypatch.setattr(threading, "excepthook", died.append)
     sock = bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = _server_class()(uvicorn.Config(create_app(rt, load_tokenizer(model), "test"), log_config=None,
-                                            timeout_graceful_shutdown=GRACE_S), rt.scheduler.close)
+    app = create_app(rt, load_tokenizer(model), "test")
+    server = _server_class()(uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=GRACE_S),
+                             app.state.stop_serving)
     outcome: dict = {}
 
     def client() -> None:
@@ -67,8 +68,10 @@ def test_a_step_that_outlasts_the_shutdown_ends_on_the_closed_loop_and_the_clien
         assert in_step.is_set() and not release.is_set()  # the step still runs
         threads[0].join(30)
         assert not threads[0].is_alive(), "the client hangs"
-        # uvicorn cancels the handler and answers 500 (a 503 naming the shutdown would say more: app.py's to do)
-        assert "error" not in outcome and outcome["response"].status_code == 500, outcome
+        # uvicorn cancels the handler, which answers 503 naming the shutdown (it was uvicorn's 500)
+        assert "error" not in outcome and outcome["response"].status_code == 503, outcome
+        assert "the agent is shutting down" in outcome["response"].json()["error"]["message"]
+        assert outcome["response"].headers["Retry-After"] == "5"
         assert outcome["at"] - closed < 10
     finally:
         release.set()

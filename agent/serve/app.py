@@ -9,7 +9,9 @@ Work per request is bounded before it starts (agent.serve.limits): a body over t
 unread (413), a text prompt over `max_prompt_bytes` is refused before it is tokenized (413), and
 tokenizing runs on one worker thread (the tokenizer releases the GIL), so the event loop keeps
 answering /v1/status meanwhile. A client that goes away cancels its request,
-streaming or not.
+streaming or not. A non-streamed completion that the agent's shutdown ends early is a 503 with
+Retry-After, not its text so far as if it were the answer (a stream has sent its 200: its last chunk
+says "cancelled").
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import logging
 import math
 import reprlib
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -48,6 +51,7 @@ from store.guesses import GuessLimit, lockout_message
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER_SHUTDOWN_S = 5   # an agent restarted by its process manager is back in about this long
 CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
 
 
@@ -140,6 +144,14 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
     stop_ids = frozenset([] if config.eos_token_id is None else [config.eos_token_id])
     exposed = DeviceLabelled(runtime.metrics.registry, device_name)
     guesses = GuessLimit()
+    stopping = threading.Event()
+
+    def stop_serving() -> None:
+        """The server's shutdown: requests the scheduler then ends early are told so (503), not answered in part."""
+        stopping.set()
+        runtime.scheduler.close()
+
+    app.state.stop_serving = stop_serving
 
     def control(request: Request, authorization: str | None = Header(None)) -> None:
         if token is None:
@@ -248,7 +260,9 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
             return StreamingResponse(_stream(job, queue, head), media_type="text/event-stream")
         watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
         try:
-            return await _collect(job, queue, head)
+            return await _collect(job, queue, head, stopping)
+        except asyncio.CancelledError:  # uvicorn's shutdown gave up on a step (memory thrash makes them that slow)
+            return _stopped(job)
         finally:
             watcher.cancel()
 
@@ -402,13 +416,24 @@ async def _pieces(job: Job, queue: asyncio.Queue[Piece]) -> AsyncIterator[Piece]
         job.cancelled = True  # a no-op once done; frees the slot if the client went away
 
 
-async def _collect(job: Job, queue: asyncio.Queue[Piece], head: dict) -> JSONResponse:
+def _stopped(job: Job) -> JSONResponse:
+    """The answer to a request the agent's shutdown ended early: not a part of its text as if it were whole."""
+    message = (f"the agent is shutting down: this completion was stopped after {len(job.generated)} of its "
+               f"{job.max_tokens} tokens and is not returned; retry it against a running agent")
+    response = _error_body(503, message, message)
+    response.headers["Retry-After"] = str(RETRY_AFTER_SHUTDOWN_S)
+    return response
+
+
+async def _collect(job: Job, queue: asyncio.Queue[Piece], head: dict, stopping: threading.Event) -> JSONResponse:
     text = ""
     async with contextlib.aclosing(_pieces(job, queue)) as pieces:  # closed (the job cancelled) on leaving
         async for ev, delta in pieces:
             text += delta
             if ev.kind == "error":
                 raise HTTPException(500, f"generation failed: {ev.error}")
+            if ev.kind == "done" and ev.finish_reason == "cancelled" and stopping.is_set():
+                return _stopped(job)
             if ev.kind == "done":
                 choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
                 return JSONResponse({**head, "choices": [choice], "usage": _usage(ev), "flashmoe": _flashmoe(ev)})

@@ -13,8 +13,8 @@ control calls (PUT /v1/knobs, POST /v1/cache/preload) must then send `Authorizat
 out of control calls (HTTP 429) for twice as long as the last, up to 60 s.
 /metrics labels every series device_name=NAME (--device-name, default this host's name), so a
 fleet's Prometheus tells devices apart by name. The port is bound before the model loads, so a busy
-port fails at once. SIGTERM or Ctrl-C stops within a step: open requests end with the text they have
-(finish_reason "cancelled"), the last statistics are written, the pid file is removed, and the
+port fails at once. SIGTERM or Ctrl-C stops within a step: open streams end with the text they have
+(finish_reason "cancelled"), other open completions with HTTP 503 and Retry-After, the last statistics are written, the pid file is removed, and the
 process exits at once (a process manager such as honcho kills it 5 s after its SIGTERM).
 """
 from __future__ import annotations
@@ -227,7 +227,7 @@ def serve(args: argparse.Namespace) -> None:
         log.info("agent %s serving %s on http://%s:%d (token %s)", args.device_name, args.model, host, port,
                  "required" if token else "off")
         config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=10, http=RequestDeadline)
-        _server_class()(config, runtime.scheduler.close).run(sockets=[sock])
+        _server_class()(config, app.state.stop_serving).run(sockets=[sock])
     finally:
         if runtime is not None:
             runtime.stop()
