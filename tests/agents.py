@@ -79,6 +79,20 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def fill(disk: Path) -> Path:
+    """Take every free byte of the disk (conftest.py's `tmpfs`); returns the filler file."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler
+
+
 def demo_model(tmp_path_factory) -> Path:
     """The small demo model, written once per test session (init-demo is idempotent)."""
     out = tmp_path_factory.getbasetemp() / "demo-small"

@@ -1,7 +1,10 @@
 """Suite-wide settings and fixtures."""
 import http.server
+import os
+import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -33,3 +36,18 @@ def html_server() -> Iterator[str]:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
+
+
+@pytest.fixture
+def tmpfs(tmp_path) -> Iterator[Callable[..., Path]]:
+    """mount(size) mounts a tmpfs of that size (a small real disk) and returns its directory; unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    point = tmp_path / "disk"
+    point.mkdir()
+
+    def mount(size: str = "4m") -> Path:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], check=True)
+        return point
+    yield mount
+    subprocess.run(["umount", "-l", str(point)], capture_output=True)

@@ -483,6 +483,57 @@ def test_killed_convert_leaves_no_store_that_loads(tmp_path, big_checkpoint):
     assert len(Index.load(dst / INDEX).blocks) == 4 * 64
 
 
+_FILL_SCRIPT = """
+import sys
+from pathlib import Path
+import agent.convert
+from agent.cli import main
+from agents import fill
+def fill_midway(done, total):  # as another writer on the disk would, once the start has found room
+    if done == total // 2:
+        fill(Path(sys.argv[2]).parent)
+agent.convert._log_progress = fill_midway
+sys.exit(main(["convert", *sys.argv[1:]]))
+"""
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+def test_convert_onto_a_disk_without_room_fails_at_once_and_writes_nothing(tmp_path, big_checkpoint, tmpfs):
+    disk = tmpfs("20m")
+    proc = subprocess.run(CLI + ["convert", str(big_checkpoint.path), str(disk / "store")], cwd=REPO,
+                          capture_output=True, text=True)
+    line = _one_error_line(proc)
+    assert "the store needs 102.2 MB and the disk of" in line and "MB free; free space there or choose another DST_DIR" \
+        in line
+    assert "converted" not in proc.stderr and list(disk.iterdir()) == []   # refused before the first block
+
+
+def test_a_disk_that_fills_midway_ends_convert_in_one_line_and_leaves_no_store(tmp_path, big_checkpoint, tmpfs):
+    """The start finds room; another writer takes it midway: a real ENOSPC from the kernel, not a mock."""
+    disk = tmpfs("200m")
+    dst = disk / "store"
+    proc = subprocess.run([sys.executable, "-c", _FILL_SCRIPT, str(big_checkpoint.path), str(dst)], cwd=REPO,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
+    line = _one_error_line(proc)
+    assert (f"the disk of {dst} filled up while writing (No space left on device); nothing was written to {dst}: "
+            f"free space there or choose another DST_DIR") in line
+    assert sorted(p.name for p in disk.iterdir()) == ["filler"]     # no store, no partial directory
+    (disk / "filler").unlink()
+    refused = subprocess.run(CLI + ["generate", "--model", str(dst), "--prompt", "hi"], cwd=REPO,
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "is not a directory" in refused.stderr and "Traceback" not in refused.stderr
+    again = subprocess.run(CLI + ["convert", str(big_checkpoint.path), str(dst)], cwd=REPO, capture_output=True,
+                           text=True)
+    assert again.returncode == 0, again.stderr
+    assert len(Index.load(dst / INDEX).blocks) == 4 * 64
+
+
 # ---------------------------------------------------------------- the command line
 
 def test_cli_converts_and_reports_bad_input(tmp_path):

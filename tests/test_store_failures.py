@@ -1,10 +1,9 @@
 """The store where disks fail: full, read-only, the kernel's filesystems, another application's file.
 
-A real tmpfs of a few MiB stands in for the disk (mounting it needs root, as CI runs)."""
+A real tmpfs of a few MiB stands in for the disk (conftest.py's `tmpfs`: mounting it needs root, as CI runs)."""
 from __future__ import annotations
 
 import hashlib
-import os
 import sqlite3
 import subprocess
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agents import CLI, ROOT, spawn, stop, wait_for
+from agents import CLI, ROOT, fill, spawn, stop, wait_for
 from store import queries
 from store.database import APPLICATION_ID, WAL_LIMIT_BYTES
 from store.db import Store
@@ -20,35 +19,6 @@ from store.errors import StoreError
 
 T0 = 1_700_000_000.0
 SERIES = [f"block.d{k}.reads_per_s" for k in range(30)]   # a collector's worth of series
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    """mount(size) mounts a tmpfs of that size and returns its directory; unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    point = tmp_path / "disk"
-    point.mkdir()
-
-    def mount(size: str = "4m") -> Path:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], check=True)
-        return point
-    yield mount
-    subprocess.run(["umount", "-l", str(point)], capture_output=True)
-
-
-def fill(disk: Path) -> Path:
-    """Take every free byte of the disk; returns the filler file."""
-    filler = disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    return filler
 
 
 def wal_bytes(db: Path) -> int:

@@ -136,6 +136,11 @@ def write_safetensors(path: Path, tensors: Sequence[tuple[str, DenseSource]]) ->
                 out.write(_data(src))
 
 
+def payload_bytes(tensors: Sequence[tuple[str, DenseSource]]) -> int:
+    """The bytes write_safetensors writes for `tensors`, but for its header."""
+    return sum(_describe(src)[2] for _, src in tensors)
+
+
 def _describe(src: DenseSource) -> tuple[str, tuple[int, ...], int]:
     if isinstance(src, np.ndarray):
         return _NUMPY_CODES[src.dtype], src.shape, src.nbytes

@@ -56,6 +56,16 @@ class StoreWriter:
     def n_blocks(self) -> int:
         return self.index.n_layers * self.index.n_experts
 
+    def check_room(self, other_bytes: int) -> None:
+        """Fail now, not hours into the write, if the disk of `dst` lacks room for the blocks and `other_bytes`."""
+        need = self.n_blocks * self.index.slot_bytes + other_bytes
+        disk = os.statvfs(self.tmp)
+        free = disk.f_bavail * disk.f_frsize
+        if need > free:
+            kept = " (--overwrite keeps the old store until the new one is whole)" if self.replace else ""
+            raise CheckpointError(f"the store needs {need / 1e6:,.1f} MB and the disk of {self.dst} has "
+                                  f"{free / 1e6:,.1f} MB free{kept}; free space there or choose another DST_DIR")
+
     def write_config(self, config: dict) -> None:
         self.write_text(CONFIG, json.dumps(config, indent=2) + "\n")
 
@@ -78,7 +88,7 @@ class StoreWriter:
         fill(payload)
         block = Block(i // self.index.n_experts, i % self.index.n_experts,
                       offset=i * self.index.slot_bytes, crc32=crc32(payload))
-        os.write(self._fd, self._slot)
+        _write_all(self._fd, memoryview(self._slot))
         self.index.blocks.append(block)
         return block
 
@@ -132,6 +142,12 @@ def _remove_stale_partials(dst: Path) -> None:
     for stale in dst.parent.glob(partial_prefix(dst) + "*"):
         log.warning("removing %s, left by an interrupted run", stale)
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    """os.write may write part of `data` (a disk filling up): the rest goes on, or its error is raised."""
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _fsync_path(path: Path) -> None:
