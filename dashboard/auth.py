@@ -5,7 +5,8 @@ Bound to loopback (the default: .streamlit/config.toml, the Procfile) the dashbo
 from the box itself or through an SSH tunnel, and control actions are open. Bound to any other
 address, a visitor must first enter the agent's token (FLASHMOE_TOKEN, which the dashboard also
 sends to the agent on control calls) in the sidebar; the browser session stays unlocked until it
-ends or is locked again. Wrong tokens lock their address out for a while (store.guesses), across sessions. An exposed dashboard without a token is read-only. Reading needs no token.
+ends or is locked again; wrong tokens lock their address out for a while, across sessions
+(store.guesses). An exposed dashboard without a token is read-only. Reading needs no token.
 The gate is checked where the action is sent (data.apply_knobs, the sweep's start), not only by disabling
 buttons, since a browser can send a click on a disabled button.
 """

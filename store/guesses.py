@@ -8,9 +8,10 @@ FREE_GUESSES wrong guesses. Each wrong one after those locks it out for twice as
 the right one too: otherwise the lock-out would not slow the guessing. The right token clears the
 client's count, and a client not wrong for FORGET_S is forgotten. So the real user, from another
 address, is not locked out (unless the guesser holds more than MAX_CLIENTS addresses, below), and
-from the same one (behind a proxy) for at most MAX_LOCK_S after the guessing stops. At most MAX_CLIENTS clients are remembered; once that many are, every new client
-shares one entry, so many addresses buy a guesser FREE_GUESSES each for the first MAX_CLIENTS and
-then one shared, locked-out entry, never unbounded memory.
+from the same one (behind a proxy) for at most MAX_LOCK_S after the guessing stops. At most
+MAX_CLIENTS clients are remembered; once that many are, every new client shares one entry, so many
+addresses buy a guesser FREE_GUESSES each for the first MAX_CLIENTS and then one shared, locked-out
+entry, never unbounded memory.
 """
 from __future__ import annotations
 

@@ -509,8 +509,8 @@ def test_convert_onto_a_disk_without_room_fails_at_once_and_writes_nothing(tmp_p
     proc = subprocess.run(CLI + ["convert", str(big_checkpoint.path), str(disk / "store")], cwd=REPO,
                           capture_output=True, text=True)
     line = _one_error_line(proc)
-    assert "the store needs 102.2 MB and the disk of" in line and "MB free; free space there or choose another DST_DIR" \
-        in line
+    assert "the store needs 102.2 MB and the disk of" in line
+    assert "MB free; free space there or choose another DST_DIR" in line
     assert "converted" not in proc.stderr and list(disk.iterdir()) == []   # refused before the first block
 
 

@@ -194,7 +194,8 @@ def test_sigterm_stops_cleanly_and_knobs_are_restored_on_restart(model, tmp_path
                                                        for h in queries.knob_history(second.db)}
         denied = httpx.put(second.url + "/v1/knobs", json={"auto_shrink": True})
         assert denied.status_code == 401 and "Bearer" in denied.text
-        schemeless = httpx.put(second.url + "/v1/knobs", json={"auto_shrink": True}, headers={"Authorization": "s3cret-of-sixteen"})
+        schemeless = httpx.put(second.url + "/v1/knobs", json={"auto_shrink": True},
+                               headers={"Authorization": "s3cret-of-sixteen"})
         assert schemeless.status_code == 401, schemeless.text       # the token alone was accepted
         assert "without the Bearer scheme" in schemeless.text and "s3cret-of-sixteen" not in schemeless.text
         assert second.get("/v1/knobs").json()["auto_shrink"]["value"] is False
