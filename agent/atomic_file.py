@@ -2,8 +2,8 @@
 
 Each is written to `NAME.tmp` beside it and renamed over it: a reader never sees half a file, and a
 write that fails leaves nothing, not even the directories it made. A command checks its output can
-be written before it starts (`check_writable`), so a bad path is an error in a second, not after
-minutes of training or generating.
+be written before it starts (`check_writable`, with the room it will take where that is known), so a
+bad path or a full disk is an error in a second, not after minutes of training or generating.
 """
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ def write_atomically(path: Path, write: Callable[[Path], object], what: str, fla
         _remove(missing)
 
 
-def check_writable(path: Path, what: str, flag: str) -> None:
-    """Fail now, with the reason, if `write_atomically` could not write `path`. Leaves nothing behind."""
-    write_atomically(path, lambda tmp: tmp.write_bytes(b""), what, flag, keep=False)
+def check_writable(path: Path, what: str, flag: str, size: int = 0) -> None:
+    """Fail now, with the reason, if `write_atomically` could not write `path` of `size` bytes (written and
+    removed: a full disk takes an empty file). Leaves nothing behind."""
+    write_atomically(path, lambda tmp: tmp.write_bytes(bytes(size)), what, flag, keep=False)
 
 
 def _remove(directories: list[Path]) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from agent.cli import main
+from agents import fill
 from agent.learned.model import RetentionNet, load, save, training_info
 from agent.learned.splits import REPORT_PROMPTS, SPLITS, TRAIN_PROMPTS, Part
 from agent.learned.train import Decisions, collect, fit, pairwise_loss, spread_sessions, train_policy
@@ -188,6 +189,17 @@ def test_an_unwritable_out_fails_before_training_and_leaves_nothing(tiny_trace, 
     err = capsys.readouterr().err
     assert f"cannot write the policy weights {out}" in err and "decisions" not in err  # refused before training
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no .tmp left
+
+
+def test_a_full_disk_fails_before_training_and_leaves_nothing(tiny_trace, tmpfs, capsys):
+    """A full disk takes the empty file the write check made: training ran, then the weights were lost."""
+    disk = tmpfs("1m")
+    fill(disk)
+    out = disk / "w.safetensors"
+    assert main(["train-policy", "--trace", str(tiny_trace), "--out", str(out), "--max-decisions", "50"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the policy weights {out}: No space left on device; pass another --out" in err
+    assert "decisions" not in err and sorted(p.name for p in disk.iterdir()) == ["filler"]   # refused before training
 
 
 def test_a_failed_write_check_removes_the_directories_it_made(tiny_trace, tmp_path, capsys):

@@ -29,6 +29,7 @@ from agent.atomic_file import write_atomically
 from agent.learned.features import FEATURES, HISTORY_BITS
 
 WEIGHTS = ("the policy weights", "--out")   # what save writes, and the flag that names it
+HEADER_ROOM = 64 << 10   # a weights file's safetensors header and metadata, at most
 SYSTEM_INPUTS = 2  # read latency, memory pressure
 
 
@@ -90,9 +91,11 @@ def save(net: RetentionNet, path: Path, training: dict) -> None:
                      errors=(SafetensorError,))
 
 
-def check_writable(path: Path) -> None:
-    """Fail now, with the reason, if `save` could not write `path` (before hours of training, not after)."""
-    atomic_file.check_writable(Path(path), *WEIGHTS)
+def check_writable(path: Path, config: NetConfig = NetConfig()) -> None:
+    """Fail now, with the reason, if `save` could not write `path` (before hours of training, not after),
+    nor find room for the weights (their tensors and a header's worth more)."""
+    size = sum(t.numel() * t.element_size() for t in RetentionNet(config).state_dict().values()) + HEADER_ROOM
+    atomic_file.check_writable(Path(path), *WEIGHTS, size=size)
 
 
 def load(path: Path) -> RetentionNet:
