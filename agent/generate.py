@@ -88,6 +88,15 @@ class GenerateResult:
         return {"prompt_ids": self.prompt_ids, "token_ids": self.token_ids, "text": self.text, "stats": self.stats}
 
 
+class TraceNotWritten(ValueError):
+    """The tokens were generated but their routing trace could not be written (a full disk): `result`
+    holds what was generated, so it is not lost with the trace."""
+
+    def __init__(self, message: str, result: GenerateResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
 def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] | None = None,
                  max_new_tokens: int = 32, greedy: bool = False, cache_cap: str = "100%", policy: str = DEFAULT_POLICY,
                  scope: str = "layer", backend: str = "direct", prefetch: bool = True, prefill: str = "sequential",
@@ -126,13 +135,17 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
         stats = _stats(gen, net, *after_prefill[0], cache.stats())
     stats.update(prefetch=prefetch, prefill=prefill, steps=len(recorder.records), int8_activations=int8_activations,
                  routing=net.route_trace.describe() if net.route_trace else "the model's router")
+    result = GenerateResult(ids, gen.token_ids, tokenizer.decode(gen.token_ids), stats)
     if record_trace is not None:
         meta = {"model": model.name, "arch": net.config.arch, "prompt": prompt, "steps": len(recorder.records),
                 "layers": len(net.config.moe_layer_ids), "top_k": net.config.top_k, "n_experts": net.config.n_experts,
                 "prompt_tokens": len(ids), "decode": "greedy" if greedy else "sampled", "prefill": prefill,
                 "prefetch": prefetch, "routing": stats["routing"], "source": "flashmoe-cli generate"}
-        write_trace(Path(record_trace), meta, recorder.records, recorder.samples)
-    return GenerateResult(ids, gen.token_ids, tokenizer.decode(gen.token_ids), stats)
+        try:
+            write_trace(Path(record_trace), meta, recorder.records, recorder.samples)
+        except ValueError as exc:
+            raise TraceNotWritten(str(exc), result) from None
+    return result
 
 
 def _stats(gen: Generation, net: Transformer, before: CacheStats, profile_before: dict[str, float],
@@ -241,18 +254,26 @@ def run(args: argparse.Namespace) -> int:
         result = run_generate(args.model, args.prompt, args.prompt_ids, args.max_new_tokens, args.greedy,
                               args.cache_cap, args.policy, args.scope, args.backend, args.prefetch, args.prefill,
                               args.record_trace, args.seed, args.route_trace, args.int8_activations)
+    except TraceNotWritten as exc:   # a full disk: the text is shown, then why its trace is not there
+        _show(exc.result, args.json)
+        log.error("%s; the generation above ran, its trace was not written", exc)
+        return 2
     except OSError as exc:
         log.error("%s", exc)  # args[0] of an OSError is its errno
         return 2
     except (ValueError, StoreError, ConfigError) as exc:
         log.error("%s", exc.args[0] if exc.args else exc)
         return 2
-    if args.json:
-        print(json.dumps(result.to_json()))
-    else:
-        s = result.stats
-        print(result.text)
-        log.info("%d tokens, %.2f tok/s (decode %.2f tok/s), hit rate %.3f, %.1f MB read per token; %s",
-                 len(result.token_ids), s["tokens_per_s"], s["decode_tokens_per_s"], s["hit_rate"],
-                 s["mb_read_per_token"], s["routing"])
+    _show(result, args.json)
     return 0
+
+
+def _show(result: GenerateResult, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result.to_json()))
+        return
+    s = result.stats
+    print(result.text)
+    log.info("%d tokens, %.2f tok/s (decode %.2f tok/s), hit rate %.3f, %.1f MB read per token; %s",
+             len(result.token_ids), s["tokens_per_s"], s["decode_tokens_per_s"], s["hit_rate"],
+             s["mb_read_per_token"], s["routing"])

@@ -11,6 +11,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+from agents import fill
 from hf_models import tiny_checkpoint
 from test_model_parity import one_torch_thread  # noqa: F401  (autouse fixture)
 
@@ -129,6 +130,19 @@ def test_bad_input_is_a_clear_error_and_writes_no_trace(store, tmp_path, caplog,
     assert cli(["generate", "--model", str(store), "--greedy", "--record-trace", str(trace_path), *args]) == 2
     assert words in caplog.text
     assert not list(tmp_path.iterdir())
+
+
+def test_a_full_disk_keeps_the_generated_text_and_says_its_trace_is_not_written(store, tmpfs, capsys, caplog):
+    """The trace's size is known only at the end: the generation was lost with it, without a word of it."""
+    disk = tmpfs("1m")
+    fill(disk)
+    trace = disk / "trace.jsonl"
+    assert cli(["generate", "--model", str(store), "--greedy", "--prompt-ids", "5,6", "--max-new-tokens", "4",
+                "--json", "--record-trace", str(trace)]) == 2
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
+    assert (f"cannot write the routing trace {trace}: No space left on device; pass another --record-trace; "
+            "the generation above ran, its trace was not written") in caplog.text
+    assert sorted(p.name for p in disk.iterdir()) == ["filler"]
 
 
 def test_missing_model_dir_is_named(tmp_path, caplog):
