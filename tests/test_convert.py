@@ -534,6 +534,35 @@ def test_a_disk_that_fills_midway_ends_convert_in_one_line_and_leaves_no_store(t
     assert len(Index.load(dst / INDEX).blocks) == 4 * 64
 
 
+_KILL_IN_REMOVAL_SCRIPT = """
+import os, shutil, signal, sys
+from agent.cli import main
+real_rmtree = shutil.rmtree
+def kill_in_removal(path, *args, **kwargs):  # the old store is half removed when the kill lands
+    if ".old-" in str(path):
+        os.remove(os.path.join(path, "store", "experts.bin"))
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_rmtree(path, *args, **kwargs)
+shutil.rmtree = kill_in_removal
+sys.exit(main(["convert", "--overwrite", *sys.argv[1:]]))
+"""
+
+
+def test_a_convert_killed_while_removing_the_store_it_replaced_leaves_nothing_the_next_run_keeps(tmp_path):
+    """The replaced store's directory (.store.old-*) was left, whole or in part, where no one would find it."""
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    dst = tmp_path / "store"
+    convert(ckpt.path, dst)
+    proc = subprocess.run([sys.executable, "-c", _KILL_IN_REMOVAL_SCRIPT, str(ckpt.path), str(dst)], cwd=REPO)
+    assert proc.returncode == -9
+    assert len(list(tmp_path.glob(".store.old-*"))) == 1 and len(Index.load(dst / INDEX).blocks) > 0  # the new one
+    again = subprocess.run(CLI + ["convert", "--overwrite", str(ckpt.path), str(dst)], cwd=REPO,
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert "the store an interrupted --overwrite replaced" in again.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "store"]
+
+
 # ---------------------------------------------------------------- the command line
 
 def test_cli_converts_and_reports_bad_input(tmp_path):

@@ -123,12 +123,11 @@ class StoreWriter:
         if self.dst.exists() and not (self.dst.is_dir() and not any(self.dst.iterdir())):
             if not self.replace:
                 raise CheckpointError(f"{self.dst} appeared while writing; nothing was replaced")
-            old = Path(tempfile.mkdtemp(prefix=f".{self.dst.name}.old-", dir=self.dst.parent))
+            old = Path(tempfile.mkdtemp(prefix=_replaced_prefix(self.dst), dir=self.dst.parent))
             os.rename(self.dst, old / "store")
         os.rename(self.tmp, self.dst)
         _fsync_path(self.dst.parent)
-        if old is not None:
-            shutil.rmtree(old)
+        _remove_replaced(self.dst, old)
 
     def _abort(self) -> None:
         if self._fd >= 0:
@@ -142,6 +141,19 @@ def _remove_stale_partials(dst: Path) -> None:
     for stale in dst.parent.glob(partial_prefix(dst) + "*"):
         log.warning("removing %s, left by an interrupted run", stale)
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def _replaced_prefix(dst: Path) -> str:
+    return f".{dst.name}.old-"
+
+
+def _remove_replaced(dst: Path, ours: Path | None) -> None:
+    """Remove the store this run replaced, and any a run killed while removing its own left (gigabytes
+    no one would find), now that a whole store is in place."""
+    for old in dst.parent.glob(_replaced_prefix(dst) + "*"):
+        if old != ours:
+            log.warning("removing %s, the store an interrupted --overwrite replaced", old)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
