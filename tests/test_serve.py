@@ -299,6 +299,18 @@ def test_refuses_a_port_or_thread_count_out_of_range_in_one_line(model, flag, va
     assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("content", [b"precious notes\n", b"SQLite format 3\0" + bytes(4080), b"\xff\xfe"])
+def test_a_pid_file_that_holds_something_else_is_left_as_it_is(model, tmp_path, content):
+    """A mistyped --pid-file (the store's path, a notes file) was overwritten with the pid and removed at exit."""
+    taken = tmp_path / "flashmoe.db"
+    taken.write_bytes(content)
+    r = subprocess.run([*CLI, "serve", "--model", str(model), "--port", "0", "--pid-file", str(taken)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"--pid-file {taken} exists and is not a pid file" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and taken.read_bytes() == content
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flashmoe.db"]
+
+
 @pytest.mark.parametrize("where", ["a directory", "under a file"])
 def test_an_unwritable_pid_file_is_one_line_and_leaves_nothing(model, tmp_path, where):
     (tmp_path / "taken").mkdir() if where == "a directory" else (tmp_path / "taken").write_text("x")

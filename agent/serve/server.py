@@ -117,11 +117,15 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def claim_pid_file(path: Path) -> None:
-    """Write our pid; refuse if the file names another live process (a second agent)."""
+    """Write our pid; refuse if the file names another live process (a second agent), or holds something
+    other than a pid (a mistyped --pid-file, e.g. the store's path, would be overwritten and then removed)."""
     other = read_pid_file(path)
     if other and other != os.getpid():
         raise ServeError(f"{path} names a running process ({other}): another agent is up; stop it or pass another "
                          f"--pid-file")
+    if not _is_pid_file(path):
+        raise ServeError(f"--pid-file {path} exists and is not a pid file (it holds something other than a process "
+                         f"id); it would be overwritten, so it is left as it is: pass another --pid-file")
     tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,6 +135,18 @@ def claim_pid_file(path: Path) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise ServeError(f"cannot write the pid file {path}: {exc.strerror}; pass another --pid-file") from None
+
+
+def _is_pid_file(path: Path) -> bool:
+    """No file (a directory fails the write, with its reason), an empty one, or one holding a process id alone
+    (a stale pid file): ours to write."""
+    if not path.is_file():
+        return True
+    try:
+        text = path.read_text().strip() if path.stat().st_size <= 32 else "too long"
+    except (OSError, UnicodeDecodeError):
+        return False
+    return text == "" or text.isdigit()
 
 
 def release_pid_file(path: Path) -> None:
