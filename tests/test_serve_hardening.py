@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -256,6 +257,17 @@ def test_a_token_too_short_to_withstand_guessing_is_refused_at_start(tmp_path):
 
 
 GUARD_TOKEN = "hardening-control-token"
+
+
+def test_a_token_on_the_command_line_is_warned_about_and_the_environment_is_not(tmp_path):
+    """--token shows in `ps` to every user of the box; FLASHMOE_TOKEN in /proc/PID/environ to the owner only."""
+    serve = [*CLI, "serve", "--model", str(tmp_path / "absent"), "--port", "0"]
+    flag = subprocess.run([*serve, "--token", GUARD_TOKEN], capture_output=True, text=True, timeout=120)
+    env = subprocess.run(serve, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "FLASHMOE_TOKEN": GUARD_TOKEN})
+    assert flag.returncode == env.returncode == 2
+    assert "every user of this box can read in `ps`; set FLASHMOE_TOKEN instead" in flag.stderr
+    assert "`ps`" not in env.stderr and GUARD_TOKEN not in flag.stderr + env.stderr
 
 
 def test_wrong_tokens_lock_their_address_out_for_a_while_and_say_so(model, tmp_path):

@@ -58,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", type=Path,
                    help="telemetry store to write statistics and knob changes to, and restore knobs from")
     p.add_argument("--pid-file", type=Path, help="write the agent's pid here (the collector finds the agent by it)")
-    p.add_argument("--token", help=f"bearer token control calls must carry (or set {TOKEN_ENV})")
+    p.add_argument("--token", help=f"bearer token control calls must carry; better, set {TOKEN_ENV}: a command line "
+                   "is visible to every user of the box")
     add_device_name(p, "every /metrics series")
     p.add_argument("--cache-cap", help="expert cache cap: bytes, a size (2GiB) or a share of expert bytes (25%%)")
     p.add_argument("--policy", help="replacement policy (lru, flashmoe, ...)")
@@ -215,6 +216,9 @@ def serve(args: argparse.Namespace) -> None:
 
     token = args.token or os.environ.get(TOKEN_ENV) or None
     check_token(args.host, token)
+    if args.token:
+        log.warning("the token was given with --token, which every user of this box can read in `ps`; set %s "
+                    "instead (a process's environment is readable by its owner only)", TOKEN_ENV)
     if not args.model.is_dir():
         raise ServeError(f"--model {args.model} is not a directory; create one with flashmoe-cli init-demo or convert")
     sock = bind(args.host, args.port)
