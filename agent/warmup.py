@@ -135,7 +135,12 @@ def _agent(method: str, url: str, token: str | None, **kwargs: Any) -> dict[str,
                           f"flashmoe-cli serve, or pass --model DIR to only report the hot experts") from None
     if response.status_code >= 400:
         raise WarmupError(f"the agent refused {method} {url} ({response.status_code}): {response.text[:300]}")
-    return response.json()
+    try:
+        return response.json()
+    except ValueError:   # e.g. the dashboard's port, which answers every path with its HTML page
+        media = response.headers.get("content-type", "no content type")
+        raise WarmupError(f"{url} is not a FlashMoE agent: it answered {method} with something other than JSON "
+                          f"({media}); pass the agent's address as --agent-url (default {DEFAULT_AGENT_URL})") from None
 
 
 def agent_status(agent_url: str) -> dict[str, Any]:

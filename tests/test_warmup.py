@@ -95,6 +95,15 @@ def test_an_absent_agent_is_a_clear_error():
     assert r.returncode == 2 and "did not answer" in r.stderr and "--model" in r.stderr
 
 
+def test_an_address_that_is_not_the_agent_is_a_clear_error(html_server):
+    """The dashboard's port answers every path with its page: warm-up ended in a JSONDecodeError traceback."""
+    r = subprocess.run([*CLI, "warmup", str(EXAMPLE), "--agent-url", html_server],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert (f"{html_server}/v1/status is not a FlashMoE agent: it answered GET with something other than JSON "
+            "(text/html); pass the agent's address as --agent-url") in r.stderr
+
+
 @pytest.mark.parametrize("damage, words", [
     (lambda d: shutil.rmtree(d), "does not exist, so"),
     (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json holds a JSON list"),
