@@ -6,6 +6,7 @@ Each command lives in the module named below, which defines `add_arguments(parse
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
@@ -57,9 +58,19 @@ def main(argv: list[str] | None = None) -> int:
         build_parser(None).print_help()
         return 2
     try:
-        return importlib.import_module(COMMANDS[args.command][0]).run(args)
+        code = importlib.import_module(COMMANDS[args.command][0]).run(args)
+        sys.stdout.flush()   # here, where a failure is caught, not at exit
+        return code
     except BrokenPipeError:     # `... | head` stopped reading: stop writing, as cat does, without a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # for the flush at exit
+        return 1
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # a full disk under output the command does not write itself (`... > file`, mostly): say it, not a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # for the flush at exit, which would fail too
+        logging.getLogger("agent.cli").error("%s stopped: the disk is full (%s) writing %s; what it wrote there is "
+                                             "incomplete", args.command, exc.strerror, exc.filename or "its output")
         return 1
     except KeyboardInterrupt:   # Ctrl-C: the commands write their outputs whole or not at all
         logging.getLogger("agent.cli").error("%s interrupted (Ctrl-C) before it finished; run it again", args.command)

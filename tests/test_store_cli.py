@@ -98,6 +98,17 @@ def test_every_subcommand_documents_an_example(capsys):
 
 
 @pytest.mark.parametrize("command", [["export", "--series", "block.vda.util"], ["stats"]])
+def test_output_onto_a_full_disk_is_one_line_without_a_traceback(db, command):
+    """`store export > file` on a full disk (/dev/full: every write is ENOSPC) ended in a traceback."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "agent.cli", "store", *command, "--db", str(db)],
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert ("store stopped: the disk is full (No space left on device) writing its output; what it wrote there "
+            "is incomplete") in proc.stderr
+
+
+@pytest.mark.parametrize("command", [["export", "--series", "block.vda.util"], ["stats"]])
 def test_a_reader_that_stops_reading_ends_the_command_without_a_traceback(db, command):
     proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "store", *command, "--db", str(db)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
