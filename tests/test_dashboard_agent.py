@@ -335,7 +335,7 @@ def test_wrong_tokens_lock_the_form_out_for_a_while_even_in_a_new_session(monkey
     assert "Too many wrong tokens from this address: it is locked out for 1 s more" in texts(unlock(at, "guess").error)
     again = open_page(monkeypatch, db, url, "tuning")     # a new browser session, same address
     assert "locked out" in texts(unlock(again, TOKEN).error) and auth.UNLOCKED not in again.session_state
-    wait_for(lambda: unlock(again, TOKEN).session_state[auth.UNLOCKED], timeout=30, what="the lock-out to end")
+    wait_for(lambda: auth.UNLOCKED in unlock(again, TOKEN).session_state, timeout=30, what="the lock-out to end")
 
 
 def test_an_exposed_dashboard_without_a_token_is_read_only(monkeypatch, agent, exposed):
