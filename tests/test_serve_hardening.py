@@ -239,7 +239,8 @@ def test_a_truncated_store_is_reported_at_start(model, tmp_path):
         assert agent.stop() == 0
 
 
-@pytest.mark.parametrize("token", [" s3cret-of-sixteen", "s3cret-of-sixteen\n", "s3 cret-of-sixteen\t", "sécret-of-sixteen"])
+@pytest.mark.parametrize("token", [" s3cret-of-sixteen", "s3cret-of-sixteen\n", "s3 cret-of-sixteen\t",
+                                   "sécret-of-sixteen"])
 def test_a_token_no_header_can_carry_is_refused_at_start(tmp_path, token):
     """HTTP strips a header's ends and carries no control or non-ASCII characters: an agent started with
     such a token could never be unlocked (every control call 401)."""

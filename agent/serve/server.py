@@ -15,7 +15,8 @@ out of control calls (HTTP 429) for twice as long as the last, up to 60 s.
 fleet's Prometheus tells devices apart by name. The port is bound before the model loads, so a busy
 port fails at once. SIGTERM or Ctrl-C stops within a step: open streams end with the text they have
 (finish_reason "cancelled"), other open completions with HTTP 503 and Retry-After, the last
-statistics are written, the pid file is removed, and the process exits at once (a process manager such as honcho kills it 5 s after its SIGTERM).
+statistics are written, the pid file is removed, and the process exits at once (a process manager
+such as honcho kills it 5 s after its SIGTERM).
 """
 from __future__ import annotations
 
