@@ -6,57 +6,39 @@ from the box itself or through an SSH tunnel, and control actions are open. Boun
 address, a visitor must first enter the agent's token (FLASHMOE_TOKEN, which the dashboard also
 sends to the agent on control calls) in the sidebar; the browser session stays unlocked until it
 ends or is locked again; wrong tokens lock their address out for a while, across sessions
-(store.guesses). An exposed dashboard without a token is read-only. Reading needs no token.
+(access.guesses). An exposed dashboard without a token is read-only. Reading needs no token.
 The gate is checked where the action is sent (data.apply_knobs, the sweep's start), not only by disabling
 buttons, since a browser can send a click on a disabled button.
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 import secrets
-from urllib.parse import urlsplit
 
 import streamlit as st
 
+from access.guesses import GuessLimit, lockout_message
+from access.loopback import addressed_to_loopback, is_loopback
 from dashboard import settings
 from dashboard.agent_client import TOKEN_ENV
-from store.guesses import GuessLimit, lockout_message
 
 log = logging.getLogger(__name__)
 
 UNLOCKED = "control-unlocked"    # session_state key: this browser session entered the token
 
 
-def on_loopback(address: str | None) -> bool:
-    """Whether Streamlit's server.address is a loopback address (unset: every interface)."""
-    if address == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address or "0.0.0.0").is_loopback
-    except ValueError:
-        return False  # a host name may resolve to any interface
-
-
-def addressed_to_loopback(host_header: str | None) -> bool:
-    """Whether a session's HTTP Host header ("127.0.0.1:8501", "localhost") names a loopback host. A page
-    that re-points its own name at this box (DNS rebinding) reaches a loopback dashboard under that name.
-    No header (no HTTP request: Streamlit's AppTest) counts as loopback; a browser always sends one."""
-    if host_header is None:
-        return True
-    try:
-        host = urlsplit(f"//{host_header}").hostname
-    except ValueError:
-        return False
-    return host is not None and on_loopback(host)
+def _reached_on_loopback(host_header: str | None) -> bool:
+    """Whether a session's Host header names a loopback host (access.loopback: DNS rebinding). No header
+    (no HTTP request: Streamlit's AppTest) counts as loopback; a browser always sends one."""
+    return host_header is None or addressed_to_loopback(host_header)
 
 
 def lock_reason(address: str | None, token: str | None, unlocked: bool, host: str | None = None) -> str | None:
     """Why control actions are refused for this session (reached under the Host header `host`), or None
     when they are allowed."""
-    if (on_loopback(address) and addressed_to_loopback(host)) or (unlocked and token):
+    if (is_loopback(address) and _reached_on_loopback(host)) or (unlocked and token):
         return None
-    where = (f"this page was reached as {host!r}, not as 127.0.0.1 or localhost" if on_loopback(address)
+    where = (f"this page was reached as {host!r}, not as 127.0.0.1 or localhost" if is_loopback(address)
              else f"this dashboard listens on {address or 'every interface'}")
     if not token:
         return (f"control is off: {where}, and it has no {TOKEN_ENV}; start it with {TOKEN_ENV} set to the "
@@ -77,7 +59,7 @@ def control_lock() -> str | None:
 def sidebar() -> None:
     """The token form of an exposed dashboard (nothing on loopback reached as a loopback host)."""
     address, token = st.get_option("server.address"), settings.agent_token()
-    if on_loopback(address) and addressed_to_loopback(_host()):
+    if is_loopback(address) and _reached_on_loopback(_host()):
         return
     st.subheader("Control")
     if not token:
@@ -100,7 +82,7 @@ def _guesses() -> GuessLimit:
 
 
 def _unlock(entered: str, token: str) -> None:
-    """The form's check, heard only while this client is not locked out for wrong tokens (store.guesses)."""
+    """The form's check, heard only while this client is not locked out for wrong tokens (access.guesses)."""
     address = st.context.ip_address
     client = address if isinstance(address, str) else "127.0.0.1"  # None on loopback (a stand-in under AppTest)
     guesses = _guesses()

@@ -26,7 +26,7 @@ from agents import ROOT, demo_model, free_port, start_agent, wait_for
 from bench import synthetic
 from dashboard import agent_client, auth, data, pages, sweep
 from store import queries
-from store.guesses import FREE_GUESSES
+from access.guesses import FREE_GUESSES
 from store.units import human
 
 APP = str(ROOT / "dashboard" / "app.py")

@@ -1,9 +1,9 @@
-"""store/guesses.py: wrong tokens per client, each lock-out twice the last, bounded memory. A fake clock;
+"""access/guesses.py: wrong tokens per client, each lock-out twice the last, bounded memory. A fake clock;
 the agent's and the dashboard's use of it against real processes: tests/test_serve_hardening.py,
 tests/test_dashboard_auth.py."""
 from __future__ import annotations
 
-from store.guesses import FORGET_S, FREE_GUESSES, MAX_LOCK_S, GuessLimit, client_key
+from access.guesses import FORGET_S, FREE_GUESSES, MAX_LOCK_S, GuessLimit, client_key
 
 
 class Clock:

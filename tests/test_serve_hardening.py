@@ -20,7 +20,7 @@ from agent.generate import run_generate
 from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
 from agent.serve.server import MIN_TOKEN_CHARS
 from agents import CLI, demo_model, start_agent, wait_for
-from store.guesses import FREE_GUESSES
+from access.guesses import FREE_GUESSES
 
 JSON = {"Content-Type": "application/json"}
 

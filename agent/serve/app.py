@@ -2,7 +2,7 @@
 
 Routes only translate HTTP to Runtime calls. Control calls (PUT /v1/knobs, POST /v1/cache/preload)
 need the bearer token when the agent has one, and a Host header naming loopback when it has none
-(agent.serve.access: DNS rebinding); the `X-FlashMoE-Source` header says who changed a
+(access.loopback: DNS rebinding); the `X-FlashMoE-Source` header says who changed a
 knob ("api" by default, "dashboard" from the dashboard) and goes into the store with the change.
 
 Work per request is bounded before it starts (agent.serve.limits): a body over the limit is refused
@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agent.serve.access import addressed_to_loopback
+from access.loopback import addressed_to_loopback
 from agent.serve.engine import STEP_PROFILES
 from agent.serve.knobs import SOURCES, KnobError
 from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
@@ -47,7 +47,7 @@ from agent.serve.runtime import Runtime
 from agent.serve.scheduler import Event, Overloaded
 from agent.serve.scheduler import Request as Job
 from agent.serve.stops import MAX_STOP_CHARS, MAX_STOPS, CompletionText
-from store.guesses import GuessLimit, lockout_message
+from access.guesses import GuessLimit, lockout_message
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from agent.argtypes import add_int8_activations, count, port, threads
 from agent.experts.layout import StoreError as ExpertStoreError
 from machine.memory import read_pid_file
 from agent.experts.reader import BACKENDS, IO_THREADS
-from agent.serve.access import is_loopback
+from access.loopback import is_loopback
 from agent.serve.limits import BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES
 from agent.serve.scheduler import ADMIT_WINDOW_S, MAX_WAITING
 from machine.identity import add_device_name
@@ -94,7 +94,7 @@ def check_token(host: str, token: str | None) -> None:
     if not is_loopback(host) and not token:
         raise ServeError(f"refusing to bind {host}: it is not a loopback address, so control calls need a token; "
                          f"pass --token TOKEN or set {TOKEN_ENV}, or bind 127.0.0.1")
-    if token and len(token) < MIN_TOKEN_CHARS:   # each address gets a few guesses a minute (store/guesses.py)
+    if token and len(token) < MIN_TOKEN_CHARS:   # each address gets a few guesses a minute (access/guesses.py)
         raise ServeError(f"the token (--token or {TOKEN_ENV}) is {len(token)} characters; give at least "
                          f"{MIN_TOKEN_CHARS}, e.g. one from `openssl rand -hex 16`")
     if token and not (token.isascii() and token.isprintable() and token == token.strip()):

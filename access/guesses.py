@@ -1,6 +1,6 @@
 """Wrong guesses at the agent's token, counted per client and bounded: the agent's control calls and
-the dashboard's "Unlock control" form both take guesses, so both hold one GuessLimit. It lives here,
-in the one room both may import; it keeps nothing on disk.
+the dashboard's "Unlock control" form both take guesses, so both hold one GuessLimit (in memory: a
+restart forgets the counts).
 
 A client (an IP address; an IPv6 one by its /64, which one machine usually holds whole) has
 FREE_GUESSES wrong guesses. Each wrong one after those locks it out for twice as long as the last
