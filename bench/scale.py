@@ -54,7 +54,7 @@ from agent.experts.cap import parse_cap  # noqa: E402
 from agent.experts.layout import EXPERTS, INDEX, Index, crc32  # noqa: E402
 from agent.experts.provider import ExpertWeights, block_views  # noqa: E402
 from agent.experts.reader import IO_THREADS  # noqa: E402
-from agent.model.generation import generate  # noqa: E402
+from agent.model.generation import Generation, generate  # noqa: E402
 from agent.model.loading import load_model  # noqa: E402
 from agent.tokenizer import load_tokenizer  # noqa: E402
 from bench.common import count, machine, results_name, write_results  # noqa: E402
@@ -123,16 +123,26 @@ class Run:
     load_avg: float
     profile_ms: dict[str, float]  # where a decode token's time went, by phase (agent/model/profile.py)
     io_busy: float | None         # share of decode time with a block being read or checked (the rest, the device idled)
+    prefill_tok_s: float          # prompt tokens per second of the prefill (token by token unless --prefill batched)
+    prefill_mb_per_token: float   # read from the SSD per prompt token
+    run_hit_rate: float           # prefill and decode, cold misses included (what the simulator counts)
+    capacity_slots: int           # the cap in whole slots (a slot is a block rounded up to the O_DIRECT alignment)
 
 
 def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int, threads: int = 1) -> float:
-    """Decode tokens/s with every expert resident. The routing follows the same trace records as the
-    cached runs (placed by the same prompt), so every step multiplies the same shapes."""
+    """Decode tokens/s with every expert resident (compute_run)."""
+    return compute_run(store, traces, prompt_ids, tokens, threads).decode_tokens_per_s
+
+
+def compute_run(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int, threads: int = 1) -> Generation:
+    """The prompt token by token and `tokens` greedy decode tokens with every expert resident. The routing
+    follows the same trace records as the cached runs (placed by the same first token), so every step
+    multiplies the same shapes."""
     model = load_model(store, OneLayerResident(store), prefetch=False, route_trace=traces)
     torch.set_num_threads(threads)
     try:
-        generate(model, prompt_ids, 3, greedy=True, prefill_chunk=1)  # kernels built once, not timed
-        return generate(model, prompt_ids, tokens, greedy=True, prefill_chunk=1).decode_tokens_per_s
+        generate(model, prompt_ids[:4], 3, greedy=True, prefill_chunk=1)  # kernels built once, not timed
+        return generate(model, prompt_ids, tokens, greedy=True, prefill_chunk=1)
     finally:
         torch.set_num_threads(1)
 
@@ -214,9 +224,12 @@ def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, t
             raise SystemExit(f"{config.name}: generate failed ({proc.returncode}): {err.read().strip()[-500:]}")
         result = json.load(out)
     stats = result["stats"]
+    decode_bytes = stats["decode_mb_read_per_token"] * 1e6 * max(len(result["token_ids"]) - 1, 1)
     return Run(config.name, round_, stats["decode_tokens_per_s"], stats["decode_mb_read_per_token"],
                stats["decode_hit_rate"], stats["prefetch_accuracy"], usage.ru_maxrss * 1024, cgroup.peak(),
-               result["token_ids"], os.getloadavg()[0], stats["decode_profile_ms_per_token"], stats["decode_io_busy"])
+               result["token_ids"], os.getloadavg()[0], stats["decode_profile_ms_per_token"], stats["decode_io_busy"],
+               len(prompt_ids) / stats["prefill_s"], (stats["bytes_read"] - decode_bytes) / 1e6 / len(prompt_ids),
+               stats["hit_rate"], stats["capacity_slots"])
 
 
 def own_compute_ms(profile_ms: dict[str, float]) -> float:
