@@ -134,15 +134,16 @@ def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens
     return compute_run(store, traces, prompt_ids, tokens, threads).decode_tokens_per_s
 
 
-def compute_run(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int, threads: int = 1) -> Generation:
-    """The prompt token by token and `tokens` greedy decode tokens with every expert resident. The routing
-    follows the same trace records as the cached runs (placed by the same first token), so every step
-    multiplies the same shapes."""
+def compute_run(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int, threads: int = 1,
+                prefill_chunk: int | None = 1) -> Generation:
+    """The prompt token by token (or in chunks of `prefill_chunk`; None: one step) and `tokens` greedy
+    decode tokens with every expert resident. The routing follows the same trace records as the cached
+    runs (placed by the same first step), so every step multiplies the same shapes."""
     model = load_model(store, OneLayerResident(store), prefetch=False, route_trace=traces)
     torch.set_num_threads(threads)
     try:
         generate(model, prompt_ids[:4], 3, greedy=True, prefill_chunk=1)  # kernels built once, not timed
-        return generate(model, prompt_ids, tokens, greedy=True, prefill_chunk=1)
+        return generate(model, prompt_ids, tokens, greedy=True, prefill_chunk=prefill_chunk)
     finally:
         torch.set_num_threads(1)
 
@@ -200,15 +201,15 @@ def torch_swiglu(e: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
 
 def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, traces: list[Path],
                prompt_ids: list[int], tokens: int, threads: int, cap: str = "25%",
-               others: tuple[Path, ...] = ()) -> Run:
-    """One `flashmoe-cli generate` of `config` on `store`, cold: its pages and those of the `others` stores
-    the same cgroup runs are dropped first."""
+               others: tuple[Path, ...] = (), extra: tuple[str, ...] = ()) -> Run:
+    """One `flashmoe-cli generate` of `config` (and `extra` arguments) on `store`, cold: its pages and those
+    of the `others` stores the same cgroup runs are dropped first."""
     drop_stores_pages(store, *others)
     if cgroup.path is not None:
         cgroup.reset_peak()
     cmd = [*CLI, "generate", "--model", str(store), "--prompt-ids", ",".join(map(str, prompt_ids)),
            "--max-new-tokens", str(tokens), "--greedy", "--cache-cap", cap,
-           *(["--route-trace", *map(str, traces)] if traces else []), "--json", *config.args(threads)]
+           *(["--route-trace", *map(str, traces)] if traces else []), "--json", *config.args(threads), *extra]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
         try:

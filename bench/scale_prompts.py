@@ -8,15 +8,18 @@ prompts against the machine's limit, and the agent's hit rate against the simula
 Each prompt (by number; the report split is 801..1000, never trained on) is cut out of the prefill NPZ
 with its layers cut to the model's MoE layers (a store written with `--layers N` has N - 1 of
 DeepSeek-V2-Lite's 26) into a one-prompt NPZ. Its first L - tokens rows route the prompt, processed
-token by token (generate's default `--prefill sequential`), its last `tokens` rows route the decode:
-every token is routed as recorded, in order. The prompt's ids are chosen so that the route trace places
-the sequence at its first record (agent/model/route_trace.py places a sequence by a hash of its first
-step's tokens); random weights make the ids themselves meaningless.
+token by token (generate's default `--prefill sequential`; `--prefill batched`: in one step, the cache
+in global scope, since a quarter of a layer's experts cannot hold the union a long prompt routes), its
+last `tokens` rows route the decode: every token is routed as recorded, in order. The prompt's ids are
+chosen so that the route trace places the sequence at its first record (agent/model/route_trace.py
+places a sequence by a hash of its first step's tokens); random weights make the ids meaningless.
 Per round, as bench/scale.py: the raw O_DIRECT bandwidth; per prompt, compute-only (every expert
 resident) and then each configuration, a `flashmoe-cli generate` in the same cgroup limit from a cold
 page cache: (a) learned policy + prefetch, (b) LRU + prefetch, (c) mmap, and (e), (f) = (a), (b)
 without prefetch: what the simulator replays. Beside them, agent/simulator.py's hit rate on the same one-prompt
-NPZ (same cap, policy and scope; no prefetch). Writes bench/results/scale-prompts.json.
+NPZ (same cap, policy and scope; no prefetch). With `--contexts`, first: compute-only decode steps at
+those context lengths (MLA's attention as the KV cache grows), and the same for each `--reference` store
+(e.g. OLMoE's multi-head attention). Writes bench/results/scale-prompts.json.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ import json
 import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,13 +42,15 @@ from agent.experts.cap import parse_cap  # noqa: E402
 from agent.experts.layout import EXPERTS, INDEX, Index  # noqa: E402
 from agent.experts.reader import IO_THREADS  # noqa: E402
 from agent.model.config import MoEConfig  # noqa: E402
+from agent.model.loading import load_model  # noqa: E402
 from agent.model.route_trace import RouteTrace  # noqa: E402
 from agent.simulator import simulate  # noqa: E402
 from agent.traces import read_npz  # noqa: E402
 from bench.common import count, machine, results_name, write_results  # noqa: E402
 from bench.loader import raw_baseline  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory  # noqa: E402
-from bench.scale import CHUNK, CONFIGS, Config, compute_run, limit_tok_s, own_compute_ms, run_config  # noqa: E402
+from bench.scale import (CHUNK, CONFIGS, Config, OneLayerResident, compute_run, limit_tok_s,  # noqa: E402
+                         own_compute_ms, run_config)
 
 TRACE = ROOT.parent / "shared" / "traces" / "prefill" / "deepseek_v2_lite_puffin_0001-1000.npz"
 PROMPTS = (808, 816, 824)   # the first three of the report split with at least 90 tokens: 95, 156, 94
@@ -76,13 +83,15 @@ def prompt_slice(source: Path, number: int, moe_layers: int, out_dir: Path, rows
     return path
 
 
-def placed_at_start(trace: Path, config: MoEConfig, length: int) -> list[int]:
-    """`length` prompt ids whose first token the route trace places at its first record (the placement a
-    token-by-token prefill gets), so the prompt's token p takes the recorded row p."""
+def placed_at_start(trace: Path, config: MoEConfig, length: int, batched: bool = False) -> list[int]:
+    """`length` prompt ids that the route trace places at its first record, so the prompt's token p takes
+    the recorded row p. A sequence is placed by its first step's tokens: the first token of a token-by-token
+    prefill, the whole prompt of a batched one."""
     routes = RouteTrace.load([trace], config)
     for first in range(config.vocab_size):
-        if routes.place(torch.tensor([first])).start == 0:
-            return [(first + p) % config.vocab_size for p in range(length)]
+        ids = [(first + p) % config.vocab_size for p in range(length)]
+        if routes.place(torch.tensor(ids if batched else ids[:1])).start == 0:
+            return ids
     raise SystemExit(f"no first token places a sequence at the start of {trace}")
 
 
@@ -95,6 +104,30 @@ def simulated_hit_rates(trace: Path, slots: int) -> dict[str, float]:
             for policy in SIMULATED}
 
 
+def decode_at_contexts(store: Path, contexts: Sequence[int], repeat: int = 5) -> dict[int, dict[str, float]]:
+    """Compute-only decode steps (every expert resident, the model's own router, one torch thread) after
+    `n` positions of KV cache (random values where a prompt of that length would have left its keys): ms
+    per token of the attention phase and of the whole step, and the KV cache's bytes per position."""
+    model = load_model(store, OneLayerResident(store), prefetch=False)
+    torch.set_num_threads(1)
+    out = {}
+    for n in contexts:
+        seq = model.new_sequence(n + repeat + 1)
+        seq.k.normal_(), seq.v.normal_()
+        seq.pos = n
+        for _ in range(2):
+            model.step([(seq, torch.tensor([1]))])      # kernels built, not timed
+        before, start = dict(model.profile.seconds), time.perf_counter()
+        for _ in range(repeat):
+            model.step([(seq, torch.tensor([1]))])
+        step_s = (time.perf_counter() - start) / repeat
+        out[n] = {"attention_ms": model.profile.since(before)["attention"] / repeat * 1000, "step_ms": step_s * 1000,
+                  "kv_bytes_per_position": (seq.k.nbytes + seq.v.nbytes) // seq.max_len}
+        print(f"  {store}: context {n}: attention {out[n]['attention_ms']:.1f} ms, step {out[n]['step_ms']:.1f} ms, "
+              f"KV {out[n]['kv_bytes_per_position']} bytes a position", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True, help="an expert store of the trace's architecture")
@@ -103,6 +136,10 @@ def main() -> int:
     ap.add_argument("--tokens", type=count, default=16, help="each prompt's last rows decoded (default 16)")
     ap.add_argument("--rounds", type=count, default=1, help="rounds; medians over prompts and rounds")
     ap.add_argument("--configs", default="a,b,c,e", help="which of a,b,c,e,f, in this order for every prompt")
+    ap.add_argument("--prefill", choices=("sequential", "batched"), default="sequential",
+                    help="the prompt token by token (default) or in one step, the cache in global scope")
+    ap.add_argument("--contexts", default="", help="context lengths for decode_at_contexts, comma separated (none: skip)")
+    ap.add_argument("--reference", type=Path, nargs="*", default=[], help="other stores measured at --contexts too")
     ap.add_argument("--results", type=results_name, default="scale-prompts",
                     help="bench/results/NAME.json to write (default scale-prompts)")
     args = ap.parse_args()
@@ -111,46 +148,52 @@ def main() -> int:
     config = MoEConfig.from_file(store / "config.json")
     cgroup = MemoryCgroup(device_memory(store, parse_cap(CAP, index.nbytes * len(index.blocks))))
     print(cgroup.describe())
-    chosen = [CONFIGS[c] for c in args.configs.split(",")]
+    chosen = [CONFIGS[c] for c in args.configs.split(",")] if args.configs else []
+    contexts = [int(n) for n in args.contexts.split(",") if n]
+    at_contexts = {str(s): decode_at_contexts(s, contexts) for s in (store, *args.reference)} if contexts else {}
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         prompts = {n: prompt_slice(args.trace, n, len(config.moe_layer_ids), Path(tmp))
                    for n in map(int, args.prompts.split(","))}
         try:
-            for r in range(args.rounds):
+            for r in range(args.rounds if chosen else 0):
                 raw = raw_baseline(store / EXPERTS, index, CHUNK, IO_THREADS)
                 print(f"round {r + 1}: raw {raw['raw_mb_s']:.0f} MB/s", flush=True)
                 rounds.append({"round": r, **raw, "prompts": [
-                    run_prompt(store, n, path, config, chosen, r, cgroup, args.tokens, raw["raw_mb_s"])
+                    run_prompt(store, n, path, config, chosen, r, cgroup, args.tokens, raw["raw_mb_s"],
+                               args.prefill == "batched")
                     for n, path in prompts.items()]})
         finally:
             cgroup.remove()
     facts = {**machine(store), "memory_limit": cgroup.describe(), "model": str(store),
              "expert_bytes": index.nbytes * len(index.blocks), "config": json.loads((store / "config.json").read_text()),
              "trace": str(args.trace), "kv_bytes_per_token_layer": kv_bytes(config)}
-    summary = summarize(rounds)
-    print_table(summary, facts)
+    summary = summarize(rounds) if chosen else {}
+    if chosen:
+        print_table(summary, facts)
     write_results(args.results, {"command": " ".join(sys.argv), "machine": facts, "tokens": args.tokens, "cap": CAP,
-                                 "rounds": rounds, "summary": summary})
+                                 "decode_at_contexts": at_contexts, "rounds": rounds, "summary": summary})
     return 0
 
 
 def run_prompt(store: Path, number: int, trace: Path, config: MoEConfig, chosen: list[Config], round_: int,
-               cgroup: MemoryCgroup, tokens: int, raw_mb_s: float) -> dict:
+               cgroup: MemoryCgroup, tokens: int, raw_mb_s: float, batched: bool = False) -> dict:
     """Compute-only, then every configuration, on one prompt, each with its limits beside it; then the
-    simulator on the same rows with the cache the O_DIRECT runs had."""
+    simulator on the same rows with the cache the O_DIRECT runs had (token by token only: the simulator
+    replays the recorded rows one token a step, not a batched step's union)."""
     length = read_npz(trace).n_tokens
     if length <= tokens:
         raise SystemExit(f"prompt {number} has {length} tokens; --tokens {tokens} leaves none to prefill")
-    ids = placed_at_start(trace, config, length - tokens)
-    bound = compute_run(store, [trace], ids, tokens)
+    ids = placed_at_start(trace, config, length - tokens, batched)
+    bound = compute_run(store, [trace], ids, tokens, prefill_chunk=None if batched else 1)
     compute = {"prefill_tok_s": len(ids) / bound.prefill_s, "decode_tok_s": bound.decode_tokens_per_s}
     print(f"  prompt {number}: {len(ids)} tokens + {tokens} decoded; compute-only prefill "
           f"{compute['prefill_tok_s']:.2f} tok/s, decode {compute['decode_tok_s']:.2f} tok/s", flush=True)
     out = {"prompt": number, "prompt_tokens": len(ids), "compute": compute, "runs": []}
     reference = None
     for c in chosen:
-        run = run_config(store, c, round_, cgroup, [trace], ids, tokens, 1, CAP)
+        run = run_config(store, c, round_, cgroup, [trace], ids, tokens, 1, CAP,
+                         extra=("--prefill", "batched", "--scope", "global") if batched else ())
         prefill_limit, _, _ = limit_tok_s(compute["prefill_tok_s"], run.prefill_mb_per_token, raw_mb_s)
         decode_limit, _, _ = limit_tok_s(compute["decode_tok_s"], run.mb_per_token, raw_mb_s)
         reference = reference or run.token_ids
@@ -163,7 +206,7 @@ def run_prompt(store: Path, number: int, trace: Path, config: MoEConfig, chosen:
         out["runs"].append({**asdict(run), "prefill_limit_tok_s": prefill_limit, "decode_limit_tok_s": decode_limit,
                             "same_tokens": run.token_ids == reference})
     slots = next((run["capacity_slots"] for run in out["runs"] if CONFIGS[run["config"][0]].backend == "direct"), None)
-    if slots is not None:
+    if slots is not None and not batched:
         # the rows the agent ran: the prompt and every decode step but the last token's (sampled, never run)
         ran = prompt_slice(trace, number, len(config.moe_layer_ids), trace.parent, len(ids) + tokens - 1, id_order=True)
         out["simulated"] = simulated_hit_rates(ran, slots)
@@ -202,7 +245,9 @@ def summarize(rounds: list[dict]) -> dict:
             "same_tokens": all(run["same_tokens"] for _, run in mine)}
         config = CONFIGS[name[0]]
         if config.backend != "mmap":   # the page cache runs no policy the simulator has
-            out["configs"][name]["simulated_hit_rate"] = med(p["simulated"][config.policy] for p, _ in mine)
+            sims = [p["simulated"][config.policy] for p, _ in mine if "simulated" in p]
+            if sims:
+                out["configs"][name]["simulated_hit_rate"] = med(sims)
     compute = [p["compute"] for r in rounds for p in r["prompts"]]
     out["compute"] = {k: med(c[k] for c in compute) for k in ("prefill_tok_s", "decode_tok_s")}
     return out
