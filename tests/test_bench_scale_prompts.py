@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent.convert import convert  # noqa: E402
 from agent.generate import run_generate  # noqa: E402
 from agent.model.config import MoEConfig  # noqa: E402
-from agent.shapes import write_checkpoint  # noqa: E402
+from agent.shapes import shape_config, write_checkpoint  # noqa: E402
 from agent.traces import read_jsonl, read_npz  # noqa: E402
 from bench import scale_prompts  # noqa: E402
 
@@ -70,3 +70,16 @@ def test_every_token_takes_its_recorded_row_and_the_simulator_agrees(lite, tmp_p
     slots = result.stats["capacity_slots"]
     sim = scale_prompts.simulated_hit_rates(scale_prompts.prompt_slice(trace, 12, 2, tmp_path, rows=29, id_order=True), slots)
     assert sim["lru"] == pytest.approx(result.stats["hit_rate"])          # LRU without prefetch: the same hits
+
+
+def test_mla_caches_a_latent_nine_times_smaller_than_the_heads_it_makes():
+    lite = MoEConfig.from_hf(shape_config("deepseek-v2-lite"))
+    assert scale_prompts.kv_bytes(lite) == {"cached": (512 + 64) * 2, "expanded": 16 * (192 + 128) * 2}   # 8.9x
+
+
+def test_decode_at_contexts_times_attention_over_a_filled_kv_cache(lite):
+    store, _ = lite
+    at = scale_prompts.decode_at_contexts(store, [4, 64], repeat=1)
+    assert set(at) == {4, 64}
+    assert all(0 < a["attention_ms"] < a["step_ms"] for a in at.values())
+    assert at[64]["kv_bytes_per_position"] == 3 * (16 + 8) * 2          # 3 layers x (latent 16 + rotary key 8), bf16
