@@ -139,7 +139,8 @@ def main() -> int:
     ap.add_argument("--configs", default="a,b,c,e", help="which of a,b,c,e,f, in this order for every prompt")
     ap.add_argument("--prefill", choices=("sequential", "batched"), default="sequential",
                     help="the prompt token by token (default) or in one step, the cache in global scope")
-    ap.add_argument("--contexts", default="", help="context lengths for decode_at_contexts, comma separated (none: skip)")
+    ap.add_argument("--contexts", default="",
+                    help="context lengths for decode_at_contexts, comma separated (none: skip)")
     ap.add_argument("--reference", type=Path, nargs="*", default=[], help="other stores measured at --contexts too")
     ap.add_argument("--results", type=results_name, default="scale-prompts",
                     help="bench/results/NAME.json to write (default scale-prompts)")
@@ -167,7 +168,8 @@ def main() -> int:
         finally:
             cgroup.remove()
     facts = {**machine(store), "memory_limit": cgroup.describe(), "model": str(store),
-             "expert_bytes": index.nbytes * len(index.blocks), "config": json.loads((store / "config.json").read_text()),
+             "expert_bytes": index.nbytes * len(index.blocks),
+             "config": json.loads((store / "config.json").read_text()),
              "trace": str(args.trace), "kv_bytes_per_token_layer": kv_bytes(config)}
     summary = summarize(rounds) if chosen else {}
     if chosen:
@@ -200,9 +202,11 @@ def run_prompt(store: Path, number: int, trace: Path, config: MoEConfig, chosen:
         reference = reference or run.token_ids
         print(f"    {c.name}: prefill {run.prefill_tok_s:.2f} tok/s = {run.prefill_tok_s / prefill_limit:.2f} x limit, "
               f"{run.prefill_mb_per_token:.0f} MB/token; decode {run.decode_tok_s:.2f} tok/s = "
-              f"{run.decode_tok_s / decode_limit:.2f} x limit, {run.mb_per_token:.0f} MB/token; hit rate {run.run_hit_rate:.3f} "
+              f"{run.decode_tok_s / decode_limit:.2f} x limit, {run.mb_per_token:.0f} MB/token; "
+              f"hit rate {run.run_hit_rate:.3f} "
               f"(decode {run.hit_rate:.3f}); attention {run.profile_ms.get('attention', 0):.0f} ms/token; "
-              f"peak RSS {run.peak_rss_bytes / 2**20:.0f} MiB, cgroup peak {(run.cgroup_peak_bytes or 0) / 2**20:.0f} MiB; "
+              f"peak RSS {run.peak_rss_bytes / 2**20:.0f} MiB, "
+              f"cgroup peak {(run.cgroup_peak_bytes or 0) / 2**20:.0f} MiB; "
               f"same tokens: {run.token_ids == reference}", flush=True)
         out["runs"].append({**asdict(run), "prefill_limit_tok_s": prefill_limit, "decode_limit_tok_s": decode_limit,
                             "same_tokens": run.token_ids == reference})
@@ -237,8 +241,9 @@ def summarize(rounds: list[dict]) -> dict:
         out["configs"][name] = {
             "prefill_tok_s": sum(p["prompt_tokens"] for p, _ in mine) / prefill_s,
             "decode_tok_s": decode_tokens / decode_s,
-            **{k: med(run[k] for _, run in mine) for k in ("prefill_mb_per_token", "mb_per_token", "run_hit_rate", "hit_rate",
-                                                            "peak_rss_bytes", "prefill_limit_tok_s", "decode_limit_tok_s")},
+            **{k: med(run[k] for _, run in mine) for k in (
+                "prefill_mb_per_token", "mb_per_token", "run_hit_rate", "hit_rate", "peak_rss_bytes",
+                "prefill_limit_tok_s", "decode_limit_tok_s")},
             "prefill_of_limit": med(run["prefill_tok_s"] / run["prefill_limit_tok_s"] for _, run in mine),
             "decode_of_limit": med(run["decode_tok_s"] / run["decode_limit_tok_s"] for _, run in mine),
             "cgroup_peak_bytes": max(run["cgroup_peak_bytes"] or 0 for _, run in mine),
@@ -257,7 +262,8 @@ def summarize(rounds: list[dict]) -> dict:
 def print_table(summary: dict, facts: dict) -> None:
     c0 = facts["config"]
     print(f"\n{c0.get('model_type')} {c0.get('num_hidden_layers')} layers ({c0.get('flashmoe_cut', 'whole')}), "
-          f"{facts['expert_bytes'] / 1e9:.1f} GB of experts; cap {CAP}; raw {summary['raw_mb_s']:.0f} MB/s; compute-only "
+          f"{facts['expert_bytes'] / 1e9:.1f} GB of experts; cap {CAP}; raw {summary['raw_mb_s']:.0f} MB/s; "
+          f"compute-only "
           f"prefill {summary['compute']['prefill_tok_s']:.2f}, decode {summary['compute']['decode_tok_s']:.2f} tok/s; "
           f"KV bytes per token and layer {facts['kv_bytes_per_token_layer']}; {facts['memory_limit']}")
     print(f"{'configuration':<30} {'prefill':>7} {'x lim':>5} {'MB/tok':>6} {'decode':>6} {'x lim':>5} {'MB/tok':>6} "
@@ -265,7 +271,8 @@ def print_table(summary: dict, facts: dict) -> None:
     for name, c in summary["configs"].items():
         sim = c.get("simulated_hit_rate")
         print(f"{name:<30} {c['prefill_tok_s']:>7.2f} {c['prefill_of_limit']:>5.2f} {c['prefill_mb_per_token']:>6.0f} "
-              f"{c['decode_tok_s']:>6.2f} {c['decode_of_limit']:>5.2f} {c['mb_per_token']:>6.0f} {c['run_hit_rate']:>5.3f} "
+              f"{c['decode_tok_s']:>6.2f} {c['decode_of_limit']:>5.2f} {c['mb_per_token']:>6.0f} "
+              f"{c['run_hit_rate']:>5.3f} "
               f"{'' if sim is None else f'{sim:.3f}':>5} {c['hit_rate']:>7.3f} {c['peak_rss_bytes'] / 2**20:>6.0f}Mi "
               f"{c['cgroup_peak_bytes'] / 2**20:>6.0f}Mi")
     phases = next(iter(summary["configs"].values()))["profile_ms"]

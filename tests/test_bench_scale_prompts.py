@@ -35,7 +35,8 @@ def lite(tmp_path_factory) -> tuple[Path, Path]:
     ids = np.stack([np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(LAYERS)])
                     for _ in range(sum(lengths))]).astype(np.uint8)
     npz = tmp / "prefill.npz"
-    np.savez(npz, expert_ids=ids, prompt_offsets=np.cumsum([0, *lengths]), prompt_numbers=np.array([11, 12, 13], np.int32),
+    np.savez(npz, expert_ids=ids, prompt_offsets=np.cumsum([0, *lengths]),
+             prompt_numbers=np.array([11, 12, 13], np.int32),
              layers=np.arange(1, LAYERS + 1, dtype=np.int16), meta=json.dumps({"model": "test", "n_experts": EXPERTS}))
     return store, npz
 
@@ -68,7 +69,8 @@ def test_every_token_takes_its_recorded_row_and_the_simulator_agrees(lite, tmp_p
             row = ran.experts[ran.offsets[token * 2 + layer]:ran.offsets[token * 2 + layer + 1]]
             assert sorted(row) == sorted(rows[token, layer])
     slots = result.stats["capacity_slots"]
-    sim = scale_prompts.simulated_hit_rates(scale_prompts.prompt_slice(trace, 12, 2, tmp_path, rows=29, id_order=True), slots)
+    ran_rows = scale_prompts.prompt_slice(trace, 12, 2, tmp_path, rows=29, id_order=True)
+    sim = scale_prompts.simulated_hit_rates(ran_rows, slots)
     assert sim["lru"] == pytest.approx(result.stats["hit_rate"])          # LRU without prefetch: the same hits
 
 
