@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/serve.py --configs b,a,c --rounds 5 [--model data/demo] [--clients 16]
                                     [--requests-per-client 2] [--admit-window-ms MS] [--route-trace FILE ...]
-                                    [--results NAME] [--reference STORE --configs b,a,c,A,C]
+                                    [--neighbour FILE] [--results NAME] [--reference STORE --configs b,a,c,A,C]
 
 (a) the learned flashmoe policy with lookahead prefetch, O_DIRECT slots;
 (b) LRU with the same prefetch and slots;
@@ -10,6 +10,8 @@
 (p) (a) with the steps that admit prompts on every core (serve --prefill-threads N, N = os.cpu_count(); the
     agent's default is one thread, as for decode): the A/B of the prefill threads;
 (q) (c) with its admission steps on every core too, what (p) is to be compared with;
+(s) (a) with the batch limit held at --max-batch-size (the knob ssd_util_threshold at 1: the SSD is never
+    "too busy" for another sequence): the A/B of shrinking the batch while the disk is busy;
 (A), (B), (C) with --reference (the same checkpoint's unquantized store, when --model is its int8 twin):
     (a), (b), (c) on that store, the weights as published.
 Each run starts `flashmoe-cli serve` as its own process with the cache cap at 25% of expert bytes,
@@ -18,9 +20,11 @@ the model's dense weights and KV budget, and working memory; bench/memory.py), a
 files and dense weights of every store in the run are dropped from the page cache (posix_fadvise
 DONTNEED), so every run starts cold. The clients are set up first and start together, so their first
 requests arrive as a burst; each measures request latency (send to last byte); tokens/s is all
-completion tokens over the wall time of the whole load. A warm-up run of the first configuration
-comes before the rounds and is not measured (`--no-warm-up` leaves it out): the first run of an
-invocation can be slower than the same configuration's later ones (P99 1.3x in one run of BENCHMARKS.md's
+completion tokens over the wall time of the whole load, and tokens/step those tokens over the model's steps
+(how many requests shared a step, on average). With --neighbour FILE another process reads FILE with
+O_DIRECT, over and over, during every run's load: a disk that is busy with someone else's reads.
+A warm-up run of the first configuration comes before the rounds and is not measured (`--no-warm-up`
+leaves it out): the first run of an invocation can be slower than the same configuration's later ones (P99 1.3x in one run of BENCHMARKS.md's
 "The final runs", none in the next, started right after; 2-3x seen before), for what the per-run drop
 leaves warm across invocations; the JSON keeps it under "warm_up", apart from the rounds.
 Where (a)'s time goes: every run's model steps are profiled by the agent
@@ -48,6 +52,7 @@ import concurrent.futures
 import contextlib
 import os
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -83,11 +88,12 @@ class Config:
     prefetch: bool
     reference: bool = False   # runs on --reference instead of --model
     extra: tuple[str, ...] = ()  # more serve arguments
+    knobs: tuple[tuple[str, object], ...] = ()  # set over PUT /v1/knobs once the agent answers
 
     def on_reference(self) -> "Config":
         """The same configuration on --reference, named by its capital letter."""
         return Config(f"{self.name[0].upper()}{self.name[1:]}, --reference", self.policy, self.backend, self.prefetch,
-                      reference=True, extra=self.extra)
+                      reference=True, extra=self.extra, knobs=self.knobs)
 
     def args(self) -> list[str]:
         return (["--policy", self.policy, "--backend", self.backend] + ([] if self.prefetch else ["--no-prefetch"])
@@ -99,7 +105,9 @@ CONFIGS = [Config("a: flashmoe + prefetch", "flashmoe", "direct", True),
            Config("b: lru + prefetch", "lru", "direct", True),
            Config("c: mmap (page cache)", "lru", "mmap", False),
            Config("p: a, prefill on every core", "flashmoe", "direct", True, extra=EVERY_CORE),
-           Config("q: c, prefill on every core", "lru", "mmap", False, extra=EVERY_CORE)]
+           Config("q: c, prefill on every core", "lru", "mmap", False, extra=EVERY_CORE),
+           Config("s: a, the batch limit never shrinks (ssd_util_threshold 1)", "flashmoe", "direct", True,
+                  knobs=(("ssd_util_threshold", 1.0),))]
 CONFIGS += [c.on_reference() for c in CONFIGS]
 
 
@@ -135,6 +143,7 @@ class Result:
         """What the summary takes the median of."""
         return {"p50_s": self.p(50), "p95_s": self.p(95), "p99_s": self.p(99), "tokens_per_s": self.tokens_per_s,
                 "gb_read": self.bytes_read / 1e9, "hit_rate": self.hit_rate, "model_steps": self.model_steps,
+                "tokens_per_step": self.completion_tokens / self.model_steps,
                 "peak_rss_mib": self.peak_rss_bytes / 2**20}
 
 
@@ -229,10 +238,26 @@ def drive(url: str, mix: list[list[dict]]) -> tuple[list[float], int, float]:
     return [d[0] for d in done], sum(d[1] for d in done), time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def disk_neighbour(path: Path | None):
+    """While the block runs, another process reads `path` over and over with O_DIRECT (bench --neighbour):
+    the disk is busy with reads that are not the agent's. None: no neighbour."""
+    if path is None:
+        yield
+        return
+    proc = subprocess.Popen(["sh", "-c", f"while :; do dd if={shlex.quote(str(path))} of=/dev/null bs=1M "
+                                         "iflag=direct 2>/dev/null || exit 1; done"], start_new_session=True)
+    try:
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+
+
 def run_config(model: Path, config: Config, round_: int, mix, cgroup: MemoryCgroup, logs: Path,
-               serve_args: list[str], others: tuple[Path, ...] = ()) -> Result:
+               serve_args: list[str], others: tuple[Path, ...] = (), neighbour: Path | None = None) -> Result:
     """One run of `config` on `model`, cold: its pages and those of the `others` stores the same cgroup
-    runs are dropped first."""
+    runs are dropped first. With `neighbour`, that file is read with O_DIRECT beside the clients' load."""
     drop_stores_pages(model, *others)
     if cgroup.path is not None:
         cgroup.reset_peak()
@@ -240,7 +265,10 @@ def run_config(model: Path, config: Config, round_: int, mix, cgroup: MemoryCgro
     proc, url = start(model, config, cgroup, log, serve_args)
     load_start = os.getloadavg()[0]
     try:
-        latencies, tokens, wall = drive(url, mix)
+        if config.knobs:
+            httpx.put(url + "/v1/knobs", json=dict(config.knobs), timeout=30).raise_for_status()
+        with disk_neighbour(neighbour):
+            latencies, tokens, wall = drive(url, mix)
         status = httpx.get(url + "/v1/status", timeout=30).json()
         rss = peak_rss(proc.pid)
     finally:
@@ -314,8 +342,8 @@ def summarize(results: list[Result]) -> dict[str, dict]:
 
 
 # P99 ratios reported when a round ran both: (a) against the others; (p) against (q), the same
-# configurations with admission on every core, and against (c)
-P99_PAIRS = ("ac", "ab", "aA", "aC", "pq", "pc")
+# configurations with admission on every core, and against (c); (s) against (a), the batch limit's A/B
+P99_PAIRS = ("ac", "ab", "aA", "aC", "pq", "pc", "sa")
 
 
 def round_ratios(results: list[Result]) -> dict[str, dict[str, float]]:
@@ -338,6 +366,7 @@ def round_ratios(results: list[Result]) -> dict[str, dict[str, float]]:
 def table(summary: dict[str, dict]) -> str:
     cols = [("P50 s", "p50_s", ".2f"), ("P95 s", "p95_s", ".2f"), ("P99 s", "p99_s", ".2f"),
             ("tok/s", "tokens_per_s", ".2f"), ("GB read", "gb_read", ".2f"), ("hit", "hit_rate", ".3f"),
+            ("tokens/step", "tokens_per_step", ".1f"),
             ("peak RSS MiB", "peak_rss_mib", ".0f")]
     head = f"{'config (median [min-max])':<36} {'runs':>4} " + " ".join(f"{h:>19}" for h, _, _ in cols)
     rows = [head, "-" * len(head)]
@@ -366,12 +395,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=count, default=5, help="runs of every configuration, interleaved (default 5)")
     ap.add_argument("--admit-window-ms", type=float,
                     help="the agent's admission window (serve --admit-window-ms); default: the agent's own")
-    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c,p,q (A,B,C,P,Q: on --reference) to run, in this order "
+    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c,p,q,s (A,B,C,P,Q,S: on --reference) to run, in this order "
                                                        "within every round")
     ap.add_argument("--reference", type=Path, help="the unquantized store of --model's checkpoint: the cap and memory "
                                                     "limit come from it, and configs A,B,C run on it")
     ap.add_argument("--route-trace", type=Path, nargs="+", default=[], metavar="FILE",
                     help="serve --route-trace: recorded real routing for a random-weight model of real shape")
+    ap.add_argument("--neighbour", type=Path, metavar="FILE",
+                    help="during every run, another process reads FILE over and over with O_DIRECT (a disk neighbour; "
+                         "FILE on the store's disk, not a store of the run)")
     ap.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
                     help="run the first configuration once before the rounds, not measured (default: on)")
     ap.add_argument("--results", type=results_name, default="serve",
@@ -380,7 +412,9 @@ def main() -> int:
     letters = args.configs.split(",")
     stores = (args.model, args.reference) if args.reference else (args.model,)
     if not set(letters) <= {c.name[0] for c in CONFIGS}:
-        ap.error(f"--configs {args.configs!r}: give letters among a,b,c,p,q and A,B,C,P,Q, comma separated")
+        ap.error(f"--configs {args.configs!r}: give letters among a,b,c,p,q,s and A,B,C,P,Q,S, comma separated")
+    if args.neighbour is not None and not args.neighbour.is_file():
+        ap.error(f"--neighbour {args.neighbour}: not a file")
     if any(x.isupper() for x in letters) != (args.reference is not None):
         ap.error("configs A,B,C and --reference go together")
     if not (args.model / "experts.index.json").exists():
@@ -418,7 +452,7 @@ def main() -> int:
               f"(agent logs in {logs})", flush=True)
         try:
             r = run_config(args.reference if config.reference else args.model, config, n, mix, cgroup, logs,
-                           serve_args, others=stores)
+                           serve_args, others=stores, neighbour=args.neighbour)
         except (httpx.HTTPError, SystemExit) as exc:
             failed.append({"config": config.name, "round": n, "error": f"{type(exc).__name__}: {exc}"})
             print(f"  FAILED: {failed[-1]['error']} (see the agent log)", flush=True)
@@ -451,7 +485,7 @@ def main() -> int:
     write_results(args.results, {
         "command": " ".join(sys.argv), "cache_cap": CAP, "clients": args.clients,
         "requests_per_client": args.requests_per_client, "max_batch_size": args.max_batch_size,
-        "admit_window_ms": args.admit_window_ms, "rounds": args.rounds, "order": args.configs, "machine": facts,
+        "admit_window_ms": args.admit_window_ms, "neighbour": str(args.neighbour or ""), "rounds": args.rounds, "order": args.configs, "machine": facts,
         **report})
     return 0
 
