@@ -1,5 +1,5 @@
 """The monitoring samples the agent acts on: what the cache's policy sees (expert read latency,
-memory pressure, SSD utilisation) and what the memory guard and the dynamic batch limit decide on.
+memory pressure, SSD utilisation) and what the memory guard decides on.
 
 One sampler, one fallback order. Signals of this process come from the process itself: read
 latency from the cache's own expert reads (the cache reports each one), major faults from

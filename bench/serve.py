@@ -10,8 +10,6 @@
 (p) (a) with the steps that admit prompts on every core (serve --prefill-threads N, N = os.cpu_count(); the
     agent's default is one thread, as for decode): the A/B of the prefill threads;
 (q) (c) with its admission steps on every core too, what (p) is to be compared with;
-(s) (a) with the batch limit held at --max-batch-size (the knob ssd_util_threshold at 1: the SSD is never
-    "too busy" for another sequence): the A/B of shrinking the batch while the disk is busy;
 (A), (B), (C) with --reference (the same checkpoint's unquantized store, when --model is its int8 twin):
     (a), (b), (c) on that store, the weights as published.
 Each run starts `flashmoe-cli serve` as its own process with the cache cap at 25% of expert bytes,
@@ -88,12 +86,11 @@ class Config:
     prefetch: bool
     reference: bool = False   # runs on --reference instead of --model
     extra: tuple[str, ...] = ()  # more serve arguments
-    knobs: tuple[tuple[str, object], ...] = ()  # set over PUT /v1/knobs once the agent answers
 
     def on_reference(self) -> "Config":
         """The same configuration on --reference, named by its capital letter."""
         return Config(f"{self.name[0].upper()}{self.name[1:]}, --reference", self.policy, self.backend, self.prefetch,
-                      reference=True, extra=self.extra, knobs=self.knobs)
+                      reference=True, extra=self.extra)
 
     def args(self) -> list[str]:
         return (["--policy", self.policy, "--backend", self.backend] + ([] if self.prefetch else ["--no-prefetch"])
@@ -105,9 +102,7 @@ CONFIGS = [Config("a: flashmoe + prefetch", "flashmoe", "direct", True),
            Config("b: lru + prefetch", "lru", "direct", True),
            Config("c: mmap (page cache)", "lru", "mmap", False),
            Config("p: a, prefill on every core", "flashmoe", "direct", True, extra=EVERY_CORE),
-           Config("q: c, prefill on every core", "lru", "mmap", False, extra=EVERY_CORE),
-           Config("s: a, the batch limit never shrinks (ssd_util_threshold 1)", "flashmoe", "direct", True,
-                  knobs=(("ssd_util_threshold", 1.0),))]
+           Config("q: c, prefill on every core", "lru", "mmap", False, extra=EVERY_CORE)]
 CONFIGS += [c.on_reference() for c in CONFIGS]
 
 
@@ -265,8 +260,6 @@ def run_config(model: Path, config: Config, round_: int, mix, cgroup: MemoryCgro
     proc, url = start(model, config, cgroup, log, serve_args)
     load_start = os.getloadavg()[0]
     try:
-        if config.knobs:
-            httpx.put(url + "/v1/knobs", json=dict(config.knobs), timeout=30).raise_for_status()
         with disk_neighbour(neighbour):
             latencies, tokens, wall = drive(url, mix)
         status = httpx.get(url + "/v1/status", timeout=30).json()
@@ -342,8 +335,8 @@ def summarize(results: list[Result]) -> dict[str, dict]:
 
 
 # P99 ratios reported when a round ran both: (a) against the others; (p) against (q), the same
-# configurations with admission on every core, and against (c); (s) against (a), the batch limit's A/B
-P99_PAIRS = ("ac", "ab", "aA", "aC", "pq", "pc", "sa")
+# configurations with admission on every core, and against (c)
+P99_PAIRS = ("ac", "ab", "aA", "aC", "pq", "pc")
 
 
 def round_ratios(results: list[Result]) -> dict[str, dict[str, float]]:
@@ -395,7 +388,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=count, default=5, help="runs of every configuration, interleaved (default 5)")
     ap.add_argument("--admit-window-ms", type=float,
                     help="the agent's admission window (serve --admit-window-ms); default: the agent's own")
-    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c,p,q,s (A,B,C,P,Q,S: on --reference) to run, in this order "
+    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c,p,q (A,B,C,P,Q: on --reference) to run, in this order "
                                                        "within every round")
     ap.add_argument("--reference", type=Path, help="the unquantized store of --model's checkpoint: the cap and memory "
                                                     "limit come from it, and configs A,B,C run on it")
@@ -412,7 +405,7 @@ def main() -> int:
     letters = args.configs.split(",")
     stores = (args.model, args.reference) if args.reference else (args.model,)
     if not set(letters) <= {c.name[0] for c in CONFIGS}:
-        ap.error(f"--configs {args.configs!r}: give letters among a,b,c,p,q,s and A,B,C,P,Q,S, comma separated")
+        ap.error(f"--configs {args.configs!r}: give letters among a,b,c,p,q and A,B,C,P,Q, comma separated")
     if args.neighbour is not None and not args.neighbour.is_file():
         ap.error(f"--neighbour {args.neighbour}: not a file")
     if any(x.isupper() for x in letters) != (args.reference is not None):

@@ -168,7 +168,7 @@ CATALOGUE: tuple[SeriesSpec, ...] = (
     _agent("tokens_per_s", "1/s", 0.01, "generated tokens per second"),
     _agent("hit_rate", "fraction", 0.0001, "expert cache hit rate, 0..1"),
     _agent("batch_size", "requests", 1.0, "requests in the current batch"),
-    _agent("batch_limit", "requests", 1.0, "dynamic batch limit (follows SSD utilisation)"),
+    _agent("batch_limit", "requests", 1.0, "most requests stepped together (the knob max_batch_size)"),
     _agent("queue_depth", "requests", 1.0, "requests waiting"),
     _agent("cache_bytes", "B", 4096.0, "bytes held in the expert cache"),
     _agent("cache_cap_bytes", "B", 4096.0, "expert cache cap", "cap_bytes"),

@@ -22,15 +22,14 @@ def knobs() -> Knobs:
 def test_defaults_and_bounds_are_described(knobs):
     d = knobs.describe()
     assert set(d) == {"cache_cap_bytes", "policy", "decision", "keep_percentile", "recompute_threshold",
-                      "ssd_util_threshold", "online_learning", "prefetch", "prefetch_depth", "max_batch_size", "auto_shrink"}
-    assert d["ssd_util_threshold"] == {"value": 0.9, "default": 0.9, "type": "float", "min": 0.0, "max": 1.0,
-                                       "help": d["ssd_util_threshold"]["help"]}
+                      "online_learning", "prefetch", "prefetch_depth", "max_batch_size", "auto_shrink"}
     # the learned policy's knobs are the ones its class declares
     assert FlashMoE.knobs == (DECISION, KEEP_PERCENTILE, RECOMPUTE_THRESHOLD, ONLINE_LEARNING)
     assert d["decision"]["value"] == "score" and d["decision"]["choices"] == ["score", "lfu"]
     assert d["online_learning"] == {"value": False, "default": False, "type": "bool", "help": ONLINE_LEARNING.help}
     assert d["keep_percentile"]["value"] == KEEP_PERCENTILE.default and d["keep_percentile"]["max"] == 100.0
-    assert d["recompute_threshold"]["value"] == RECOMPUTE_THRESHOLD.default
+    assert d["recompute_threshold"] == {"value": 0.0, "default": 0.0, "type": "float", "min": 0.0, "max": 1.0,
+                                        "help": RECOMPUTE_THRESHOLD.help}
     assert d["cache_cap_bytes"]["min"] == 1000 and d["cache_cap_bytes"]["max"] == 50_000
     assert d["policy"]["choices"] == ["lfu", "lru", "flashmoe"]
     assert d["prefetch"] == {"value": True, "default": True, "type": "bool", "help": d["prefetch"]["help"]}
@@ -55,14 +54,14 @@ def test_valid_changes_are_converted(knobs):
 
 def test_negative_zero_is_zero(knobs):
     """-0.0 is within [0, 100] and was kept: GET /v1/knobs and the dashboard showed keep_percentile -0.0."""
-    got = knobs.validate({"keep_percentile": -0.0, "ssd_util_threshold": -0.0})
-    assert json.dumps(got) == '{"keep_percentile": 0.0, "ssd_util_threshold": 0.0}'
+    got = knobs.validate({"keep_percentile": -0.0, "recompute_threshold": -0.0})
+    assert json.dumps(got) == '{"keep_percentile": 0.0, "recompute_threshold": 0.0}'
 
 
 @pytest.mark.parametrize("changes, knob, words", [
     ({"cache_cap_bytes": 999}, "cache_cap_bytes", ["between 1000 and 50000", "got 999"]),
     ({"cache_cap_bytes": 60_000}, "cache_cap_bytes", ["70%"]),
-    ({"ssd_util_threshold": 1.5}, "ssd_util_threshold", ["between 0 and 1"]),
+    ({"recompute_threshold": 1.5}, "recompute_threshold", ["between 0 and 1"]),
     ({"max_batch_size": 0}, "max_batch_size", ["between 1 and 256"]),
     ({"max_batch_size": 2.5}, "max_batch_size", ["whole number"]),
     ({"prefetch": "yes"}, "prefetch", ["true or false"]),
@@ -73,7 +72,7 @@ def test_negative_zero_is_zero(knobs):
     ({"policy": ["lru"]}, "policy", ["one of"]),
     ({"policy": "x" * 10_000}, "policy", ["xxx..."]),  # the refused value is quoted short
     ({"max_batch_size": 10 ** 400}, "max_batch_size", ["between 1 and 256"]),
-    ({"ssd_util_threshold": 10 ** 400}, "ssd_util_threshold", ["finite number"]),  # no float holds it
+    ({"recompute_threshold": 10 ** 400}, "recompute_threshold", ["finite number"]),  # no float holds it
 ])
 def test_bad_value_names_the_knob_and_the_range(knobs, changes, knob, words):
     with pytest.raises(KnobError) as err:
@@ -102,8 +101,8 @@ def test_diff_and_commit(knobs):
     assert knobs["max_batch_size"] == 8
 
 
-@pytest.mark.parametrize("knob", ["cache_cap_bytes", "max_batch_size", "prefetch_depth", "ssd_util_threshold",
-                                  "keep_percentile", "recompute_threshold"])
+@pytest.mark.parametrize("knob", ["cache_cap_bytes", "max_batch_size", "prefetch_depth", "keep_percentile",
+                                  "recompute_threshold"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_numbers_are_refused(knobs, knob, value):
     """NaN passes every bound check (it compares false) and Infinity has no int: both were accepted or a 500."""

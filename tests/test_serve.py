@@ -110,9 +110,9 @@ def test_concurrent_requests_share_model_steps(agent):
 def test_knobs_validate_all_or_nothing_apply_live_and_record_the_source(agent):
     knobs = agent.get("/v1/knobs").json()
     cap = knobs["cache_cap_bytes"]
-    assert cap["min"] <= cap["value"] <= cap["max"] and knobs["ssd_util_threshold"]["value"] == 0.9
-    bad = httpx.put(agent.url + "/v1/knobs", json={"max_batch_size": 4, "ssd_util_threshold": 1.7}, timeout=30)
-    assert bad.status_code == 400 and "ssd_util_threshold" in bad.text and "between 0 and 1" in bad.text
+    assert cap["min"] <= cap["value"] <= cap["max"] and knobs["recompute_threshold"]["value"] == 0.0
+    bad = httpx.put(agent.url + "/v1/knobs", json={"max_batch_size": 4, "recompute_threshold": 1.7}, timeout=30)
+    assert bad.status_code == 400 and "recompute_threshold" in bad.text and "between 0 and 1" in bad.text
     assert agent.get("/v1/knobs").json() == knobs  # the good knob in the bad request changed nothing
     new_cap = cap["min"] * 3
     ok = httpx.put(agent.url + "/v1/knobs", json={"cache_cap_bytes": new_cap, "policy": "lfu", "max_batch_size": 4},
@@ -184,12 +184,12 @@ def test_metrics_and_store_get_the_same_counts(agent):
 def test_sigterm_stops_cleanly_and_knobs_are_restored_on_restart(model, tmp_path):
     first = start_agent(model, tmp_path)
     cap = first.get("/v1/knobs").json()["cache_cap_bytes"]["min"] * 3
-    assert httpx.put(first.url + "/v1/knobs", json={"cache_cap_bytes": cap, "ssd_util_threshold": 0.5}).status_code == 200
+    assert httpx.put(first.url + "/v1/knobs", json={"cache_cap_bytes": cap, "recompute_threshold": 0.5}).status_code == 200
     assert first.stop() == 0 and not first.pid_file.exists()
     second = start_agent(model, tmp_path, "--token", "s3cret-of-sixteen")
     try:
         knobs = second.get("/v1/knobs").json()
-        assert knobs["cache_cap_bytes"]["value"] == cap and knobs["ssd_util_threshold"]["value"] == 0.5
+        assert knobs["cache_cap_bytes"]["value"] == cap and knobs["recompute_threshold"]["value"] == 0.5
         assert ("cache_cap_bytes", cap, "restore") in {(h["knob"], h["new"], h["source"])
                                                        for h in queries.knob_history(second.db)}
         denied = httpx.put(second.url + "/v1/knobs", json={"auto_shrink": True})

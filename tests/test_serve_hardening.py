@@ -96,7 +96,7 @@ def test_a_preloaded_expert_is_two_integers(agent):
     assert_clean_4xx(r, 422, "experts.1.0: Input should be a valid integer")
 
 
-@pytest.mark.parametrize("knob", ["ssd_util_threshold", "max_batch_size", "cache_cap_bytes", "prefetch_depth",
+@pytest.mark.parametrize("knob", ["recompute_threshold", "max_batch_size", "cache_cap_bytes", "prefetch_depth",
                                   "keep_percentile"])
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e400"])
 def test_non_finite_knobs_are_refused_and_change_nothing(agent, knob, value):

@@ -1,4 +1,5 @@
-"""The runtime in-process on the small demo model: the memory guard and dynamic batching act and say why."""
+"""The runtime in-process on the small demo model: the memory guard acts and says why; a busy disk leaves the
+batch limit alone."""
 from __future__ import annotations
 
 import time
@@ -51,17 +52,19 @@ def test_sustained_memory_pressure_shrinks_the_cache_step_by_step_and_records_wh
     assert runtime.cache.cap_bytes == int(cap * 0.9)  # calm again: no further step
 
 
-def test_batch_limit_follows_the_collectors_ssd_utilisation(runtime):
+def test_a_busy_ssd_read_from_the_collector_leaves_the_batch_limit_at_max_batch_size(runtime):
+    """For an MoE a smaller batch reads more per token (a step reads the union of its requests' experts),
+    so a busy disk is no reason to shrink it (BENCHMARKS.md, "The batch limit under a busy disk")."""
     runtime.monitor.disk = "testdisk"  # no /sys/block/testdisk: the collector's series for it in the store
     store = runtime.recorder.store
-    limits = []
-    for util in (0.97, 0.97, 0.2):
-        store.append("block.testdisk.util", time.time(), util)
+    for _ in range(3):
+        store.append("block.testdisk.util", time.time(), 0.97)
         store.flush()
         runtime.tick()
-        limits.append(runtime.scheduler.limit)
-    assert limits == [12, 9, 11]
-    assert runtime.status()["ssd_util_source"] == "collector block.testdisk.util"
+    status = runtime.status()
+    assert status["ssd_util"] == pytest.approx(0.97, abs=0.01)
+    assert status["ssd_util_source"] == "collector block.testdisk.util"
+    assert status["batch_limit"] == runtime.scheduler.max_batch == runtime.knobs["max_batch_size"]
 
 
 def test_the_model_runs_with_the_engines_thread_count_on_the_scheduler_thread(tmp_path_factory):

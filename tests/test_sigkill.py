@@ -77,7 +77,7 @@ class Traffic:
                     raise httpx.TransportError("no agent")
                 if rng.random() < 0.5:
                     value = round(0.5 + len(self.acknowledged) * 1e-4, 4)   # each a new value
-                    if httpx.put(url + "/v1/knobs", json={"ssd_util_threshold": value}, timeout=10).status_code == 200:
+                    if httpx.put(url + "/v1/knobs", json={"recompute_threshold": value}, timeout=10).status_code == 200:
                         self.acknowledged.append(value)
                 else:
                     httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
@@ -116,11 +116,11 @@ def test_sigkill_of_agent_and_collector_never_corrupts_the_store(tmp_path_factor
                 kill(agent.proc)
                 check_store(db)
                 history = [h["new"] for h in queries.knob_history(db, limit=10**6)
-                           if h["knob"] == "ssd_util_threshold" and h["source"] == "api"]
+                           if h["knob"] == "recompute_threshold" and h["source"] == "api"]
                 assert set(traffic.acknowledged) <= set(history)    # no acknowledged change is lost
                 agent = start_agent(model, tmp_path, "--policy", "lru")
                 if history:                                         # and the newest comes back
-                    knob = httpx.get(agent.url + "/v1/knobs", timeout=30).json()["ssd_util_threshold"]["value"]
+                    knob = httpx.get(agent.url + "/v1/knobs", timeout=30).json()["recompute_threshold"]["value"]
                     assert knob == history[0]
                 traffic.url = agent.url
             kills[victim] += 1

@@ -36,7 +36,6 @@ def knob_specs(limits: Limits) -> list[Knob]:
         Knob("policy", str, DEFAULT_POLICY, choices=limits.policies,
              help="the replacement policy that decides which experts stay in the cache"),
         *policy_knobs(),
-        Knob("ssd_util_threshold", float, 0.9, 0.0, 1.0, help="SSD utilisation above which the batch limit shrinks"),
         Knob("prefetch", bool, True, help="read the next layer's predicted experts while this layer computes"),
         Knob("prefetch_depth", int, 1, 0, limits.max_prefetch_depth, help="layers ahead to prefetch; 0 turns it off"),
         Knob("max_batch_size", int, 16, 1, 256, help="most requests stepped together"),

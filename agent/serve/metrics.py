@@ -139,7 +139,7 @@ class Metrics:
         self.requests = Counter("flashmoe_requests", "finished requests", registry=registry)
         self.tokens = Counter("flashmoe_generated_tokens", "generated tokens", registry=registry)
         self.batch_size = Gauge("flashmoe_batch_size", "requests in the running batch", registry=registry)
-        self.batch_limit = Gauge("flashmoe_batch_limit", "current dynamic batch limit", registry=registry)
+        self.batch_limit = Gauge("flashmoe_batch_limit", "most requests stepped together (the knob max_batch_size)", registry=registry)
         self.queue_depth = Gauge("flashmoe_queue_depth", "requests waiting to join the batch", registry=registry)
         self.cache_bytes = Gauge("flashmoe_cache_bytes", "bytes of experts resident in the cache", registry=registry)
         self.cap_bytes = Gauge("flashmoe_cache_cap_bytes", "expert cache cap", registry=registry)

@@ -2,8 +2,7 @@
 
 The HTTP routes (agent.serve.app) only call the methods here. A one-second ticker thread turns the
 counters into a Tick (metrics, store), takes a monitoring sample (agent.monitor, the one the
-cache's policy sees too), adapts the batch limit to its SSD utilisation and runs the memory guard
-on it. Knob changes are applied on the scheduler thread between two steps, so a shrink
+cache's policy sees too) and runs the memory guard on it. Knob changes are applied on the scheduler thread between two steps, so a shrink
 never frees a slot the running step still reads.
 """
 from __future__ import annotations
@@ -26,7 +25,7 @@ from agent.monitor import SystemSample, SystemSampler
 from agent.model.config import MoEConfig
 from agent.learned.service import OnlineLearning
 from agent.policies import DEFAULT_POLICY, live_policies, policy_factory, policy_knobs, policy_options
-from agent.serve import batching, guard, scrub
+from agent.serve import guard, scrub
 from agent.serve.engine import STEP_PROFILES, ModelEngine
 from agent.serve.knobs import KnobError, Knobs, Limits
 from agent.serve.metrics import Metrics, Tick
@@ -198,7 +197,7 @@ class Runtime:
             self.cache.set_policy(merged["policy"], **self.online.policy_options(options))
         self.knobs.commit(policy_change)
         if "max_batch_size" in new:
-            self.scheduler.set_max_batch(new["max_batch_size"])
+            self.scheduler.max_batch = new["max_batch_size"]
         rest = {k: v for k, v in new.items() if k not in policy_change and k != "cache_cap_bytes"}
         self.knobs.commit(rest)
         self.engine.model.prefetch = self.knobs["prefetch"] and self.knobs["prefetch_depth"] >= 1
@@ -230,7 +229,7 @@ class Runtime:
                       "hits": s.hits, "misses": s.misses, "hit_rate": s.hit_rate, "bytes_read": s.bytes_read,
                       "prefetch_accuracy": s.prefetch_accuracy},
             "recent_hit_rate": self.metrics.recent_hit_rate(),
-            "batch_size": self.scheduler.batch_size, "batch_limit": self.scheduler.limit,
+            "batch_size": self.scheduler.batch_size, "batch_limit": self.scheduler.max_batch,
             "queue_depth": len(self.scheduler.waiting), "tokens_generated": self.scheduler.tokens_total,
             "model_steps": self.scheduler.steps,
             "ssd_util": self.monitor.last.ssd_util, "ssd_util_source": self.monitor.last.sources.get("ssd_util"),
@@ -263,7 +262,7 @@ class Runtime:
 
     def tick(self) -> Tick:
         sched = self.scheduler
-        tick = self.metrics.tick(time.time(), self.cache.stats(), sched.batch_size, len(sched.waiting), sched.limit,
+        tick = self.metrics.tick(time.time(), self.cache.stats(), sched.batch_size, len(sched.waiting), sched.max_batch,
                                  sched.tokens_total, self.engine.routes.take(), self._follow_memory_limit(),
                                  dict(self.engine.model.profile.seconds))
         if self.recorder is not None:
@@ -272,9 +271,7 @@ class Runtime:
             self.metrics.drain_requests()
         self.online.tick(self.recorder)
         if not self._stop.is_set():
-            sample = self.monitor.sample()
-            self._adapt_batch(sample)
-            self._guard(sample)
+            self._guard(self.monitor.sample())
         return tick
 
     def _follow_memory_limit(self) -> tuple[int, int]:
@@ -292,15 +289,6 @@ class Runtime:
             if self.recorder is not None:
                 self.recorder.event(time.time(), "knob_bounds", message)
         return lo, hi
-
-    def _adapt_batch(self, sample: SystemSample) -> None:
-        util = sample.ssd_util
-        limit = batching.next_limit(self.scheduler.limit, self.scheduler.max_batch, util,
-                                    self.knobs["ssd_util_threshold"])
-        if limit != self.scheduler.limit:
-            log.debug("batch limit %d -> %d (SSD utilisation %.2f from %s, threshold %.2f)", self.scheduler.limit,
-                     limit, util or 0.0, sample.sources["ssd_util"], self.knobs["ssd_util_threshold"])
-            self.scheduler.limit = limit
 
     def _guard(self, pressure: SystemSample) -> None:
         if not self.knobs["auto_shrink"]:

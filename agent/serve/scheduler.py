@@ -118,7 +118,7 @@ class Scheduler:
         self.engine, self.on_finish, self.max_waiting = engine, on_finish, max_waiting
         self.admit_window_s, self.clock = check_admit_window(admit_window_s), clock
         self._window_ends = float("-inf")   # set by the first request that finds the scheduler idle
-        self.max_batch = self.limit = max_batch
+        self.max_batch = max_batch  # the knob max_batch_size: most requests stepped together
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.tokens_total = 0       # generated tokens since start (for tokens/s)
@@ -176,9 +176,6 @@ class Scheduler:
             raise SchedulerBusy(f"the model's running step did not finish within {timeout:.0f} s (memory thrash "
                                 f"makes steps that slow), so the change was not applied; try again") from None
 
-    def set_max_batch(self, n: int) -> None:
-        self.max_batch, self.limit = n, min(self.limit, n)
-
     @property
     def batch_size(self) -> int:
         return len(self.running)
@@ -202,7 +199,7 @@ class Scheduler:
     def _gather(self) -> None:
         """Idle with requests waiting: wait while the admission window is open and the batch not full.
         A control call or stop cuts the window short (it is a few ms; the call runs between steps)."""
-        while self.waiting and len(self.waiting) < self.limit and not (self._stop or self._calls):
+        while self.waiting and len(self.waiting) < self.max_batch and not (self._stop or self._calls):
             left = self._window_ends - self.clock()
             if left <= 0:
                 return
@@ -220,7 +217,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         self.running = [r for r in self.running if not r.cancelled or self._retire(r, "cancelled")]
-        while self.waiting and len(self.running) < self.limit:
+        while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting.popleft()
             if request.cancelled:  # its client left while it waited: its handler still waits for an end
                 self._retire(request, "cancelled")
