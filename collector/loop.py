@@ -27,8 +27,8 @@ import pyudev
 from prometheus_client import CollectorRegistry
 
 from collector.export import MachineExport, serve_metrics
-from collector.samplers import (AgentSampler, BlockSampler, CgroupSampler, NvmeSampler, PressureSampler, Sampler,
-                                SelfSampler, SystemMemorySampler)
+from collector.samplers import (AgentSampler, BlockSampler, CgroupSampler, DiskReadersSampler, NvmeSampler,
+                                PressureSampler, Sampler, SelfSampler, SystemMemorySampler)
 from collector.series import loop_series
 from collector.status import SourceStatus
 from machine import pressure
@@ -58,7 +58,8 @@ class Collector:
 
     def __post_init__(self) -> None:
         self.status = SourceStatus(self._event)
-        self.fixed = [SystemMemorySampler(), AgentSampler(self.pid_file), CgroupSampler(self.pid_file),
+        self.readers = DiskReadersSampler(self.pid_file)
+        self.fixed = [SystemMemorySampler(), AgentSampler(self.pid_file), CgroupSampler(self.pid_file), self.readers,
                       *(PressureSampler(r) for r in pressure.RESOURCES), SelfSampler()]
         self.discover()
         try:
@@ -120,6 +121,8 @@ class Collector:
             for name, value in values.items():
                 self.store.append(name, t_wall, value)
             n += len(values)
+        if self.readers.top:
+            self.store.record_disk_readers(t_wall, self.readers.disk, self.readers.top)
         self.store.flush()
         self._poll_hotplug()
         return n

@@ -14,6 +14,11 @@ def block_series(device: str, rates: BlockRates) -> dict[str, float]:
     return series_of("block", vars(rates), dev=device)
 
 
+def disk_reader_series(device: str, agent: float, others: float) -> dict[str, float]:
+    """io.{dev}.*: the agent's disk's reads, the agent's and the other processes' (bytes per second)."""
+    return series_of("disk_readers", {"agent": agent, "others": others}, dev=device)
+
+
 def meminfo_series(meminfo: dict[str, int]) -> dict[str, float]:
     """mem.* of /proc/meminfo; swap in use is SwapTotal - SwapFree."""
     if "SwapTotal" in meminfo and "SwapFree" in meminfo:

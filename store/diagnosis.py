@@ -1,4 +1,5 @@
-"""Memory-thrash diagnosis from the store: who thrashes, the evidence in numbers, and the fix.
+"""Memory-thrash diagnosis from the store: who thrashes, the evidence in numbers, and the fix; with
+the agent's disk judged beside it (store.disk_diagnosis: another process's reads slowing the agent's).
 
 One function, `diagnose`, is behind the dashboard's Memory page and `flashmoe-cli diagnose`. It
 tells apart:
@@ -33,6 +34,7 @@ from typing import Any
 
 from machine.memory import SHORT_SHARE
 from store import queries
+from store.disk_diagnosis import DiskDiagnosis, judge_disk
 from store.errors import StoreError
 from store.queries import Bucket, Db
 from store.cli import parse_time
@@ -132,6 +134,7 @@ class Diagnosis:
     signals: tuple[Signal, ...]
     unsampled: tuple[Threshold, ...]   # thresholds whose series has no point in the window
     recommendation: Recommendation | None
+    disk: DiskDiagnosis       # the agent's disk, judged beside memory (store.disk_diagnosis)
 
     @property
     def evidence(self) -> tuple[Signal, ...]:
@@ -146,7 +149,8 @@ class Diagnosis:
         return {"verdict": self.verdict, "summary": self.summary, "since": self.since, "until": self.until,
                 "sustain_s": SUSTAIN_S, "signals": [s.as_dict() for s in self.signals],
                 "unsampled": [th.series for th in self.unsampled],
-                "recommendation": None if rec is None else {"text": rec.text, "changes": rec.changes}}
+                "recommendation": None if rec is None else {"text": rec.text, "changes": rec.changes},
+                "disk": self.disk.as_dict()}
 
     def lines(self) -> list[str]:
         """The verdict as the CLI prints it: verdict, evidence, the rest of the signals, the fix."""
@@ -158,7 +162,7 @@ class Diagnosis:
         out.append(f"  rule: a signal counts when it stays over its threshold for {SUSTAIN_S:.0f} s of the window")
         if self.recommendation is not None:
             out.append(f"recommendation: {self.recommendation.text}")
-        return out
+        return out + self.disk.lines()
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,33 @@ def _cache_evidence(facts: Facts) -> str:
     return f" ({', '.join(said)})" if said else ""
 
 
+def raised_cap(facts: Facts) -> int:
+    """The cap GROW times larger, within its bound and half the memory available."""
+    room = facts.cap + facts.available / 2 if facts.available is not None else facts.cap_max
+    return min(int(facts.cap_max), _mib_floor(min(facts.cap * GROW, room)))
+
+
+def cap_relief(facts: Facts, reread: float | None) -> tuple[str, dict[str, Any]]:
+    """What the larger cap the cache-thrashing verdict would advise (raised_cap) cuts of the agent's reads,
+    for the disk verdict: at most
+    its re-reads (lookups missing on a block it held), reread / (1 - hit rate) of its misses; first
+    reads no cap avoids."""
+    cap, h, reads = facts.cap, facts.hit_rate, facts.read_bytes_per_s
+    if cap is None or facts.cap_max is None or h is None or reread is None or reads is None or h >= 1:
+        return "Whether a larger cache cap would cut its reads is unknown here (no cap, hit rate or re-read rate " \
+               "recorded in the window).", {}
+    share = min(1.0, reread / (1 - h))
+    new = raised_cap(facts)
+    if new <= cap:
+        return (f"The cache cap ({human(cap, 'B')}) is already the most memory allows, so the agent's reads "
+                f"cannot be cut that way."), {}
+    return (f"Raising the cache cap from {human(cap, 'B')} to {human(new, 'B')} would cut at most {share:.0%} of "
+            f"its reads ({human(reads * share, 'B/s')} of {human(reads, 'B/s')}): the re-reads of blocks it "
+            f"held (re-read rate {reread:.2f} at hit rate {h:.2f}); the rest are first reads no cap "
+            f"avoids."), {CAP: new}
+
+
+
 def recommend(verdict: str, facts: Facts, signals: Sequence[Signal]) -> Recommendation | None:
     """The fix for `verdict`: a cap within [cap_min, cap_max] and what to expect, or what to do instead.
     A cap above its bound (the agent's memory limit fell) is brought to the bound whatever the verdict."""
@@ -290,8 +321,7 @@ def recommend(verdict: str, facts: Facts, signals: Sequence[Signal]) -> Recommen
             f"pages the agent keeps re-reading. Expect its major faults and refaults to fall under their "
             f"thresholds within a minute; if they do not, shrink again.", {CAP: new})
     if verdict == "cache thrashing":
-        room = cap + facts.available / 2 if facts.available is not None else hi
-        new = min(int(hi), _mib_floor(min(cap * GROW, room)))
+        new = raised_cap(facts)
         if new <= cap:
             return Recommendation(
                 f"The cache cap ({_size(cap)}) is already the most memory allows{_cache_evidence(facts)}: a larger "
@@ -383,10 +413,12 @@ def diagnose(db: str | Path, window: float = 300.0, until: float | None = None,
                 unsampled.append(th)
         verdict = verdict_of(signals)
         recommendation = recommend(verdict, known, signals)
+        rereads = next((s.mean for s in signals if s.threshold.series == "agent.reread_rate"), None)
+        disk = judge_disk(conn, until - window, until, verdict, cap_relief(known, rereads), buckets)
     finally:
         conn.close()
     return Diagnosis(verdict, SUMMARIES[verdict], until - window, until, tuple(signals), tuple(unsampled),
-                     recommendation)
+                     recommendation, disk)
 
 
 # -- flashmoe-cli diagnose: a thin wrapper with the library's parameter names --------------------------

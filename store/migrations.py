@@ -37,4 +37,11 @@ def _v2_to_v3(conn: sqlite3.Connection, path: Path) -> str:
     return "added per-minute rollups and cache_stats.prefetches; simulations.capacity is now a fraction"
 
 
-UPGRADES: dict[int, Callable[[sqlite3.Connection, Path], str]] = {2: _v2_to_v3}
+def _v3_to_v4(conn: sqlite3.Connection, path: Path) -> str:
+    """The disk_readers table (and its index)."""
+    for statement in ROW_TABLE["disk_readers"].ddl():
+        conn.execute(statement)
+    return "added the disk_readers table"
+
+
+UPGRADES: dict[int, Callable[[sqlite3.Connection, Path], str]] = {2: _v2_to_v3, 3: _v3_to_v4}

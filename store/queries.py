@@ -354,6 +354,13 @@ def events(db: Db, since: float | None = None, kind: str | None = None) -> list[
     return _rows(db, "SELECT * FROM events WHERE t >= ? AND kind = ? ORDER BY t, id", (lo, kind))
 
 
+def disk_readers(db: Db, device: str, since: float, until: float) -> list[dict[str, Any]]:
+    """The other processes the collector found reading `device` (the agent's disk) in [since, until],
+    oldest first: {"t", "device", "pid", "name", "read_bytes_per_s"}."""
+    return _rows(db, "SELECT * FROM disk_readers WHERE device = ? AND t >= ? AND t <= ? ORDER BY t, pid",
+                 (device, since, until))
+
+
 def simulations(db: Db) -> list[dict[str, Any]]:
     """Simulator results, oldest first: {"t", "trace", "policy", "capacity", "scope", "hit_rate"}."""
     return _rows(db, "SELECT * FROM simulations ORDER BY t")

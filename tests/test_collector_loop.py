@@ -1,6 +1,8 @@
 """The collector on this machine: real samplers into a real store, sources coming and going,
 and the `flashmoe-cli collect` process stopping cleanly on SIGTERM."""
+import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -9,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from collector import samplers
 from collector.loop import Collector
+from machine import proc_io
 from store import queries
 from store.db import Store
 from store.errors import StoreError
@@ -246,3 +250,49 @@ def test_collect_refuses_a_number_that_is_not_positive_and_finite(tmp_path, flag
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and f"{flag}: must be a positive finite number" in result.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_the_agents_disk_reads_are_split_and_the_other_reader_is_named_not_the_shell_reaping_it(tmp_path):
+    """A stand-in agent reading its file with O_DIRECT, and a shell running `dd` O_DIRECT reads of
+    another file on the same disk, one after another (the shell is charged each dd's read_bytes as it
+    reaps it, proc(5), but has its log open for writing only): the collector finds the agent's disk by
+    its O_DIRECT file, splits the disk's reads, and names dd."""
+    ours, theirs = tmp_path / "experts.bin", tmp_path / "other.bin"
+    for path in (ours, theirs):
+        subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", "count=64", "conv=fsync"], check=True,
+                       capture_output=True)
+    agent = subprocess.Popen([sys.executable, "-c", f"""
+import mmap, os, time
+fd, buf = os.open({str(ours)!r}, os.O_RDONLY | os.O_DIRECT), mmap.mmap(-1, 1 << 20)
+while True:
+    for off in range(0, 64 << 20, 1 << 20):
+        os.preadv(fd, [buf], off)
+        time.sleep(0.01)
+"""])
+    with (tmp_path / "dd.log").open("w") as log:
+        shell = subprocess.Popen(["sh", "-c", f"while :; do dd if={theirs} of=/dev/null bs=1M iflag=direct; done"],
+                                 stdout=log, stderr=log, start_new_session=True)
+    pid_file = tmp_path / "agent.pid"
+    pid_file.write_text(f"{agent.pid}\n")
+    db = tmp_path / "flashmoe.db"
+    try:
+        wait_for_direct = time.monotonic() + 30
+        while proc_io.direct_io_disk(agent.pid) is None and time.monotonic() < wait_for_direct:
+            time.sleep(0.1)
+        with Store(db, autoflush_s=0) as store:
+            collector = Collector(store, pid_file)
+            for k in range(8):
+                time.sleep(0.5)
+                tick(collector, k)
+    finally:
+        os.killpg(shell.pid, signal.SIGKILL)          # the shell and its dd
+        agent.kill()
+        shell.wait(), agent.wait()
+    disk = proc_io.disk_of(os.stat(ours).st_dev)
+    assert collector.readers.disk == disk
+    others = queries.points(db, f"io.{disk}.others_read_bytes_per_s")[1]
+    mine = queries.points(db, f"io.{disk}.agent_read_bytes_per_s")[1]
+    assert others.max() > samplers.READER_FLOOR and mine.max() > 0
+    with sqlite3.connect(db) as conn:
+        names = {name for (name,) in conn.execute("SELECT name FROM disk_readers WHERE device = ?", (disk,))}
+    assert "dd" in names and "sh" not in names, names

@@ -269,6 +269,26 @@ def test_memory_page_cache_thrashing_offers_a_larger_cap(monkeypatch, offline, t
     assert at.button(key="apply-recommendation").label == "Apply: cache_cap_bytes = 5.5 GiB"
 
 
+def test_memory_page_names_the_process_whose_reads_slow_the_agents_disk_and_what_to_do(monkeypatch, offline,
+                                                                                       tmp_path):
+    """The last 2 minutes: the agent's reads 30x slower while dd reads its disk at 800 MB/s."""
+    db = fill(tmp_path / "disk.db")
+    start = NOW - SPAN_S
+    with Store(db, autoflush_s=0) as store:
+        for i in range(SPAN_S):
+            t, crowded = start + i, i >= SPAN_S - 120
+            for name, calm, busy in (("agent.read_latency_s", 0.8e-3, 25e-3), ("io.vda.agent_read_bytes_per_s", 25e6, 20e6),
+                                     ("io.vda.others_read_bytes_per_s", 0.0, 800e6)):
+                store.append(name, t, busy if crowded else calm)
+            if crowded:
+                store.record_disk_readers(t, "vda", [(4242, "dd", 800e6)])
+    at = open_page(monkeypatch, db, "memory")
+    assert "Healthy" in texts(at.success)      # memory is calm
+    assert "**Disk (vda): disk contention from another process**" in texts(at.warning)
+    assert "dd read vda" in texts(at.warning)
+    assert "reader: dd (pid 4242)" in texts(at.markdown) and "`ionice -c3 -p 4242`" in texts(at.markdown)
+
+
 def test_tuning_page_offline_shows_stored_knobs_read_only_and_history(monkeypatch, offline, db):
     at = open_page(monkeypatch, db, "tuning")
     assert "Agent offline" in texts(at.warning)

@@ -225,3 +225,72 @@ def test_a_cap_above_the_bound_is_brought_to_it_even_when_another_process_is_to_
     assert d.recommendation.changes == {"cache_cap_bytes": 328 * MIB}            # the bound, never a shrink below it
     assert d.recommendation.text.startswith("The fix is outside the agent")
     assert "cache cap of 384 MiB is above the most it allows now (328 MiB" in d.recommendation.text
+
+
+# --- the disk verdict (store.disk_diagnosis), beside the memory one -----------------------------------
+DISK = {"agent.read_latency_s": 0.8e-3, "io.vda.agent_read_bytes_per_s": 25e6, "io.vda.others_read_bytes_per_s": 0.0,
+        "block.vda.util": 0.3, "agent.hit_rate": 0.55, "agent.reread_rate": 0.3, "agent.read_bytes_per_s": 25e6}
+
+
+def on_disk(path: Path, seconds: int = WINDOW, readers: dict[str, tuple[int, int]] = {},
+            **bursts: tuple[int, float]) -> diagnosis.Diagnosis:
+    """The calm memory and disk levels, with `bursts` as in write(), and `readers` (name: (pid, seconds))
+    recorded by name reading the disk at 800 MB/s for their last seconds."""
+    write(path, synthetic.MEMORY["healthy"] | DISK, seconds, {k.replace("__", "."): v for k, v in bursts.items()})
+    with Store(path, autoflush_s=0) as store:
+        for name, (pid, n) in readers.items():
+            for i in range(n):
+                store.record_disk_readers(T0 - i, "vda", [(pid, name, 800e6)])
+    return judged(path)
+
+
+CROWDED = {"agent__read_latency_s": (60, 25e-3), "io__vda__others_read_bytes_per_s": (60, 800e6),
+           "io__vda__agent_read_bytes_per_s": (60, 20e6)}
+
+
+def test_the_agents_reads_slowed_while_another_process_reads_its_disk_is_contention_naming_it(tmp_path):
+    d = on_disk(tmp_path / "s.db", readers={"dd": (4242, 60)}, **CROWDED)
+    disk = d.disk
+    assert d.verdict == "healthy" and disk.verdict == "disk contention from another process"
+    assert disk.device == "vda" and disk.baseline_s == pytest.approx(0.8e-3) and 55 <= disk.seconds <= 65
+    assert [(r.name, r.pids, r.seconds, r.mean) for r in disk.readers] == [("dd", (4242,), 60, 800e6)]
+    assert "slowed from 800 µs to 24.6 ms for 60 s while dd read vda" in disk.summary  # a bucket straddles its start
+    assert "`ionice -c3 -p 4242`" in disk.recommendation
+    # if dd cannot move: a 4x cap cuts at most the re-reads, 0.3 / (1 - 0.55) = 67% of the agent's reads
+    assert "would cut at most 67% of its reads" in disk.recommendation and disk.changes == {"cache_cap_bytes": 5 * GIB}
+    assert any("reader: dd (pid 4242): 763 MiB/s for 60 s" in e for e in disk.evidence())
+    assert diagnosis.diagnose(tmp_path / "s.db", WINDOW, T0, KNOBS).as_dict()["disk"]["readers"][0]["name"] == "dd"
+
+
+def test_another_process_reading_while_the_agent_keeps_its_pace_is_healthy(tmp_path):
+    d = on_disk(tmp_path / "s.db", readers={"dd": (4242, 60)}, io__vda__others_read_bytes_per_s=(60, 800e6))
+    assert d.disk.verdict == "healthy" and d.disk.readers == ()
+
+
+def test_a_slowdown_shorter_than_the_sustain_is_healthy(tmp_path):
+    d = on_disk(tmp_path / "s.db", readers={"dd": (4242, 10)}, **{k: (10, v) for k, (_, v) in CROWDED.items()})
+    assert d.disk.verdict == "healthy"
+
+
+def test_no_calm_stretch_to_compare_with_is_no_slowdown(tmp_path):
+    """A cold start: the agent's first reads are slow while another process reads, with no calm baseline."""
+    d = on_disk(tmp_path / "s.db", seconds=60, readers={"dd": (4242, 60)}, **CROWDED)
+    assert d.disk.verdict == "healthy" and d.disk.baseline_s is None and "no calm stretch" in d.disk.summary
+
+
+def test_the_agents_own_reads_filling_the_disk_are_said_so_and_cache_thrashing_keeps_its_fix(tmp_path):
+    own = {"agent__read_latency_s": (60, 25e-3), "block__vda__util": (60, 1.0),
+           "io__vda__agent_read_bytes_per_s": (60, 200e6)}
+    d = on_disk(tmp_path / "s.db", **own)
+    assert d.disk.verdict == "the agent's own reads saturate the disk" and d.disk.readers == ()
+    assert "would cut at most" in d.disk.recommendation
+    thrash = on_disk(tmp_path / "t.db", agent__reread_rate=(60, 0.7), **own)
+    assert thrash.verdict == "cache thrashing" and thrash.disk.verdict == "the agent's own reads saturate the disk"
+    assert thrash.disk.recommendation.startswith("The cache-thrashing verdict's cap raise is the fix")
+    assert thrash.disk.changes == {}
+
+
+def test_a_store_without_the_collectors_split_of_the_disk_is_no_disk_data(tmp_path):
+    d = calm(tmp_path / "s.db")
+    assert d.disk.verdict == "no data" and "--pid-file" in d.disk.summary
+    assert d.as_dict()["disk"]["verdict"] == "no data"

@@ -14,7 +14,8 @@ from store.schema import CATALOGUE, ROW_TABLES, fields_of, series_of, spec_for
 def test_every_series_names_the_reading_that_produces_it():
     readings = {spec.reading for spec in CATALOGUE}
     assert "" not in readings
-    assert readings == {"block", "meminfo", "status", "faults", "cgroup", "vmstat", "psi", "smart", "self", "tick"}
+    assert readings == {"block", "meminfo", "status", "faults", "cgroup", "vmstat", "psi", "smart", "self", "tick",
+                        "disk_readers"}
 
 
 def test_the_fields_of_block_rates_and_of_the_agents_tick_are_attributes_there():

@@ -506,7 +506,8 @@ def test_a_version_2_store_is_upgraded_in_place_keeping_every_row(path, caplog):
         Store(path, autoflush_s=0).close()
     assert "upgraded" in caplog.text and "schema version 3" in caplog.text
     with sqlite3.connect(path) as conn:
-        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("3",)
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("4",)
+        assert conn.execute("SELECT COUNT(*) FROM disk_readers").fetchone() == (0,)          # version 4's table
         assert conn.execute("SELECT * FROM cache_stats ORDER BY rowid").fetchall() == [row + (None,) for row in before]
         assert conn.execute("SELECT capacity, typeof(capacity) FROM simulations").fetchall() == \
             [(0.25, "real"), (0.5, "real")]

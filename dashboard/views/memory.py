@@ -1,5 +1,5 @@
 """Memory: the thrash verdict (store.diagnosis, the same as `flashmoe-cli diagnose`) with its evidence
-and one-click fix, then the agent's footprint, faults, refaults, pressure stalls and cache re-reads
+and one-click fix, the disk verdict beside it (who slows the agent's expert reads), then the agent's footprint, faults, refaults, pressure stalls and cache re-reads
 with the verdict's thresholds drawn on them."""
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import streamlit as st
 
 from dashboard import auth, components, data, figures, settings, timerange, transforms
 from store import diagnosis as thrash
+from store.disk_diagnosis import DiskDiagnosis
 from store.units import human
 
 VERDICT_BOX = {"agent thrashing": st.error, "pressure from another process": st.warning,
-               "cache thrashing": st.warning, "healthy": st.success, "no data": st.info}
+               "cache thrashing": st.warning, "healthy": st.success, "no data": st.info,
+               "disk contention from another process": st.warning, "the agent's own reads saturate the disk": st.warning}
 ANSWER = "memory-answer"      # session state: the agent's answer to the last applied recommendation
 CHARTS = {                    # title -> (unit, {store series: legend label})
     "Major faults": ("faults/s", {"mem.agent.majflt_per_s": "agent", "cgroup.agent.pgmajfault_per_s": "agent cgroup",
@@ -45,6 +47,7 @@ def live() -> None:
     verdict(d)
     components.lost_notice(db, since, until)  # a thrash can make the collector miss the samples that judge it
     recommendation(d, knobs)
+    disk_verdict(d.disk)
     charts(d, since, until)
 
 
@@ -56,6 +59,16 @@ def verdict(d: thrash.Diagnosis) -> None:
                f"range shown ({transforms.clock(d.since)} – {transforms.clock(d.until)}). The agent's own signals "
                f"decide first, then the machine's, then the cache's."
                + (" Not sampled here: " + ", ".join(th.label for th in d.unsampled) + "." if d.unsampled else ""))
+
+
+def disk_verdict(disk: DiskDiagnosis) -> None:
+    """The agent's disk: whose reads slow its expert reads, the numbers, and what to do."""
+    where = f" ({disk.device})" if disk.device else ""
+    VERDICT_BOX[disk.verdict](f"**Disk{where}: {disk.verdict}**: {disk.summary}")
+    if disk.evidence():
+        st.markdown("\n".join(f"- {line}" for line in disk.evidence()))
+    if disk.recommendation:
+        st.markdown(f"**What to do:** {disk.recommendation}")
 
 
 def evidence_rows(d: thrash.Diagnosis) -> list[dict[str, str]]:
