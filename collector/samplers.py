@@ -184,7 +184,7 @@ class DiskReadersSampler:
         for rate, pid in reversed(rates):
             if rate < READER_FLOOR or len(top) == TOP_READERS:
                 break
-            if disk in proc_io.disks_read(pid):
+            if proc_io.reads_disk(pid, disk):
                 top.append((pid, proc_io.process_name(pid), rate))
         return top
 

@@ -72,35 +72,33 @@ def _file_devnum(path: Path) -> int | None:
     return st.st_rdev if stat.S_ISBLK(st.st_mode) else st.st_dev
 
 
-def _open_flags(pid: int, proc: Path = PROC) -> dict[str, int]:
-    """Each open descriptor of `pid` and its open flags (fdinfo's octal `flags:`); empty once it exited."""
+def _flags(pid: int, fd: str, proc: Path = PROC) -> int:
+    """An open descriptor's open flags (fdinfo's octal `flags:`); 0 once it is closed."""
     try:
-        fds = os.listdir(proc / str(pid) / "fdinfo")
+        info = (proc / str(pid) / "fdinfo" / fd).read_text()
     except OSError:
-        return {}
-    out = {}
+        return 0
+    return next((int(line.split()[1], 8) for line in info.splitlines() if line.startswith("flags:")), 0)
+
+
+def _fds_on(pid: int, proc: Path = PROC):
+    """(descriptor, disk) of each open file of `pid` on a disk; nothing once it has exited or if not ours."""
+    try:
+        fds = os.listdir(proc / str(pid) / "fd")
+    except OSError:
+        return
     for fd in fds:
-        try:
-            info = (proc / str(pid) / "fdinfo" / fd).read_text()
-        except OSError:
-            continue
-        out[fd] = next((int(line.split()[1], 8) for line in info.splitlines() if line.startswith("flags:")), 0)
-    return out
+        devnum = _file_devnum(proc / str(pid) / "fd" / fd)
+        if devnum is not None and (disk := disk_of(devnum)) is not None:
+            yield fd, disk
 
 
-def _disks(pid: int, fds: list[str], proc: Path = PROC) -> list[str]:
-    devnums = (_file_devnum(proc / str(pid) / "fd" / fd) for fd in fds)
-    return [disk for devnum in devnums if devnum is not None and (disk := disk_of(devnum)) is not None]
-
-
-def disks_read(pid: int, proc: Path = PROC) -> set[str]:
-    """The disks holding files `pid` has open for reading. Not those it only writes: a shell that
-    reaps reader after reader is charged their read_bytes (proc(5)), but reads nothing itself."""
-    readable = [fd for fd, flags in _open_flags(pid, proc).items() if flags & os.O_ACCMODE != os.O_WRONLY]
-    return set(_disks(pid, readable, proc))
+def reads_disk(pid: int, disk: str, proc: Path = PROC) -> bool:
+    """Whether `pid` has a file on `disk` open for reading. Not one it only writes: a shell that reaps
+    reader after reader is charged their read_bytes (proc(5)), but reads nothing itself."""
+    return any(on == disk and _flags(pid, fd, proc) & os.O_ACCMODE != os.O_WRONLY for fd, on in _fds_on(pid, proc))
 
 
 def direct_io_disk(pid: int, proc: Path = PROC) -> str | None:
     """The disk of a file `pid` has open with O_DIRECT (the agent's expert store), or None."""
-    direct = [fd for fd, flags in _open_flags(pid, proc).items() if flags & os.O_DIRECT]
-    return next(iter(_disks(pid, direct, proc)), None)
+    return next((disk for fd, disk in _fds_on(pid, proc) if _flags(pid, fd, proc) & os.O_DIRECT), None)

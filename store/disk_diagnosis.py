@@ -29,7 +29,7 @@ from store.queries import Db
 from store.units import human
 
 AVERAGE_S = 5.0           # the judged bucket width (at least): a 1 s latency is one read's luck
-BASELINE_S = 120.0        # calm buckets before the window that give the baseline too
+BASELINE_S = 300.0        # calm buckets before the window that give the baseline too
 MIN_CALM = 2              # calm buckets needed for a baseline
 SUSTAIN_S = 20.0          # slow seconds that make a trend, as the memory verdicts count them
 SLOWER = 3.0              # a slow bucket's latency over the baseline, as a ratio...
@@ -119,10 +119,11 @@ class DiskDiagnosis:
     def lines(self) -> list[str]:
         out = [f"DISK: {self.verdict.upper()}: {self.summary}"]
         out += [f"  evidence: {e}" for e in self.evidence()]
-        out.append(f"  rule: the agent's read latency over {SLOWER:g}x its calm baseline for {SUSTAIN_S:.0f} s "
-                   f"while others read over {human(OTHERS_FLOOR, 'B/s')} and the agent's share is under "
-                   f"{SMALL_SHARE:.0%} (contention), or the disk is over {BUSY_UTIL:.0%} busy and the share over "
-                   f"{OWN_SHARE:.0%} (its own reads)")
+        if self.device is not None:
+            out.append(f"  rule: the agent's read latency over {SLOWER:g}x its calm baseline for {SUSTAIN_S:.0f} s "
+                       f"while others read over {human(OTHERS_FLOOR, 'B/s')} and the agent's share is under "
+                       f"{SMALL_SHARE:.0%} (contention), or the disk is over {BUSY_UTIL:.0%} busy and the share "
+                       f"over {OWN_SHARE:.0%} (its own reads)")
         if self.recommendation is not None:
             out.append(f"recommendation: {self.recommendation}")
         return out
