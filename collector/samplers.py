@@ -131,6 +131,7 @@ class DiskReadersSampler:
     _disk: tuple[int, str | None, float] | None = None                # (agent pid, its disk, when looked for)
     _previous: Reading | None = None
     _scan: tuple[float, dict[int, int]] | None = None                 # (t, read_bytes by pid) while others read
+    _reads_disk: dict[int, bool] = field(default_factory=dict)        # by pid, while others read: fds cost ~1 ms
 
     @property
     def disk(self) -> str | None:
@@ -157,6 +158,7 @@ class DiskReadersSampler:
             self.top = self._readers(pid, disk, t)
         else:
             self._scan = None
+            self._reads_disk.clear()
         return series.disk_reader_series(disk, agent, others)
 
     def _agent_disk(self, pid: int, t: float) -> str:
@@ -184,7 +186,9 @@ class DiskReadersSampler:
         for rate, pid in reversed(rates):
             if rate < READER_FLOOR or len(top) == TOP_READERS:
                 break
-            if proc_io.reads_disk(pid, disk):
+            if pid not in self._reads_disk:
+                self._reads_disk[pid] = proc_io.reads_disk(pid, disk)
+            if self._reads_disk[pid]:
                 top.append((pid, proc_io.process_name(pid), rate))
         return top
 

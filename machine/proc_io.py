@@ -27,9 +27,13 @@ def parse_read_bytes(data: bytes) -> int:
 
 
 def read_bytes(pid: int, proc: Path = PROC) -> int:
-    """One process's read_bytes; FileNotFoundError once it has exited, PermissionError if not ours."""
-    with open(proc / str(pid) / "io", "rb") as f:
-        return parse_read_bytes(f.read())
+    """One process's read_bytes; FileNotFoundError once it has exited, PermissionError if not ours.
+    Plain os calls on a str path: pathlib and buffered files were half of a scan's ~1.5 ms."""
+    fd = os.open(f"{proc}/{pid}/io", os.O_RDONLY)
+    try:
+        return parse_read_bytes(os.read(fd, 4096))
+    finally:
+        os.close(fd)
 
 
 def all_read_bytes(proc: Path = PROC) -> dict[int, int]:

@@ -36,6 +36,8 @@ TOKEN = "verdict-scenarios"
 COLD_S = 45               # the cold start judged: the agent's first 45 s of serving
 NEIGHBOUR_S = 30          # each neighbour's run, longer than SUSTAIN_S: a sustained signal would show
 THRASH_WITHIN_S = 60      # the cap dragged down to the verdict
+CALM_S = 10               # a calm disk before the O_DIRECT neighbour: two of the disk verdict's buckets...
+CALM_WITHIN_S = 60        # ...waited for this long at most
 BIG_FILE = 2048 * MIB
 REREADS = "agent.reread_rate"
 CACHE_THRASHING = "cache thrashing"
@@ -99,14 +101,20 @@ def quiet(db: Path) -> None:
 
 
 def disk_quiet(db: Path) -> None:
-    """Skip when other processes read the agent's disk hard before the neighbour starts: the agent has no
-    calm stretch to be slowed from (the verdict says so, rightly), and dd would share the blame."""
-    since = time.time() - NEIGHBOUR_S
-    device = disk_diagnosis.agent_disk(db, since, time.time())
-    others = mean(db, f"io.{device}.others_read_bytes_per_s", since, time.time())
-    if others >= disk_diagnosis.OTHERS_FLOOR:
-        readers = {r["name"] for r in queries.disk_readers(db, device, since, time.time())}
-        pytest.skip(f"other processes read {device} at {others / MIB:,.0f} MiB/s: {sorted(readers)}")
+    """Wait up to CALM_WITHIN_S for CALM_S of the agent's disk read by no other process (the previous
+    scenario's dd to be gone); skip if it never comes: the agent would have no calm stretch to be slowed
+    from (the verdict says so, rightly), and dd would share the blame."""
+    def others() -> tuple[str, float, float]:
+        """The agent's disk, and since when and how fast others read it over the last CALM_S."""
+        since = time.time() - CALM_S
+        device = disk_diagnosis.agent_disk(db, since, time.time())
+        return device, since, mean(db, f"io.{device}.others_read_bytes_per_s", since, time.time())
+    try:
+        wait_for(lambda: others()[2] < disk_diagnosis.OTHERS_FLOOR, CALM_WITHIN_S, "a calm disk")
+    except AssertionError:
+        device, since, rate = others()
+        readers = sorted({r["name"] for r in queries.disk_readers(db, device, since, time.time())})
+        pytest.skip(f"other processes read {device} at {rate / MIB:,.0f} MiB/s for {CALM_WITHIN_S} s: {readers}")
 
 
 def uncached_file(path: Path, size: int) -> Path:
