@@ -107,6 +107,7 @@ class CgroupSampler:
 MIB = 1 << 20
 READER_FLOOR = 1.0 * MIB    # bytes/s: below this the others' reads are background, and no process is looked for
 TOP_READERS = 3
+CHARGED = 1.5               # a process's reads over this many times the disk's are not of that disk (see _readers)
 LOOK_AGAIN_S = 10.0         # how often to look for the agent's O_DIRECT file while it has none open
 
 
@@ -155,7 +156,7 @@ class DiskReadersSampler:
         agent = max(0, current.agent_bytes - previous.agent_bytes) / (t - previous.block.t)
         others = max(0.0, device - agent)
         if others >= READER_FLOOR:
-            self.top = self._readers(pid, disk, t)
+            self.top = self._readers(pid, disk, t, device)
         else:
             self._scan = None
             self._reads_disk.clear()
@@ -171,10 +172,12 @@ class DiskReadersSampler:
                                     f"of its expert store is not known; looking again every {LOOK_AGAIN_S:.0f} s")
         return self._disk[1]
 
-    def _readers(self, agent: int, disk: str, t: float) -> list[tuple[int, str, float]]:
+    def _readers(self, agent: int, disk: str, t: float, device: float) -> list[tuple[int, str, float]]:
         """The top TOP_READERS processes besides the agent and the collector reading over READER_FLOOR
         since the last scan, with a file open for reading on `disk`; none at the first scan. A process
-        new since then read all its read_bytes in between."""
+        new since then read all its read_bytes in between. One that read more than the disk did
+        (`device` B/s) did not read it from this disk: those are the read_bytes of children it reaped
+        (proc(5)), or of another disk."""
         now = proc_io.all_read_bytes()
         previous, self._scan = self._scan, (t, now)
         if previous is None:
@@ -186,6 +189,8 @@ class DiskReadersSampler:
         for rate, pid in reversed(rates):
             if rate < READER_FLOOR or len(top) == TOP_READERS:
                 break
+            if rate > CHARGED * device:
+                continue
             if pid not in self._reads_disk:
                 self._reads_disk[pid] = proc_io.reads_disk(pid, disk)
             if self._reads_disk[pid]:

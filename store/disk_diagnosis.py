@@ -214,9 +214,13 @@ def judge_disk(db: Db, since: float, until: float, memory_verdict: str, relief: 
     base = baseline(grid)
     judged = [b for b in grid if b.start >= since - 1e-6]
     if base is None:
+        crowded = tuple(b for b in judged if contended(b))
+        found = readers(db, device, crowded, since - BASELINE_S, until, n)
+        busy = (f" Other processes read it hard meanwhile ({', '.join(r.sentence() for r in found)}): whether "
+                f"they slow the agent shows once they pause." if found else "")
         return DiskDiagnosis("healthy", f"the agent's reads of {device} have no calm stretch to compare with "
-                             f"(a cold start, or a disk busy all along), so no slowdown is judged.",
-                             device, None, (), 0.0, (), None)
+                             f"(a cold start, or a disk busy all along), so no slowdown is judged.{busy}",
+                             device, None, (), 0.0, found, None)
     for verdict, rule in (("disk contention from another process", contended),
                           ("the agent's own reads saturate the disk", saturating)):
         counted = tuple(b for b in judged if slow(b, base) and rule(b))

@@ -276,6 +276,7 @@ def test_no_calm_stretch_to_compare_with_is_no_slowdown(tmp_path):
     """A cold start: the agent's first reads are slow while another process reads, with no calm baseline."""
     d = on_disk(tmp_path / "s.db", seconds=60, readers={"dd": (4242, 60)}, **CROWDED)
     assert d.disk.verdict == "healthy" and d.disk.baseline_s is None and "no calm stretch" in d.disk.summary
+    assert "Other processes read it hard meanwhile (dd (pid 4242): 763 MiB/s for 60 s" in d.disk.summary
 
 
 def test_the_agents_own_reads_filling_the_disk_are_said_so_and_cache_thrashing_keeps_its_fix(tmp_path):
