@@ -277,7 +277,8 @@ def test_memory_page_names_the_process_whose_reads_slow_the_agents_disk_and_what
     with Store(db, autoflush_s=0) as store:
         for i in range(SPAN_S):
             t, crowded = start + i, i >= SPAN_S - 120
-            for name, calm, busy in (("agent.read_latency_s", 0.8e-3, 25e-3), ("io.vda.agent_read_bytes_per_s", 25e6, 20e6),
+            for name, calm, busy in (("agent.read_latency_s", 0.8e-3, 25e-3),
+                                     ("io.vda.agent_read_bytes_per_s", 25e6, 20e6),
                                      ("io.vda.others_read_bytes_per_s", 0.0, 800e6)):
                 store.append(name, t, busy if crowded else calm)
             if crowded:

@@ -1,6 +1,6 @@
 """Memory: the thrash verdict (store.diagnosis, the same as `flashmoe-cli diagnose`) with its evidence
-and one-click fix, the disk verdict beside it (who slows the agent's expert reads), then the agent's footprint, faults, refaults, pressure stalls and cache re-reads
-with the verdict's thresholds drawn on them."""
+and one-click fix, the disk verdict beside it (who slows the agent's expert reads), then the agent's
+footprint, faults, refaults, pressure stalls and cache re-reads with the verdict's thresholds drawn on them."""
 from __future__ import annotations
 
 import pandas as pd
@@ -13,7 +13,8 @@ from store.units import human
 
 VERDICT_BOX = {"agent thrashing": st.error, "pressure from another process": st.warning,
                "cache thrashing": st.warning, "healthy": st.success, "no data": st.info,
-               "disk contention from another process": st.warning, "the agent's own reads saturate the disk": st.warning}
+               "disk contention from another process": st.warning,
+               "the agent's own reads saturate the disk": st.warning}
 ANSWER = "memory-answer"      # session state: the agent's answer to the last applied recommendation
 CHARTS = {                    # title -> (unit, {store series: legend label})
     "Major faults": ("faults/s", {"mem.agent.majflt_per_s": "agent", "cgroup.agent.pgmajfault_per_s": "agent cgroup",
