@@ -101,20 +101,24 @@ def quiet(db: Path) -> None:
 
 
 def disk_quiet(db: Path) -> None:
-    """Wait up to CALM_WITHIN_S for CALM_S of the agent's disk read by no other process (the previous
-    scenario's dd to be gone); skip if it never comes: the agent would have no calm stretch to be slowed
-    from (the verdict says so, rightly), and dd would share the blame."""
-    def others() -> tuple[str, float, float]:
-        """The agent's disk, and since when and how fast others read it over the last CALM_S."""
+    """Wait up to CALM_WITHIN_S for CALM_S of the agent's disk calm as the disk verdict counts it (read by
+    no other process, the previous scenario's dd gone, and not busy with anyone's writes); skip if it
+    never comes: the agent would have no calm stretch to be slowed from (the verdict says so, rightly),
+    and dd would share the blame."""
+    def calm() -> tuple[str, float, float]:
+        """The agent's disk, how fast others read it and how busy it was over the last CALM_S."""
         since = time.time() - CALM_S
         device = disk_diagnosis.agent_disk(db, since, time.time())
-        return device, since, mean(db, f"io.{device}.others_read_bytes_per_s", since, time.time())
+        return (device, mean(db, f"io.{device}.others_read_bytes_per_s", since, time.time()),
+                mean(db, f"block.{device}.util", since, time.time()))
     try:
-        wait_for(lambda: others()[2] < disk_diagnosis.OTHERS_FLOOR, CALM_WITHIN_S, "a calm disk")
+        wait_for(lambda: (c := calm())[1] < disk_diagnosis.OTHERS_FLOOR and c[2] < disk_diagnosis.BUSY_UTIL,
+                 CALM_WITHIN_S, "a calm disk")
     except AssertionError:
-        device, since, rate = others()
-        readers = sorted({r["name"] for r in queries.disk_readers(db, device, since, time.time())})
-        pytest.skip(f"other processes read {device} at {rate / MIB:,.0f} MiB/s for {CALM_WITHIN_S} s: {readers}")
+        device, others, util = calm()
+        readers = sorted({r["name"] for r in queries.disk_readers(db, device, time.time() - CALM_S, time.time())})
+        pytest.skip(f"{device} was not calm for {CALM_WITHIN_S} s: others read it at {others / MIB:,.0f} MiB/s "
+                    f"({readers}), {util:.0%} busy")
 
 
 def uncached_file(path: Path, size: int) -> Path:
