@@ -233,6 +233,14 @@ def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, t
                stats["hit_rate"], stats["capacity_slots"])
 
 
+def print_phases(configs: dict) -> None:
+    """Where a decode token's time went, ms by phase, one row a configuration."""
+    phases = next(iter(configs.values()))["profile_ms"]
+    print(f"\nms per decode token by phase: {'configuration':<34} " + " ".join(f"{p:>9}" for p in phases))
+    for name, c in configs.items():
+        print(f"{'':<29}{name:<34} " + " ".join(f"{c['profile_ms'][p]:>9.1f}" for p in phases))
+
+
 def own_compute_ms(profile_ms: dict[str, float]) -> float:
     """A run's own compute per token: the model thread's time outside waiting for reads (a cross-check
     of the compute bound under the run's own load; CRC runs on the I/O threads)."""
@@ -350,10 +358,7 @@ def print_table(summary: dict, cgroup: MemoryCgroup, facts: dict, args: argparse
               f"{c['mb_per_token']:>7.0f} {c['hit_rate']:>6.3f} {own_compute_ms(c['profile_ms']):>7.0f} "
               f"{c['io_busy']:>7.2f} {c['peak_rss_bytes'] / 2**20:>7.0f}Mi "
               f"{c['cgroup_peak_bytes'] / 2**20:>9.0f}Mi {c['cgroup_peak_bytes'] / cgroup.limit:>9.2f}")
-    phases = next(iter(summary["configs"].values()))["profile_ms"]
-    print(f"\nms per decode token by phase: {'configuration':<34} " + " ".join(f"{p:>9}" for p in phases))
-    for name, c in summary["configs"].items():
-        print(f"{'':<29}{name:<34} " + " ".join(f"{c['profile_ms'][p]:>9.1f}" for p in phases))
+    print_phases(summary["configs"])
     for key in ("tok_s_a_over_c", "tok_s_a_over_b"):
         if key in summary:
             print(f"{key}: {summary[key]['median']:.2f} (rounds {', '.join(f'{x:.2f}' for x in summary[key]['per_round'])})")

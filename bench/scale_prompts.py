@@ -50,7 +50,7 @@ from bench.common import count, machine, results_name, write_results  # noqa: E4
 from bench.loader import raw_baseline  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory  # noqa: E402
 from bench.scale import (CHUNK, CONFIGS, Config, OneLayerResident, compute_run, limit_tok_s,  # noqa: E402
-                         own_compute_ms, run_config)
+                         own_compute_ms, print_phases, run_config)
 
 TRACE = ROOT.parent / "shared" / "traces" / "prefill" / "deepseek_v2_lite_puffin_0001-1000.npz"
 PROMPTS = (808, 816, 824)   # the first three of the report split with at least 90 tokens: 95, 156, 94
@@ -275,10 +275,7 @@ def print_table(summary: dict, facts: dict) -> None:
               f"{c['run_hit_rate']:>5.3f} "
               f"{'' if sim is None else f'{sim:.3f}':>5} {c['hit_rate']:>7.3f} {c['peak_rss_bytes'] / 2**20:>6.0f}Mi "
               f"{c['cgroup_peak_bytes'] / 2**20:>6.0f}Mi")
-    phases = next(iter(summary["configs"].values()))["profile_ms"]
-    print(f"\nms per decode token by phase: {'':<10}" + " ".join(f"{p:>9}" for p in phases))
-    for name, c in summary["configs"].items():
-        print(f"{name:<40}" + " ".join(f"{c['profile_ms'][p]:>9.1f}" for p in phases))
+    print_phases(summary["configs"])
     own = ", ".join(f"{name[:1]} {own_compute_ms(c['profile_ms']):.0f} ms" for name, c in summary["configs"].items())
     print(f"(own compute per decode token: {own})")
 
