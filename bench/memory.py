@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from pathlib import Path
 
 from agent.experts.cap import MAX_MEMORY_SHARE, resident_bytes
@@ -25,11 +26,19 @@ def device_memory(store: Path, cap_bytes: int) -> int:
     return -(-need // 2**20) * 2**20
 
 
+def interrupt_on_sigterm() -> None:
+    """Make SIGTERM act like Ctrl-C, so a bench's `finally` blocks stop its processes and remove its cgroup."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 class MemoryCgroup:
     """A child memory cgroup of this process's own (v2 memory.max, else v1 memory.limit_in_bytes)."""
 
     def __init__(self, limit: int, name: str = "") -> None:
         self.limit, self.path, self.kind, self.why_not = limit, None, None, ""
+        interrupt_on_sigterm()   # a cgroup outlives a killed bench: its `finally` must run to remove it
         for kind, base, limit_file in self._candidates():
             path = base / (name or f"flashmoe-bench-{os.getpid()}")
             try:

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from agent.learned.background import cpu_seconds  # noqa: E402
 from bench.common import count, machine, write_results  # noqa: E402
-from bench.serve import free_port, interrupt_on_sigterm, stopped_on_failure, wait_for_agent  # noqa: E402
+from bench.memory import interrupt_on_sigterm  # noqa: E402
+from bench.serve import free_port, stopped_on_failure, wait_for_agent  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
 CAP = "25%"

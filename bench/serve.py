@@ -181,13 +181,6 @@ def stopped_on_failure(proc: subprocess.Popen):
         raise
 
 
-def interrupt_on_sigterm() -> None:
-    """Make SIGTERM act like Ctrl-C, so the `finally` blocks stop the agents and remove the cgroup."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-    signal.signal(signal.SIGTERM, interrupt)
-
-
 def wait_for_agent(proc: subprocess.Popen, port: int, where: str, timeout_s: float = 300) -> str:
     """The agent's URL once /v1/status answers; SystemExit (naming `where` to look) if it dies or stalls."""
     url = f"http://127.0.0.1:{port}"
@@ -417,7 +410,6 @@ def main() -> int:
     from agent.experts.reader import IO_THREADS
     from bench.loader import raw_baseline
     from bench.scale import CHUNK
-    interrupt_on_sigterm()
     sized = args.reference or args.model        # the store whose expert bytes and dense weights size the device
     index = Index.load(sized / INDEX)
     cap = parse_cap(CAP, index.nbytes * len(index.blocks))

@@ -22,8 +22,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repo, so `bench` imports
 from bench.common import RESULTS_DIR, count, machine, write_results  # noqa: E402
-from bench.memory import drop_page_cache  # noqa: E402
-from bench.serve import CLI, ROOT, free_port, interrupt_on_sigterm, stopped_on_failure, wait_for_agent  # noqa: E402
+from bench.memory import drop_page_cache, interrupt_on_sigterm  # noqa: E402
+from bench.serve import CLI, ROOT, free_port, stopped_on_failure, wait_for_agent  # noqa: E402
 
 WARMUP_FILE = ROOT / "examples" / "benchmark_input.json"
 PROMPTS = ["Describe the failure modes of a flash translation layer.", "Write a limerick about a cache miss.",

@@ -2,6 +2,8 @@
 limit, the limit arithmetic and the summary over rounds (the 13 GB runs are benches, not tests)."""
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +13,8 @@ from test_model_parity import one_torch_thread  # noqa: F401  (autouse fixture)
 from test_route_trace import records, write_trace
 from test_shapes import tiny
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 from agent import bf16_matvec  # noqa: E402
 from agent.convert import convert  # noqa: E402
 from agent.shapes import write_checkpoint  # noqa: E402
@@ -88,3 +91,18 @@ def test_quant_scale_sets_each_store_against_mmap_of_its_own_and_of_the_bf16_sto
     assert {k: r["median"] for k, r in s["a_over_c"].items()} == {"a bf16 / c bf16": 2.0, "a int8 / c int8": 2.0,
                                                                    "a int8 / c bf16": 3.0}
     assert quant_scale.summarize(rounds, [scale.CONFIGS["a"]])["a_over_c"] == {}   # no (c) run: no ratio
+
+
+def test_sigterm_removes_the_cgroup_of_a_bench_that_made_one(tmp_path):
+    """A cgroup outlives a killed process: a bench's `finally` must run on SIGTERM to remove it."""
+    script = tmp_path / "bench_stand_in.py"
+    script.write_text("import sys, time\nsys.path.insert(0, sys.argv[1])\nfrom bench.memory import MemoryCgroup\n"
+                      "cgroup = MemoryCgroup(2**30)\nprint(cgroup.path, flush=True)\n"
+                      "try:\n    time.sleep(120)\nfinally:\n    cgroup.remove()\n")
+    bench = subprocess.Popen([sys.executable, str(script), str(ROOT)], stdout=subprocess.PIPE, text=True)
+    path = bench.stdout.readline().strip()
+    bench.send_signal(signal.SIGTERM)
+    bench.communicate(timeout=60)
+    assert bench.returncode != 0
+    if path != "None":      # the machine gave it a cgroup
+        assert not Path(path).exists(), f"{path} left behind"
