@@ -22,11 +22,11 @@ import pytest
 from streamlit import config
 from streamlit.testing.v1 import AppTest
 
+from access.guesses import FREE_GUESSES
 from agents import ROOT, demo_model, free_port, start_agent, wait_for
 from bench import synthetic
 from dashboard import agent_client, auth, data, pages, sweep
 from store import queries
-from access.guesses import FREE_GUESSES
 from store.units import human
 
 APP = str(ROOT / "dashboard" / "app.py")

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.policies import DEFAULT_POLICY
 from access.loopback import addressed_to_loopback
+from agent.policies import DEFAULT_POLICY
 from agents import CLI, demo_model, free_port, start_agent, stop, wait_for
 from store import queries
 

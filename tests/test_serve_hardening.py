@@ -15,12 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from access.guesses import FREE_GUESSES
 from agent.experts.layout import EXPERTS, INDEX, Index
 from agent.generate import run_generate
 from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
 from agent.serve.server import MIN_TOKEN_CHARS
 from agents import CLI, demo_model, start_agent, wait_for
-from access.guesses import FREE_GUESSES
 
 JSON = {"Content-Type": "application/json"}
 

@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from access.guesses import GuessLimit, lockout_message
 from access.loopback import addressed_to_loopback
 from agent.serve.engine import STEP_PROFILES
 from agent.serve.knobs import SOURCES, KnobError
@@ -47,7 +48,6 @@ from agent.serve.runtime import Runtime
 from agent.serve.scheduler import Event, Overloaded
 from agent.serve.scheduler import Request as Job
 from agent.serve.stops import MAX_STOP_CHARS, MAX_STOPS, CompletionText
-from access.guesses import GuessLimit, lockout_message
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from access.loopback import is_loopback
 from agent.argtypes import add_int8_activations, count, port, threads
 from agent.experts.layout import StoreError as ExpertStoreError
 from machine.memory import read_pid_file
 from agent.experts.reader import BACKENDS, IO_THREADS
-from access.loopback import is_loopback
 from agent.serve.limits import BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES
 from agent.serve.scheduler import ADMIT_WINDOW_S, MAX_WAITING
 from machine.identity import add_device_name
