@@ -6,6 +6,7 @@ and a file dropped from the page cache so a run starts cold.
 """
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import signal
@@ -50,6 +51,7 @@ class MemoryCgroup:
                     path.rmdir()
                 continue
             self.path, self.kind, self._limit_file = path, kind, limit_file
+            atexit.register(self.remove)   # also when SIGTERM lands before the bench's `try` is entered
             return
 
     def set_limit(self, limit: int) -> None:
@@ -87,7 +89,8 @@ class MemoryCgroup:
             (self.path / "memory.max_usage_in_bytes").write_text("0")
 
     def remove(self) -> None:
-        if self.path is not None:
+        """Remove the cgroup (once its processes are gone); again is a no-op."""
+        if self.path is not None and self.path.exists():
             self.path.rmdir()
 
     def describe(self) -> str:

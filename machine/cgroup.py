@@ -61,14 +61,15 @@ def _hierarchies(own: Mapping[str, str], root: Path) -> list[tuple[str, Path, st
 
 def limits(own: Mapping[str, str], root: Path = ROOT) -> list[int]:
     """Every memory limit set on the process's cgroups and their ancestors (v2 memory.max, v1
-    memory.limit_in_bytes)."""
+    memory.limit_in_bytes). A limit file that exists but cannot be read raises OSError: under memory
+    pressure the read itself can fail (ENOMEM), and a limit not read is not the absence of one."""
     out = []
     for version, mount, path in _hierarchies(own, root):
         name = "memory.max" if version == "v2" else "memory.limit_in_bytes"
         for directory in chain(mount, path):
             try:
                 value = (directory / name).read_text().strip()
-            except OSError:
+            except FileNotFoundError:      # a level without the file (e.g. the v2 root)
                 continue
             if value.isdigit() and int(value) < NO_LIMIT:
                 out.append(int(value))
@@ -76,10 +77,11 @@ def limits(own: Mapping[str, str], root: Path = ROOT) -> list[int]:
 
 
 def memory_limit(pid: int | str = "self", root: Path = ROOT) -> int | None:
-    """The tightest memory limit on the process's cgroups and their ancestors, or None without one."""
+    """The tightest memory limit on the process's cgroups and their ancestors, or None without one (or
+    without the process). OSError when a cgroup file that is there cannot be read (see `limits`)."""
     try:
         own = own_paths(Path(f"/proc/{pid}/cgroup").read_text())
-    except (OSError, ValueError):
+    except (FileNotFoundError, ProcessLookupError, ValueError):
         return None
     return min(limits(own, root), default=None)
 

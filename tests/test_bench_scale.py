@@ -94,11 +94,11 @@ def test_quant_scale_sets_each_store_against_mmap_of_its_own_and_of_the_bf16_sto
 
 
 def test_sigterm_removes_the_cgroup_of_a_bench_that_made_one(tmp_path):
-    """A cgroup outlives a killed process: a bench's `finally` must run on SIGTERM to remove it."""
+    """A cgroup outlives a killed process: SIGTERM must remove it, even before the bench's own `try`."""
     script = tmp_path / "bench_stand_in.py"
     script.write_text("import sys, time\nsys.path.insert(0, sys.argv[1])\nfrom bench.memory import MemoryCgroup\n"
-                      "cgroup = MemoryCgroup(2**30)\nprint(cgroup.path, flush=True)\n"
-                      "try:\n    time.sleep(120)\nfinally:\n    cgroup.remove()\n")
+                      "cgroup = MemoryCgroup(2**30)\nprint(cgroup.path, flush=True)\ntime.sleep(120)\n"
+                      "try:\n    pass\nfinally:\n    cgroup.remove()\n")
     bench = subprocess.Popen([sys.executable, str(script), str(ROOT)], stdout=subprocess.PIPE, text=True)
     path = bench.stdout.readline().strip()
     bench.send_signal(signal.SIGTERM)

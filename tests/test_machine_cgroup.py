@@ -50,6 +50,17 @@ def test_limits_are_read_from_the_process_cgroup_and_its_ancestors(tmp_path):
     assert cgroup.limits(cgroup.own_paths("0::/\n4:memory:/\n"), root) == []
 
 
+def test_a_limit_file_that_cannot_be_read_is_an_error_not_the_absence_of_a_limit(tmp_path):
+    root = v1_tree(tmp_path)
+    bench = root / "memory" / "bench"
+    (bench / "memory.limit_in_bytes").unlink()
+    own = cgroup.own_paths("4:memory:/bench/agent\n")
+    assert cgroup.limits(own, root) == [6000000000]            # a level without the file: skipped
+    (bench / "memory.limit_in_bytes").mkdir()                   # there, but unreadable (as ENOMEM makes it)
+    with pytest.raises(OSError):
+        cgroup.limits(own, root)
+
+
 def test_a_v1_cgroup_reads_its_own_counters_not_its_childrens(tmp_path):
     root = v1_tree(tmp_path)
     group = cgroup.MemoryCgroup("v1", "/bench/agent", root / "memory" / "bench" / "agent",

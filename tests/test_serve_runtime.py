@@ -156,3 +156,25 @@ def test_a_slow_knob_change_is_logged_with_where_its_time_went(runtime, monkeypa
     runtime.set_knobs({"cache_cap_bytes": cap // 2}, "api")
     slow = [r.getMessage() for r in caplog.records if r.getMessage().startswith("knob change took")]
     assert len(slow) == 1 and all(p in slow[0] for p in ("waiting for another knob change", "applying", "recording"))
+
+
+def test_a_memory_limit_that_cannot_be_read_keeps_the_cap_bounds_and_refuses_a_cap_change(runtime, monkeypatch):
+    """Under the pressure it bounds, reading the cgroup's limit can fail (ENOMEM, seen in the squeeze scenario):
+    that is no reason to believe there is no limit and let the cap's maximum jump to 70% of the machine's RAM."""
+    import errno
+
+    from agent.experts import cap as cap_module
+    from agent.serve import runtime as runtime_module
+    from agent.serve.knobs import KnobError
+
+    def unreadable() -> int:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+    limits, cap = runtime.knobs.limits, runtime.cache.cap_bytes
+    monkeypatch.setattr(runtime_module, "memory_limit_bytes", unreadable)
+    monkeypatch.setattr(cap_module, "memory_limit_bytes", unreadable)
+    tick = runtime.tick()                        # the tick is not lost either
+    assert tick is not None and runtime.knobs.limits == limits
+    smaller = (limits.cap_min + cap) // 2
+    with pytest.raises(KnobError, match="memory limit could not be read"):
+        runtime.set_knobs({"cache_cap_bytes": smaller}, "api")
+    assert runtime.cache.cap_bytes == cap and runtime.knobs["cache_cap_bytes"] == cap

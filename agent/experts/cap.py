@@ -42,7 +42,8 @@ def parse_cap(text: str | int, total_expert_bytes: int) -> int:
 
 
 def memory_limit_bytes() -> int:
-    """The smaller of physical memory and the cgroup memory limit (read afresh: it may change)."""
+    """The smaller of physical memory and the cgroup memory limit (read afresh: it may change). OSError
+    if the limit cannot be read now: never mistake that for no limit."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(physical, memory_limit() or physical)
 
@@ -60,8 +61,10 @@ def resident_bytes(store_dir: Path, index: Index) -> int:
     return dense.stat().st_size + KV_BUDGET_TOKENS * kv_per_token
 
 
-def cap_bounds(index: Index, min_per_layer: int, scope: str = "layer", reserved: int = 0) -> tuple[int, int]:
+def cap_bounds(index: Index, min_per_layer: int, scope: str = "layer", reserved: int = 0,
+               memory: int | None = None) -> tuple[int, int]:
     """Allowed cache cap in bytes: one layer's working set of slots (Residency.min_capacity), up to
-    70% of available memory less `reserved` (resident_bytes: what the model itself keeps in RAM)."""
+    70% of available `memory` (default: memory_limit_bytes(), read now) less `reserved` (resident_bytes:
+    what the model itself keeps in RAM)."""
     floor = Residency.min_capacity(index.n_layers, min_per_layer, scope) * index.slot_bytes
-    return floor, int(memory_limit_bytes() * MAX_MEMORY_SHARE) - reserved
+    return floor, int((memory_limit_bytes() if memory is None else memory) * MAX_MEMORY_SHARE) - reserved

@@ -89,6 +89,7 @@ class Runtime:
                                  busy=lambda: bool(self.scheduler.running or self.scheduler.waiting))
         self.guard_config, self._guard_streak = guard.GuardConfig(), 0
         self._knob_lock = threading.Lock()
+        self._limit_unread = False   # the memory limit's last read failed (logged once a streak)
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="ticker", daemon=True)
         self._last_tick: Tick | None = None
@@ -189,6 +190,9 @@ class Runtime:
                 self.cache.resize(new["cache_cap_bytes"])
             except ValueError as exc:  # e.g. too small for the memory it must lock
                 raise KnobError("cache_cap_bytes", str(exc)) from None
+            except OSError as exc:     # the memory limit to check it against could not be read
+                raise KnobError("cache_cap_bytes", f"the memory limit could not be read to check the cap ({exc}); "
+                                                   f"nothing changed, try again") from None
             self.knobs.commit({"cache_cap_bytes": new["cache_cap_bytes"]})
         policy_change = {k: v for k, v in new.items() if k == "policy" or k in POLICY_KNOBS}
         merged = {**self.knobs.values, **policy_change}
@@ -276,14 +280,25 @@ class Runtime:
 
     def _follow_memory_limit(self) -> tuple[int, int]:
         """The cap's bounds, re-read every tick so they follow a memory limit set or changed while the
-        agent runs (e.g. its cgroup's); a change is logged and recorded as an event."""
-        lo, hi = cap_bounds(self.cache.index, self.cache.min_per_layer, reserved=self.cache.reserved_bytes)
+        agent runs (e.g. its cgroup's); a change is logged and recorded as an event. When the limit cannot
+        be read (ENOMEM under the very pressure it bounds), the bounds stay as they were."""
         limits = self.knobs.limits
+        try:
+            memory = memory_limit_bytes()
+        except OSError as exc:
+            if not self._limit_unread:
+                log.warning("cache cap bounds kept at %d .. %d bytes while the memory limit cannot be read (%s)",
+                            limits.cap_min, limits.cap_max, exc)
+            self._limit_unread = True
+            return limits.cap_min, limits.cap_max
+        self._limit_unread = False
+        lo, hi = cap_bounds(self.cache.index, self.cache.min_per_layer, reserved=self.cache.reserved_bytes,
+                            memory=memory)
         if (lo, hi) != (limits.cap_min, limits.cap_max):
             with self._knob_lock:
                 self.knobs.rebound(replace(limits, cap_min=lo, cap_max=hi))
             message = (f"cache cap bounds now {lo} .. {hi} bytes (were {limits.cap_min} .. {limits.cap_max}): "
-                       f"the memory limit is {memory_limit_bytes()} bytes, "
+                       f"the memory limit is {memory} bytes, "
                        f"{self.cache.reserved_bytes} of it kept by the model besides the slots")
             log.warning("%s", message)
             if self.recorder is not None:
