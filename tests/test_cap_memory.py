@@ -22,6 +22,7 @@ def test_resident_bytes_are_the_dense_file_and_the_kv_budget(model):
     kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * \
         (config["hidden_size"] // config["num_attention_heads"]) * 4             # float32
     assert cap.resident_bytes(model, index) == (model / DENSE).stat().st_size + cap.KV_BUDGET_TOKENS * kv_per_token
+    assert cap.resident_bytes(model, index, 100) == (model / DENSE).stat().st_size + 100 * kv_per_token  # --kv-budget
 
 
 def test_a_cap_that_fits_only_without_the_model_is_refused(model, monkeypatch):

@@ -12,7 +12,9 @@ from test_serve import demo_model, start_agent
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
-    a = start_agent(demo_model(tmp_path_factory), tmp_path_factory.mktemp("openai"), "--cache-cap", "50%")
+    # a KV budget for the long concurrent streams below (3 x 3000 positions beside the seeded one)
+    a = start_agent(demo_model(tmp_path_factory), tmp_path_factory.mktemp("openai"), "--cache-cap", "50%",
+                    "--kv-budget", "16384")
     yield a
     a.stop()
 

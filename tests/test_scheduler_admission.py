@@ -195,3 +195,31 @@ def test_a_request_beyond_the_waiting_bound_is_refused_and_the_queue_stays_whole
     assert later_done.wait(TIMEOUT_S)
     s.stop()
     assert engine.batches == [["first", "second"], ["later"]]
+
+
+def test_a_request_whose_kv_would_overflow_the_budget_waits_for_a_running_one_to_end(engine, clock):
+    s = Scheduler(engine, 16, lambda stats: None, admit_window_s=0.0, clock=clock, kv_budget=10)
+    engine.hold.clear()
+    first = Request("first", [1, 2, 3], 2, 0.0, lambda ev: None)          # 5 positions
+    second, second_done = request("second", max_tokens=3)                # 6: 11 with first's, over 10
+    third, third_done = request("third", max_tokens=1)                   # 4: fits, but waits behind second
+    s.start()
+    s.submit(first)
+    assert engine.stepping.wait(TIMEOUT_S)                               # first's first step runs
+    s.submit(second)
+    s.submit(third)
+    engine.hold.set()
+    assert second_done.wait(TIMEOUT_S) and third_done.wait(TIMEOUT_S)
+    s.stop()
+    assert engine.batches[:2] == [["first"], ["first"]]                  # first ran its two tokens alone
+    assert engine.batches[2] == ["second", "third"]                      # 6 + 4 positions fit together
+
+
+def test_a_request_larger_than_the_whole_kv_budget_runs_alone(engine, clock):
+    s = scheduler(engine, clock, window_s=0.0)
+    s.kv_budget = 4
+    big, big_done = request("big", max_tokens=5)                         # 8 positions
+    s.submit(big)
+    assert big_done.wait(TIMEOUT_S)
+    s.stop()
+    assert engine.batches[0] == ["big"]

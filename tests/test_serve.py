@@ -212,7 +212,7 @@ HONCHO_KILL_S = 5  # honcho SIGKILLs what is still running this long after its S
 def test_sigterm_under_load_ends_the_running_requests_and_exits_before_honcho_kills(model, tmp_path):
     """The agent waited out uvicorn's 10 s graceful shutdown on streams with minutes to go, its scheduler
     thread died on the closed event loop, and Python's finalization took seconds after "agent stopped"."""
-    agent = start_agent(model, tmp_path)
+    agent = start_agent(model, tmp_path, "--kv-budget", "16384")    # room for four 4000-token streams at once
     try:
         with contextlib.ExitStack() as streams:
             lines = []
@@ -319,3 +319,36 @@ def test_an_unwritable_pid_file_is_one_line_and_leaves_nothing(model, tmp_path, 
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and f"cannot write the pid file {pid_file}" in r.stderr and "Traceback" not in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no agent.pid.tmp or taken.tmp left
+
+
+def test_requests_share_the_kv_budget_the_cap_counts_and_one_larger_than_it_is_refused(model, tmp_path):
+    """The cap's memory rule counts --kv-budget positions of KV cache for all running requests together; the
+    agent holds to it: a request that would overflow it waits for a running one to end, and one that could
+    never fit is refused at once (before, 16 long streams held ~4x the KV the rule had counted)."""
+    agent = start_agent(model, tmp_path, "--kv-budget", "400")
+    try:
+        knobs = agent.get("/v1/knobs").json()["cache_cap_bytes"]
+        too_big = httpx.post(agent.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 399}, timeout=60)
+        assert too_big.status_code == 400 and "KV budget of 400 positions (serve --kv-budget)" in too_big.text
+        with httpx.stream("POST", agent.url + "/v1/completions", timeout=60,
+                          json={"prompt": "a long answer", "max_tokens": 300, "stream": True}) as first:
+            lines = first.iter_lines()
+            next(lines)                                          # its first token: it is running
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                second = pool.submit(httpx.post, agent.url + "/v1/completions", timeout=60,
+                                     json={"prompt": "a short one", "max_tokens": 100})
+                status = wait_for(lambda: (s := agent.get("/v1/status").json())["queue_depth"] == 1 and s, 30,
+                                  "the second request to wait")
+                assert status["batch_size"] == 1 and status["kv_budget"] == 400
+                assert 300 < status["kv_positions"] <= 400 < status["kv_positions"] + 100  # the first's; with the second's over
+                for _ in lines:                                  # the first runs to its end...
+                    pass
+                assert second.result().status_code == 200        # ...then the second runs
+    finally:
+        stop(agent.proc)
+    (tmp_path / "default").mkdir()
+    default = start_agent(model, tmp_path / "default")
+    try:   # the budget is counted against the cap: a larger one leaves less room for the cache
+        assert default.get("/v1/knobs").json()["cache_cap_bytes"]["max"] < knobs["max"]
+    finally:
+        stop(default.proc)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from agent.experts.cap import MAX_MEMORY_SHARE, cap_bounds, resident_bytes
+from agent.experts.cap import KV_BUDGET_TOKENS, MAX_MEMORY_SHARE, cap_bounds, resident_bytes
 from agent.experts.layout import CONFIG, EXPERTS, INDEX, Block, Index, StoreError
 from agent.experts.provider import Expert, block_views
 from agent.experts.quant import slow_path, warm_dequantize
@@ -116,10 +116,12 @@ class ExpertCache:
     def __init__(self, store_dir: Path | str, cap_bytes: int, policy: str = "lru", scope: str = "layer",
                  backend: str = "direct", verify: bool = True, min_per_layer: int | None = None,
                  policy_options: dict | None = None, io_threads: int = IO_THREADS,
-                 monitor: SystemSampler | None = None, int8_activations: bool = True) -> None:
+                 monitor: SystemSampler | None = None, int8_activations: bool = True,
+                 kv_positions: int = KV_BUDGET_TOKENS) -> None:
         """`int8_activations`: whether int8 experts quantize bf16 activations too where an expert has more
         tokens than the int8 kernel takes (W8A8, agent/experts/quant.py); False computes with the weights
-        only quantized, for a model whose activations hold outliers."""
+        only quantized, for a model whose activations hold outliers. `kv_positions`: the KV cache the
+        cap's memory rule counts beside the slots (serve --kv-budget)."""
         if io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, got {io_threads}")
         self.store_dir = Path(store_dir)
@@ -128,7 +130,7 @@ class ExpertCache:
             log.warning("%s: ~30x the kernel's time per expert at one token; convert with --quantize int8 "
                         "for this machine", reason)
         self.min_per_layer = min_per_layer or _top_k(self.store_dir)
-        self.reserved_bytes = resident_bytes(self.store_dir, self.index)  # dense weights and KV cache
+        self.reserved_bytes = resident_bytes(self.store_dir, self.index, kv_positions)  # dense weights, KV
         self.policy_name, self.scope, self.int8_activations = policy, scope, int8_activations
         self._check_cap(cap_bytes)
         self.cap_bytes = cap_bytes

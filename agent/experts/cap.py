@@ -18,7 +18,8 @@ from agent.residency import Residency
 from machine.cgroup import memory_limit
 
 MAX_MEMORY_SHARE = 0.7        # of physical memory or of the cgroup limit, whichever is smaller
-KV_BUDGET_TOKENS = 4096       # KV cache positions counted against the share (all sequences together)
+KV_BUDGET_TOKENS = 4096       # KV cache positions counted against the share (all sequences together;
+                              # serve --kv-budget, which its scheduler then holds to)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -48,9 +49,9 @@ def memory_limit_bytes() -> int:
     return min(physical, memory_limit() or physical)
 
 
-def resident_bytes(store_dir: Path, index: Index) -> int:
+def resident_bytes(store_dir: Path, index: Index, kv_positions: int = KV_BUDGET_TOKENS) -> int:
     """RAM the model keeps besides the expert slots: its dense weights (dense.safetensors is loaded
-    whole) and a KV cache of KV_BUDGET_TOKENS positions in the model's dtype. A store of experts
+    whole) and a KV cache of `kv_positions` positions in the model's dtype. A store of experts
     alone (no dense weights: no model will run on it) keeps nothing else."""
     dense = Path(store_dir) / DENSE
     if not dense.exists():
@@ -58,7 +59,7 @@ def resident_bytes(store_dir: Path, index: Index) -> int:
     config = MoEConfig.from_file(Path(store_dir) / CONFIG)
     heads, k_dim, v_dim = config.kv_cache_shape
     kv_per_token = config.n_layers * heads * (k_dim + v_dim) * index.itemsize
-    return dense.stat().st_size + KV_BUDGET_TOKENS * kv_per_token
+    return dense.stat().st_size + kv_positions * kv_per_token
 
 
 def cap_bounds(index: Index, min_per_layer: int, scope: str = "layer", reserved: int = 0,

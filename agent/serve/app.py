@@ -140,7 +140,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
     # one tokenizing thread: a burst of long prompts queues for one core and leaves the other to the event loop
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
     model_name = runtime.opts.model_dir.name
-    config = runtime.engine.config
+    config, kv_budget = runtime.engine.config, runtime.opts.kv_budget
     stop_ids = frozenset([] if config.eos_token_id is None else [config.eos_token_id])
     exposed = DeviceLabelled(runtime.metrics.registry, device_name)
     guesses = GuessLimit()
@@ -241,7 +241,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
             raise HTTPException(413, f"prompt is {size} bytes; this agent takes at most {max_prompt_bytes} "
                                      f"(serve --max-prompt-bytes)")
         loop = asyncio.get_running_loop()
-        prompt_ids = await loop.run_in_executor(tokenizing, _prompt_ids, body, tokenizer, config)
+        prompt_ids = await loop.run_in_executor(tokenizing, _prompt_ids, body, tokenizer, config, kv_budget)
         queue: asyncio.Queue[Piece] = asyncio.Queue()
         completion = CompletionText(tokenizer.decode, body.stop)
         job = Job(id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=prompt_ids, max_tokens=body.max_tokens,
@@ -354,8 +354,9 @@ async def _cancel_on_disconnect(receive: Callable[[], Awaitable[dict]], job: Job
     job.cancelled = True
 
 
-def _prompt_ids(body: CompletionRequest, tokenizer, config) -> list[int]:
-    """The prompt as token ids, checked against the vocabulary and the context (runs off the event loop)."""
+def _prompt_ids(body: CompletionRequest, tokenizer, config, kv_budget: int) -> list[int]:
+    """The prompt as token ids, checked against the vocabulary, the context and the KV budget (runs off the
+    event loop)."""
     ids = list(tokenizer.encode(body.prompt)) if isinstance(body.prompt, str) else list(body.prompt)
     if not ids:
         raise HTTPException(400, "prompt is empty: give text or at least one token id")
@@ -365,6 +366,9 @@ def _prompt_ids(body: CompletionRequest, tokenizer, config) -> list[int]:
     if len(ids) + body.max_tokens > config.max_seq_len:
         raise HTTPException(400, f"prompt ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds the model's "
                                  f"context of {config.max_seq_len} tokens; shorten one of them")
+    if len(ids) + body.max_tokens > kv_budget:
+        raise HTTPException(400, f"prompt ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds this agent's "
+                                 f"KV budget of {kv_budget} positions (serve --kv-budget); shorten one of them")
     return ids
 
 

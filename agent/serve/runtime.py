@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from agent.experts.cache import ExpertCache
-from agent.experts.cap import cap_bounds, memory_limit_bytes, parse_cap, resident_bytes
+from agent.experts.cap import KV_BUDGET_TOKENS, cap_bounds, memory_limit_bytes, parse_cap, resident_bytes
 from agent.experts.layout import CONFIG, INDEX, Index
 from agent.experts.quant import quantizes_activations
 from agent.experts.reader import IO_THREADS
@@ -56,9 +56,12 @@ class ServeOptions:
     prefill_threads: int | None = None      # torch threads of a step admitting prompts (engine.py); None: `threads`
     int8_activations: bool = True    # int8 experts quantize bf16 activations above 8 tokens an expert (W8A8)
     max_waiting: int = MAX_WAITING   # requests queued for a place in the batch; more get 429
+    kv_budget: int = KV_BUDGET_TOKENS  # KV positions of all running requests together (the cap's rule counts them)
 
     def __post_init__(self) -> None:
         check_admit_window(self.admit_window_s)  # before the model loads, so a bad value fails at once
+        if self.kv_budget < 1:
+            raise ValueError(f"kv_budget must be at least one position, got {self.kv_budget}")
 
 
 class Runtime:
@@ -68,7 +71,7 @@ class Runtime:
         self.monitor = SystemSampler.for_experts(opts.model_dir, store.path if store is not None else None)
         self.cache = ExpertCache(opts.model_dir, _first_cap(opts), policy=opts.policy or DEFAULT_POLICY,
                                  backend=opts.backend, io_threads=opts.io_threads, monitor=self.monitor,
-                                 int8_activations=opts.int8_activations)
+                                 int8_activations=opts.int8_activations, kv_positions=opts.kv_budget)
         try:
             self.engine = ModelEngine(opts.model_dir, self.cache, threads=opts.threads, route_trace=opts.route_trace,
                                       prefill_threads=opts.prefill_threads)
@@ -81,7 +84,7 @@ class Runtime:
         self.metrics = Metrics(registry, self.cache.index.n_layers)
         self.online = OnlineLearning(self.cache, registry)
         self.scheduler = Scheduler(self.engine, self.knobs["max_batch_size"], self.metrics.request, opts.admit_window_s,
-                                   max_waiting=opts.max_waiting)
+                                   max_waiting=opts.max_waiting, kv_budget=opts.kv_budget)
         self.truncated = scrub.truncated(opts.model_dir, self.cache.index)
         if self.truncated:
             log.error("the expert store is truncated: %d blocks end past the end of its file", len(self.truncated))
@@ -234,7 +237,8 @@ class Runtime:
                       "prefetch_accuracy": s.prefetch_accuracy},
             "recent_hit_rate": self.metrics.recent_hit_rate(),
             "batch_size": self.scheduler.batch_size, "batch_limit": self.scheduler.max_batch,
-            "queue_depth": len(self.scheduler.waiting), "tokens_generated": self.scheduler.tokens_total,
+            "queue_depth": len(self.scheduler.waiting), "kv_positions": self.scheduler.kv_positions,
+            "kv_budget": self.scheduler.kv_budget, "tokens_generated": self.scheduler.tokens_total,
             "model_steps": self.scheduler.steps,
             "ssd_util": self.monitor.last.ssd_util, "ssd_util_source": self.monitor.last.sources.get("ssd_util"),
             "store": self.store_health(), "online_learning": self.online.status(),
@@ -327,7 +331,7 @@ def _first_cap(opts: ServeOptions) -> int:
     if opts.cache_cap:
         return cap
     lo, hi = cap_bounds(index, MoEConfig.from_file(Path(opts.model_dir) / CONFIG).top_k,
-                        reserved=resident_bytes(opts.model_dir, index))
+                        reserved=resident_bytes(opts.model_dir, index, opts.kv_budget))
     return min(max(cap, lo), hi)
 
 

@@ -11,6 +11,13 @@ prefill instead of the first prompt running alone and the rest after it. That is
 milliseconds because a step's experts are the union of its tokens': a prompt of ~50 tokens routes
 nearly every expert of every layer, so two prefill steps read the routed experts twice. A busy
 scheduler needs no window: arrivals wait for the running step anyway and join the next one.
+
+KV budget: a running request holds KV cache for its prompt and its max_tokens (the engine allocates them
+when it begins), and the cache cap's memory rule counted `kv_budget` positions for all of them together
+(serve --kv-budget; agent/experts/cap.py). So a request is admitted only while the running ones'
+positions and its own fit in that budget; else it waits, with those behind it (first come, first served),
+for a running one to end. The HTTP API refuses a request larger than the whole budget; one that reaches
+the scheduler all the same runs when it is alone.
 """
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from agent.experts.cap import KV_BUDGET_TOKENS
 
 log = logging.getLogger(__name__)
 # Requests waiting for a place in the batch; more are refused (HTTP 429), not held without bound: each
@@ -83,6 +92,11 @@ class Request:
         """The tokens this request feeds into its next step: the prompt, then its last token."""
         return self.generated[-1:] if self.generated else self.prompt_ids
 
+    @property
+    def kv_positions(self) -> int:
+        """The KV cache positions its sequence holds while it runs: its prompt and every token it may make."""
+        return len(self.prompt_ids) + self.max_tokens
+
 
 class Engine(Protocol):
     def begin(self, request: Request) -> Any: ...
@@ -114,8 +128,8 @@ class Overloaded(Exception):
 class Scheduler:
     def __init__(self, engine: Engine, max_batch: int, on_finish: Callable[[RequestStats], None],
                  admit_window_s: float = ADMIT_WINDOW_S, clock: Callable[[], float] = time.monotonic,
-                 max_waiting: int = MAX_WAITING) -> None:
-        self.engine, self.on_finish, self.max_waiting = engine, on_finish, max_waiting
+                 max_waiting: int = MAX_WAITING, kv_budget: int = KV_BUDGET_TOKENS) -> None:
+        self.engine, self.on_finish, self.max_waiting, self.kv_budget = engine, on_finish, max_waiting, kv_budget
         self.admit_window_s, self.clock = check_admit_window(admit_window_s), clock
         self._window_ends = float("-inf")   # set by the first request that finds the scheduler idle
         self.max_batch = max_batch  # the knob max_batch_size: most requests stepped together
@@ -180,6 +194,11 @@ class Scheduler:
     def batch_size(self) -> int:
         return len(self.running)
 
+    @property
+    def kv_positions(self) -> int:
+        """KV cache positions the running requests hold."""
+        return sum(r.kv_positions for r in self.running)
+
     # -- the scheduler thread -----------------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -218,10 +237,13 @@ class Scheduler:
     def _admit(self) -> None:
         self.running = [r for r in self.running if not r.cancelled or self._retire(r, "cancelled")]
         while self.waiting and len(self.running) < self.max_batch:
-            request = self.waiting.popleft()
+            request = self.waiting[0]
             if request.cancelled:  # its client left while it waited: its handler still waits for an end
-                self._retire(request, "cancelled")
+                self._retire(self.waiting.popleft(), "cancelled")
                 continue
+            if self.running and self.kv_positions + request.kv_positions > self.kv_budget:
+                return             # it waits, and those behind it, until a running request ends
+            self.waiting.popleft()
             try:
                 request.state = self.engine.begin(request)
             except Exception as exc:

@@ -33,12 +33,13 @@ from typing import NoReturn
 
 from access.loopback import is_loopback
 from agent.argtypes import add_int8_activations, count, port, threads
+from agent.experts.cap import KV_BUDGET_TOKENS
 from agent.experts.layout import StoreError as ExpertStoreError
-from machine.memory import read_pid_file
 from agent.experts.reader import BACKENDS, IO_THREADS
 from agent.serve.limits import BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES
 from agent.serve.scheduler import ADMIT_WINDOW_S, MAX_WAITING
 from machine.identity import add_device_name
+from machine.memory import read_pid_file
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, help="most requests sharing one decode step (default 16)")
     p.add_argument("--max-waiting", type=count, default=MAX_WAITING,
                    help=f"most requests queued for a place in the batch; more get HTTP 429 (default {MAX_WAITING})")
+    p.add_argument("--kv-budget", type=count, default=KV_BUDGET_TOKENS, metavar="POSITIONS",
+                   help="KV cache positions (prompt + max_tokens) of all running requests together: the cache cap's "
+                        "memory rule counts them, a request waits while they would overflow, and one larger than "
+                        f"the whole budget is refused (default {KV_BUDGET_TOKENS})")
     p.add_argument("--threads", type=threads, default=1, help="torch intra-op threads for the model step (default 1: "
                    "reads run on other threads, and on a small CPU more threads busy-wait against them)")
     p.add_argument("--prefill-threads", type=threads, help="torch intra-op threads for a step that admits prompts "
@@ -238,7 +243,7 @@ def serve(args: argparse.Namespace) -> None:
             opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
                                 args.max_batch_size, args.threads, args.io_threads, args.admit_window_ms / 1000,
                                 args.verify, tuple(args.route_trace), args.prefill_threads, args.int8_activations,
-                                args.max_waiting)
+                                args.max_waiting, args.kv_budget)
             runtime = Runtime(opts, CollectorRegistry(), store)
             runtime.start()
         except (ValueError, OSError, ExpertStoreError) as exc:
