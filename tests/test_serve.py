@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -211,7 +212,9 @@ HONCHO_KILL_S = 5  # honcho SIGKILLs what is still running this long after its S
 
 def test_sigterm_under_load_ends_the_running_requests_and_exits_before_honcho_kills(model, tmp_path):
     """The agent waited out uvicorn's 10 s graceful shutdown on streams with minutes to go, its scheduler
-    thread died on the closed event loop, and Python's finalization took seconds after "agent stopped"."""
+    thread died on the closed event loop, and Python's finalization took seconds after "agent stopped".
+    A stream ended with finish_reason "cancelled", which OpenAI's clients read as a whole answer: now an error
+    event they raise, then [DONE], and one line in the log for each."""
     agent = start_agent(model, tmp_path, "--kv-budget", "16384")    # room for four 4000-token streams at once
     try:
         with contextlib.ExitStack() as streams:
@@ -223,11 +226,15 @@ def test_sigterm_under_load_ends_the_running_requests_and_exits_before_honcho_ki
                 next(lines[-1])  # its first token: it is running
             os.killpg(agent.proc.pid, signal.SIGTERM)
             assert agent.proc.wait(HONCHO_KILL_S) == 0
-            ends = [[json.loads(x[6:]) for x in rest if x.startswith("data: {")][-1] for rest in lines]
-        assert [end["choices"][0]["finish_reason"] for end in ends] == ["cancelled"] * 4
-        assert all(end["usage"]["completion_tokens"] < 4000 for end in ends)
+            rests = [[x for x in rest if x] for rest in lines]
+        assert all(rest[-1] == "data: [DONE]" for rest in rests), rests
+        ends = [json.loads(rest[-2][6:]) for rest in rests]
+        assert all(end["error"]["message"].startswith("the agent is shutting down: this completion was stopped "
+                                                      "after ") and "of its 4000 tokens" in end["error"]["message"]
+                   for end in ends), ends
         log = agent.log.read_text()
         assert "agent stopped" in log and "Traceback" not in log and not agent.pid_file.exists()
+        assert log.count("the shutdown stopped cmpl-") == 4, log
     finally:
         stop(agent.proc)
 
@@ -249,6 +256,26 @@ def test_sigterm_during_a_completion_answers_503_with_retry_after_not_its_text_s
         assert message.startswith("the agent is shutting down: this completion was stopped after ") and \
             "of its 4000 tokens" in message and "retry it against a running agent" in message
         assert "Traceback" not in agent.log.read_text()
+    finally:
+        stop(agent.proc)
+
+
+def test_a_request_that_arrives_once_the_shutdown_began_is_503_with_retry_after(model, tmp_path):
+    """The scheduler, closed by the shutdown, refused it with a 503 that did not say when to retry."""
+    agent = start_agent(model, tmp_path)
+    body = json.dumps({"prompt": "hi", "max_tokens": 4}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    try:
+        with socket.create_connection(("127.0.0.1", int(agent.url.rsplit(":", 1)[1])), timeout=60) as conn:
+            conn.sendall(head + body[:1])     # in before the shutdown, whole only after it began
+            wait_for(lambda: agent.get("/v1/status").status_code == 200, what="the agent to read the head")
+            os.killpg(agent.proc.pid, signal.SIGTERM)
+            wait_for(lambda: "Shutting down" in agent.log.read_text(), what="the shutdown to begin")
+            conn.sendall(body[1:])
+            answer = conn.makefile("rb").read().decode()
+        assert answer.startswith("HTTP/1.1 503 ") and "\r\nretry-after: 5\r\n" in answer.lower(), answer
+        assert agent.proc.wait(HONCHO_KILL_S) == 0
     finally:
         stop(agent.proc)
 

@@ -1,12 +1,16 @@
 """The agent stopping while a model step outlasts uvicorn's graceful shutdown (memory thrash makes steps
 that slow): the step's events reach a closed event loop, and app._pass_on's guard must keep the
-scheduler thread alive, so the agent still stops, and the client must get an answer that says so, not hang."""
+scheduler thread alive, so the agent still stops, and the client must get an answer that says so, not hang:
+a 503, or for a stream (whose 200 is sent) an error event that OpenAI's client raises, then [DONE]."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import httpx
+import openai
+import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
@@ -20,8 +24,25 @@ from agents import demo_model
 GRACE_S = 1  # uvicorn's graceful shutdown here (the agent's is 10 s)
 
 
+def ask(url: str, stream: bool) -> dict:
+    """A completion as httpx (a plain answer) or as OpenAI's client reading a stream sees it end."""
+    if not stream:
+        return {"response": httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 40}, timeout=60)}
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused-on-loopback", max_retries=0, timeout=60)
+    try:
+        for _ in client.completions.create(model=None, prompt="hi", max_tokens=40, stream=True):
+            pass
+    except openai.APIError as exc:
+        return {"raised": exc}
+    return {}
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_step_that_outlasts_the_shutdown_ends_on_the_closed_loop_and_the_client_does_not_hang(
-        tmp_path_factory, monkeypatch):
+        tmp_path_factory, monkeypatch, caplog, stream):
+    """A stream ended in uvicorn's "Exception in ASGI application" traceback (its CancelledError) and a body cut
+    off without [DONE], which OpenAI's client did not raise."""
+    caplog.set_level(logging.INFO, "agent.serve.app")
     model = demo_model(tmp_path_factory)
     rt = Runtime(ServeOptions(model, cache_cap="50%"), CollectorRegistry())
     rt.start()
@@ -49,8 +70,7 @@ def test_a_step_that_outlasts_the_shutdown_ends_on_the_closed_loop_and_the_clien
 
     def client() -> None:
         try:
-            outcome["response"] = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 40},
-                                             timeout=60)
+            outcome.update(ask(url, stream))
         except httpx.HTTPError as exc:
             outcome["error"] = exc
         outcome["at"] = time.monotonic()
@@ -69,10 +89,17 @@ def test_a_step_that_outlasts_the_shutdown_ends_on_the_closed_loop_and_the_clien
         threads[0].join(30)
         assert not threads[0].is_alive(), "the client hangs"
         # uvicorn cancels the handler, which answers 503 naming the shutdown (it was uvicorn's 500)
-        assert "error" not in outcome and outcome["response"].status_code == 503, outcome
-        assert "the agent is shutting down" in outcome["response"].json()["error"]["message"]
-        assert outcome["response"].headers["Retry-After"] == "5"
+        if stream:
+            assert isinstance(outcome.get("raised"), openai.APIError), outcome
+            assert "the agent is shutting down" in outcome["raised"].message
+        else:
+            assert "error" not in outcome and outcome["response"].status_code == 503, outcome
+            assert "the agent is shutting down" in outcome["response"].json()["error"]["message"]
+            assert outcome["response"].headers["Retry-After"] == "5"
         assert outcome["at"] - closed < 10
+        said = [r.getMessage() for r in caplog.records if r.name == "agent.serve.app"]
+        assert len(said) == 1 and said[0].startswith("the shutdown stopped cmpl-"), said
+        assert not [r for r in caplog.records if r.exc_info], "a traceback in the log"
     finally:
         release.set()
         rt.stop()

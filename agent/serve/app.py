@@ -9,9 +9,9 @@ Work per request is bounded before it starts (agent.serve.limits): a body over t
 unread (413), a text prompt over `max_prompt_bytes` is refused before it is tokenized (413), and
 tokenizing runs on one worker thread (the tokenizer releases the GIL), so the event loop keeps
 answering /v1/status meanwhile. A client that goes away cancels its request,
-streaming or not. A non-streamed completion that the agent's shutdown ends early is a 503 with
-Retry-After, not its text so far as if it were the answer (a stream has sent its 200: its last chunk
-says "cancelled").
+streaming or not. A completion that the agent's shutdown ends early is a 503 with Retry-After, not its
+text so far as if it were the answer; a stream, which has sent its 200, ends with an error event (which
+OpenAI's clients raise) and [DONE]; either is logged in one line. Every 503 carries Retry-After.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ from agent.serve.stops import MAX_STOP_CHARS, MAX_STOPS, CompletionText
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_SHUTDOWN_S = 5   # an agent restarted by its process manager is back in about this long
+RETRY_AFTER_S = 5   # a 503's: an agent restarted by its process manager is back in about this long
 CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
 
 
@@ -257,7 +257,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
             raise HTTPException(503, str(exc)) from None
         head = {"id": job.id, "object": "text_completion", "created": int(time.time()), "model": model_name}
         if body.stream:  # Starlette cancels the stream when its client goes away
-            return StreamingResponse(_stream(job, queue, head), media_type="text/event-stream")
+            return _Stream(job, _stream(job, queue, head, stopping), media_type="text/event-stream")
         watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
         try:
             return await _collect(job, queue, head, stopping)
@@ -282,7 +282,10 @@ def _error_body(status: int, message: str, detail: Any, code: int | str | None =
     `code` is OpenAI's where it has one (model_not_found), else the status."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     error = {"message": message, "type": kind, "param": param, "code": status if code is None else code}
-    return JSONResponse({"detail": detail, "error": error}, status_code=status)
+    response = JSONResponse({"detail": detail, "error": error}, status_code=status)
+    if status == 503:   # a client that may retry is told when (the shutdown, a step that did not end in time)
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:
@@ -420,13 +423,22 @@ async def _pieces(job: Job, queue: asyncio.Queue[Piece]) -> AsyncIterator[Piece]
         job.cancelled = True  # a no-op once done; frees the slot if the client went away
 
 
+def _shutdown_message(job: Job) -> str:
+    """What a request the agent's shutdown ended early is told, logged once: not a part of its text as if it
+    were whole."""
+    log.info("the shutdown stopped %s after %d of its %d tokens", job.id, len(job.generated), job.max_tokens)
+    return (f"the agent is shutting down: this completion was stopped after {len(job.generated)} of its "
+            f"{job.max_tokens} tokens and is not returned; retry it against a running agent")
+
+
 def _stopped(job: Job) -> JSONResponse:
-    """The answer to a request the agent's shutdown ended early: not a part of its text as if it were whole."""
-    message = (f"the agent is shutting down: this completion was stopped after {len(job.generated)} of its "
-               f"{job.max_tokens} tokens and is not returned; retry it against a running agent")
-    response = _error_body(503, message, message)
-    response.headers["Retry-After"] = str(RETRY_AFTER_SHUTDOWN_S)
-    return response
+    message = _shutdown_message(job)
+    return _error_body(503, message, message)
+
+
+def _shutdown_event(job: Job) -> str:
+    """A stream's end when the shutdown stopped it: OpenAI's clients raise an event with "error"."""
+    return _sse({"error": {"message": _shutdown_message(job), "type": "server_error", "code": 503}})
 
 
 async def _collect(job: Job, queue: asyncio.Queue[Piece], head: dict, stopping: threading.Event) -> JSONResponse:
@@ -444,7 +456,7 @@ async def _collect(job: Job, queue: asyncio.Queue[Piece], head: dict, stopping: 
     raise AssertionError("a request's events end with done or error")
 
 
-async def _stream(job: Job, queue: asyncio.Queue[Piece], head: dict) -> AsyncIterator[str]:
+async def _stream(job: Job, queue: asyncio.Queue[Piece], head: dict, stopping: threading.Event) -> AsyncIterator[str]:
     """SSE: one chunk per token that adds sendable text, a last chunk with finish_reason and usage, then [DONE]."""
     async with contextlib.aclosing(_pieces(job, queue)) as pieces:  # Starlette closes this one when the client goes
         async for ev, delta in pieces:
@@ -452,6 +464,8 @@ async def _stream(job: Job, queue: asyncio.Queue[Piece], head: dict) -> AsyncIte
                 yield _sse({**head, "choices": [{"text": delta, "index": 0, "logprobs": None, "finish_reason": None}]})
             elif ev.kind == "error":
                 yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
+            elif ev.finish_reason == "cancelled" and stopping.is_set():
+                yield _shutdown_event(job)
             else:
                 yield _sse({**head, "choices": [{"text": delta, "index": 0, "logprobs": None,
                                                  "finish_reason": ev.finish_reason}],
@@ -461,3 +475,29 @@ async def _stream(job: Job, queue: asyncio.Queue[Piece], head: dict) -> AsyncIte
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+class _Stream(StreamingResponse):
+    """A stream that uvicorn's shutdown cancels (a step that outlasts its graceful timeout: memory thrash makes
+    them that slow) ends as one the shutdown stopped, not in a cancellation traceback and a cut-off body."""
+
+    def __init__(self, job: Job, content: AsyncIterator[str], media_type: str) -> None:
+        super().__init__(content, media_type=media_type)
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def sending(message: dict) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await super().__call__(scope, receive, sending)
+        except asyncio.CancelledError:
+            if not started:
+                return await _stopped(self.job)(scope, receive, send)
+            for event in (_shutdown_event(self.job), "data: [DONE]\n\n"):
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

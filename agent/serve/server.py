@@ -13,8 +13,8 @@ control calls (PUT /v1/knobs, POST /v1/cache/preload) must then send `Authorizat
 out of control calls (HTTP 429) for twice as long as the last, up to 60 s.
 /metrics labels every series device_name=NAME (--device-name, default this host's name), so a
 fleet's Prometheus tells devices apart by name. The port is bound before the model loads, so a busy
-port fails at once. SIGTERM or Ctrl-C stops within a step: open streams end with the text they have
-(finish_reason "cancelled"), other open completions with HTTP 503 and Retry-After, the last
+port fails at once. SIGTERM or Ctrl-C stops within a step: open streams end with an error event saying so
+(OpenAI's clients raise it) and [DONE], other open completions with HTTP 503 and Retry-After, the last
 statistics are written, the pid file is removed, and the process exits at once (a process manager
 such as honcho kills it 5 s after its SIGTERM).
 """
