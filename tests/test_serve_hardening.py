@@ -18,7 +18,7 @@ import pytest
 from access.guesses import FREE_GUESSES
 from agent.experts.layout import EXPERTS, INDEX, Index
 from agent.generate import run_generate
-from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
+from agent.serve.limits import MAX_JSON_DEPTH, MAX_PROMPT_BYTES, body_limit
 from agent.serve.server import MIN_TOKEN_CHARS
 from agents import CLI, demo_model, start_agent, wait_for
 
@@ -55,10 +55,13 @@ def assert_clean_4xx(r: httpx.Response, status: int, *words: str) -> None:
     ('{"prompt": "hi", "max_tokens": 1e400}', ["max_tokens", "integer"]),
     ('{"prompt": [1, 2, NaN]}', ["prompt", "integer"]),
     ('{"prompt": "a\\ud800b"}', ["prompt", "lone surrogate", "character 1"]),
-    ('{"prompt": "hi", "max_tokens": 1' + "0" * 5000 + "}", ["parsing the body"]),  # past Python's int-parsing limit
+    # past Python's int-parsing limit: FastAPI's "There was an error parsing the body", which says no more
+    ('{"prompt": "hi", "max_tokens": 1' + "0" * 5000 + "}", ["a number of more than 4300 digits"]),
+    (b'{"prompt": "caf\xe9"}', ["not UTF-8", "byte 15 is b'\\xe9'"]),
     ('{"prompt": "hi", "max_tokens": 1' + "0" * 40 + "}", ["max_tokens"]),
     ("[1, 2]", ["body"]),
-    ("{", ["JSON"]),
+    ("{", ["not valid JSON at character 1"]),
+    ("nonsense", ["not valid JSON at character 0: Expecting value"]),
 ])
 def test_bad_completion_bodies_are_a_4xx_that_says_why(agent, raw, words):
     r = post(agent, "/v1/completions", raw)
@@ -119,6 +122,20 @@ def test_a_body_over_the_limit_is_refused_unread(agent, chunked):
     content = iter([raw[i:i + 65536] for i in range(0, len(raw), 65536)]) if chunked else raw
     r = httpx.post(agent.url + "/v1/completions", content=content, headers=JSON, timeout=60)
     assert_clean_4xx(r, 413, f"limit of {body_limit(MAX_PROMPT_BYTES)} bytes")
+
+
+@pytest.mark.parametrize("path, method", [("/v1/completions", "POST"), ("/v1/knobs", "PUT"), ("/v1/cache/preload", "POST")])
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 100_000])
+def test_a_body_nested_too_deeply_is_refused_before_it_is_parsed_naming_the_limit(agent, path, method, depth):
+    """Past ~1,000 levels Python's parser raised RecursionError: "There was an error parsing the body"."""
+    r = post(agent, path, '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}", method)
+    assert_clean_4xx(r, 400, f"nests arrays and objects more than {MAX_JSON_DEPTH} levels deep")
+
+
+def test_brackets_in_the_text_are_no_nesting(agent):
+    assert agent.complete(prompt="[{" * 3 * MAX_JSON_DEPTH + '\\"]', max_tokens=1)["choices"]
+    assert_clean_4xx(post(agent, "/v1/cache/preload", '{"experts": ' + "[" * (MAX_JSON_DEPTH - 1) + "]" *
+                          (MAX_JSON_DEPTH - 1) + "}"), 422, "experts")   # at the limit: parsed, then refused
 
 
 @pytest.mark.parametrize("path, method, raw", [("/v1/knobs", "PUT", '{"prefetch_depth": 1}'),

@@ -23,6 +23,7 @@ import logging
 import math
 import reprlib
 import secrets
+import sys
 import threading
 import time
 import uuid
@@ -42,7 +43,7 @@ from access.guesses import GuessLimit, lockout_message
 from access.loopback import addressed_to_loopback
 from agent.serve.engine import STEP_PROFILES
 from agent.serve.knobs import SOURCES, KnobError
-from agent.serve.limits import MAX_PROMPT_BYTES, body_limit
+from agent.serve.limits import MAX_JSON_DEPTH, MAX_PROMPT_BYTES, body_limit, nests_deeper
 from agent.serve.metrics import DeviceLabelled
 from agent.serve.runtime import Runtime
 from agent.serve.scheduler import Event, Overloaded
@@ -59,6 +60,7 @@ CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None,), "echo": (None, False), "suffix": (None,), "best_of": (None, 1), "logit_bias": (None, {}),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}
+UNPARSED = "There was an error parsing the body"   # FastAPI's answer to a body its JSON parser raised on
 NULL_IS_DEFAULT = ("max_tokens", "temperature", "top_p", "stream", "n")  # OpenAI's: null asks for the default
 
 
@@ -289,14 +291,34 @@ def _error_body(status: int, message: str, detail: Any, code: int | str | None =
 
 
 async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.detail == UNPARSED and exc.__cause__ is not None:
+        exc = StarletteHTTPException(400, _unparsed(exc.__cause__))
     response = _error_body(exc.status_code, str(exc.detail), exc.detail)
     response.headers.update(exc.headers or {})
     return response
 
 
+def _why(error: dict) -> str:
+    """pydantic's message; a body that is not JSON also says where and why (FastAPI's says "JSON decode error")."""
+    if error["type"] == "json_invalid":
+        return f"not valid JSON at character {error['loc'][-1]}: {error.get('ctx', {}).get('error', 'unreadable')}"
+    return error["msg"]
+
+
+def _unparsed(cause: BaseException) -> str:
+    """Why the JSON parser gave up on a body (FastAPI's own message names no reason)."""
+    if isinstance(cause, UnicodeDecodeError):
+        byte = cause.object[cause.start:cause.start + 1]
+        return f"the body is not UTF-8: byte {cause.start} is {byte!r}; send JSON in UTF-8"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return (f"the body has a number of more than {sys.get_int_max_str_digits()} digits, more than the JSON "
+                f"parser reads; no field of this API takes one")
+    return f"the body could not be parsed as JSON: {type(cause).__name__}: {cause}"
+
+
 async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:
     # Not the refused input itself: it may be NaN (no JSON can carry it back) or megabytes long.
-    errors = [{"type": e["type"], "loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
+    errors = [{"type": e["type"], "loc": list(e["loc"]), "msg": _why(e)} for e in exc.errors()]
     message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors)
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     json_body = not media or media == "application/json" or media.endswith("+json")
@@ -308,8 +330,9 @@ async def _validation_error(request, exc: RequestValidationError) -> JSONRespons
 
 class BodyLimit:
     """ASGI middleware: a request body over `limit` bytes is refused with 413 before it is read whole
-    (by its Content-Length when it has one), so no handler parses or tokenizes it. A body within the
-    limit is handed on, and the connection's later messages (a disconnect) too."""
+    (by its Content-Length when it has one), so no handler parses or tokenizes it, and one nested deeper
+    than MAX_JSON_DEPTH with 400 before it is parsed. A body within the limits is handed on, and the
+    connection's later messages (a disconnect) too."""
 
     def __init__(self, app, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -329,6 +352,10 @@ class BodyLimit:
             more = message.get("more_body", False)
             if len(body) > self.limit:
                 return await self._refuse(send)
+        if nests_deeper(body):
+            message = (f"the JSON body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep, this agent's "
+                       f"limit; its requests nest 3 at most")
+            return await _error_body(400, message, message)({"type": "http"}, _no_body, send)
         replayed = False
 
         async def replay() -> dict:
