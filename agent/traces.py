@@ -314,4 +314,6 @@ def load(path: str | Path, n_experts: int | None = None, prompts: range | None =
         if prompts is not None:
             raise TraceError(f"{path}: a prompt range applies to prefill NPZ traces only")
         return read_jsonl(path, n_experts)
+    if not path.exists():   # a missing file is that first, whatever its name
+        raise TraceError(f"{path}: no such trace file")
     raise TraceError(f"{path}: unknown trace layout; expected a .jsonl (decode) or .npz (prefill) file")

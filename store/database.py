@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +29,7 @@ WAL_LIMIT_BYTES = 1 << 20      # ...and truncate it to this size when it starts 
 
 def place_problem(path: Path) -> str | None:
     """Why no store can be written at `path`, if its place says so: a kernel filesystem such as
-    /proc or /sys, a read-only mount, a directory this user cannot write, or a directory."""
+    /proc or /sys, a read-only mount, a directory this user cannot write, a directory, or a device."""
     mount = mount_of(path)
     if mount is not None and mount.is_kernel_interface:
         return (f"{mount.point} is the kernel's {mount.fstype} filesystem, whose files are kernel "
@@ -37,10 +38,19 @@ def place_problem(path: Path) -> str | None:
         return f"{mount.point} is mounted read-only; remount it read-write or put --db elsewhere"
     if path.is_dir():
         return "it is a directory; name a file in it, e.g. flashmoe.db"
+    if path.exists() and not path.is_file():   # /dev/null: SQLite said "disk I/O error"
+        return f"it is {_kind(path)}, not a file; name a file, e.g. data/flashmoe.db"
     existing = path if path.exists() else next(p for p in path.absolute().parents if p.exists())
     if not os.access(existing, os.W_OK):
         return f"{existing} is not writable by this user; fix its permissions or put --db elsewhere"
     return None
+
+
+def _kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def is_busy(error: sqlite3.Error) -> bool:

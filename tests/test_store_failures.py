@@ -4,6 +4,7 @@ A real tmpfs of a few MiB stands in for the disk (conftest.py's `tmpfs`: mountin
 from __future__ import annotations
 
 import hashlib
+import os
 import sqlite3
 import subprocess
 import time
@@ -97,6 +98,17 @@ def test_a_store_where_none_can_be_written_is_one_clear_line(where, tmpfs):
     assert code == 1 and len(lines) == 1 and "Traceback" not in lines[0], lines
     reason = "mounted read-only" if where.startswith("read-only") else "filesystem, whose files are kernel interfaces"
     assert f"cannot write the store {db}" in lines[0] and reason in lines[0]
+
+
+@pytest.mark.parametrize("where, kind", [("/dev/null", "a character device"), ("fifo", "a named pipe")])
+def test_a_device_or_pipe_is_no_store_and_says_so(where, kind, tmp_path):
+    """--db /dev/null said SQLite's "disk I/O error" and blamed the disk."""
+    if where == "fifo":
+        os.mkfifo(where := str(tmp_path / "fifo"))
+    code, lines = cli_error("collect", "--db", where, "--duration", "1")
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].endswith(f"cannot write the store {where}: it is {kind}, not a file; name a file, e.g. "
+                             f"data/flashmoe.db"), lines
 
 
 def test_a_store_on_a_read_only_mount_can_still_be_read(tmpfs):

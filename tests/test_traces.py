@@ -82,8 +82,10 @@ def test_bad_meta_line(tmp_path, first, message):
 
 
 def test_missing_file_unknown_layout_and_header_only(tmp_path):
-    with pytest.raises(TraceError, match="no such trace file"):
-        load(tmp_path / "absent.jsonl")
+    for absent in ("absent.jsonl", "absent.npz", "absent"):   # "absent" was an "unknown trace layout"
+        with pytest.raises(TraceError, match=f"{absent}: no such trace file"):
+            load(tmp_path / absent)
+    (tmp_path / "t.csv").write_text("layer,expert\n")
     with pytest.raises(TraceError, match="unknown trace layout"):
         load(tmp_path / "t.csv")
     with pytest.raises(TraceError, match="no routing records"):
