@@ -312,6 +312,17 @@ def test_refuses_a_public_address_without_a_token(model, tmp_path):
     assert r.returncode == 2 and "--token" in r.stderr and "FLASHMOE_TOKEN" in r.stderr
 
 
+@pytest.mark.parametrize("host, says", [("999.1.1.1", "is not an IP address: an IPv4 address is four numbers of 0 to 255"),
+                                        ("no-such-host.invalid", "is neither an IP address nor a name this box resolves"),
+                                        ("203.0.113.9", "no interface of this box has that address")])
+def test_a_host_it_cannot_bind_is_one_line_that_says_why(model, host, says):
+    """999.1.1.1 was "refusing to bind 999.1.1.1: it is not a loopback address, so control calls need a token"."""
+    r = subprocess.run([*CLI, "serve", "--model", str(model), "--host", host, "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "FLASHMOE_TOKEN": "t" * 16})
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and host in lines[0] and says in lines[0], r.stderr
+
+
 def test_refuses_a_cache_cap_out_of_bounds(model, tmp_path):
     r = subprocess.run([*CLI, "serve", "--model", str(model), "--port", str(free_port()), "--cache-cap", "1",
                         "--pid-file", str(tmp_path / "agent.pid")], capture_output=True, text=True, timeout=120)

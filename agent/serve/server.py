@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import signal
@@ -95,6 +96,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"request bodies may be {BODY_BYTES_PER_PROMPT_BYTE}x this")
 
 
+def check_host(host: str) -> None:
+    """An address to bind: an IP address, or a name this box resolves (localhost)."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if host.replace(".", "").isdigit():   # 999.1.1.1: meant as an address (no host name is all digits)
+        raise ServeError(f"--host {host} is not an IP address: an IPv4 address is four numbers of 0 to 255; give "
+                         f"e.g. 127.0.0.1 (this box only) or 0.0.0.0 (every interface)")
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else "not a host name"
+        raise ServeError(f"--host {host} is neither an IP address nor a name this box resolves ({reason}); give "
+                         f"e.g. 127.0.0.1 (this box only) or 0.0.0.0 (every interface)") from None
+
+
 def check_token(host: str, token: str | None) -> None:
     if not is_loopback(host) and not token:
         raise ServeError(f"refusing to bind {host}: it is not a loopback address, so control calls need a token; "
@@ -117,7 +136,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        hint = "pass another --port" if exc.errno == errno.EADDRINUSE else "check --host"
+        hint = {errno.EADDRINUSE: "pass another --port",
+                errno.EADDRNOTAVAIL: "no interface of this box has that address; give one it has, 0.0.0.0 for "
+                                     "every interface or 127.0.0.1"}.get(exc.errno, "check --host")
         raise ServeError(f"cannot bind {host}:{port}: {exc.strerror}; {hint}") from None
     sock.listen(128)
     return sock
@@ -221,6 +242,7 @@ def serve(args: argparse.Namespace) -> None:
     from agent.tokenizer import load_tokenizer
 
     token = args.token or os.environ.get(TOKEN_ENV) or None
+    check_host(args.host)
     check_token(args.host, token)
     if args.token:
         log.warning("the token was given with --token, which every user of this box can read in `ps`; set %s "
