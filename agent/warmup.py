@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from agent.token_option import TokenError, add_token_arguments, token_from
 
 log = logging.getLogger(__name__)
 
@@ -184,16 +185,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--model", type=Path, help="only find and report the hot experts of this expert store")
     p.add_argument("--per-layer", type=int, help="hot experts per layer (default: what the agent's cache holds "
                                                  "per layer; with --model a quarter of the experts)")
-    p.add_argument("--token", help="bearer token of the agent (or set FLASHMOE_TOKEN)")
+    add_token_arguments(p, "the agent's bearer token, for the preload")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
     agent_url = None if args.model else (args.agent_url or DEFAULT_AGENT_URL).rstrip("/")
     try:
-        report = warmup(args.file, agent_url, args.model, args.per_layer,
-                        args.token or os.environ.get("FLASHMOE_TOKEN"))
-    except WarmupError as exc:
+        report = warmup(args.file, agent_url, args.model, args.per_layer, token_from(args))
+    except (WarmupError, TokenError) as exc:
         log.error("%s", exc)
         return 2
     if args.json:

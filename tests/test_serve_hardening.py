@@ -284,7 +284,7 @@ def test_a_token_on_the_command_line_is_warned_about_and_the_environment_is_not(
     env = subprocess.run(serve, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "FLASHMOE_TOKEN": GUARD_TOKEN})
     assert flag.returncode == env.returncode == 2
-    assert "every user of this box can read in `ps`; set FLASHMOE_TOKEN instead" in flag.stderr
+    assert "every user of this box can read in `ps`; set FLASHMOE_TOKEN or pass --token-file instead" in flag.stderr
     assert "`ps`" not in env.stderr and GUARD_TOKEN not in flag.stderr + env.stderr
 
 

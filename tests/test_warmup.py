@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from collections import Counter
@@ -87,6 +88,35 @@ def test_preloads_the_hot_set_into_a_running_agent(model, prompts, tmp_path):
         assert agent.get("/v1/status").json()["cache"]["resident_experts"] == capacity
     finally:
         agent.stop()
+
+
+def test_the_token_is_taken_as_serve_takes_it_and_on_the_command_line_with_a_warning(model, prompts, tmp_path):
+    """warmup --token showed the token in `ps` without a word, and took it no other way than FLASHMOE_TOKEN."""
+    token = "warmup-token-of-sixteen"
+    agent = start_agent(model, tmp_path, env={"FLASHMOE_TOKEN": token})
+    env = {k: v for k, v in os.environ.items() if k != "FLASHMOE_TOKEN"}
+    private, shared = tmp_path / "token", tmp_path / "shared-token"
+    private.write_text(token + "\n")
+    private.chmod(0o600)
+    shared.write_text(token)
+    shared.chmod(0o644)
+
+    def warmup(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*CLI, "warmup", str(prompts), "--agent-url", agent.url, "--per-layer", "1", *args],
+                              capture_output=True, text=True, timeout=300, env=env)
+    try:
+        by_flag, by_file, by_shared_file = warmup("--token", token), warmup("--token-file", str(private)), \
+            warmup("--token-file", str(shared))
+        unreadable = warmup("--token-file", str(tmp_path / "absent"))
+    finally:
+        agent.stop()
+    assert by_flag.returncode == by_file.returncode == by_shared_file.returncode == 0, by_flag.stderr + by_file.stderr
+    assert "every user of this box can read in `ps`; set FLASHMOE_TOKEN or pass --token-file" in by_flag.stderr
+    assert "WARNING" not in by_file.stderr and f"--token-file {shared} is readable by other users" in by_shared_file.stderr
+    assert unreadable.returncode == 2 and unreadable.stderr.splitlines()[-1].endswith(
+        f"cannot read --token-file {tmp_path / 'absent'}: No such file or directory; give a file holding the token "
+        f"on its first line"), unreadable.stderr
+    assert token not in by_flag.stderr + by_file.stderr + by_shared_file.stderr + unreadable.stderr
 
 
 def test_an_absent_agent_is_a_clear_error():

@@ -7,7 +7,7 @@ Examples:
     FLASHMOE_TOKEN=$(openssl rand -hex 16) flashmoe-cli serve --model data/demo --host 0.0.0.0
     flashmoe-cli serve --model data/demo --verify --max-prompt-bytes 32768
 
-Loopback only by default. Binding any other address needs a token (--token or FLASHMOE_TOKEN):
+Loopback only by default. Binding any other address needs a token (FLASHMOE_TOKEN or --token-file):
 control calls (PUT /v1/knobs, POST /v1/cache/preload) must then send `Authorization: Bearer TOKEN`
 (at least 16 characters). After 5 wrong tokens from one address, each further one locks that address
 out of control calls (HTTP 429) for twice as long as the last, up to 60 s.
@@ -39,12 +39,12 @@ from agent.experts.layout import StoreError as ExpertStoreError
 from agent.experts.reader import BACKENDS, IO_THREADS
 from agent.serve.limits import BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES
 from agent.serve.scheduler import ADMIT_WINDOW_S, MAX_WAITING
+from agent.token_option import TOKEN_ENV, TokenError, add_token_arguments, token_from
 from machine.identity import add_device_name
 from machine.memory import read_pid_file
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "FLASHMOE_TOKEN"
 MIN_TOKEN_CHARS = 16
 
 
@@ -61,8 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", type=Path,
                    help="telemetry store to write statistics and knob changes to, and restore knobs from")
     p.add_argument("--pid-file", type=Path, help="write the agent's pid here (the collector finds the agent by it)")
-    p.add_argument("--token", help=f"bearer token control calls must carry; better, set {TOKEN_ENV}: a command line "
-                   "is visible to every user of the box")
+    add_token_arguments(p, "bearer token control calls must carry")
     add_device_name(p, "every /metrics series")
     p.add_argument("--cache-cap", help="expert cache cap: bytes, a size (2GiB) or a share of expert bytes (25%%)")
     p.add_argument("--policy", help="replacement policy (lru, flashmoe, ...)")
@@ -117,15 +116,15 @@ def check_host(host: str) -> None:
 def check_token(host: str, token: str | None) -> None:
     if not is_loopback(host) and not token:
         raise ServeError(f"refusing to bind {host}: it is not a loopback address, so control calls need a token; "
-                         f"pass --token TOKEN or set {TOKEN_ENV}, or bind 127.0.0.1")
+                         f"set {TOKEN_ENV} or pass --token-file FILE, or bind 127.0.0.1")
     if token and len(token) < MIN_TOKEN_CHARS:   # each address gets a few guesses a minute (access/guesses.py)
-        raise ServeError(f"the token (--token or {TOKEN_ENV}) is {len(token)} characters; give at least "
-                         f"{MIN_TOKEN_CHARS}, e.g. one from `openssl rand -hex 16`")
+        raise ServeError(f"the token (--token, --token-file or {TOKEN_ENV}) is {len(token)} characters; give at "
+                         f"least {MIN_TOKEN_CHARS}, e.g. one from `openssl rand -hex 16`")
     if token and not (token.isascii() and token.isprintable() and token == token.strip()):
         # A client's header cannot carry it as given (HTTP strips the ends; no control or non-ASCII
         # characters): an agent no caller could ever unlock
-        raise ServeError("the token must be printable ASCII with no space at either end, as an HTTP header "
-                         f"carries it; the one given (--token or {TOKEN_ENV}, {len(token)} characters) is not")
+        raise ServeError("the token must be printable ASCII with no space at either end, as an HTTP header carries "
+                         f"it; the one given (--token, --token-file or {TOKEN_ENV}, {len(token)} characters) is not")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -241,12 +240,12 @@ def serve(args: argparse.Namespace) -> None:
     from agent.serve.runtime import Runtime, ServeOptions
     from agent.tokenizer import load_tokenizer
 
-    token = args.token or os.environ.get(TOKEN_ENV) or None
+    try:
+        token = token_from(args)
+    except TokenError as exc:
+        raise ServeError(str(exc)) from None
     check_host(args.host)
     check_token(args.host, token)
-    if args.token:
-        log.warning("the token was given with --token, which every user of this box can read in `ps`; set %s "
-                    "instead (a process's environment is readable by its owner only)", TOKEN_ENV)
     if not args.model.is_dir():
         raise ServeError(f"--model {args.model} is not a directory; create one with flashmoe-cli init-demo or convert")
     sock = bind(args.host, args.port)
