@@ -93,7 +93,9 @@ def _unlock(entered: str, token: str) -> None:
         guesses.right(client)
         st.session_state[UNLOCKED] = True
         st.rerun()
-    wrong, lock = guesses.wrong(client)
-    log.warning("wrong token in the Unlock control form from %s (%d in a row)%s", client, wrong,
-                f"; locked out for {lock:.0f} s" if lock else "")
-    st.error("That is not the agent's token." + (f" {lockout_message(lock).capitalize()}." if lock else ""))
+    wrong = guesses.wrong(client, entered)
+    log.warning("wrong token in the Unlock control form from %s (%s)%s", client,
+                "one it entered before: no new guess" if wrong.repeated else f"{wrong.in_a_row} in a row",
+                f"; locked out for {wrong.lock_s:.0f} s" if wrong.lock_s else "")
+    st.error("That is not the agent's token." +
+             (f" {lockout_message(wrong.lock_s).capitalize()}." if wrong.lock_s else ""))

@@ -312,6 +312,28 @@ def test_wrong_tokens_lock_their_address_out_for_a_while_and_say_so(model, tmp_p
         assert agent.stop() == 0
 
 
+def test_no_header_names_another_client_and_a_repeated_wrong_token_is_no_new_guess(model, tmp_path):
+    """uvicorn took a client's address from X-Forwarded-For on any connection from loopback: a local process, or
+    a client through a proxy on the box, got 5 new guesses with every address it named (and could fill the table
+    of clients, pushing the operator into the shared, locked-out entry). And a dashboard pushing a stale
+    FLASHMOE_TOKEN locked out the box (the operator's own tools, the dashboard for every user) after 5 pushes."""
+    agent = start_agent(model, tmp_path, env={"FLASHMOE_TOKEN": GUARD_TOKEN})
+
+    def put(token: str, **headers: str) -> int:
+        return httpx.put(agent.url + "/v1/knobs", json={"auto_shrink": True}, timeout=60,
+                         headers={"Authorization": f"Bearer {token}", **headers}).status_code
+    try:
+        stale = [put("stale-dashboard-token", **{"X-FlashMoE-Source": "dashboard"}) for _ in range(3 * FREE_GUESSES)]
+        assert stale == [401] * (3 * FREE_GUESSES) and put(GUARD_TOKEN) == 200
+        named = [put(f"guess-{i}", **{"X-Forwarded-For": f"203.0.113.{i}"}) for i in range(FREE_GUESSES + 1)]
+        assert named == [401] * (FREE_GUESSES + 1)
+        assert put(GUARD_TOKEN, **{"X-Forwarded-For": "203.0.113.200"}) == 429   # the box is locked out
+        log = agent.log.read_text()
+        assert "203.0.113." not in log and log.count("(one it sent before: no new guess)") == 3 * FREE_GUESSES - 1
+    finally:
+        assert agent.stop() == 0
+
+
 def test_requests_beyond_the_waiting_bound_get_429_and_the_rest_are_served(model, tmp_path):
     """The queue of requests waiting for a place in the batch was unbounded: every one held its prompt,
     and a flood lengthened every wait. One runs, one waits, the next is refused with OpenAI's 429."""

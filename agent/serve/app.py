@@ -175,9 +175,10 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
             guesses.right(client)
             return
         if given:   # a missing token is no guess (a dashboard without FLASHMOE_TOKEN, a forgotten header)
-            wrong, lock = guesses.wrong(client)
-            log.warning("wrong token on %s %s from %s (%d in a row)%s", request.method, request.url.path, client,
-                        wrong, f"; locked out for {lock:.0f} s" if lock else "")
+            wrong = guesses.wrong(client, given.strip())
+            log.warning("wrong token on %s %s from %s (%s)%s", request.method, request.url.path, client,
+                        "one it sent before: no new guess" if wrong.repeated else f"{wrong.in_a_row} in a row",
+                        f"; locked out for {wrong.lock_s:.0f} s" if wrong.lock_s else "")
         raise HTTPException(401, "this control call needs the agent's token: send 'Authorization: Bearer <token>' "
                                  "(the --token or FLASHMOE_TOKEN the agent was started with)")
 

@@ -273,7 +273,10 @@ def serve(args: argparse.Namespace) -> None:
         host, port = sock.getsockname()[:2]
         log.info("agent %s serving %s on http://%s:%d (token %s)", args.device_name, args.model, host, port,
                  "required" if token else "off")
-        config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=10, http=RequestDeadline)
+        # proxy_headers off: uvicorn took a client's address from X-Forwarded-For on any connection from loopback,
+        # so a local process, or a client through a proxy on the box, named a new address on every wrong token
+        config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=10, http=RequestDeadline,
+                                proxy_headers=False)
         _server_class()(config, app.state.stop_serving).run(sockets=[sock])
     finally:
         if runtime is not None:
