@@ -39,18 +39,20 @@ def place_problem(path: Path) -> str | None:
     if path.is_dir():
         return "it is a directory; name a file in it, e.g. flashmoe.db"
     if path.exists() and not path.is_file():   # /dev/null: SQLite said "disk I/O error"
-        return f"it is {_kind(path)}, not a file; name a file, e.g. data/flashmoe.db"
+        return f"it is {not_a_file(path)}, not a file; name a file, e.g. data/flashmoe.db"
     existing = path if path.exists() else next(p for p in path.absolute().parents if p.exists())
     if not os.access(existing, os.W_OK):
         return f"{existing} is not writable by this user; fix its permissions or put --db elsewhere"
     return None
 
 
-def _kind(path: Path) -> str:
+def not_a_file(path: Path) -> str:
+    """What an existing `path` that is no regular file is (a device, a named pipe: SQLite calls the one a
+    "disk I/O error" and waits for a writer on the other)."""
     mode = path.stat().st_mode
     kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
              (stat.S_ISSOCK, "a socket"))
-    return next((name for test, name in kinds if test(mode)), "not a regular file")
+    return next((name for test, name in kinds if test(mode)), "a directory" if stat.S_ISDIR(mode) else "a special file")
 
 
 def is_busy(error: sqlite3.Error) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from store import codec, rollup
-from store.database import advice_for, foreign, is_busy, place_problem, stored_schema_version
+from store.database import advice_for, foreign, is_busy, not_a_file, place_problem, stored_schema_version
 from store.errors import StoreError
 from store.schema import ACTIVATIONS_ROLLUP, CACHE_STATS_ROLLUP, ROW_TABLES, SCHEMA_VERSION
 
@@ -38,8 +38,8 @@ def connect_ro(path: str | Path, setting: str = "--db") -> sqlite3.Connection | 
     if not path.exists():
         return None
     advice = f"point {setting} at the file the collector and agent write (e.g. data/flashmoe.db)"
-    if path.is_dir():     # before SQLite, whose word for it is "disk I/O error"
-        raise StoreError(f"{path} is a directory, not a store file; {advice}")
+    if not path.is_file():   # before SQLite: a directory is a "disk I/O error", /dev/null empty, a pipe a hang
+        raise StoreError(f"{path} is {not_a_file(path)}, not a store file; {advice}")
     try:
         conn = _open_ro(path)
         tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}

@@ -111,6 +111,17 @@ def test_a_device_or_pipe_is_no_store_and_says_so(where, kind, tmp_path):
                              f"data/flashmoe.db"), lines
 
 
+@pytest.mark.parametrize("command", [("store", "stats"), ("diagnose",)])
+@pytest.mark.parametrize("where, kind", [("/dev/null", "a character device"), ("fifo", "a named pipe")])
+def test_readers_of_a_device_or_pipe_say_what_it_is(command, where, kind, tmp_path):
+    """A named pipe hung `diagnose`, `store stats` and the dashboard (SQLite waited for a writer to open it);
+    /dev/null was "there is no store at /dev/null yet; start the collector ... --db /dev/null"."""
+    if where == "fifo":
+        os.mkfifo(where := str(tmp_path / "fifo"))
+    code, lines = cli_error(*command, "--db", where)
+    assert code == 1 and len(lines) == 1 and f"{where} is {kind}, not a store file" in lines[0], lines
+
+
 def test_a_store_on_a_read_only_mount_can_still_be_read(tmpfs):
     disk = tmpfs("4m")
     db = disk / "flashmoe.db"
