@@ -49,11 +49,19 @@ def all_read_bytes(proc: Path = PROC) -> dict[int, int]:
 
 
 def process_name(pid: int, proc: Path = PROC) -> str:
-    """The process's command name (comm), or "?" once it has exited."""
+    """The process's command name (comm), or "?" once it has exited. Any process sets its own (prctl
+    PR_SET_NAME) to any bytes: those that are not printable UTF-8 are shown escaped (\\xff, \\x1b), as they
+    would otherwise fail the reading or reach a terminal (escape sequences) and the store."""
     try:
-        return (proc / str(pid) / "comm").read_text().strip()
+        raw = (proc / str(pid) / "comm").read_bytes().removesuffix(b"\n")
     except OSError:
         return "?"
+    return printable(raw.decode(errors="backslashreplace"))
+
+
+def printable(text: str) -> str:
+    """`text` with what is not printable escaped (\\x1b, \\u202e): a name a process chose, safe to show."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 @lru_cache(maxsize=64)

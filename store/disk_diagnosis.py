@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from machine.proc_io import printable
 from store import queries
 from store.queries import Db
 from store.units import human
@@ -53,9 +54,15 @@ class Reader:
     mean: float               # B/s over those ticks
     peak: float
 
+    @property
+    def shown(self) -> str:
+        """The name as a code span: a process names itself, and the Memory page renders Markdown (a name such
+        as "[Apply](//x.co)" was a link there)."""
+        return f"`{printable(self.name).replace('`', chr(39))}`"   # printable: stores before the escaping
+
     def sentence(self) -> str:
         pids = ", ".join(map(str, self.pids[-3:])) + (f" and {len(self.pids) - 3} more" if len(self.pids) > 3 else "")
-        return (f"{self.name} (pid {pids}): {human(self.mean, 'B/s')} for {self.seconds} s, "
+        return (f"{self.shown} (pid {pids}): {human(self.mean, 'B/s')} for {self.seconds} s, "
                 f"peak {human(self.peak, 'B/s')}")
 
 
@@ -188,7 +195,7 @@ def _pids(found: Sequence[Reader]) -> str:
 
 def contention_fix(device: str, found: Sequence[Reader], relief: str) -> str:
     """What to do about the other readers, then what the agent can do if they cannot move."""
-    who = ", ".join(r.name for r in found) or "the other reader"
+    who = ", ".join(r.shown for r in found) or "the other reader"
     pids = _pids(found)
     ionice = (f"`ionice -c3 -p {pids}` (idle class: it reads only when the disk is otherwise idle; the bfq "
               f"and mq-deadline schedulers honour it, none does not: see /sys/block/{device}/queue/scheduler), "
@@ -233,7 +240,7 @@ def judge_disk(db: Db, since: float, until: float, memory_verdict: str, relief: 
     lat = sum(b.latency for b in counted) / len(counted)
     if verdict == "disk contention from another process":
         found = readers(db, device, counted, since - BASELINE_S, until, n)
-        who = ", ".join(r.name for r in found) or "another process (none named: no reader had a file open on it)"
+        who = ", ".join(r.shown for r in found) or "another process (none named: no reader had a file open on it)"
         return DiskDiagnosis(verdict, f"the agent's expert reads slowed from {human(base, 's')} to {human(lat, 's')} "
                              f"for {seconds:,.0f} s while {who} read {device}: another process's reads, not the "
                              f"agent's, fill the disk.", device, base, counted, seconds, found,

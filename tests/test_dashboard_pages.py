@@ -286,8 +286,8 @@ def test_memory_page_names_the_process_whose_reads_slow_the_agents_disk_and_what
     at = open_page(monkeypatch, db, "memory")
     assert "Healthy" in texts(at.success)      # memory is calm
     assert "**Disk (vda): disk contention from another process**" in texts(at.warning)
-    assert "dd read vda" in texts(at.warning)
-    assert "reader: dd (pid 4242)" in texts(at.markdown) and "`ionice -c3 -p 4242`" in texts(at.markdown)
+    assert "`dd` read vda" in texts(at.warning)
+    assert "reader: `dd` (pid 4242)" in texts(at.markdown) and "`ionice -c3 -p 4242`" in texts(at.markdown)
 
 
 def test_tuning_page_offline_shows_stored_knobs_read_only_and_history(monkeypatch, offline, db):

@@ -254,12 +254,22 @@ def test_the_agents_reads_slowed_while_another_process_reads_its_disk_is_content
     assert d.verdict == "healthy" and disk.verdict == "disk contention from another process"
     assert disk.device == "vda" and disk.baseline_s == pytest.approx(0.8e-3) and 55 <= disk.seconds <= 65
     assert [(r.name, r.pids, r.seconds, r.mean) for r in disk.readers] == [("dd", (4242,), 60, 800e6)]
-    assert "slowed from 800 µs to 24.6 ms for 60 s while dd read vda" in disk.summary  # a bucket straddles its start
+    assert "slowed from 800 µs to 24.6 ms for 60 s while `dd` read vda" in disk.summary  # a bucket straddles its start
     assert "`ionice -c3 -p 4242`" in disk.recommendation
     # if dd cannot move: a 4x cap cuts at most the re-reads, 0.3 / (1 - 0.55) = 67% of the agent's reads
     assert "would cut at most 67% of its reads" in disk.recommendation and disk.changes == {"cache_cap_bytes": 5 * GIB}
-    assert any("reader: dd (pid 4242): 763 MiB/s for 60 s" in e for e in disk.evidence())
+    assert any("reader: `dd` (pid 4242): 763 MiB/s for 60 s" in e for e in disk.evidence())
     assert diagnosis.diagnose(tmp_path / "s.db", WINDOW, T0, KNOBS).as_dict()["disk"]["readers"][0]["name"] == "dd"
+
+
+def test_a_readers_name_is_shown_as_code_and_printable_whatever_it_chose(tmp_path):
+    """A process names itself: "[Apply](//x.co)" was a link on the Memory page (Markdown), and a name stored
+    before the collector escaped it could carry terminal escapes to `diagnose`'s output."""
+    d = on_disk(tmp_path / "s.db", readers={"[Apply](//x.co)": (4242, 60), "`x`\x1b[2J": (4243, 60)}, **CROWDED)
+    text = "\n".join(d.lines())
+    assert "while `[Apply](//x.co)`, `'x'\\x1b[2J` read vda" in d.disk.summary, d.disk.summary
+    assert "Give `[Apply](//x.co)`, `'x'\\x1b[2J` less of vda" in d.disk.recommendation
+    assert "\x1b" not in text and "reader: `[Apply](//x.co)` (pid 4242)" in text
 
 
 def test_another_process_reading_while_the_agent_keeps_its_pace_is_healthy(tmp_path):
@@ -276,7 +286,7 @@ def test_no_calm_stretch_to_compare_with_is_no_slowdown(tmp_path):
     """A cold start: the agent's first reads are slow while another process reads, with no calm baseline."""
     d = on_disk(tmp_path / "s.db", seconds=60, readers={"dd": (4242, 60)}, **CROWDED)
     assert d.disk.verdict == "healthy" and d.disk.baseline_s is None and "no calm stretch" in d.disk.summary
-    assert "Other processes read it hard meanwhile (dd (pid 4242): 763 MiB/s for 60 s" in d.disk.summary
+    assert "Other processes read it hard meanwhile (`dd` (pid 4242): 763 MiB/s for 60 s" in d.disk.summary
 
 
 def test_the_agents_own_reads_filling_the_disk_are_said_so_and_cache_thrashing_keeps_its_fix(tmp_path):

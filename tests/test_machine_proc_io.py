@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -42,3 +44,19 @@ def test_a_file_open_for_reading_tells_its_disk_one_only_written_does_not(tmp_pa
 
 def test_a_device_number_of_no_block_device_has_no_disk():
     assert proc_io.disk_of(os.makedev(0, 0)) is None
+
+
+def test_a_name_a_process_gives_itself_is_read_printable_whatever_its_bytes():
+    """comm is any bytes a process sets (prctl PR_SET_NAME): one not UTF-8 raised UnicodeDecodeError, which
+    cost the collector its whole disk split for every tick such a process read the agent's disk, and terminal
+    escapes reached `flashmoe-cli diagnose`'s output."""
+    name = b"\xff\x1b[2J[x](//e)"       # 15 bytes, the kernel's most
+    setter = ("import ctypes, sys; ctypes.CDLL(None).prctl(15, ctypes.c_char_p(bytes.fromhex(sys.argv[1])), 0, 0, 0); "
+              "print('named', flush=True); sys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", setter, name.hex()], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"named\n"
+        assert proc_io.process_name(child.pid) == "\\xff\\x1b[2J[x](//e)"
+    finally:
+        child.communicate(b"")
+    assert proc_io.process_name(child.pid) == "?"       # exited
