@@ -103,9 +103,11 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
         conn.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")      # must not fill up with log
         # One transaction: a writer killed mid-creation or mid-upgrade leaves no half-made schema behind.
         with transaction(conn):
-            _ensure_schema(conn, path)
+            upgrades = _ensure_schema(conn, path)
             if device_name is not None:
                 claim_device(conn, path, device_name)
+        for version, done in upgrades:   # once committed: a full disk rolls an upgrade back, unsaid
+            log.warning("upgraded %s to store schema version %d: %s", path, version, done)
     except sqlite3.DatabaseError as e:
         conn.close()
         raise StoreError(f"cannot open {path} as a FlashMoE store: {e}; "
@@ -145,8 +147,9 @@ def claim_device(conn: sqlite3.Connection, path: Path, device_name: str) -> None
                          f"its own store; give this device its own --db, or pass --device-name {stored}")
 
 
-def _ensure_schema(conn: sqlite3.Connection, path: Path) -> None:
-    """Create the schema in a new file, or upgrade an older store in place (store.migrations)."""
+def _ensure_schema(conn: sqlite3.Connection, path: Path) -> list[tuple[int, str]]:
+    """Create the schema in a new file, or upgrade an older store in place (store.migrations); returns
+    each upgrade's new version and what it did."""
     if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
         conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")   # new, or written before the mark
     version = stored_schema_version(conn, path)
@@ -154,15 +157,17 @@ def _ensure_schema(conn: sqlite3.Connection, path: Path) -> None:
         for statement in DDL:
             conn.execute(statement)
         conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        return
+        return []
+    upgrades = []
     while version < SCHEMA_VERSION and version in UPGRADES:
         done = UPGRADES[version](conn, path)
         version += 1
         conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(version),))
-        log.warning("upgraded %s to store schema version %d: %s", path, version, done)
+        upgrades.append((version, done))
     if version != SCHEMA_VERSION:
         raise StoreError(f"{path} has store schema version {version}, this FlashMoE uses "
                          f"{SCHEMA_VERSION} and cannot upgrade it; move the old file aside to start a new store")
+    return upgrades
 
 
 def stored_schema_version(conn: sqlite3.Connection, path: Path) -> int | None:

@@ -122,6 +122,26 @@ def test_readers_of_a_device_or_pipe_say_what_it_is(command, where, kind, tmp_pa
     assert code == 1 and len(lines) == 1 and f"{where} is {kind}, not a store file" in lines[0], lines
 
 
+def test_a_version_3_store_on_a_full_disk_stays_version_3_and_upgrades_once_there_is_room(tmpfs):
+    """The upgrade to version 4 (the disk_readers table) on a full disk logged "upgraded ... to store schema
+    version 4" and then rolled back: the store stayed version 3, and the log said otherwise."""
+    db = tmpfs("2m") / "flashmoe.db"
+    Store(db, autoflush_s=0).close()
+    with sqlite3.connect(db) as conn:          # version 3: version 4 without its disk_readers table
+        conn.execute("DROP TABLE disk_readers")
+        conn.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
+    filler = fill(db.parent)
+    code, lines = cli_error("collect", "--db", str(db), "--duration", "1")
+    assert code == 1 and len(lines) == 1 and "the disk holding" in lines[0] and "is full" in lines[0], lines
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("3",)
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    filler.unlink()
+    code, lines = cli_error("collect", "--db", str(db), "--duration", "1")
+    assert code == 0 and any("upgraded" in line and "store schema version 4" in line for line in lines), lines
+    assert queries.disk_readers(db, "vda", 0, time.time()) == []
+
+
 def test_a_store_on_a_read_only_mount_can_still_be_read(tmpfs):
     disk = tmpfs("4m")
     db = disk / "flashmoe.db"
