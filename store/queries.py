@@ -87,14 +87,19 @@ def _open_ro(path: Path) -> sqlite3.Connection:
 
 @contextmanager
 def _reader(db: Db) -> Iterator[sqlite3.Connection | None]:
-    if isinstance(db, sqlite3.Connection):
-        yield db
-        return
-    conn = connect_ro(db)
+    """A connection to read with (`db` itself when it is one); a damaged file read through it is a StoreError
+    that says so (it was sqlite3's "database disk image is malformed" and a traceback)."""
+    conn = db if isinstance(db, sqlite3.Connection) else connect_ro(db)
     try:
         yield conn
+    except sqlite3.DatabaseError as e:
+        path = next(file for _, name, file in conn.execute("PRAGMA database_list") if name == "main")
+        if is_busy(e):
+            raise StoreError(f"cannot read {path} yet ({e}): {advice_for(e, Path(path))}") from e
+        raise StoreError(f"{path} is damaged ({e}): `sqlite3 {path} .recover > saved.sql` saves what can be read; "
+                         f"move the file aside to start a new store") from e
     finally:
-        if conn is not None:
+        if conn is not None and conn is not db:
             conn.close()
 
 

@@ -142,6 +142,30 @@ def test_a_version_3_store_on_a_full_disk_stays_version_3_and_upgrades_once_ther
     assert queries.disk_readers(db, "vda", 0, time.time()) == []
 
 
+@pytest.mark.parametrize("table", ["chunks", "disk_readers"])
+def test_a_damaged_store_is_one_line_for_its_readers(table, tmp_path):
+    """A damaged page ended `diagnose` and `store stats` in sqlite3's DatabaseError traceback ("database disk
+    image is malformed"); the dashboard's loaders, which take StoreError, showed it as a failed page."""
+    db, now = tmp_path / "flashmoe.db", time.time()
+    with Store(db, autoflush_s=0) as store:
+        for i in range(300):
+            store.append("io.vda.others_read_bytes_per_s", now - i, 800e6)
+            store.append("io.vda.agent_read_bytes_per_s", now - i, 20e6)
+            store.append("agent.read_latency_s", now - i, 25e-3)
+            store.record_disk_readers(now - i, "vda", [(4242, "dd", 800e6)])
+    with sqlite3.connect(db) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        (page,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)).fetchone()
+        (size,) = conn.execute("PRAGMA page_size").fetchone()
+    with db.open("r+b") as f:          # the table's root page: its header and first cells
+        f.seek((page - 1) * size + 8)
+        f.write(b"\xa5" * 64)
+    for command in (("diagnose",), ("store", "stats"))[:2 if table == "chunks" else 1]:   # stats counts no reader
+        code, lines = cli_error(*command, "--db", str(db))
+        assert code == 1 and len(lines) == 1, lines
+        assert f"{db} is damaged (database disk image is malformed): `sqlite3 {db} .recover" in lines[0], lines
+
+
 def test_a_store_on_a_read_only_mount_can_still_be_read(tmpfs):
     disk = tmpfs("4m")
     db = disk / "flashmoe.db"
