@@ -228,18 +228,25 @@ def drive(url: str, mix: list[list[dict]]) -> tuple[list[float], int, float]:
 
 @contextlib.contextmanager
 def disk_neighbour(path: Path | None):
-    """While the block runs, another process reads `path` over and over with O_DIRECT (bench --neighbour):
-    the disk is busy with reads that are not the agent's. None: no neighbour."""
+    """While the block runs, another process (yielded) reads `path` over and over with O_DIRECT (bench
+    --neighbour): the disk is busy with reads that are not the agent's. None: no neighbour. A neighbour that
+    stopped meanwhile (its dd failed: the file gone, no O_DIRECT there) is a SystemExit at the end, so the run
+    is reported failed, not measured as one beside a neighbour."""
     if path is None:
-        yield
+        yield None
         return
     proc = subprocess.Popen(["sh", "-c", f"while :; do dd if={shlex.quote(str(path))} of=/dev/null bs=1M "
                                          "iflag=direct 2>/dev/null || exit 1; done"], start_new_session=True)
     try:
-        yield
+        yield proc
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        stopped = proc.poll()
+        if stopped is None:
+            os.killpg(proc.pid, signal.SIGTERM)
         proc.wait()
+    if stopped is not None:
+        raise SystemExit(f"the disk neighbour stopped during the run: dd could not read {path} with O_DIRECT "
+                         f"(`dd if={shlex.quote(str(path))} of=/dev/null bs=1M iflag=direct` says why)")
 
 
 def run_config(model: Path, config: Config, round_: int, mix, cgroup: MemoryCgroup, logs: Path,

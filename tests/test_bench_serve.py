@@ -13,7 +13,7 @@ import pytest
 from agents import ROOT, demo_model
 
 sys.path.insert(0, str(ROOT))
-from bench.serve import WARM_UP, Result, results_json, round_ratios, summarize, table  # noqa: E402
+from bench.serve import WARM_UP, Result, disk_neighbour, results_json, round_ratios, summarize, table  # noqa: E402
 
 
 def run(config: str, round_: int, latencies: list[float], wall_s: float = 10.0, gb: float = 1.0) -> Result:
@@ -139,3 +139,19 @@ def test_sigterm_while_the_clients_wait_ends_the_run_at_once(tmp_path_factory):
             os.kill(pid, signal.SIGKILL)
         bench.kill()
         bench.wait()
+
+
+def test_a_disk_neighbour_that_stopped_fails_the_run_and_one_that_ran_is_stopped(tmp_path):
+    """Its dd failing (the file gone, a filesystem without O_DIRECT) ended the neighbour's loop at once, and the
+    run was measured and written as one beside a neighbour."""
+    path = tmp_path / "neighbour.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    with disk_neighbour(path) as proc:
+        assert proc.poll() is None                     # reading
+    assert proc.returncode == -signal.SIGTERM          # stopped at the block's end
+    with pytest.raises(SystemExit, match=f"the disk neighbour stopped during the run: dd could not read {path}"):
+        with disk_neighbour(path) as proc:
+            path.unlink()
+            proc.wait(60)                              # its next dd finds no file
+    with disk_neighbour(None) as proc:
+        assert proc is None
