@@ -12,6 +12,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "FLASHMOE_TOKEN"
+MAX_LINE = 4096   # bytes of --token-file read: a token is far shorter
 
 
 class TokenError(ValueError):
@@ -41,13 +42,13 @@ def token_from(args: argparse.Namespace) -> str | None:
 
 def _read_token_file(path: Path) -> str:
     try:
-        text = path.read_text()
-        mode = path.stat().st_mode
+        with path.open("rb") as f:        # its first line only: a mistyped path may name a store of gigabytes
+            head, mode = f.read(MAX_LINE), os.fstat(f.fileno()).st_mode
+        token = head.split(b"\n", 1)[0].removesuffix(b"\r").decode()
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "it is not text (not UTF-8)"
         raise TokenError(f"cannot read --token-file {path}: {reason}; give a file holding the token on its "
                          f"first line") from None
-    token = text.split("\n", 1)[0].removesuffix("\r")
     if not token:
         raise TokenError(f"--token-file {path} holds no token on its first line; write the token there, e.g. "
                          f"`openssl rand -hex 16 > {path}`")
