@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 MAX_PROMPT_BYTES = 64 * 1024
 BODY_BYTES_PER_PROMPT_BYTE = 8   # JSON may spell one prompt byte in up to 6 (\u0000); a token id takes ~7
 BODY_SLACK = 4096                # the other fields of a completion request
@@ -22,17 +24,15 @@ def body_limit(max_prompt_bytes: int) -> int:
 
 MAX_JSON_DEPTH = 32    # this API's requests nest 3 deep (preload's {"experts": [[layer, expert]]})
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)   # a JSON string, escapes and all
-_NESTING = re.compile(rb"[\[\]{}]")
+_STEP = np.zeros(256, np.int32)   # what each byte does to the depth outside strings
+_STEP[list(b"[{")], _STEP[list(b"]}")] = 1, -1
 
 
 def nests_deeper(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     """Whether the JSON text `body` nests arrays and objects more than `limit` deep (brackets inside
-    strings do not count); linear in the body, and a body with fewer opening brackets is not scanned."""
+    strings do not count). It runs on the event loop, so in C: ~10 ms for a body at the limit here (a Python
+    loop took 50); a body with fewer opening brackets than `limit` is not scanned."""
     if body.count(b"[") + body.count(b"{") <= limit:
         return False
-    depth = 0
-    for bracket in _NESTING.finditer(_STRING.sub(b'""', body)):
-        depth += 1 if bracket[0] in b"[{" else -1
-        if depth > limit:
-            return True
-    return False
+    steps = _STEP[np.frombuffer(_STRING.sub(b'""', body), np.uint8)]
+    return bool(np.cumsum(steps).max() > limit)
