@@ -132,7 +132,7 @@ class DiskReadersSampler:
     _disk: tuple[int, str | None, float] | None = None                # (agent pid, its disk, when looked for)
     _previous: Reading | None = None
     _scan: tuple[float, dict[int, int]] | None = None                 # (t, read_bytes by pid) while others read
-    _reads_disk: dict[int, bool] = field(default_factory=dict)        # by pid, while others read: fds cost ~1 ms
+    _reads_disk: dict[int, tuple[bool, float]] = field(default_factory=dict)   # by pid: (whether, when looked)
 
     @property
     def disk(self) -> str | None:
@@ -177,7 +177,9 @@ class DiskReadersSampler:
         since the last scan, with a file open for reading on `disk`; none at the first scan. A process
         new since then read all its read_bytes in between. One that read more than the disk did
         (`device` B/s) did not read it from this disk: those are the read_bytes of children it reaped
-        (proc(5)), or of another disk."""
+        (proc(5)), or of another disk. Whether a process has a file open there is looked at again every
+        LOOK_AGAIN_S: a process that opened one after it was looked at (first reading another disk), or a
+        pid taken by another process, was judged by the first look for as long as others kept reading."""
         now = proc_io.all_read_bytes()
         previous, self._scan = self._scan, (t, now)
         if previous is None:
@@ -191,9 +193,9 @@ class DiskReadersSampler:
                 break
             if rate > CHARGED * device:
                 continue
-            if pid not in self._reads_disk:
-                self._reads_disk[pid] = proc_io.reads_disk(pid, disk)
-            if self._reads_disk[pid]:
+            if pid not in self._reads_disk or t - self._reads_disk[pid][1] >= LOOK_AGAIN_S:
+                self._reads_disk[pid] = (proc_io.reads_disk(pid, disk), t)   # its fds cost ~1 ms: not every tick
+            if self._reads_disk[pid][0]:
                 top.append((pid, proc_io.process_name(pid), rate))
         return top
 

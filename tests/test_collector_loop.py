@@ -296,3 +296,19 @@ while True:
     with sqlite3.connect(db) as conn:
         names = {name for (name,) in conn.execute("SELECT name FROM disk_readers WHERE device = ?", (disk,))}
     assert "dd" in names and "sh" not in names, names
+
+
+def test_whether_a_reader_has_a_file_on_the_agents_disk_is_looked_at_again(monkeypatch):
+    """A process first looked at while it read another disk was never named once it read the agent's, for as
+    long as others kept reading the agent's disk (a way to hide from the disk verdict); a reused pid likewise
+    kept its first process's answer. /proc stands in for one function's test: its reads, its open files."""
+    reads, opened = {4242: 0}, {4242: False}
+    monkeypatch.setattr(proc_io, "all_read_bytes", lambda: dict(reads))
+    monkeypatch.setattr(proc_io, "reads_disk", lambda pid, disk: opened[pid])
+    monkeypatch.setattr(proc_io, "process_name", lambda pid: "reader")
+    sampler, tops = samplers.DiskReadersSampler(None), []
+    for t in range(3 * int(samplers.LOOK_AGAIN_S)):
+        reads[4242] += 100 << 20                  # 100 MiB/s, of another disk until t = 5, then of the agent's
+        opened[4242] = t >= 5
+        tops.append(sampler._readers(agent=1, disk="vda", t=float(t), device=200 << 20))
+    assert tops[1:6] == [[]] * 5 and tops[-1] == [(4242, "reader", 100 << 20)]
