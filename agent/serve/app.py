@@ -180,7 +180,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
                         "one it sent before: no new guess" if wrong.repeated else f"{wrong.in_a_row} in a row",
                         f"; locked out for {wrong.lock_s:.0f} s" if wrong.lock_s else "")
         raise HTTPException(401, "this control call needs the agent's token: send 'Authorization: Bearer <token>' "
-                                 "(the --token or FLASHMOE_TOKEN the agent was started with)")
+                                 "(the one the agent was started with: FLASHMOE_TOKEN, --token-file or --token)")
 
     def source(x_flashmoe_source: str = Header("api")) -> str:
         if x_flashmoe_source not in CLIENT_SOURCES:
