@@ -36,6 +36,7 @@ from agent.model.generation import Generation, generate
 from agent.model.loading import load_model
 from agent.model.model import Transformer
 from agent.policies import DEFAULT_POLICY
+from agent.prefetch_gate import MODES, check_mode
 from agent.serve.scrub import truncated
 from agent.tokenizer import load_tokenizer
 
@@ -99,10 +100,11 @@ class TraceNotWritten(ValueError):
 
 def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] | None = None,
                  max_new_tokens: int = 32, greedy: bool = False, cache_cap: str = "100%", policy: str = DEFAULT_POLICY,
-                 scope: str = "layer", backend: str = "direct", prefetch: bool = True, prefill: str = "sequential",
+                 scope: str = "layer", backend: str = "direct", prefetch: str = "auto", prefill: str = "sequential",
                  record_trace: Path | None = None, seed: int = 0, route_trace: Sequence[Path] = (),
                  int8_activations: bool = True) -> GenerateResult:
     """Generate from an expert store; the library function behind the command (same parameter names)."""
+    check_mode(prefetch)
     model = Path(model)
     if not model.is_dir():
         raise ValueError(f"--model {model} is not a directory; give an expert store written by "
@@ -116,10 +118,10 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
     index = Index.load(model / INDEX)
     cap = parse_cap(cache_cap, index.nbytes * len(index.blocks))
     with ExpertCache(model, cap, policy=policy, scope=scope, backend=backend,
-                     int8_activations=int8_activations) as cache:
+                     int8_activations=int8_activations, prefetch=prefetch) as cache:
         _check_not_truncated(model, index)
         recorder = RoutingRecorder(cache)
-        net = load_model(model, recorder, prefetch=prefetch, route_trace=route_trace)
+        net = load_model(model, recorder, prefetch=prefetch != "off", route_trace=route_trace)
         if prefill == "batched":
             _check_batched_fits(net.config, cache.stats(), len(ids))
         prefill_steps, after_prefill = (1 if prefill == "batched" else len(ids)), []
@@ -165,7 +167,7 @@ def _stats(gen: Generation, net: Transformer, before: CacheStats, profile_before
         "decode_io_busy": (after.io_busy_s - before.io_busy_s) / gen.decode_s if gen.decode_s > 0 else None,
         "prefetch_accuracy": net.lookahead.accuracy, "prefetch_predicted": net.lookahead.predicted,
         "prefetch_correct": net.lookahead.correct, "prefetches": after.prefetches,
-        "prefetch_hits": after.prefetch_hits, "cap_bytes": after.cap_bytes, "capacity_slots": after.capacity,
+        "prefetch_hits": after.prefetch_hits, "prefetch_gate": after.prefetch, "cap_bytes": after.cap_bytes, "capacity_slots": after.capacity,
         "policy": after.policy, "scope": after.scope, "backend": after.backend,
         "decode_profile_ms_per_token": {k: 1000 * v / max(decode_steps, 1) for k, v in phases.items()},
     }
@@ -222,8 +224,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache partitioning (default layer)")
     parser.add_argument("--backend", choices=("direct", "buffered", "mmap"), default="direct",
                         help="expert reads: O_DIRECT (default), buffered pread, or mmap of the whole file")
-    parser.add_argument("--no-prefetch", dest="prefetch", action="store_false",
-                        help="no lookahead prefetch: a pure demand-access run")
+    parser.add_argument("--prefetch", choices=MODES, default="auto",
+                        help="lookahead prefetch reads: always (on), never (off: a pure demand-access run) or "
+                        "while they pay (auto, the default; agent/prefetch_gate.py)")
+    parser.add_argument("--no-prefetch", dest="prefetch", action="store_const", const="off",
+                        help="the same as --prefetch off")
     parser.add_argument("--prefill", choices=PREFILL_MODES, default="sequential",
                         help="prompt token by token (default) or in one batched step")
     parser.add_argument("--threads", type=argtypes.threads, default=1,

@@ -2,8 +2,9 @@
 
 The runtime ExpertCache (agent.experts.cache) adds slots and SSD reads on top of this class; the
 simulator (agent.simulator) drives it directly from a routing trace. Both therefore run the very
-same policy objects and eviction decisions. Capacity is counted in slots (one expert block each:
-all routed experts of a model have the same shape). In "layer" scope every layer owns an equal
+same policy objects and eviction decisions, and the same adaptive prefetch (agent.prefetch_gate: every
+lookahead guess is scored here, its reads let through only while they pay). Capacity is counted in
+slots (one expert block each: all routed experts of a model have the same shape). In "layer" scope every layer owns an equal
 share of the slots and its own policy instance; in "global" scope all layers share one.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agent.policies.base import Key, Policy
+from agent.prefetch_gate import PrefetchGate
 from agent.prefetch_ledger import PrefetchLedger
 
 SCOPES = ("layer", "global")
@@ -52,7 +54,7 @@ class _Partition:
 
 class Residency:
     def __init__(self, capacity: int, n_layers: int, policy_factory: Callable[[], Policy],
-                 scope: str = "layer", min_per_layer: int = 1) -> None:
+                 scope: str = "layer", min_per_layer: int = 1, prefetch: str = "auto") -> None:
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         self.scope, self.n_layers, self.min_per_layer = scope, n_layers, min_per_layer
@@ -60,6 +62,9 @@ class Residency:
         self.stats = [LayerStats() for _ in range(n_layers)]
         self._pinned: set[Key] = set()
         self._ledger = PrefetchLedger()
+        self.gate = PrefetchGate(prefetch)
+        self._guessed: dict[int, set[int]] = {}   # layer -> the reads its pending guess made (or would have)
+        self._prefetch_evicted: set[Key] = set()  # blocks the policy held that a prefetch evicted, not back since
         self._parts = [_Partition(c, policy_factory()) for c in self._split(capacity)]
 
     # -- capacity -------------------------------------------------------------------------------
@@ -125,6 +130,9 @@ class Residency:
         """Start a layer's step: its chosen experts are pinned until the next route()."""
         self._pinned = {(layer, e) for e in experts}
         self._ledger.routed(layer, experts)
+        if (reads := self._guessed.pop(layer, None)) is not None:
+            right = len(reads.intersection(experts))
+            self.gate.score(right, len(reads) - right)
         self._parts[layer if self.scope == "layer" else 0].policy.route(layer, experts)
 
     def pin(self, keys: Collection[Key]) -> None:
@@ -164,6 +172,8 @@ class Residency:
         stats.misses += 1
         if key in part.evicted:
             stats.rereads += 1
+        if key in self._prefetch_evicted:
+            self.gate.reread()
         return False, self._admit(part, key)
 
     def prefetch(self, key: Key, protect: Collection[Key] = ()) -> tuple[bool, Key | None]:
@@ -180,15 +190,30 @@ class Residency:
         return True, self._admit(part, key, keep)
 
     def guess(self, layer: int, experts: Sequence[int]) -> list[tuple[Key, Key | None]]:
-        """Admit a lookahead guess at `layer`'s next step, most likely first, while room lasts; returns
-        each admitted key with the key it evicted (or None). No expert the guess names is the victim:
+        """Score a lookahead guess at `layer`'s next step, most likely first, and admit its reads if the
+        gate lets them through; returns each admitted key with the key it evicted (or None). Its reads
+        are the experts not resident, while room lasts. No expert the guess names is the victim:
         evicting one the step will hit only trades that hit for a read. A batched step's guess names
         most of the layer, so only the few residents it does not name make room, and they go to the
         likeliest experts (in ascending ids, 19-31% of them went unused on OLMoE's traces at 8 requests
         a step; ranked, 4-12%)."""
+        part = self._parts[layer if self.scope == "layer" else 0]
         protect = {(layer, e) for e in experts}
-        admitted = [((layer, e), self.prefetch((layer, e), protect)) for e in experts]
-        return [(key, victim) for key, (took, victim) in admitted if took]
+        room = part.capacity - len(part.resident & (self._pinned | protect))  # what prefetch() would admit
+        reads = [(layer, e) for e in experts if (layer, e) not in part.resident][:max(0, room)]
+        self._guessed[layer] = {e for _, e in reads}
+        if not self.gate.issues:
+            return []
+        admitted = []
+        for key in reads:
+            wasted = self._ledger.wasted(part.resident, self._pinned | protect)  # the victim, if there is one
+            took, victim = self.prefetch(key, protect)
+            if took:
+                admitted.append((key, victim))
+            if victim is not None and victim != wasted:  # the policy's block, not a wrong guess's
+                self.gate.evicted()
+                self._prefetch_evicted.add(victim)
+        return admitted
 
     def drop(self, key: Key) -> None:
         """Forget a resident key without counting an eviction (e.g. its load failed)."""
@@ -199,6 +224,7 @@ class Residency:
     def _admit(self, part: _Partition, key: Key, keep: Collection[Key] | None = None) -> Key | None:
         victim = self._evict(part, keep) if len(part.resident) >= part.capacity else None
         part.evicted.discard(key)
+        self._prefetch_evicted.discard(key)
         part.resident.add(key)
         part.policy.insert(key)
         return victim

@@ -36,6 +36,7 @@ from agent.experts.provider import InMemoryExperts
 from agent.generate import run_generate
 from agent.model.generation import generate
 from agent.model.loading import load_model
+from agent.prefetch_gate import MODES
 from agent.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +68,7 @@ def in_ram(store: Path, prompt_ids: list[int], tokens: int) -> tuple[float, list
     return gen.decode_tokens_per_s, gen.token_ids
 
 
-def cached(store: Path, prompt_ids: list[int], tokens: int, cap_bytes: int, backend: str, prefetch: bool,
+def cached(store: Path, prompt_ids: list[int], tokens: int, cap_bytes: int, backend: str, prefetch: str,
            scope: str, policy: str) -> dict:
     drop_from_page_cache(store, Index.load(store / INDEX))
     result = run_generate(store, prompt_ids=prompt_ids, max_new_tokens=tokens, greedy=True,
@@ -87,7 +88,7 @@ def cap_for(store: Path, pct: float, scope: str) -> tuple[int, float, str]:
     return floor, 100 * floor / total, f"{pct:g}% is below the {scope}-scope floor; ran at the minimum"
 
 
-def run(store: Path, caps: list[float], backends: list[str], prefetch: list[bool], tokens: int,
+def run(store: Path, caps: list[float], backends: list[str], prefetch: list[str], tokens: int,
         repeat: int, scope: str, policy: str) -> list[Row]:
     prompt_ids = load_tokenizer(store).encode(PROMPT)
     configs = [(b, *cap_for(store, pct, scope), pct, p) for pct in caps for b in backends for p in prefetch]
@@ -112,8 +113,8 @@ def run(store: Path, caps: list[float], backends: list[str], prefetch: list[bool
     return rows
 
 
-def _name(backend: str, pct: float, prefetch: bool) -> str:
-    return f"{backend} {pct:g}%" + ("" if prefetch else " no-pf")
+def _name(backend: str, pct: float, prefetch: str) -> str:
+    return f"{backend} {pct:g}%" + {"on": "", "off": " no-pf", "auto": " pf-auto"}[prefetch]
 
 
 def print_table(rows: list[Row]) -> None:
@@ -137,7 +138,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=count, default=2, help="interleaved rounds; the median is reported")
     parser.add_argument("--caps", default="10,25,50,100", help="cache caps in %% of expert bytes")
     parser.add_argument("--backends", default="direct,mmap")
-    parser.add_argument("--prefetch", choices=("on", "off", "both"), default="on", help="lookahead prefetch")
+    parser.add_argument("--prefetch", choices=(*MODES, "both", "all"), default="on",
+                        help="lookahead prefetch: on, off, auto (agent/prefetch_gate.py), both (on and off) or all three")
     parser.add_argument("--threads", type=count, default=1, help="torch intra-op threads (as flashmoe-cli generate)")
     parser.add_argument("--scope", choices=("layer", "global"), default="layer",
                         help="cache scope (global lets a cap below top-k per layer run)")
@@ -149,7 +151,7 @@ def main() -> None:
     store = args.model or init_demo(ROOT / "data" / f"decode-demo-{args.size}", args.size)
     index = Index.load(store / INDEX)
     start = time.monotonic()
-    prefetch = {"on": [True], "off": [False], "both": [True, False]}[args.prefetch]
+    prefetch = {"both": ["on", "off"], "all": list(MODES)}.get(args.prefetch, [args.prefetch])
     rows = run(store, [float(c) for c in args.caps.split(",")], args.backends.split(","), prefetch, args.tokens,
                args.repeat, args.scope, args.policy)
     facts = machine(store)

@@ -18,7 +18,8 @@ routing, for a shape no recorded trace fits). Each round measures, interleaved:
   F.linear for every linear (the A/B of agent/bf16_matvec.py's one-token matvec);
 - (a) the learned policy + lookahead prefetch, O_DIRECT; (b) LRU + prefetch, O_DIRECT; (c) mmap of
   the store, the page cache decides, no prefetch; (d) = (a) with --threads torch threads for the
-  matmuls (the reads wait in the kernel meanwhile): each `flashmoe-cli generate` in its own process
+  matmuls (the reads wait in the kernel meanwhile); (e) = (a) without prefetch and (g) = (a) with
+  adaptive prefetch (issued while it pays, agent/prefetch_gate.py; the agent's default): each `flashmoe-cli generate` in its own process
   inside the same cgroup memory limit (cap + dense weights + working memory), from a cold page cache.
 A configuration's limit is 1 / max(compute s/token, its MB missed per token / raw MB/s): perfect
 overlap of reads and compute. Reported: decode tokens/s, its fraction of the limit, MB read and hit
@@ -73,18 +74,20 @@ class Config:
     name: str
     policy: str
     backend: str
-    prefetch: bool
+    prefetch: str                 # on, off or auto (agent/prefetch_gate.py)
     more_threads: bool = False    # --threads torch threads instead of one
 
     def args(self, threads: int) -> list[str]:
-        return ["--policy", self.policy, "--backend", self.backend, "--threads", str(threads if self.more_threads else 1)
-                ] + ([] if self.prefetch else ["--no-prefetch"])
+        return ["--policy", self.policy, "--backend", self.backend, "--threads", str(threads if self.more_threads else 1),
+                "--prefetch", self.prefetch]
 
 
-CONFIGS = {"a": Config("a: flashmoe + prefetch, O_DIRECT", "flashmoe", "direct", True),
-           "b": Config("b: lru + prefetch, O_DIRECT", "lru", "direct", True),
-           "c": Config("c: mmap, page cache decides", "lru", "mmap", False),
-           "d": Config("d: (a) with --threads threads", "flashmoe", "direct", True, more_threads=True)}
+CONFIGS = {"a": Config("a: flashmoe + prefetch, O_DIRECT", "flashmoe", "direct", "on"),
+           "b": Config("b: lru + prefetch, O_DIRECT", "lru", "direct", "on"),
+           "c": Config("c: mmap, page cache decides", "lru", "mmap", "off"),
+           "d": Config("d: (a) with --threads threads", "flashmoe", "direct", "on", more_threads=True),
+           "e": Config("e: (a) without prefetch", "flashmoe", "direct", "off"),
+           "g": Config("g: (a) with adaptive prefetch", "flashmoe", "direct", "auto")}
 
 
 class OneLayerResident:
@@ -127,6 +130,7 @@ class Run:
     prefill_mb_per_token: float   # read from the SSD per prompt token
     run_hit_rate: float           # prefill and decode, cold misses included (what the simulator counts)
     capacity_slots: int           # the cap in whole slots (a slot is a block rounded up to the O_DIRECT alignment)
+    prefetch_gate: dict           # adaptive prefetch at the run's end: issuing, the accuracy it judged (prefetch_gate.py)
 
 
 def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int, threads: int = 1) -> float:
@@ -230,7 +234,16 @@ def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, t
                stats["decode_hit_rate"], stats["prefetch_accuracy"], usage.ru_maxrss * 1024, cgroup.peak(),
                result["token_ids"], os.getloadavg()[0], stats["decode_profile_ms_per_token"], stats["decode_io_busy"],
                len(prompt_ids) / stats["prefill_s"], (stats["bytes_read"] - decode_bytes) / 1e6 / len(prompt_ids),
-               stats["hit_rate"], stats["capacity_slots"])
+               stats["hit_rate"], stats["capacity_slots"], stats["prefetch_gate"])
+
+
+def gate_summary(run: Run) -> str:
+    """How the run's prefetch ended: reads issued or not, the accuracy of its guessed reads, against what."""
+    gate = run.prefetch_gate
+    if gate["accuracy"] is None:
+        return f"prefetch {gate['mode']}"
+    return (f"prefetch {gate['mode']} ({'issuing' if gate['issuing'] else 'held back'}; guessed reads "
+            f"{gate['accuracy']:.2f} right, break-even {gate['break_even']:.2f})")
 
 
 def print_phases(configs: dict) -> None:
@@ -261,7 +274,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=count, default=32, help="new tokens per run (default 32)")
     ap.add_argument("--rounds", type=count, default=2, help="interleaved rounds; medians are reported")
     ap.add_argument("--threads", type=count, default=2, help="torch intra-op threads of (d) (default 2)")
-    ap.add_argument("--configs", default="a,b,c,d", help="which of a,b,c,d, in this order within every round")
+    ap.add_argument("--configs", default="a,b,c,d", help="which of a,b,c,d,e,g, in this order within every round")
     ap.add_argument("--results", type=results_name, default="scale",
                     help="bench/results/NAME.json to write (default scale)")
     args = ap.parse_args()
@@ -301,7 +314,7 @@ def main() -> int:
                 print(f"  {config.name}: {run.decode_tok_s:.2f} tok/s = {run.decode_tok_s / lim:.2f} x its limit "
                       f"{lim:.2f}; {run.mb_per_token:.0f} MB/token, hit rate {run.hit_rate:.3f}, own compute "
                       f"{own_compute_ms(run.profile_ms):.0f} ms/token, reads running {run.io_busy or 0:.0%} of the time, "
-                      f"peak RSS {run.peak_rss_bytes / 2**20:.0f} MiB; "
+                      f"peak RSS {run.peak_rss_bytes / 2**20:.0f} MiB; {gate_summary(run)}; "
                       f"same tokens: {same}", flush=True)
                 r["runs"].append({**asdict(run), "limit_tok_s": lim, "same_tokens": same})
             rounds.append(r)

@@ -15,11 +15,12 @@ chosen so that the route trace places the sequence at its first record (agent/mo
 places a sequence by a hash of its first step's tokens); random weights make the ids meaningless.
 Per round, as bench/scale.py: the raw O_DIRECT bandwidth; per prompt, compute-only (every expert
 resident) and then each configuration, a `flashmoe-cli generate` in the same cgroup limit from a cold
-page cache: (a) learned policy + prefetch, (b) LRU + prefetch, (c) mmap, and (e), (f) = (a), (b)
-without prefetch: what the simulator replays. Beside them, agent/simulator.py's hit rate on the same one-prompt
-NPZ (same cap, policy and scope; no prefetch). With `--contexts`, first: compute-only decode steps at
-those context lengths (MLA's attention as the KV cache grows), and the same for each `--reference` store
-(e.g. OLMoE's multi-head attention). Writes bench/results/scale-prompts.json.
+page cache: (a) learned policy + prefetch, (b) LRU + prefetch, (c) mmap, (e), (f) = (a), (b)
+without prefetch: what the simulator replays, and (g) = (a) with adaptive prefetch (the agent's
+default). Beside them, agent/simulator.py's hit rate on the same one-prompt NPZ (same cap, policy and
+scope; no prefetch). With `--contexts`, first: compute-only decode steps at those context lengths
+(MLA's attention as the KV cache grows), and the same for each `--reference` store (e.g. OLMoE's
+multi-head attention). Writes bench/results/scale-prompts.json.
 """
 from __future__ import annotations
 
@@ -49,14 +50,13 @@ from agent.traces import read_npz  # noqa: E402
 from bench.common import count, machine, results_name, write_results  # noqa: E402
 from bench.loader import raw_baseline  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory  # noqa: E402
-from bench.scale import (CHUNK, CONFIGS, Config, OneLayerResident, compute_run, limit_tok_s,  # noqa: E402
+from bench.scale import (CHUNK, CONFIGS, Config, OneLayerResident, compute_run, gate_summary, limit_tok_s,  # noqa: E402
                          own_compute_ms, print_phases, run_config)
 
 TRACE = ROOT.parent / "shared" / "traces" / "prefill" / "deepseek_v2_lite_puffin_0001-1000.npz"
 PROMPTS = (808, 816, 824)   # the first three of the report split with at least 90 tokens: 95, 156, 94
 CAP = "25%"
-CONFIGS = CONFIGS | {"e": Config("e: (a) without prefetch", "flashmoe", "direct", False),
-                     "f": Config("f: (b) without prefetch", "lru", "direct", False)}
+CONFIGS = CONFIGS | {"f": Config("f: (b) without prefetch", "lru", "direct", "off")}
 SIMULATED = ("flashmoe", "lru")
 
 
@@ -136,7 +136,7 @@ def main() -> int:
     ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)), help="prompt numbers, comma separated")
     ap.add_argument("--tokens", type=count, default=16, help="each prompt's last rows decoded (default 16)")
     ap.add_argument("--rounds", type=count, default=1, help="rounds; medians over prompts and rounds")
-    ap.add_argument("--configs", default="a,b,c,e", help="which of a,b,c,e,f, in this order for every prompt")
+    ap.add_argument("--configs", default="a,b,c,e", help="which of a,b,c,e,f,g, in this order for every prompt")
     ap.add_argument("--prefill", choices=("sequential", "batched"), default="sequential",
                     help="the prompt token by token (default) or in one step, the cache in global scope")
     ap.add_argument("--contexts", default="",
@@ -206,7 +206,7 @@ def run_prompt(store: Path, number: int, trace: Path, config: MoEConfig, chosen:
               f"hit rate {run.run_hit_rate:.3f} "
               f"(decode {run.hit_rate:.3f}); attention {run.profile_ms.get('attention', 0):.0f} ms/token; "
               f"peak RSS {run.peak_rss_bytes / 2**20:.0f} MiB, "
-              f"cgroup peak {(run.cgroup_peak_bytes or 0) / 2**20:.0f} MiB; "
+              f"cgroup peak {(run.cgroup_peak_bytes or 0) / 2**20:.0f} MiB; {gate_summary(run)}; "
               f"same tokens: {run.token_ids == reference}", flush=True)
         out["runs"].append({**asdict(run), "prefill_limit_tok_s": prefill_limit, "decode_limit_tok_s": decode_limit,
                             "same_tokens": run.token_ids == reference})

@@ -191,3 +191,14 @@ def unavailable_sources(events: Iterable[Mapping[str, Any]]) -> dict[str, str]:
         elif e["kind"] == "collector.source_available":
             down.pop(e["message"].removesuffix(" is readable again"), None)
     return down
+
+
+def prefetch_state(gate: dict) -> str:
+    """One line on the agent's adaptive prefetch (agent/prefetch_gate.py): are its reads issued, and why."""
+    if gate["mode"] == "off":
+        return "Prefetch: off"
+    state = "issuing reads" if gate["issuing"] else "reads held back: they cost more than they save"
+    if gate["accuracy"] is None:
+        return f"Prefetch ({gate['mode']}): {state}; no guess scored yet"
+    return (f"Prefetch ({gate['mode']}): {state}; of its last {gate['scored']} guessed reads "
+            f"{gate['accuracy']:.0%} were used, break-even {gate['break_even']:.0%}")

@@ -60,7 +60,7 @@ def test_every_token_takes_its_recorded_row_and_the_simulator_agrees(lite, tmp_p
     trace = scale_prompts.prompt_slice(npz, 12, 2, tmp_path)
     ids = scale_prompts.placed_at_start(trace, config, 26)
     result = run_generate(store, prompt_ids=ids, max_new_tokens=4, greedy=True, cache_cap="50%", policy="lru",
-                          prefetch=False, route_trace=[trace], record_trace=tmp_path / "ran.jsonl")
+                          prefetch="off", route_trace=[trace], record_trace=tmp_path / "ran.jsonl")
     ran = read_jsonl(tmp_path / "ran.jsonl")
     rows = np.load(trace)["expert_ids"]
     assert ran.n_tokens == 29                                           # 26 prompt tokens and 3 decode steps

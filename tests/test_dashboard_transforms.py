@@ -129,3 +129,12 @@ def test_request_rows_state_each_quantity_in_its_unit():
 def test_the_cap_slider_steps_and_shows_its_value_to_three_digits(unit, lo, hi, shown, step, text):
     got_step, digits = transforms.cap_step(unit, lo, hi, shown)
     assert got_step == step and f"{shown:.{digits}f}" == text
+
+
+def test_prefetch_state_says_whether_reads_are_issued_and_on_what_evidence():
+    held = {"mode": "auto", "issuing": False, "accuracy": 0.43, "scored": 256, "break_even": 0.55}
+    assert transforms.prefetch_state(held) == ("Prefetch (auto): reads held back: they cost more than they save; "
+                                               "of its last 256 guessed reads 43% were used, break-even 55%")
+    fresh = {"mode": "on", "issuing": True, "accuracy": None, "scored": 0, "break_even": 0.5}
+    assert transforms.prefetch_state(fresh) == "Prefetch (on): issuing reads; no guess scored yet"
+    assert transforms.prefetch_state({**fresh, "mode": "off", "issuing": False}) == "Prefetch: off"

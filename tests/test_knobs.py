@@ -22,7 +22,8 @@ def knobs() -> Knobs:
 def test_defaults_and_bounds_are_described(knobs):
     d = knobs.describe()
     assert set(d) == {"cache_cap_bytes", "policy", "decision", "keep_percentile", "recompute_threshold",
-                      "online_learning", "prefetch", "prefetch_depth", "max_batch_size", "auto_shrink"}
+                      "online_learning", "prefetch", "prefetch_adaptive", "prefetch_depth", "max_batch_size",
+                      "auto_shrink"}
     # the learned policy's knobs are the ones its class declares
     assert FlashMoE.knobs == (DECISION, KEEP_PERCENTILE, RECOMPUTE_THRESHOLD, ONLINE_LEARNING)
     assert d["decision"]["value"] == "score" and d["decision"]["choices"] == ["score", "lfu"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from agent.experts.cache import CacheStats
+from agent.prefetch_gate import MIN_SCORED, PrefetchGate
 from agent.residency import LayerStats
 from agent.serve.metrics import Metrics
 from agent.serve.recorder import Recorder
@@ -110,3 +111,16 @@ def test_rereads_and_the_caps_bounds_reach_prometheus_and_the_store(tmp_path):
     idle = m.tick(12.0, cache_stats([LayerStats(hits=4, misses=4, rereads=3), LayerStats(hits=4, misses=4, rereads=1)],
                                     0, 0, [], 0), 0, 0, 16, 0, {}, (1024, 8192))
     assert idle.reread_rate is None and "agent.reread_rate" not in Recorder.series(idle)   # no lookups: no rate
+
+
+def test_the_adaptive_prefetchs_state_reaches_prometheus():
+    reg = CollectorRegistry()
+    m = Metrics(reg, n_layers=1)
+    gate = PrefetchGate()
+    gate.score(1, 3 * MIN_SCORED)                         # poor guesses: reads held back
+    stats = cache_stats([LayerStats()], 0, 0, [], 0)
+    stats.prefetch = gate.state()
+    m.tick(1.0, stats, 0, 0, 16, 0, {})
+    assert sample(reg, "flashmoe_prefetch_issuing") == 0
+    assert sample(reg, "flashmoe_prefetch_guess_accuracy") == 1 / (1 + 3 * MIN_SCORED)
+    assert sample(reg, "flashmoe_prefetch_break_even") == 0.5

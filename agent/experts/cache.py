@@ -39,6 +39,7 @@ from agent.experts.reader import IO_THREADS, MmapReader, open_reader
 from agent.experts.slots import SlotPool
 from agent.monitor import SystemSampler
 from agent.policies import Key, policy_factory
+from agent.prefetch_gate import check_mode
 from agent.residency import LayerStats, Residency, step_window
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class CacheStats:
     io_busy_s: float = 0.0       # wall time with at least one block being read or checked: the rest the device idled
     read_s: float = 0.0          # each read's read and check, summed: / io_busy_s = reads in flight while busy
     policy_s: float = 0.0        # spent in Residency and the policy, on the thread that routes and gets
+    prefetch: dict = field(default_factory=dict)  # the adaptive prefetch's state (PrefetchGate.state)
 
     @property
     def accesses(self) -> int:
@@ -117,11 +119,12 @@ class ExpertCache:
                  backend: str = "direct", verify: bool = True, min_per_layer: int | None = None,
                  policy_options: dict | None = None, io_threads: int = IO_THREADS,
                  monitor: SystemSampler | None = None, int8_activations: bool = True,
-                 kv_positions: int = KV_BUDGET_TOKENS) -> None:
+                 kv_positions: int = KV_BUDGET_TOKENS, prefetch: str = "auto") -> None:
         """`int8_activations`: whether int8 experts quantize bf16 activations too where an expert has more
         tokens than the int8 kernel takes (W8A8, agent/experts/quant.py); False computes with the weights
         only quantized, for a model whose activations hold outliers. `kv_positions`: the KV cache the
-        cap's memory rule counts beside the slots (serve --kv-budget)."""
+        cap's memory rule counts beside the slots (serve --kv-budget). `prefetch`: on, off or auto
+        (agent.prefetch_gate), whether the lookahead's guessed reads are issued."""
         if io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, got {io_threads}")
         self.store_dir = Path(store_dir)
@@ -135,7 +138,8 @@ class ExpertCache:
         self._check_cap(cap_bytes)
         self.cap_bytes = cap_bytes
         self._residency = Residency(self._slots_for(cap_bytes), self.index.n_layers,
-                                    policy_factory(policy, **(policy_options or {})), scope, self.min_per_layer)
+                                    policy_factory(policy, **(policy_options or {})), scope, self.min_per_layer,
+                                    prefetch)
         self.backend = backend
         self._reader = open_reader(backend, self.store_dir / EXPERTS, self.index, verify)
         self._mmap = self._reader if isinstance(self._reader, MmapReader) else None
@@ -338,6 +342,12 @@ class ExpertCache:
         for key, victim in self._policy(self._residency.guess, layer, experts):
             self._start(key, victim)
 
+    def set_prefetch(self, mode: str) -> None:
+        """on, off or auto (agent.prefetch_gate); the gate's measurements so far stay."""
+        check_mode(mode)
+        with self._lock:
+            self._residency.gate.mode = mode
+
     def preload(self, keys: Iterable[Key]) -> int:
         """Warm-up: bring `keys` in as prefetches (never evicting the pinned set) and wait for them."""
         with self._lock:
@@ -509,7 +519,7 @@ class ExpertCache:
                 new.access(key)  # admits without evicting: the capacity is the same
             layer, window = self._routed
             new.pin([(layer, e) for e in window])  # the current step's experts stay pinned
-            new.stats = old.stats
+            new.stats, new.gate = old.stats, old.gate
             self._residency, self.policy_name = new, name
         log.info("expert cache policy set to %s %s", name, options or "")
 
@@ -525,7 +535,7 @@ class ExpertCache:
                 slot_bytes=self.index.slot_bytes, backend=self.backend, policy=self.policy_name,
                 scope=self._residency.scope, layers=layers, read_latency_s=list(self._latency),
                 crc_s=self._crc_s, policy_s=self._policy_s,
-                io_busy_s=self._io_busy(), read_s=self._read_s)
+                io_busy_s=self._io_busy(), read_s=self._read_s, prefetch=self._residency.gate.state())
 
     def close(self) -> None:
         self._io.shutdown(wait=True, cancel_futures=False)

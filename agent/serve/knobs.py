@@ -37,6 +37,9 @@ def knob_specs(limits: Limits) -> list[Knob]:
              help="the replacement policy that decides which experts stay in the cache"),
         *policy_knobs(),
         Knob("prefetch", bool, True, help="read the next layer's predicted experts while this layer computes"),
+        Knob("prefetch_adaptive", bool, True,
+             help="issue those reads only while the guesses are right often enough to pay (agent/prefetch_gate.py); "
+                  "false: always"),
         Knob("prefetch_depth", int, 1, 0, limits.max_prefetch_depth, help="layers ahead to prefetch; 0 turns it off"),
         Knob("max_batch_size", int, 16, 1, 256, help="most requests stepped together"),
         Knob("auto_shrink", bool, False,

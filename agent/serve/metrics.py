@@ -149,6 +149,13 @@ class Metrics:
                                    "of its memory limit)", registry=registry)
         self.hit_ratio = Gauge("flashmoe_expert_cache_hit_ratio",
                                f"expert cache hit ratio over the last {RECENT_TICKS} s", registry=registry)
+        self.prefetch_issuing = Gauge("flashmoe_prefetch_issuing", "1 while lookahead prefetch reads are issued, "
+                                      "0 while adaptive prefetch holds them back (or prefetch is off)", registry=registry)
+        self.prefetch_guess_accuracy = Gauge("flashmoe_prefetch_guess_accuracy", "share of the lookahead's recent "
+                                             "guessed reads its layer then used, issued or not: what adaptive "
+                                             "prefetch judges", registry=registry)
+        self.prefetch_break_even = Gauge("flashmoe_prefetch_break_even", "the guess accuracy above which adaptive "
+                                         "prefetch judges its reads to pay", registry=registry)
         self.knob_changes = Counter("flashmoe_knob_changes", "knob values changed, by any source",
                                     registry=registry)
         self.phase_seconds = Counter("flashmoe_step_phase_seconds", "time the model's steps spent in each phase "
@@ -199,6 +206,7 @@ class Metrics:
                     tokens_total - prev.tokens, cache.resident * cache.slot_bytes, cache.cap_bytes, activations,
                     *(cap_bounds or (None, None)), {p: s - prev.phases.get(p, 0.0) for p, s in phases.items()})
         self._export(tick)
+        self._export_prefetch(cache.prefetch)
         self._prev = _Previous(t, cache.layers, cache.bytes_read, cache.reads, tokens_total, phases)
         return tick
 
@@ -229,6 +237,15 @@ class Metrics:
         rate = self.recent_hit_rate()
         if rate is not None:
             self.hit_ratio.set(rate)
+
+    def _export_prefetch(self, gate: Mapping) -> None:
+        """The adaptive prefetch's state (PrefetchGate.state)."""
+        if not gate:
+            return
+        self.prefetch_issuing.set(int(gate["issuing"]))
+        self.prefetch_break_even.set(gate["break_even"])
+        if gate["accuracy"] is not None:
+            self.prefetch_guess_accuracy.set(gate["accuracy"])
 
     def recent_hit_rate(self) -> float | None:
         hits = sum(h for h, _ in self._recent)

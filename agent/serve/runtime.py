@@ -25,6 +25,7 @@ from agent.monitor import SystemSample, SystemSampler
 from agent.model.config import MoEConfig
 from agent.learned.service import OnlineLearning
 from agent.policies import DEFAULT_POLICY, live_policies, policy_factory, policy_knobs, policy_options
+from agent.prefetch_gate import mode_of
 from agent.serve import guard, scrub
 from agent.serve.engine import STEP_PROFILES, ModelEngine
 from agent.serve.knobs import KnobError, Knobs, Limits
@@ -208,6 +209,7 @@ class Runtime:
         rest = {k: v for k, v in new.items() if k not in policy_change and k != "cache_cap_bytes"}
         self.knobs.commit(rest)
         self.engine.model.prefetch = self.knobs["prefetch"] and self.knobs["prefetch_depth"] >= 1
+        self.cache.set_prefetch(mode_of(self.engine.model.prefetch, self.knobs["prefetch_adaptive"]))
 
     # -- control calls ------------------------------------------------------------------------------
     def preload(self, keys: list[tuple[int, int]]) -> int:
@@ -234,7 +236,7 @@ class Runtime:
                       "occupancy": s.resident / s.capacity if s.capacity else 0.0,
                       "expert_bytes": self.cache.expert_bytes,
                       "hits": s.hits, "misses": s.misses, "hit_rate": s.hit_rate, "bytes_read": s.bytes_read,
-                      "prefetch_accuracy": s.prefetch_accuracy},
+                      "prefetch_accuracy": s.prefetch_accuracy, "prefetch": s.prefetch},
             "recent_hit_rate": self.metrics.recent_hit_rate(),
             "batch_size": self.scheduler.batch_size, "batch_limit": self.scheduler.max_batch,
             "queue_depth": len(self.scheduler.waiting), "kv_positions": self.scheduler.kv_positions,

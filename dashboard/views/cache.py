@@ -34,6 +34,8 @@ def live() -> None:
     if isinstance(status, dict):
         c5.metric("Prefetch accuracy", human(status["cache"]["prefetch_accuracy"], "fraction"),
                   help="from the agent: prefetched experts later used, over experts prefetched, since it started")
+        if gate := status["cache"].get("prefetch"):   # an agent before adaptive prefetch has none
+            st.caption(transforms.prefetch_state(gate))
     else:
         c5.metric("Prefetch accuracy", human(total.get("prefetch_accuracy"), "fraction"),
                   help="from the store while the agent is offline: prefetched experts later used, over "
