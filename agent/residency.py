@@ -64,7 +64,7 @@ class Residency:
         self._ledger = PrefetchLedger()
         self.gate = PrefetchGate(prefetch)
         self._guessed: dict[int, set[int]] = {}   # layer -> the reads its pending guess made (or would have)
-        self._prefetch_evicted: set[Key] = set()  # blocks the policy held that a prefetch evicted, not back since
+        self._evicted_by: dict[Key, bool] = {}    # the policy's blocks evicted, not back since -> by a prefetch?
         self._parts = [_Partition(c, policy_factory()) for c in self._split(capacity)]
 
     # -- capacity -------------------------------------------------------------------------------
@@ -172,9 +172,9 @@ class Residency:
         stats.misses += 1
         if key in part.evicted:
             stats.rereads += 1
-        if key in self._prefetch_evicted:
-            self.gate.reread()
-        return False, self._admit(part, key)
+        if key in self._evicted_by:
+            self.gate.reread(self._evicted_by[key])
+        return False, self._admit(part, key, cause="demand")
 
     def prefetch(self, key: Key, protect: Collection[Key] = ()) -> tuple[bool, Key | None]:
         """Speculative admission. Returns (admitted, evicted key); never evicts a pinned expert nor
@@ -187,7 +187,7 @@ class Residency:
             return False, None
         self.stats[key[0]].prefetches += 1
         self._ledger.admitted(key)
-        return True, self._admit(part, key, keep)
+        return True, self._admit(part, key, keep, "prefetch")
 
     def guess(self, layer: int, experts: Sequence[int]) -> list[tuple[Key, Key | None]]:
         """Score a lookahead guess at `layer`'s next step, most likely first, and admit its reads if the
@@ -204,16 +204,8 @@ class Residency:
         self._guessed[layer] = {e for _, e in reads}
         if not self.gate.issues:
             return []
-        admitted = []
-        for key in reads:
-            wasted = self._ledger.wasted(part.resident, self._pinned | protect)  # the victim, if there is one
-            took, victim = self.prefetch(key, protect)
-            if took:
-                admitted.append((key, victim))
-            if victim is not None and victim != wasted:  # the policy's block, not a wrong guess's
-                self.gate.evicted()
-                self._prefetch_evicted.add(victim)
-        return admitted
+        admitted = [(key, self.prefetch(key, protect)) for key in reads]
+        return [(key, victim) for key, (took, victim) in admitted if took]
 
     def drop(self, key: Key) -> None:
         """Forget a resident key without counting an eviction (e.g. its load failed)."""
@@ -221,20 +213,26 @@ class Residency:
         if key in part.resident:
             self._forget(part, key)
 
-    def _admit(self, part: _Partition, key: Key, keep: Collection[Key] | None = None) -> Key | None:
-        victim = self._evict(part, keep) if len(part.resident) >= part.capacity else None
+    def _admit(self, part: _Partition, key: Key, keep: Collection[Key] | None = None,
+               cause: str | None = None) -> Key | None:
+        victim = self._evict(part, keep, cause) if len(part.resident) >= part.capacity else None
         part.evicted.discard(key)
-        self._prefetch_evicted.discard(key)
+        self._evicted_by.pop(key, None)
         part.resident.add(key)
         part.policy.insert(key)
         return victim
 
-    def _evict(self, part: _Partition, keep: Collection[Key] | None = None) -> Key:
-        """The wasted prefetch first, else the policy's victim; never one of `keep` (default: the pinned)."""
+    def _evict(self, part: _Partition, keep: Collection[Key] | None = None, cause: str | None = None) -> Key:
+        """The wasted prefetch first, else the policy's victim; never one of `keep` (default: the pinned).
+        `cause` (prefetch or demand): the admission that evicts; the gate counts its evictions of the
+        policy's blocks and their re-reads."""
         keep = self._pinned if keep is None else keep
         victim = self._ledger.wasted(part.resident, keep)
         if victim is None:
             victim = part.policy.victim(part.resident, keep)
+            if cause is not None:
+                self._evicted_by[victim] = cause == "prefetch"
+                self.gate.evicted(cause == "prefetch")
         self._forget(part, victim)
         self.stats[victim[0]].evictions += 1
         part.evicted.add(victim)

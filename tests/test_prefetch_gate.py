@@ -48,15 +48,19 @@ def test_hysteresis_resumes_only_clear_of_the_break_even():
     assert gate.accuracy == 0.5 and gate.issues
 
 
-def test_evicting_blocks_the_policy_wanted_raises_the_break_even():
+def test_evicting_blocks_the_policy_wants_back_more_than_a_miss_does_raises_the_break_even():
     gate = PrefetchGate()
-    for _ in range(4):
-        gate.evicted()
-    gate.reread()
-    gate.reread()                                        # e = 0.5: a wrong read costs 1.5 reads
-    assert gate.break_even == pytest.approx(1.5 / 2.5)
+    for by_prefetch, back in ((True, 3), (False, 1)):    # 3 of 4 read back after a prefetch evicted them, 1 of 4 after a miss
+        for n in range(4):
+            gate.evicted(by_prefetch)
+            if n < back:
+                gate.reread(by_prefetch)
+    assert gate.eviction_cost == 0.5 and gate.break_even == pytest.approx(1.5 / 2.5)
     gate.score(54, 46)                                   # 54% right: would pay without the evictions
     assert not gate.issues
+    gate.evicted(False)
+    gate.reread(False)                                   # 2 of 5 after a miss now
+    assert gate.eviction_cost == pytest.approx(0.75 - 0.4)
 
 
 def test_on_always_issues_off_never_and_the_agent_knobs_map_to_modes():
@@ -81,19 +85,26 @@ def test_a_guess_is_scored_by_its_reads_when_its_layer_routes_issued_or_not():
         assert residency.stats[1].prefetches == (1 if mode == "on" else 0)
 
 
-def test_a_prefetch_that_evicts_the_policys_block_counts_and_so_does_its_reread():
+def test_the_policys_blocks_evicted_by_prefetch_and_by_misses_are_counted_and_so_are_their_rereads():
     residency = Residency(2 * 1, 1, policy_factory("lru"), "layer", 1, prefetch="on")
+    gate = residency.gate
     for e in (0, 1):
         residency.access((0, e))
     residency.route(0, [])                               # nothing pinned
     assert [v for _, v in residency.guess(0, [2])] == [(0, 0)]  # the policy's block 0 goes
     residency.route(0, [3])                              # 2 was wrong: now a wasted prefetch
-    residency.access((0, 3))                             # evicts the wasted 2 first (no cost counted)
+    residency.access((0, 3))                             # evicts the wasted 2 first: not the policy's, not counted
     residency.guess(0, [4])                              # evicts 1, the policy's block
-    assert residency.gate.evictions == 2 and residency.gate.evicted_rereads == 0
-    residency.route(0, [0])
-    residency.access((0, 0))                             # block 0 back on demand: its eviction cost a read
-    assert residency.gate.evicted_rereads == 1 and residency.gate.break_even == pytest.approx(1.5 / 2.5)
+    assert gate.evictions == {True: 2, False: 0} and gate.rereads == {True: 0, False: 0}
+    residency.route(0, [0])                              # 4 wrong too
+    residency.access((0, 0))                             # 0 read back on demand (the wasted 4 makes room)
+    assert gate.rereads == {True: 1, False: 0} and gate.eviction_cost == 0.5
+    residency.route(0, [5])
+    residency.access((0, 5))                             # a miss evicts the policy's 3 ...
+    residency.route(0, [3])
+    residency.access((0, 3))                             # ... read back as well (evicting the policy's 0)
+    assert gate.evictions == {True: 2, False: 2} and gate.rereads == {True: 1, False: 1}
+    assert gate.eviction_cost == 0.0 and gate.break_even == 0.5  # as likely back as after a miss: no cost
 
 
 # -- generate on a tiny model, routing imposed by a trace ------------------------------------------
