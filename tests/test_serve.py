@@ -129,6 +129,15 @@ def test_knobs_validate_all_or_nothing_apply_live_and_record_the_source(agent):
     assert spoofed.status_code == 400 and "X-FlashMoE-Source" in spoofed.text
 
 
+def test_prefetch_is_adaptive_by_default_and_its_knobs_set_its_mode(agent):
+    assert agent.get("/v1/status").json()["cache"]["prefetch"]["mode"] == "auto"
+    for change, mode in (({"prefetch_adaptive": False}, "on"), ({"prefetch": False}, "off"),
+                         ({"prefetch": True, "prefetch_adaptive": True}, "auto")):
+        assert httpx.put(agent.url + "/v1/knobs", json=change, timeout=30).status_code == 200
+        gate = agent.get("/v1/status").json()["cache"]["prefetch"]
+        assert gate["mode"] == mode and set(gate) == {"mode", "issuing", "accuracy", "scored", "break_even"}
+
+
 def test_the_cap_goes_down_to_its_minimum_between_batched_steps(agent):
     # a batched step routes more experts per layer than the minimum cap holds; once it is over none
     # of them is in use, so the cap may go down to the minimum
@@ -171,7 +180,8 @@ def test_metrics_and_store_get_the_same_counts(agent):
     text = wait_for(exported, what="metrics")
     for name in ("flashmoe_expert_cache_misses_total", "flashmoe_expert_read_bytes_total",
                  "flashmoe_expert_read_latency_seconds_bucket", "flashmoe_request_ttft_seconds_bucket",
-                 "flashmoe_request_tpot_seconds_bucket", "flashmoe_batch_size", "flashmoe_cache_bytes"):
+                 "flashmoe_request_tpot_seconds_bucket", "flashmoe_batch_size", "flashmoe_cache_bytes",
+                 "flashmoe_prefetch_issuing", "flashmoe_prefetch_break_even"):
         assert name in text
     finished = wait_for(lambda: len(queries.requests(agent.db)), what="request rows")
     assert finished >= 1
