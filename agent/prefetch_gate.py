@@ -17,10 +17,13 @@ The rule, counted in block reads on the device:
 Prefetch pays while p·1 > (1 − p)·(1 + e), p the accuracy of the last WINDOW scored reads: the
 break-even accuracy is (1 + e) / (2 + e), 0.5 with no eviction cost. Hysteresis so it does not flap:
 issuing stops when p falls below break-even − MARGIN and starts again above break-even + MARGIN, and
-nothing is judged before MIN_SCORED reads are in the window. It starts issuing. One gate per model,
-since the models fall clearly on either side: replayed at a 25% cache (LRU, prefetch on), 35-38% of
-the reads issued on DeepSeek-V2-Lite's recorded prompt routing were used, 61-65% on OLMoE's decode
-traces, with e at most 0.04 on both.
+nothing is judged before MIN_SCORED reads are in the window. It starts issuing. One gate per model
+(kept simple; per-layer accuracy was not measured), and the models differ: replayed at a 25% cache
+with prefetch on, 35-38% of the reads issued on DeepSeek-V2-Lite's recorded prompt routing were used
+(LRU), on OLMoE's decode traces 61-65% with LRU and 52% with the learned policy (it keeps more of
+what a guess would read), e at most 0.04 on all. A predictor learning online (CoActivation) guesses
+poorly over its first tokens, so a short run may stop issuing there and resume once its window is
+right more often.
 
 Modes: "on" always issues (scores too), "off" never guesses at all, "auto" follows the rule. Nothing
 here depends on time, so a replay (the simulator) decides as the runtime does.

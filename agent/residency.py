@@ -2,10 +2,11 @@
 
 The runtime ExpertCache (agent.experts.cache) adds slots and SSD reads on top of this class; the
 simulator (agent.simulator) drives it directly from a routing trace. Both therefore run the very
-same policy objects and eviction decisions, and the same adaptive prefetch (agent.prefetch_gate: every
-lookahead guess is scored here, its reads let through only while they pay). Capacity is counted in
-slots (one expert block each: all routed experts of a model have the same shape). In "layer" scope every layer owns an equal
-share of the slots and its own policy instance; in "global" scope all layers share one.
+same policy objects and eviction decisions, and the same adaptive prefetch (agent.prefetch_gate:
+every lookahead guess is scored here, its reads let through only while they pay). Capacity is
+counted in slots (one expert block each: all routed experts of a model have the same shape). In
+"layer" scope every layer owns an equal share of the slots and its own policy instance; in "global"
+scope all layers share one.
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ routing, for a shape no recorded trace fits). Each round measures, interleaved:
 - (a) the learned policy + lookahead prefetch, O_DIRECT; (b) LRU + prefetch, O_DIRECT; (c) mmap of
   the store, the page cache decides, no prefetch; (d) = (a) with --threads torch threads for the
   matmuls (the reads wait in the kernel meanwhile); (e) = (a) without prefetch and (g) = (a) with
-  adaptive prefetch (issued while it pays, agent/prefetch_gate.py; the agent's default): each `flashmoe-cli generate` in its own process
-  inside the same cgroup memory limit (cap + dense weights + working memory), from a cold page cache.
+  adaptive prefetch (issued while it pays, agent/prefetch_gate.py; the agent's default): each
+  `flashmoe-cli generate` in its own process inside the same cgroup memory limit (cap + dense weights + working memory), from a cold page cache.
 A configuration's limit is 1 / max(compute s/token, its MB missed per token / raw MB/s): perfect
 overlap of reads and compute. Reported: decode tokens/s, its fraction of the limit, MB read and hit
 rate per decode token, where a token's time went, the share of it with a read running, peak RSS and
