@@ -113,7 +113,8 @@ class Timeline:
 def burst(model_dir: Path, traces: list[Path], clients: int, policy: str, variant: str, cap: str = CAP) -> dict:
     """One cold run of the burst; the decode steps' wall time, disk idle and counts, and the admission's wall."""
     index = Index.load(model_dir / INDEX)
-    with ExpertCache(model_dir, parse_cap(cap, index.nbytes * len(index.blocks)), policy=policy) as cache:
+    with ExpertCache(model_dir, parse_cap(cap, index.nbytes * len(index.blocks)), policy=policy,
+                     prefetch="on") as cache:  # the guess's order is measured: its reads always issued
         model = load_model(model_dir, cache, prefetch=True, route_trace=traces)
         if variant == "ascending":
             model.lookahead.predictor = Ascending(model.lookahead.predictor)
