@@ -49,6 +49,16 @@ def add_int8_activations(parser: argparse.ArgumentParser) -> None:
                              "quantized, for a model whose activations hold outliers (default on)")
 
 
+def add_prefetch(parser: argparse.ArgumentParser, default: str | None) -> None:
+    """generate's and serve's --prefetch on|off|auto and --no-prefetch, into `prefetch` (a mode or `default`)."""
+    from agent.prefetch_gate import MODES
+    parser.add_argument("--prefetch", choices=MODES, default=default,
+                        help="lookahead prefetch reads: always (on), never (off: a pure demand-access run) or while "
+                             "they pay (auto, the default; agent/prefetch_gate.py)")
+    parser.add_argument("--no-prefetch", dest="prefetch", action="store_const", const="off",
+                        help="the same as --prefetch off")
+
+
 def _whole(text: str) -> int:
     try:
         return int(text)

@@ -36,7 +36,7 @@ from agent.model.generation import Generation, generate
 from agent.model.loading import load_model
 from agent.model.model import Transformer
 from agent.policies import DEFAULT_POLICY
-from agent.prefetch_gate import MODES, check_mode
+from agent.prefetch_gate import check_mode
 from agent.serve.scrub import truncated
 from agent.tokenizer import load_tokenizer
 
@@ -224,11 +224,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache partitioning (default layer)")
     parser.add_argument("--backend", choices=("direct", "buffered", "mmap"), default="direct",
                         help="expert reads: O_DIRECT (default), buffered pread, or mmap of the whole file")
-    parser.add_argument("--prefetch", choices=MODES, default="auto",
-                        help="lookahead prefetch reads: always (on), never (off: a pure demand-access run) or "
-                        "while they pay (auto, the default; agent/prefetch_gate.py)")
-    parser.add_argument("--no-prefetch", dest="prefetch", action="store_const", const="off",
-                        help="the same as --prefetch off")
+    argtypes.add_prefetch(parser, "auto")
     parser.add_argument("--prefill", choices=PREFILL_MODES, default="sequential",
                         help="prompt token by token (default) or in one batched step")
     parser.add_argument("--threads", type=argtypes.threads, default=1,

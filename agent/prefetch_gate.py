@@ -98,6 +98,11 @@ def mode_of(prefetch: bool, adaptive: bool) -> str:
     return "off" if not prefetch else "auto" if adaptive else "on"
 
 
+def knobs_of(mode: str) -> dict[str, bool]:
+    """The agent's two knobs that give `mode` (mode_of's inverse)."""
+    return {"prefetch": check_mode(mode) != "off", "prefetch_adaptive": mode == "auto"}
+
+
 def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"prefetch must be one of {', '.join(MODES)}; got {mode!r}")

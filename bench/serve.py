@@ -4,9 +4,11 @@
                                     [--requests-per-client 2] [--admit-window-ms MS] [--route-trace FILE ...]
                                     [--neighbour FILE] [--results NAME] [--reference STORE --configs b,a,c,A,C]
 
-(a) the learned flashmoe policy with lookahead prefetch, O_DIRECT slots;
+(a) the learned flashmoe policy with lookahead prefetch always on (as measured before it became adaptive),
+    O_DIRECT slots;
 (b) LRU with the same prefetch and slots;
 (c) the mmap backend, no prefetch: the page cache decides what stays (llama.cpp's way);
+(g) (a) with adaptive prefetch, the agent's default (agent/prefetch_gate.py);
 (p) (a) with the steps that admit prompts on every core (serve --prefill-threads N, N = os.cpu_count(); the
     agent's default is one thread, as for decode): the A/B of the prefill threads;
 (q) (c) with its admission steps on every core too, what (p) is to be compared with;
@@ -83,7 +85,7 @@ class Config:
     name: str
     policy: str
     backend: str
-    prefetch: bool
+    prefetch: str             # on, off or auto; (a) and (b) "on", as measured before adaptive prefetch
     reference: bool = False   # runs on --reference instead of --model
     extra: tuple[str, ...] = ()  # more serve arguments
 
@@ -93,16 +95,16 @@ class Config:
                       reference=True, extra=self.extra)
 
     def args(self) -> list[str]:
-        return (["--policy", self.policy, "--backend", self.backend] + ([] if self.prefetch else ["--no-prefetch"])
-                + list(self.extra))
+        return ["--policy", self.policy, "--backend", self.backend, "--prefetch", self.prefetch, *self.extra]
 
 
 EVERY_CORE = ("--prefill-threads", str(os.cpu_count()))
-CONFIGS = [Config("a: flashmoe + prefetch", "flashmoe", "direct", True),
-           Config("b: lru + prefetch", "lru", "direct", True),
-           Config("c: mmap (page cache)", "lru", "mmap", False),
-           Config("p: a, prefill on every core", "flashmoe", "direct", True, extra=EVERY_CORE),
-           Config("q: c, prefill on every core", "lru", "mmap", False, extra=EVERY_CORE)]
+CONFIGS = [Config("a: flashmoe + prefetch", "flashmoe", "direct", "on"),
+           Config("b: lru + prefetch", "lru", "direct", "on"),
+           Config("c: mmap (page cache)", "lru", "mmap", "off"),
+           Config("g: a, adaptive prefetch", "flashmoe", "direct", "auto"),
+           Config("p: a, prefill on every core", "flashmoe", "direct", "on", extra=EVERY_CORE),
+           Config("q: c, prefill on every core", "lru", "mmap", "off", extra=EVERY_CORE)]
 CONFIGS += [c.on_reference() for c in CONFIGS]
 
 
@@ -388,8 +390,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=count, default=5, help="runs of every configuration, interleaved (default 5)")
     ap.add_argument("--admit-window-ms", type=float,
                     help="the agent's admission window (serve --admit-window-ms); default: the agent's own")
-    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c,p,q (A,B,C,P,Q: on --reference) to run, in this order "
-                                                       "within every round")
+    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c,g,p,q (A,B,C,G,P,Q: on --reference) to run, "
+                                                       "in this order within every round")
     ap.add_argument("--reference", type=Path, help="the unquantized store of --model's checkpoint: the cap and memory "
                                                     "limit come from it, and configs A,B,C run on it")
     ap.add_argument("--route-trace", type=Path, nargs="+", default=[], metavar="FILE",
@@ -405,7 +407,7 @@ def main() -> int:
     letters = args.configs.split(",")
     stores = (args.model, args.reference) if args.reference else (args.model,)
     if not set(letters) <= {c.name[0] for c in CONFIGS}:
-        ap.error(f"--configs {args.configs!r}: give letters among a,b,c,p,q and A,B,C,P,Q, comma separated")
+        ap.error(f"--configs {args.configs!r}: give letters among a,b,c,g,p,q and A,B,C,G,P,Q, comma separated")
     if args.neighbour is not None and not args.neighbour.is_file():
         ap.error(f"--neighbour {args.neighbour}: not a file")
     if any(x.isupper() for x in letters) != (args.reference is not None):

@@ -15,7 +15,7 @@ from test_route_trace import write_trace
 
 from agent.cli import main as cli
 from agent.policies import policy_factory
-from agent.prefetch_gate import MARGIN, MIN_SCORED, WINDOW, PrefetchGate, mode_of
+from agent.prefetch_gate import MARGIN, MIN_SCORED, WINDOW, PrefetchGate, knobs_of, mode_of
 from agent.residency import Residency
 
 
@@ -69,6 +69,7 @@ def test_on_always_issues_off_never_and_the_agent_knobs_map_to_modes():
         gate.score(0, WINDOW)
     assert on.issues and not off.issues and on.state()["accuracy"] == 0.0
     assert [mode_of(False, True), mode_of(True, True), mode_of(True, False)] == ["off", "auto", "on"]
+    assert all(mode_of(*knobs_of(mode).values()) == mode for mode in ("on", "off", "auto"))   # serve --prefetch
     with pytest.raises(ValueError, match="prefetch must be one of on, off, auto; got 'sometimes'"):
         PrefetchGate("sometimes")
 

@@ -138,6 +138,15 @@ def test_prefetch_is_adaptive_by_default_and_its_knobs_set_its_mode(agent):
         assert gate["mode"] == mode and set(gate) == {"mode", "issuing", "accuracy", "scored", "break_even"}
 
 
+@pytest.mark.parametrize("flags, mode", [(("--prefetch", "on"), "on"), (("--no-prefetch",), "off")])
+def test_serve_prefetch_flags_set_the_mode_as_generates_do(model, tmp_path, flags, mode):
+    agent = start_agent(model, tmp_path, *flags)
+    try:
+        assert agent.get("/v1/status").json()["cache"]["prefetch"]["mode"] == mode
+    finally:
+        stop(agent.proc)
+
+
 def test_the_cap_goes_down_to_its_minimum_between_batched_steps(agent):
     # a batched step routes more experts per layer than the minimum cap holds; once it is over none
     # of them is in use, so the cap may go down to the minimum

@@ -25,7 +25,7 @@ from agent.monitor import SystemSample, SystemSampler
 from agent.model.config import MoEConfig
 from agent.learned.service import OnlineLearning
 from agent.policies import DEFAULT_POLICY, live_policies, policy_factory, policy_knobs, policy_options
-from agent.prefetch_gate import mode_of
+from agent.prefetch_gate import check_mode, knobs_of, mode_of
 from agent.serve import guard, scrub
 from agent.serve.engine import STEP_PROFILES, ModelEngine
 from agent.serve.knobs import KnobError, Knobs, Limits
@@ -47,7 +47,7 @@ class ServeOptions:
     cache_cap: str | None = None     # bytes, a size or a percentage of expert bytes
     policy: str | None = None
     backend: str = "direct"
-    prefetch: bool | None = None
+    prefetch: str | None = None      # on, off or auto (agent/prefetch_gate.py); None: the stored knobs' mode
     max_batch_size: int | None = None
     threads: int = 1                 # torch intra-op threads of the thread that steps the model
     io_threads: int = IO_THREADS     # expert reads in flight at once
@@ -61,6 +61,8 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         check_admit_window(self.admit_window_s)  # before the model loads, so a bad value fails at once
+        if self.prefetch is not None:
+            check_mode(self.prefetch)
         if self.kv_budget < 1:
             raise ValueError(f"kv_budget must be at least one position, got {self.kv_budget}")
 
@@ -122,8 +124,10 @@ class Runtime:
         every other knob: a flag given at start wins over history."""
         cap = self.opts.cache_cap
         cli = {"cache_cap_bytes": parse_cap(cap, self.cache.expert_bytes) if cap else None,
-               "policy": self.opts.policy, "prefetch": self.opts.prefetch, "max_batch_size": self.opts.max_batch_size}
+               "policy": self.opts.policy, "max_batch_size": self.opts.max_batch_size}
         cli = {k: v for k, v in cli.items() if v is not None}
+        if self.opts.prefetch is not None:
+            cli |= knobs_of(self.opts.prefetch)
         stored = {k: v for k, v in self._stored_knobs().items() if k not in cli}
         if stored:
             self.set_knobs(stored, "restore", partial=True)

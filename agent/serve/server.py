@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from access.loopback import is_loopback
-from agent.argtypes import add_int8_activations, count, port, threads
+from agent.argtypes import add_int8_activations, add_prefetch, count, port, threads
 from agent.experts.cap import KV_BUDGET_TOKENS
 from agent.experts.layout import StoreError as ExpertStoreError
 from agent.experts.reader import BACKENDS, IO_THREADS
@@ -82,8 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admit-window-ms", type=float, default=ADMIT_WINDOW_S * 1000,
                    help=f"when idle, wait this long after a request arrives so a burst shares its first step "
                         f"(default {ADMIT_WINDOW_S * 1000:g}; 0 steps at once)")
-    p.add_argument("--no-prefetch", dest="prefetch", action="store_const", const=False,
-                   help="turn lookahead prefetch off")
+    add_prefetch(p, None)     # None: the stored knobs' mode, else auto
     p.add_argument("--route-trace", type=Path, nargs="+", default=(), metavar="FILE",
                    help="take each token's experts from recorded real routing (../shared/traces), for a random-weight "
                         "model; each request follows the trace from a place its prompt decides")
