@@ -216,11 +216,14 @@ def hold_sole_collector_lock(path: Path) -> int:
 
 
 def listen_address(text: str) -> tuple[str, int]:
-    """--listen HOST:PORT (IPv6 in brackets); port 0 picks a free one."""
+    """--listen HOST:PORT (an IPv6 address in brackets); port 0 picks a free one."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    if (not sep or not host or not port.isdigit() or int(port) > 65535 or "[" in host or "]" in host
+            or ":" in host and not bracketed):
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:9600 or [::1]:9600)")
-    return host.strip("[]"), int(port)
+    return host, int(port)
 
 
 def start_export(collector: Collector, device_name: str, pid_file: Path | None,

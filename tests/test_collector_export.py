@@ -5,6 +5,7 @@ Exact values from a written /proc and /sys tree; the real machine's own files th
 """
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
@@ -12,12 +13,14 @@ import threading
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agents import CLI, ROOT, free_port, spawn, stop, wait_http
 from collector import export
 from collector.export import MachineExport
+from collector.loop import listen_address
 
 MEMINFO = "MemTotal:       16000000 kB\nMemAvailable:    4000000 kB\nActive(anon):     123 kB\nHugePages_Total:  0\n"
 VMSTAT = "pgfault 1000\npgmajfault 42\nworkingset_refault_file 7\nnr_free_pages 5\n"
@@ -149,3 +152,16 @@ def test_the_metrics_server_bounds_its_threads_and_drops_silent_clients(monkeypa
         for conn in flood:
             conn.close()
         server.shutdown()
+
+
+@pytest.mark.parametrize("text, address", [("127.0.0.1:9600", ("127.0.0.1", 9600)), ("[::1]:0", ("::1", 0)),
+                                           ("localhost:80", ("localhost", 80))])
+def test_listen_takes_host_and_port_with_ipv6_in_brackets(text, address):
+    assert listen_address(text) == address
+
+
+@pytest.mark.parametrize("text", ["[::1:9", "::1:9600", "[::1]]:9", "127.0.0.1", "127.0.0.1:70000", ":9600"])
+def test_a_listen_address_that_is_not_host_port_is_refused(text):
+    """"[::1:9" was taken as ::1 port 9: an unclosed bracket, or an IPv6 address outside brackets, is ambiguous."""
+    with pytest.raises(argparse.ArgumentTypeError, match="is not HOST:PORT"):
+        listen_address(text)
