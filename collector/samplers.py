@@ -105,34 +105,35 @@ class CgroupSampler:
 
 
 MIB = 1 << 20
-READER_FLOOR = 1.0 * MIB    # bytes/s: below this the others' reads are background, and no process is looked for
+READER_FLOOR = 1.0 * MIB    # bytes/s: below this the others' reads and writes are background, and no process is looked for
 TOP_READERS = 3
-CHARGED = 1.5               # a process's reads over this many times the disk's are not of that disk (see _readers)
+CHARGED = 1.5               # a process's reads (writes) over this many times the disk's are not of that disk (see _users)
 LOOK_AGAIN_S = 10.0         # how often to look for the agent's O_DIRECT file while it has none open
 
 
 @dataclass(frozen=True)
 class Reading:
-    """The agent's disk at monotonic time t: its read counters and the agent's own read_bytes."""
+    """The agent's disk at monotonic time t: its counters and the agent's own read_bytes and write_bytes."""
     pid: int
     disk: str
     block: BlockStat
-    agent_bytes: int
+    agent: proc_io.Io
 
 
 @dataclass
 class DiskReadersSampler:
-    """Who reads the agent's disk: the device's reads split into the agent's (its /proc/<pid>/io) and
-    the others'; while the others read over READER_FLOOR, every process's read_bytes is read too
-    (machine.proc_io: ~1.3 ms for 86 processes) and the top few readers with a file open on that disk
-    are kept in `top` for the collector to record. A calm disk costs two small reads a tick."""
+    """Who uses the agent's disk: the device's reads and writes split into the agent's (its
+    /proc/<pid>/io) and the others'; while the others read and write over READER_FLOOR, every process's
+    read_bytes and write_bytes are read too (machine.proc_io: ~1.3 ms for 86 processes) and the top few
+    with a file open (or mapped) on that disk for what they did are kept in `top` for the collector to
+    record. A calm disk costs two small reads a tick."""
     pid_file: Path | None
-    source: str = "readers of the agent's disk (/proc/<pid>/io)"
-    top: list[tuple[int, str, float]] = field(default_factory=list)   # the last sample's (pid, name, bytes/s)
+    source: str = "readers and writers of the agent's disk (/proc/<pid>/io)"
+    top: list[tuple[int, str, float, float]] = field(default_factory=list)   # the last sample's (pid, name, read B/s, write B/s)
     _disk: tuple[int, str | None, float] | None = None                # (agent pid, its disk, when looked for)
     _previous: Reading | None = None
-    _scan: tuple[float, dict[int, int]] | None = None                 # (t, read_bytes by pid) while others read
-    _reads_disk: dict[int, tuple[bool, float]] = field(default_factory=dict)   # by pid: (whether, when looked)
+    _scan: tuple[float, dict[int, proc_io.Io]] | None = None          # (t, io bytes by pid) while others use the disk
+    _use: dict[int, proc_io.Use] = field(default_factory=dict)        # by pid, while others use it: fds cost ~1 ms
 
     @property
     def disk(self) -> str | None:
@@ -146,21 +147,23 @@ class DiskReadersSampler:
             return {}             # AgentSampler says why there is no agent; once is enough
         disk = self._agent_disk(pid, t)
         try:
-            current = Reading(pid, disk, read_stat(disk, t), proc_io.read_bytes(pid))
+            current = Reading(pid, disk, read_stat(disk, t), proc_io.io_bytes(pid))
         except FileNotFoundError:
             raise SourceUnavailable(f"the agent (pid {pid}) exited") from None
         previous, self._previous = self._previous, current
         if previous is None or (previous.pid, previous.disk) != (pid, disk):
             return {}
-        device = block_rates(previous.block, current.block).read_bytes_per_s
-        agent = max(0, current.agent_bytes - previous.agent_bytes) / (t - previous.block.t)
-        others = max(0.0, device - agent)
-        if others >= READER_FLOOR:
-            self.top = self._readers(pid, disk, t, device)
+        dt = t - previous.block.t
+        device = block_rates(previous.block, current.block)
+        agent = proc_io.Io(*(max(0, now - then) / dt for now, then in zip(current.agent, previous.agent)))
+        others = proc_io.Io(max(0.0, device.read_bytes_per_s - agent.read),
+                            max(0.0, device.write_bytes_per_s - agent.write))
+        if sum(others) >= READER_FLOOR:
+            self.top = self._users(pid, disk, t, proc_io.Io(device.read_bytes_per_s, device.write_bytes_per_s))
         else:
             self._scan = None
-            self._reads_disk.clear()
-        return series.disk_reader_series(disk, agent, others)
+            self._use.clear()
+        return series.disk_reader_series(disk, agent.read, others.read, others.write)
 
     def _agent_disk(self, pid: int, t: float) -> str:
         """The disk holding the file the agent reads with O_DIRECT, looked for again every LOOK_AGAIN_S
@@ -172,31 +175,30 @@ class DiskReadersSampler:
                                     f"of its expert store is not known; looking again every {LOOK_AGAIN_S:.0f} s")
         return self._disk[1]
 
-    def _readers(self, agent: int, disk: str, t: float, device: float) -> list[tuple[int, str, float]]:
-        """The top TOP_READERS processes besides the agent and the collector reading over READER_FLOOR
-        since the last scan, with a file open for reading on `disk`; none at the first scan. A process
-        new since then read all its read_bytes in between. One that read more than the disk did
-        (`device` B/s) did not read it from this disk: those are the read_bytes of children it reaped
-        (proc(5)), or of another disk. Whether a process has a file open there is looked at again every
-        LOOK_AGAIN_S: a process that opened one after it was looked at (first reading another disk), or a
-        pid taken by another process, was judged by the first look for as long as others kept reading."""
-        now = proc_io.all_read_bytes()
+    def _users(self, agent: int, disk: str, t: float, device: proc_io.Io) -> list[tuple[int, str, float, float]]:
+        """The top TOP_READERS processes besides the agent and the collector reading and writing over
+        READER_FLOOR since the last scan with a file open (or mapped) on `disk` for it (a read counts with
+        a file it may read, a write with one it may write); none at the first scan. A process new since
+        then did all its I/O in between. Reads (writes) over CHARGED times the disk's were not of this
+        disk: those are the bytes of children it reaped (proc(5)), or of another disk."""
+        now = proc_io.all_io_bytes()
         previous, self._scan = self._scan, (t, now)
         if previous is None:
             return []
         dt = t - previous[0]
-        rates = sorted(((n - previous[1].get(pid, 0)) / dt, pid) for pid, n in now.items()
-                       if pid not in (agent, os.getpid()))
+        rates = [(proc_io.Io(*((n - p) / dt for n, p in zip(io, previous[1].get(pid, (0, 0))))), pid)
+                 for pid, io in now.items() if pid not in (agent, os.getpid())]
         top = []
-        for rate, pid in reversed(rates):
-            if rate < READER_FLOOR or len(top) == TOP_READERS:
+        for rate, pid in sorted(rates, key=lambda r: -sum(r[0])):
+            if sum(rate) < READER_FLOOR or len(top) == TOP_READERS:
                 break
-            if rate > CHARGED * device:
-                continue
-            if pid not in self._reads_disk or t - self._reads_disk[pid][1] >= LOOK_AGAIN_S:
-                self._reads_disk[pid] = (proc_io.reads_disk(pid, disk), t)   # its fds cost ~1 ms: not every tick
-            if self._reads_disk[pid][0]:
-                top.append((pid, proc_io.process_name(pid), rate))
+            if pid not in self._use:
+                self._use[pid] = proc_io.use_of(pid, disk)
+            use = self._use[pid]
+            read = rate.read if use.reads and rate.read <= CHARGED * device.read else 0.0
+            write = rate.write if use.writes and rate.write <= CHARGED * device.write else 0.0
+            if read + write >= READER_FLOOR:
+                top.append((pid, proc_io.process_name(pid), read, write))
         return top
 
 

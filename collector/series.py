@@ -14,9 +14,10 @@ def block_series(device: str, rates: BlockRates) -> dict[str, float]:
     return series_of("block", vars(rates), dev=device)
 
 
-def disk_reader_series(device: str, agent: float, others: float) -> dict[str, float]:
-    """io.{dev}.*: the agent's disk's reads, the agent's and the other processes' (bytes per second)."""
-    return series_of("disk_readers", {"agent": agent, "others": others}, dev=device)
+def disk_reader_series(device: str, agent: float, others: float, others_write: float) -> dict[str, float]:
+    """io.{dev}.*: the agent's disk's reads, the agent's and the other processes', and the other processes'
+    writes (bytes per second)."""
+    return series_of("disk_readers", {"agent": agent, "others": others, "others_write": others_write}, dev=device)
 
 
 def meminfo_series(meminfo: dict[str, int]) -> dict[str, float]:

@@ -1,10 +1,15 @@
-"""Who reads a disk: each process's /proc/<pid>/io read_bytes, its name, and the disks its files are on.
+"""Who uses a disk: each process's /proc/<pid>/io read_bytes and write_bytes, its name, and the disks
+its files are on.
 
-read_bytes (proc(5)) counts the bytes a process caused to be fetched from storage, O_DIRECT reads
-and the readahead it triggered included, page-cache hits not; it is the process's whole, threads
-included, on every device at once. The disk a process reads is told by its open files: a regular
-file's st_dev, a block device's st_rdev, a partition taken as its whole disk (/sys/dev/block).
-Another user's /proc/<pid>/io needs root (ptrace read access); such processes are skipped.
+read_bytes (proc(5)) counts the bytes a process caused to be fetched from storage: O_DIRECT reads, the
+readahead it triggered and the page faults of its file mappings included (the faulting task submits
+the read), page-cache hits not. write_bytes counts the bytes it caused to be sent to storage: its
+O_DIRECT writes, and the pages it dirtied (written back later, by the kernel's flusher). Both are the
+process's whole, threads included, on every device at once. The disk a process uses is told by its
+open files (a regular file's st_dev, a block device's st_rdev, a partition taken as its whole disk,
+/sys/dev/block) and by the data files it has mapped (/proc/<pid>/maps: a mapping outlives the
+descriptor it was made from, as safetensors' mmap does). Another user's /proc/<pid>/io needs root
+(ptrace read access); such processes are skipped.
 """
 from __future__ import annotations
 
@@ -12,37 +17,51 @@ import os
 import stat
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 PROC = Path("/proc")
 READ_BYTES = b"\nread_bytes: "
+WRITE_BYTES = b"\nwrite_bytes: "
+LOCALES = "/usr/lib/locale/"     # mapped by every program that sets its locale: read at start, like code
 
 
-def parse_read_bytes(data: bytes) -> int:
-    """read_bytes of a /proc/<pid>/io file's contents."""
-    i = data.find(READ_BYTES)
+class Io(NamedTuple):
+    """A process's read_bytes and write_bytes."""
+    read: int
+    write: int
+
+
+def _field(data: bytes, key: bytes) -> int:
+    i = data.find(key)
     if i < 0:
-        raise ValueError(f"no read_bytes in /proc/<pid>/io: {data[:200]!r}")
-    start = i + len(READ_BYTES)
+        raise ValueError(f"no {key.strip().decode()} in /proc/<pid>/io: {data[:200]!r}")
+    start = i + len(key)
     return int(data[start:data.index(b"\n", start)])
 
 
-def read_bytes(pid: int, proc: Path = PROC) -> int:
-    """One process's read_bytes; FileNotFoundError once it has exited, PermissionError if not ours.
-    Plain os calls on a str path: pathlib and buffered files were half of a scan's ~1.5 ms."""
+def parse_io(data: bytes) -> Io:
+    """read_bytes and write_bytes of a /proc/<pid>/io file's contents."""
+    return Io(_field(data, READ_BYTES), _field(data, WRITE_BYTES))
+
+
+def io_bytes(pid: int, proc: Path = PROC) -> Io:
+    """One process's read_bytes and write_bytes; FileNotFoundError once it has exited, PermissionError if
+    not ours. Plain os calls on a str path: pathlib and buffered files were half of a scan's ~1.5 ms."""
     fd = os.open(f"{proc}/{pid}/io", os.O_RDONLY)
     try:
-        return parse_read_bytes(os.read(fd, 4096))
+        return parse_io(os.read(fd, 4096))
     finally:
         os.close(fd)
 
 
-def all_read_bytes(proc: Path = PROC) -> dict[int, int]:
-    """read_bytes of every process this user may read, by pid (those that exit meanwhile are left out)."""
+def all_io_bytes(proc: Path = PROC) -> dict[int, Io]:
+    """read_bytes and write_bytes of every process this user may read, by pid (those that exit meanwhile
+    are left out)."""
     out = {}
     for name in os.listdir(proc):
         if name.isdigit():
             try:
-                out[int(name)] = read_bytes(int(name), proc)
+                out[int(name)] = io_bytes(int(name), proc)
             except (OSError, ValueError):
                 continue
     return out
@@ -105,10 +124,45 @@ def _fds_on(pid: int, proc: Path = PROC):
             yield fd, disk
 
 
-def reads_disk(pid: int, disk: str, proc: Path = PROC) -> bool:
-    """Whether `pid` has a file on `disk` open for reading. Not one it only writes: a shell that reaps
-    reader after reader is charged their read_bytes (proc(5)), but reads nothing itself."""
-    return any(on == disk and _flags(pid, fd, proc) & os.O_ACCMODE != os.O_WRONLY for fd, on in _fds_on(pid, proc))
+def _mapped_data(pid: int, proc: Path = PROC):
+    """(disk, writes) of each file `pid` has mapped that is data, not code (no executable mapping of it: a
+    library or a program is read once at start) nor locales; `writes` when a mapping of it is shared and
+    writable."""
+    try:
+        lines = (proc / str(pid) / "maps").read_text().splitlines()
+    except OSError:
+        return
+    files: dict[tuple[str, str], list[str]] = {}
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[4] != "0" and not fields[5].startswith(LOCALES):   # a file
+            files.setdefault((fields[3], fields[4]), []).append(fields[1])
+    for (dev, _), perms in files.items():
+        if not any("x" in p for p in perms):
+            major, minor = (int(part, 16) for part in dev.split(":"))
+            if (disk := disk_of(os.makedev(major, minor))) is not None:
+                yield disk, any(p[1] == "w" and p[3] == "s" for p in perms)
+
+
+class Use(NamedTuple):
+    """How a process may use a disk: whether its read_bytes and its write_bytes can be of that disk."""
+    reads: bool
+    writes: bool
+
+
+def use_of(pid: int, disk: str, proc: Path = PROC) -> Use:
+    """Whether `pid` has a file on `disk` open (or a data file mapped) for reading, and for writing. A file
+    only written is not read: a shell that reaps reader after reader is charged their read_bytes
+    (proc(5)) but reads nothing itself, and only writes its log."""
+    reads = writes = False
+    for fd, on in _fds_on(pid, proc):
+        if on == disk:
+            mode = _flags(pid, fd, proc) & os.O_ACCMODE
+            reads, writes = reads or mode != os.O_WRONLY, writes or mode != os.O_RDONLY
+    for on, shared_writes in _mapped_data(pid, proc):
+        if on == disk:
+            reads, writes = True, writes or shared_writes
+    return Use(reads, writes)
 
 
 def direct_io_disk(pid: int, proc: Path = PROC) -> str | None:

@@ -149,10 +149,10 @@ class Store:
         """Something an operator should see on the timeline (written through)."""
         self._record("events", [(t, kind, message)])
 
-    def record_disk_readers(self, t: float, device: str, readers: Iterable[tuple[int, str, float]]) -> None:
-        """The processes besides the agent reading its disk `device` over the interval ending at t:
-        (pid, name, read bytes per second) each (buffered)."""
-        self._record("disk_readers", ((t, device, pid, name, rate) for pid, name, rate in readers))
+    def record_disk_readers(self, t: float, device: str, readers: Iterable[tuple[int, str, float, float]]) -> None:
+        """The processes besides the agent reading or writing its disk `device` over the interval ending at
+        t: (pid, name, read bytes per second, write bytes per second) each (buffered)."""
+        self._record("disk_readers", ((t, device, *reader) for reader in readers))
 
     def record_simulation(self, t: float, trace: str, policy: str, capacity: float, scope: str,
                           hit_rate: float) -> None:

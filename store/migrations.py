@@ -44,4 +44,12 @@ def _v3_to_v4(conn: sqlite3.Connection, path: Path) -> str:
     return "added the disk_readers table"
 
 
-UPGRADES: dict[int, Callable[[sqlite3.Connection, Path], str]] = {2: _v2_to_v3, 3: _v3_to_v4}
+def _v4_to_v5(conn: sqlite3.Connection, path: Path) -> str:
+    """disk_readers.write_bytes_per_s (NULL for old rows: writes were not counted); a store upgraded from 3
+    has it already, with the table made from this version's schema."""
+    if "write_bytes_per_s" not in {column[1] for column in conn.execute("PRAGMA table_info(disk_readers)")}:
+        conn.execute("ALTER TABLE disk_readers ADD COLUMN write_bytes_per_s REAL")
+    return "added disk_readers.write_bytes_per_s"
+
+
+UPGRADES: dict[int, Callable[[sqlite3.Connection, Path], str]] = {2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5}

@@ -29,8 +29,8 @@ from store.rollup import Rollup
 
 # 2: chunks carry a format byte (store.codec.FORMAT). 3: per-minute rollups of cache_stats and
 # activations, cache_stats.prefetches, simulations.capacity a fraction (store.migrations upgrades 2).
-# 4: the disk_readers table.
-SCHEMA_VERSION = 4
+# 4: the disk_readers table. 5: disk_readers.write_bytes_per_s.
+SCHEMA_VERSION = 5
 DEFAULT_RETENTION_DAYS = 7.0
 KINDS = ("gauge", "counter")
 
@@ -146,12 +146,16 @@ CATALOGUE: tuple[SeriesSpec, ...] = (
     SeriesSpec("psi.{res}.full_avg10", "%", "gauge", 0.01, "share of time all tasks stalled, 10 s avg", "psi"),
     SeriesSpec("psi.{res}.some_total_us", "us", "counter", 1.0, "total some-stall time", "psi"),
     SeriesSpec("psi.{res}.full_total_us", "us", "counter", 1.0, "total full-stall time", "psi"),
-    # Who reads the agent's disk (the one holding the file it reads with O_DIRECT): its reads as the
-    # device counts them, split by /proc/<pid>/io; the top other readers by name go to disk_readers.
+    # Who uses the agent's disk (the one holding the file it reads with O_DIRECT): its reads and writes as
+    # the device counts them, split by /proc/<pid>/io; the top other readers and writers by name go to
+    # disk_readers.
     SeriesSpec("io.{dev}.agent_read_bytes_per_s", "B/s", "gauge", 1024.0, "bytes the agent process caused "
                "to be read from storage per second (/proc/<pid>/io read_bytes)", "disk_readers", "agent"),
     SeriesSpec("io.{dev}.others_read_bytes_per_s", "B/s", "gauge", 1024.0, "bytes the agent's disk read per "
                "second for other processes: the device's reads less the agent's", "disk_readers", "others"),
+    SeriesSpec("io.{dev}.others_write_bytes_per_s", "B/s", "gauge", 1024.0, "bytes the agent's disk wrote per "
+               "second for other processes: the device's writes less the agent's (/proc/<pid>/io write_bytes)",
+               "disk_readers", "others_write"),
     # NVMe controllers: SMART / Health log (Get Log Page 02h), or hwmon temperature only.
     _smart("temperature_c", "degC", "gauge", "composite temperature", "composite_temperature_c"),
     _smart("temp_sensor{n}_c", "degC", "gauge", "temperature sensor n (1..8)"),
@@ -283,9 +287,11 @@ ROW_TABLES: tuple[RowTable, ...] = (
              buffered=False, keep_latest_of="knob"),
     RowTable("events", (("id", "INTEGER PRIMARY KEY"), ("t", "REAL NOT NULL"), ("kind", "TEXT NOT NULL"),
                         ("message", "TEXT NOT NULL")), buffered=False),
-    # The top other readers of the agent's disk, one row each per collector tick while they read it.
+    # The top other readers and writers of the agent's disk, one row each per collector tick while they use
+    # it (write_bytes_per_s NULL in rows of version 4, which did not count writes).
     RowTable("disk_readers", (("t", "REAL NOT NULL"), ("device", "TEXT NOT NULL"), ("pid", "INTEGER NOT NULL"),
-                              ("name", "TEXT NOT NULL"), ("read_bytes_per_s", "REAL NOT NULL"))),
+                              ("name", "TEXT NOT NULL"), ("read_bytes_per_s", "REAL NOT NULL"),
+                              ("write_bytes_per_s", "REAL"))),
     RowTable("simulations", (("t", "REAL NOT NULL"), ("trace", "TEXT NOT NULL"), ("policy", "TEXT NOT NULL"),
                              ("capacity", "REAL NOT NULL CHECK (capacity > 0 AND capacity <= 1)"),
                              ("scope", "TEXT NOT NULL"), ("hit_rate", "REAL NOT NULL")),

@@ -252,15 +252,12 @@ def test_collect_refuses_a_number_that_is_not_positive_and_finite(tmp_path, flag
     assert not list(tmp_path.iterdir())
 
 
-def test_the_agents_disk_reads_are_split_and_the_other_reader_is_named_not_the_shell_reaping_it(tmp_path):
-    """A stand-in agent reading its file with O_DIRECT, and a shell running `dd` O_DIRECT reads of
-    another file on the same disk, one after another (the shell is charged each dd's read_bytes as it
-    reaps it, proc(5), but has its log open for writing only): the collector finds the agent's disk by
-    its O_DIRECT file, splits the disk's reads, and names dd."""
-    ours, theirs = tmp_path / "experts.bin", tmp_path / "other.bin"
-    for path in (ours, theirs):
-        subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", "count=64", "conv=fsync"], check=True,
-                       capture_output=True)
+def collected_beside(tmp_path: Path, neighbour: list[str]) -> tuple[Path, str]:
+    """Eight collector ticks of a stand-in agent reading its 64 MiB file with O_DIRECT while `neighbour`
+    (a command in its own session, output to a log on the same disk) runs; the store and the disk."""
+    ours = tmp_path / "experts.bin"
+    subprocess.run(["dd", "if=/dev/zero", f"of={ours}", "bs=1M", "count=64", "conv=fsync"], check=True,
+                   capture_output=True)
     agent = subprocess.Popen([sys.executable, "-c", f"""
 import mmap, os, time
 fd, buf = os.open({str(ours)!r}, os.O_RDONLY | os.O_DIRECT), mmap.mmap(-1, 1 << 20)
@@ -269,9 +266,8 @@ while True:
         os.preadv(fd, [buf], off)
         time.sleep(0.01)
 """])
-    with (tmp_path / "dd.log").open("w") as log:
-        shell = subprocess.Popen(["sh", "-c", f"while :; do dd if={theirs} of=/dev/null bs=1M iflag=direct; done"],
-                                 stdout=log, stderr=log, start_new_session=True)
+    with (tmp_path / "neighbour.log").open("w") as log:
+        other = subprocess.Popen(neighbour, stdout=log, stderr=log, start_new_session=True)
     pid_file = tmp_path / "agent.pid"
     pid_file.write_text(f"{agent.pid}\n")
     db = tmp_path / "flashmoe.db"
@@ -285,30 +281,43 @@ while True:
                 time.sleep(0.5)
                 tick(collector, k)
     finally:
-        os.killpg(shell.pid, signal.SIGKILL)          # the shell and its dd
+        os.killpg(other.pid, signal.SIGKILL)          # the neighbour and its children
         agent.kill()
-        shell.wait(), agent.wait()
+        other.wait(), agent.wait()
     disk = proc_io.disk_of(os.stat(ours).st_dev)
     assert collector.readers.disk == disk
+    return db, disk
+
+
+def named(db: Path, disk: str) -> dict[str, tuple[float, float]]:
+    """The most each named process read and wrote per second (disk_readers rows)."""
+    with sqlite3.connect(db) as conn:
+        return {name: (read, write) for name, read, write in conn.execute(
+            "SELECT name, MAX(read_bytes_per_s), MAX(write_bytes_per_s) FROM disk_readers WHERE device = ? "
+            "GROUP BY name", (disk,))}
+
+
+def test_the_agents_disk_reads_are_split_and_the_other_reader_is_named_not_the_shell_reaping_it(tmp_path):
+    """A shell running `dd` O_DIRECT reads of another file on the agent's disk, one after another (the shell
+    is charged each dd's read_bytes as it reaps it, proc(5), but has its log open for writing only): the
+    collector finds the agent's disk by its O_DIRECT file, splits the disk's reads, and names dd."""
+    theirs = tmp_path / "other.bin"
+    subprocess.run(["dd", "if=/dev/zero", f"of={theirs}", "bs=1M", "count=64", "conv=fsync"], check=True,
+                   capture_output=True)
+    db, disk = collected_beside(tmp_path, ["sh", "-c", f"while :; do dd if={theirs} of=/dev/null bs=1M iflag=direct; done"])
     others = queries.points(db, f"io.{disk}.others_read_bytes_per_s")[1]
     mine = queries.points(db, f"io.{disk}.agent_read_bytes_per_s")[1]
     assert others.max() > samplers.READER_FLOOR and mine.max() > 0
-    with sqlite3.connect(db) as conn:
-        names = {name for (name,) in conn.execute("SELECT name FROM disk_readers WHERE device = ?", (disk,))}
+    names = named(db, disk)
     assert "dd" in names and "sh" not in names, names
 
 
-def test_whether_a_reader_has_a_file_on_the_agents_disk_is_looked_at_again(monkeypatch):
-    """A process first looked at while it read another disk was never named once it read the agent's, for as
-    long as others kept reading the agent's disk (a way to hide from the disk verdict); a reused pid likewise
-    kept its first process's answer. /proc stands in for one function's test: its reads, its open files."""
-    reads, opened = {4242: 0}, {4242: False}
-    monkeypatch.setattr(proc_io, "all_read_bytes", lambda: dict(reads))
-    monkeypatch.setattr(proc_io, "reads_disk", lambda pid, disk: opened[pid])
-    monkeypatch.setattr(proc_io, "process_name", lambda pid: "reader")
-    sampler, tops = samplers.DiskReadersSampler(None), []
-    for t in range(3 * int(samplers.LOOK_AGAIN_S)):
-        reads[4242] += 100 << 20                  # 100 MiB/s, of another disk until t = 5, then of the agent's
-        opened[4242] = t >= 5
-        tops.append(sampler._readers(agent=1, disk="vda", t=float(t), device=200 << 20))
-    assert tops[1:6] == [[]] * 5 and tops[-1] == [(4242, "reader", 100 << 20)]
+def test_another_process_writing_the_agents_disk_is_counted_and_named_with_its_writes(tmp_path):
+    """One `dd` writing a file on the agent's disk with O_DIRECT: the disk's writes for others are counted
+    beside its reads, and dd is named with what it wrote."""
+    db, disk = collected_beside(tmp_path, ["dd", "if=/dev/zero", f"of={tmp_path / 'written.bin'}", "bs=4M",
+                                           "count=100000", "oflag=direct"])
+    writes = queries.points(db, f"io.{disk}.others_write_bytes_per_s")[1]
+    assert writes.max() > samplers.READER_FLOOR, writes
+    names = named(db, disk)
+    assert "dd" in names and names["dd"][1] > samplers.READER_FLOOR, names

@@ -282,7 +282,7 @@ def test_memory_page_names_the_process_whose_reads_slow_the_agents_disk_and_what
                                      ("io.vda.others_read_bytes_per_s", 0.0, 800e6)):
                 store.append(name, t, busy if crowded else calm)
             if crowded:
-                store.record_disk_readers(t, "vda", [(4242, "dd", 800e6)])
+                store.record_disk_readers(t, "vda", [(4242, "dd", 800e6, 0.0)])
     at = open_page(monkeypatch, db, "memory")
     assert "Healthy" in texts(at.success)      # memory is calm
     assert "**Disk (vda): disk contention from another process**" in texts(at.warning)

@@ -240,7 +240,7 @@ def on_disk(path: Path, seconds: int = WINDOW, readers: dict[str, tuple[int, int
     with Store(path, autoflush_s=0) as store:
         for name, (pid, n) in readers.items():
             for i in range(n):
-                store.record_disk_readers(T0 - i, "vda", [(pid, name, 800e6)])
+                store.record_disk_readers(T0 - i, "vda", [(pid, name, 800e6, 0.0)])
     return judged(path)
 
 

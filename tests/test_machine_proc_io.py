@@ -1,4 +1,5 @@
-"""machine.proc_io on this machine's own /proc: read_bytes, and the disks a process's files are on."""
+"""machine.proc_io on this machine's own /proc: read_bytes and write_bytes, and the disks a process's
+files (open or mapped) are on."""
 from __future__ import annotations
 
 import os
@@ -9,29 +10,36 @@ import pytest
 
 from machine import proc_io
 
-
-def test_read_bytes_is_parsed_and_a_file_without_it_is_refused():
-    assert proc_io.read_bytes(os.getpid()) >= 0
-    assert proc_io.parse_read_bytes(b"rchar: 1\nread_bytes: 4096\nwrite_bytes: 0\n") == 4096
-    with pytest.raises(ValueError, match="no read_bytes"):
-        proc_io.parse_read_bytes(b"rchar: 1\n")
+MIB = 1 << 20
 
 
-def test_a_file_open_for_reading_tells_its_disk_one_only_written_does_not(tmp_path):
-    path = tmp_path / "f.bin"
-    path.write_bytes(b"x" * 4096)
+def test_io_bytes_are_parsed_and_a_file_without_them_is_refused():
+    assert min(proc_io.io_bytes(os.getpid())) >= 0
+    assert proc_io.parse_io(b"rchar: 1\nread_bytes: 4096\nwrite_bytes: 8192\n") == (4096, 8192)
+    with pytest.raises(ValueError, match="no write_bytes"):
+        proc_io.parse_io(b"rchar: 1\nread_bytes: 4096\n")
+
+
+def disk_of_dir(path) -> str:
     disk = proc_io.disk_of(os.stat(path).st_dev)
     if disk is None:
-        pytest.skip(f"{tmp_path} is on no block device")
-    others = proc_io.reads_disk(os.getpid(), disk)      # what this process already has open there
+        pytest.skip(f"{path} is on no block device")
+    return disk
+
+
+def test_a_file_open_for_reading_tells_its_disk_read_one_only_written_written(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 4096)
+    disk = disk_of_dir(tmp_path)
+    before = proc_io.use_of(os.getpid(), disk)      # what this process already has open there
     fd = os.open(path, os.O_WRONLY)
     try:
-        assert proc_io.reads_disk(os.getpid(), disk) == others
+        assert proc_io.use_of(os.getpid(), disk) == (before.reads, True)
     finally:
         os.close(fd)
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert proc_io.reads_disk(os.getpid(), disk)
+        assert proc_io.use_of(os.getpid(), disk) == (True, before.writes)
         assert proc_io.direct_io_disk(os.getpid()) is None
     finally:
         os.close(fd)
@@ -40,6 +48,56 @@ def test_a_file_open_for_reading_tells_its_disk_one_only_written_does_not(tmp_pa
         assert proc_io.direct_io_disk(os.getpid()) == disk
     finally:
         os.close(fd)
+
+
+MAPPED_READER = """
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+os.close(fd)                                  # as safetensors does: only the mapping is left
+print("mapped", flush=True)
+sys.stdin.readline()
+total = sum(m[i] for i in range(0, len(m), mmap.PAGESIZE))   # a page fault each: the reads are this process's
+print("read", total, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_process_reading_a_file_through_its_mapping_is_charged_the_reads_and_uses_its_disk(tmp_path):
+    """A real reader through mmap page faults, its descriptor closed: read_bytes counts the faults' reads
+    (the faulting task submits them), and the mapping tells its disk."""
+    path, size = tmp_path / "weights.bin", 32 * MIB
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)    # out of the page cache: the faults read the disk
+    disk = disk_of_dir(tmp_path)
+    reader = subprocess.Popen([sys.executable, "-c", MAPPED_READER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert reader.stdout.readline() == "mapped\n"
+        assert proc_io.use_of(reader.pid, disk) == (True, False)
+        before = proc_io.io_bytes(reader.pid)
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().startswith("read ")
+        assert proc_io.io_bytes(reader.pid).read - before.read >= 0.9 * size
+    finally:
+        reader.kill()
+        reader.wait()
+
+
+def test_a_program_and_its_libraries_mapped_are_no_use_of_their_disk(tmp_path):
+    """A shell reaping readers is charged their bytes (proc(5)) but maps only code: not a reader. Its
+    descriptors are pipes and /dev/null, so only its mappings could tell."""
+    disk = disk_of_dir("/usr/bin")
+    shell = subprocess.Popen(["sh", "-c", "read line"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        assert proc_io.use_of(shell.pid, disk) == (False, False)
+    finally:
+        shell.communicate(b"\n")
 
 
 def test_a_device_number_of_no_block_device_has_no_disk():

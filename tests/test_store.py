@@ -506,8 +506,9 @@ def test_a_version_2_store_is_upgraded_in_place_keeping_every_row(path, caplog):
         Store(path, autoflush_s=0).close()
     assert "upgraded" in caplog.text and "schema version 3" in caplog.text
     with sqlite3.connect(path) as conn:
-        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("4",)
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("5",)
         assert conn.execute("SELECT COUNT(*) FROM disk_readers").fetchone() == (0,)          # version 4's table
+        assert "write_bytes_per_s" in {c[1] for c in conn.execute("PRAGMA table_info(disk_readers)")}  # version 5's
         assert conn.execute("SELECT * FROM cache_stats ORDER BY rowid").fetchall() == [row + (None,) for row in before]
         assert conn.execute("SELECT capacity, typeof(capacity) FROM simulations").fetchall() == \
             [(0.25, "real"), (0.5, "real")]
@@ -521,6 +522,20 @@ def test_a_version_2_store_is_upgraded_in_place_keeping_every_row(path, caplog):
     with Store(path, autoflush_s=0) as store:                        # and it is written like a new store
         store.record_cache_stats(T0 + 301, 0, 1, 1, 0, 1, 0, None, prefetches=2)
     assert queries.cache_stats(path)["total"]["prefetch_accuracy"] == 0.5
+
+
+def test_a_version_4_store_gets_the_readers_write_column_keeping_its_rows(path):
+    """Version 4 recorded the disk's other readers without their writes: their rows stay, writes NULL."""
+    Store(path, autoflush_s=0).close()
+    with sqlite3.connect(path) as conn:             # back to version 4's table
+        conn.execute("DROP TABLE disk_readers")
+        conn.execute("CREATE TABLE disk_readers (t REAL NOT NULL, device TEXT NOT NULL, pid INTEGER NOT NULL, "
+                     "name TEXT NOT NULL, read_bytes_per_s REAL NOT NULL)")
+        conn.execute("INSERT INTO disk_readers VALUES (?, 'vda', 4242, 'dd', 800e6)", (T0,))
+        conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+    Store(path, autoflush_s=0).close()
+    assert queries.disk_readers(path, "vda", T0, T0) == [
+        {"t": T0, "device": "vda", "pid": 4242, "name": "dd", "read_bytes_per_s": 800e6, "write_bytes_per_s": None}]
 
 
 def test_a_version_2_store_with_slot_count_capacities_is_refused_with_advice_and_left_as_it_was(path):
