@@ -286,7 +286,36 @@ def test_no_calm_stretch_to_compare_with_is_no_slowdown(tmp_path):
     """A cold start: the agent's first reads are slow while another process reads, with no calm baseline."""
     d = on_disk(tmp_path / "s.db", seconds=60, readers={"dd": (4242, 60)}, **CROWDED)
     assert d.disk.verdict == "healthy" and d.disk.baseline_s is None and "no calm stretch" in d.disk.summary
-    assert "Other processes read it hard meanwhile (`dd` (pid 4242): 763 MiB/s for 60 s" in d.disk.summary
+    assert "Other processes used it hard meanwhile (`dd` (pid 4242): 763 MiB/s for 60 s" in d.disk.summary
+
+
+def test_contention_longer_than_the_window_and_its_baseline_is_judged_on_the_calm_remembered_before(tmp_path):
+    """dd has read for 10 minutes, the window (5) and BASELINE_S (5) all crowded: the agent's calm latency
+    is remembered from the calm 5 minutes before that, and the evidence says so."""
+    crowded = {k: (2 * WINDOW, v) for k, (_, v) in CROWDED.items()}
+    d = on_disk(tmp_path / "s.db", seconds=3 * WINDOW, readers={"dd": (4242, 2 * WINDOW)}, **crowded)
+    assert d.disk.verdict == "disk contention from another process" and d.disk.seconds >= WINDOW - 5
+    assert d.disk.baseline_s == pytest.approx(0.8e-3) and [r.name for r in d.disk.readers] == ["dd"]
+    assert d.disk.baseline.source.startswith("remembered: median of the last 60 calm 5 s averages in the store, "
+                                             "ending 5 min before the window")
+    assert any("(remembered: " in e for e in d.disk.evidence())
+    assert on_disk(tmp_path / "t.db", seconds=3 * WINDOW).disk.baseline.source.startswith("median of 120 calm")
+
+
+def test_another_process_writing_the_agents_disk_while_its_reads_slow_is_contention_naming_the_writer(tmp_path):
+    writes = {"agent__read_latency_s": (60, 25e-3), "io__vda__others_write_bytes_per_s": (60, 800e6),
+              "io__vda__agent_read_bytes_per_s": (60, 20e6)}
+    write(tmp_path / "s.db", synthetic.MEMORY["healthy"] | DISK | {"io.vda.others_write_bytes_per_s": 0.0}, WINDOW,
+          {k.replace("__", "."): v for k, v in writes.items()})
+    with Store(tmp_path / "s.db", autoflush_s=0) as store:
+        for i in range(60):
+            store.record_disk_readers(T0 - i, "vda", [(4343, "dd", 0.0, 800e6)])
+    disk = judged(tmp_path / "s.db").disk
+    assert disk.verdict == "disk contention from another process" and "while `dd` wrote vda" in disk.summary
+    assert [(r.name, r.read, r.write) for r in disk.readers] == [("dd", 0.0, 800e6)]
+    assert any("reader: `dd` (pid 4343): 763 MiB/s (0 B/s read, 763 MiB/s written) for 60 s" in e
+               for e in disk.evidence())
+    assert "io.max rbps and wbps" in disk.recommendation
 
 
 def test_the_agents_own_reads_filling_the_disk_are_said_so_and_cache_thrashing_keeps_its_fix(tmp_path):
