@@ -50,6 +50,7 @@ MIB = 1 << 20
 VERDICTS = ("agent thrashing", "pressure from another process", "cache thrashing", "healthy", "no data")
 CAP = "cache_cap_bytes"
 SHARED = "cgroup.agent.other_processes"
+REREADS = "agent.reread_rate"
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     Threshold("vm.workingset_refault_anon_per_s", "system anon refaults", 1_000.0, "1/s", "system"),
     # 10 s averages: the agent's per-second rate is noisy (the small demo at its default cap: mean 0.46, a
     # fifth of its seconds over 0.5, 10 s averages 0.42-0.52; at its smallest cap every second 0.66-0.72)
-    Threshold("agent.reread_rate", "expert lookups re-reading a block the cache evicted", 0.6, "fraction", "cache",
+    Threshold(REREADS, "expert lookups re-reading a block the cache evicted", 0.6, "fraction", "cache",
               average_s=10.0),
 )
 
@@ -334,6 +335,26 @@ def recommend(verdict: str, facts: Facts, signals: Sequence[Signal]) -> Recommen
     return None
 
 
+def cache_also(verdict: str, facts: Facts, signals: Sequence[Signal]) -> str:
+    """What the cache's re-reads need when a memory verdict hides them (verdict_of names one side): the
+    memory verdict's fix does not cure them, and a shrink makes them worse."""
+    rereads = next((s for s in signals if s.threshold.series == REREADS and s.sustained), None)
+    if rereads is None or verdict not in ("agent thrashing", "pressure from another process"):
+        return ""
+    seen = (f"The cache thrashes too: {rereads.sentence()}{_cache_evidence(facts)}. Its cap is below the working "
+            f"set, so ")
+    if verdict == "agent thrashing":
+        return seen + ("a smaller cap costs more SSD reads; the lasting fix is more memory for the agent (a higher "
+                       "memory limit), then a larger cap.")
+    if facts.cap is None or facts.cap_max is None or (new := raised_cap(facts)) <= facts.cap:
+        return seen + "a larger machine or smaller experts would cure it: the cap cannot be raised (see its bounds)."
+    if facts.available is not None and facts.total and facts.available >= SHORT_SHARE * facts.total:
+        return seen + (f"raise the cap to {_size(new)} now: the machine has {_size(facts.available)} of "
+                       f"{_size(facts.total)} available, so a larger cache takes none of the memory that is short.")
+    return seen + (f"once memory is no longer short, raise the cap to {_size(new)}; while it is, a larger cache "
+                   f"would take memory the machine lacks.")
+
+
 @dataclass(frozen=True)
 class Effect:
     """A signal before and after a change: what the page shows once a recommendation is applied."""
@@ -413,7 +434,9 @@ def diagnose(db: str | Path, window: float = 300.0, until: float | None = None,
                 unsampled.append(th)
         verdict = verdict_of(signals)
         recommendation = recommend(verdict, known, signals)
-        rereads = next((s.mean for s in signals if s.threshold.series == "agent.reread_rate"), None)
+        if recommendation is not None and (also := cache_also(verdict, known, signals)):
+            recommendation = replace(recommendation, text=f"{recommendation.text} {also}")
+        rereads = next((s.mean for s in signals if s.threshold.series == REREADS), None)
         disk = judge_disk(conn, until - window, until, verdict, cap_relief(known, rereads), buckets)
     finally:
         conn.close()

@@ -96,6 +96,27 @@ def test_refaults_of_a_cgroup_the_agent_shares_are_not_blamed_on_it_unless_its_o
     assert faulting.verdict == "agent thrashing"
 
 
+def test_cache_thrashing_under_a_memory_verdict_is_shown_with_its_own_fix(tmp_path):
+    """Both at once: the memory verdict leads, and the cache's re-reads, which its fix does not cure, are
+    said with theirs (a larger cap once memory is calm; for a thrashing agent, more memory first)."""
+    levels = synthetic.MEMORY["healthy"] | {"agent.reread_rate": 0.3, "agent.hit_rate": 0.3}
+    rereads = {"agent.reread_rate": (120, 0.7)}
+    pressed = judged(write(tmp_path / "p.db", levels, bursts=rereads | {"psi.memory.some_avg10": (120, 30.0)}))
+    assert pressed.verdict == "pressure from another process" and pressed.recommendation.changes == {}
+    text = pressed.recommendation.text
+    assert text.startswith("The fix is outside the agent")
+    assert "The cache thrashes too: expert lookups re-reading" in text
+    assert "once memory is no longer short, raise the cap to 5.0 GiB" in text      # the machine's total not known
+    roomy = judged(write(tmp_path / "r.db", levels | {"mem.total_bytes": 8 * GIB},
+                         bursts=rereads | {"psi.memory.some_avg10": (120, 30.0)}))
+    assert "raise the cap to 5.0 GiB now: the machine has 3.0 GiB of 8.0 GiB available" in roomy.recommendation.text
+    agent = judged(write(tmp_path / "a.db", levels, bursts=rereads | {"mem.agent.majflt_per_s": (120, 800.0)}))
+    assert agent.verdict == "agent thrashing" and agent.recommendation.changes == {"cache_cap_bytes": 3 * GIB}
+    assert "a smaller cap costs more SSD reads; the lasting fix is more memory" in agent.recommendation.text
+    alone = judged(write(tmp_path / "c.db", levels, bursts={"psi.memory.some_avg10": (120, 30.0)}))
+    assert "cache thrashes" not in alone.recommendation.text
+
+
 def test_a_shrink_never_goes_below_the_agents_minimum(tmp_path):
     knobs = {"cache_cap_bytes": {"value": 600 * MIB, "min": 512 * MIB, "max": 5 * GIB}}
     path = write(tmp_path / "s.db", synthetic.MEMORY["agent thrashing"])
