@@ -105,9 +105,9 @@ class CgroupSampler:
 
 
 MIB = 1 << 20
-READER_FLOOR = 1.0 * MIB    # bytes/s: below this the others' reads and writes are background, and no process is looked for
+READER_FLOOR = 1.0 * MIB    # B/s: the others' reads and writes below this are background, and no process is looked for
 TOP_READERS = 3
-CHARGED = 1.5               # a process's reads (writes) over this many times the disk's are not of that disk (see _users)
+CHARGED = 1.5               # a process's reads (writes) over this many times the disk's are not of it (see _users)
 LOOK_AGAIN_S = 10.0         # how often to look for the agent's O_DIRECT file while it has none open
 
 
@@ -129,7 +129,7 @@ class DiskReadersSampler:
     record. A calm disk costs two small reads a tick."""
     pid_file: Path | None
     source: str = "readers and writers of the agent's disk (/proc/<pid>/io)"
-    top: list[tuple[int, str, float, float]] = field(default_factory=list)   # the last sample's (pid, name, read B/s, write B/s)
+    top: list[tuple[int, str, float, float]] = field(default_factory=list)   # (pid, name, read, write B/s)
     _disk: tuple[int, str | None, float] | None = None                # (agent pid, its disk, when looked for)
     _previous: Reading | None = None
     _scan: tuple[float, dict[int, proc_io.Io]] | None = None          # (t, io bytes by pid) while others use the disk

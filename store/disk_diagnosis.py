@@ -161,7 +161,8 @@ class DiskDiagnosis:
             peak = max(b.latency for b in self.counted if b.latency is not None)
             out.append(f"in the {self.seconds:,.0f} s that count ({AVERAGE_S:.0f} s averages): read latency "
                        f"{human(self._mean('latency'), 's')} (peak {human(peak, 's')}); {self.device} read "
-                       f"{human(self._mean('others_read'), 'B/s')} and wrote {human(self._mean('others_write'), 'B/s')} "
+                       f"{human(self._mean('others_read'), 'B/s')} and wrote "
+                       f"{human(self._mean('others_write'), 'B/s')} "
                        f"for other processes and read {human(self._mean('agent'), 'B/s')} for the agent (its share "
                        f"{self._mean('share'):.0%})" + (f", busy {self._mean('util'):.0%} of the time"
                                                          if self._mean('util') is not None else ""))
@@ -257,7 +258,8 @@ def readers(db: Db, device: str, counted: Sequence[Bucket], grid: Grid) -> tuple
     found = []
     for name, rs in by_name.items():
         ticks = len({r["t"] for r in rs})
-        reads, writes = (sum(r[column] or 0.0 for r in rs) / ticks for column in ("read_bytes_per_s", "write_bytes_per_s"))
+        reads, writes = (sum(r[column] or 0.0 for r in rs) / ticks             # writes NULL in version 4's rows
+                         for column in ("read_bytes_per_s", "write_bytes_per_s"))
         peak = max(r["read_bytes_per_s"] + (r["write_bytes_per_s"] or 0.0) for r in rs)
         found.append(Reader(name, tuple(dict.fromkeys(r["pid"] for r in rs)), ticks, reads, writes, peak))
     return tuple(sorted(found, key=lambda r: -r.mean * r.seconds)[:TOP])
