@@ -26,9 +26,9 @@ LOCALES = "/usr/lib/locale/"     # mapped by every program that sets its locale:
 
 
 class Io(NamedTuple):
-    """A process's read_bytes and write_bytes."""
-    read: int
-    write: int
+    """A process's read_bytes and write_bytes, or their rates per second."""
+    read: float
+    write: float
 
 
 def _field(data: bytes, key: bytes) -> int:

@@ -17,6 +17,7 @@ from machine import proc_io
 from store import queries
 from store.db import Store
 from store.errors import StoreError
+from test_machine_proc_io import MAPPED
 
 CLI = [sys.executable, "-m", "agent.cli"]
 
@@ -252,9 +253,10 @@ def test_collect_refuses_a_number_that_is_not_positive_and_finite(tmp_path, flag
     assert not list(tmp_path.iterdir())
 
 
-def collected_beside(tmp_path: Path, neighbour: list[str]) -> tuple[Path, str]:
+def collected_beside(tmp_path: Path, neighbour: list[str]) -> tuple[Path, str, int]:
     """Eight collector ticks of a stand-in agent reading its 64 MiB file with O_DIRECT while `neighbour`
-    (a command in its own session, output to a log on the same disk) runs; the store and the disk."""
+    (a command in its own session, output to a log on the same disk) runs; the store, the disk and the
+    neighbour's pid."""
     ours = tmp_path / "experts.bin"
     subprocess.run(["dd", "if=/dev/zero", f"of={ours}", "bs=1M", "count=64", "conv=fsync"], check=True,
                    capture_output=True)
@@ -286,15 +288,15 @@ while True:
         other.wait(), agent.wait()
     disk = proc_io.disk_of(os.stat(ours).st_dev)
     assert collector.readers.disk == disk
-    return db, disk
+    return db, disk, other.pid
 
 
-def named(db: Path, disk: str) -> dict[str, tuple[float, float]]:
-    """The most each named process read and wrote per second (disk_readers rows)."""
+def named(db: Path, disk: str, by: str = "name") -> dict[str | int, tuple[float, float]]:
+    """The most each named process read and wrote per second (disk_readers rows), by name or pid."""
     with sqlite3.connect(db) as conn:
-        return {name: (read, write) for name, read, write in conn.execute(
-            "SELECT name, MAX(read_bytes_per_s), MAX(write_bytes_per_s) FROM disk_readers WHERE device = ? "
-            "GROUP BY name", (disk,))}
+        return {who: (read, write) for who, read, write in conn.execute(
+            f"SELECT {by}, MAX(read_bytes_per_s), MAX(write_bytes_per_s) FROM disk_readers WHERE device = ? "
+            f"GROUP BY {by}", (disk,))}
 
 
 def test_the_agents_disk_reads_are_split_and_the_other_reader_is_named_not_the_shell_reaping_it(tmp_path):
@@ -304,8 +306,8 @@ def test_the_agents_disk_reads_are_split_and_the_other_reader_is_named_not_the_s
     theirs = tmp_path / "other.bin"
     subprocess.run(["dd", "if=/dev/zero", f"of={theirs}", "bs=1M", "count=64", "conv=fsync"], check=True,
                    capture_output=True)
-    db, disk = collected_beside(tmp_path, ["sh", "-c", f"while :; do dd if={theirs} of=/dev/null bs=1M iflag=direct; "
-                                                       f"done"])
+    db, disk, _ = collected_beside(tmp_path, ["sh", "-c", f"while :; do dd if={theirs} of=/dev/null bs=1M iflag=direct; "
+                                                          f"done"])
     others = queries.points(db, f"io.{disk}.others_read_bytes_per_s")[1]
     mine = queries.points(db, f"io.{disk}.agent_read_bytes_per_s")[1]
     assert others.max() > samplers.READER_FLOOR and mine.max() > 0
@@ -316,9 +318,30 @@ def test_the_agents_disk_reads_are_split_and_the_other_reader_is_named_not_the_s
 def test_another_process_writing_the_agents_disk_is_counted_and_named_with_its_writes(tmp_path):
     """One `dd` writing a file on the agent's disk with O_DIRECT: the disk's writes for others are counted
     beside its reads, and dd is named with what it wrote."""
-    db, disk = collected_beside(tmp_path, ["dd", "if=/dev/zero", f"of={tmp_path / 'written.bin'}", "bs=4M",
-                                           "count=100000", "oflag=direct"])
+    db, disk, _ = collected_beside(tmp_path, ["dd", "if=/dev/zero", f"of={tmp_path / 'written.bin'}", "bs=4M",
+                                              "count=100000", "oflag=direct"])
     writes = queries.points(db, f"io.{disk}.others_write_bytes_per_s")[1]
     assert writes.max() > samplers.READER_FLOOR, writes
     names = named(db, disk)
     assert "dd" in names and names["dd"][1] > samplers.READER_FLOOR, names
+
+
+MAPPED_READER = MAPPED + """
+pages, address, size = mapped(sys.argv[1])
+while True:
+    read_pages(pages)
+    libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_DONTNEED)   # unmapped, then dropped
+    fd = os.open(sys.argv[1], os.O_RDONLY)                       # from the page cache: the next pass reads the disk
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+"""
+
+
+def test_a_process_reading_the_agents_disk_through_a_mapping_it_holds_no_descriptor_of_is_named(tmp_path):
+    """Its page faults' reads are its read_bytes; its mapping of a data file on the disk names it."""
+    theirs = tmp_path / "weights.bin"
+    subprocess.run(["dd", "if=/dev/urandom", f"of={theirs}", "bs=1M", "count=64", "conv=fsync"], check=True,
+                   capture_output=True)
+    db, disk, pid = collected_beside(tmp_path, [sys.executable, "-c", MAPPED_READER, str(theirs)])
+    pids = named(db, disk, by="pid")
+    assert pid in pids and pids[pid][0] > samplers.READER_FLOOR, pids

@@ -50,15 +50,32 @@ def test_a_file_open_for_reading_tells_its_disk_read_one_only_written_written(tm
         os.close(fd)
 
 
-MAPPED_READER = """
-import mmap, os, sys
-fd = os.open(sys.argv[1], os.O_RDONLY)
-m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-os.close(fd)                                  # as safetensors does: only the mapping is left
+# libc's mmap through ctypes: Python's mmap.mmap keeps a descriptor of its own (a dup), where safetensors'
+# Rust memmap2, numpy's... do not; the test needs the mapping alone.
+MAPPED = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                           ctypes.c_int, ctypes.c_int, ctypes.c_long]
+PROT_READ, MAP_SHARED, MADV_DONTNEED, PAGE = 1, 1, 4, os.sysconf("SC_PAGE_SIZE")
+
+
+def mapped(path):
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    address = libc.mmap(None, size, PROT_READ, MAP_SHARED, fd, 0)
+    os.close(fd)                              # as safetensors does: only the mapping is left
+    return (ctypes.c_char * size).from_address(address), address, size
+
+
+def read_pages(pages):
+    return sum(pages[i][0] for i in range(0, len(pages), PAGE))       # a page fault each: this process's reads
+"""
+MAPPED_READER = MAPPED + """
+pages, _, _ = mapped(sys.argv[1])
 print("mapped", flush=True)
 sys.stdin.readline()
-total = sum(m[i] for i in range(0, len(m), mmap.PAGESIZE))   # a page fault each: the reads are this process's
-print("read", total, flush=True)
+print("read", read_pages(pages), flush=True)
 sys.stdin.readline()
 """
 
