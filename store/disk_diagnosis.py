@@ -218,10 +218,10 @@ def _median(calm: Sequence[Bucket]) -> float:
     return statistics.median(b.latency for b in calm)
 
 
-def baseline(db: Db, device: str, grid: Grid, window: float) -> Baseline | None:
-    """The agent's calm read latency: from the calm buckets of `grid` (the window and the BASELINE_S
-    before it), else from the latest calm buckets remembered in the REMEMBER_S before the grid."""
-    calm = [b for b in buckets(db, device, grid) if b.calm]
+def baseline(db: Db, device: str, grid: Grid, cells: Sequence[Bucket], window: float) -> Baseline | None:
+    """The agent's calm read latency: from the calm ones of the `cells` of `grid` (the window and the
+    BASELINE_S before it), else from the latest calm buckets remembered in the REMEMBER_S before it."""
+    calm = [b for b in cells if b.calm]
     if len(calm) >= MIN_CALM:
         return Baseline(_median(calm), f"median of {len(calm)} calm {grid.width:.0f} s averages in the "
                                        f"{window:,.0f} s judged and the {BASELINE_S:,.0f} s before")
@@ -291,8 +291,9 @@ def judge_disk(db: Db, since: float, until: float, memory_verdict: str, relief: 
                              "it with the agent's --pid-file (the agent must be reading its experts with "
                              "O_DIRECT).", None, None, (), 0.0, (), None)
     grid = Grid.over(since - BASELINE_S, until, max(AVERAGE_S, (until - since) / n_buckets))
-    base = baseline(db, device, grid, until - since)
-    judged = [b for b in buckets(db, device, grid) if b.start >= since - 1e-6]
+    cells = buckets(db, device, grid)
+    base = baseline(db, device, grid, cells, until - since)
+    judged = [b for b in cells if b.start >= since - 1e-6]
     if base is None:
         found = readers(db, device, [b for b in judged if contended(b)], grid)
         busy = (f" Other processes used it hard meanwhile ({', '.join(r.sentence() for r in found)}): whether "
