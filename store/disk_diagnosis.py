@@ -49,7 +49,7 @@ OTHERS = re.compile(r"io\.(?P<dev>.+)\.others_read_bytes_per_s\Z")
 
 
 def did(read: float, write: float) -> str:
-    """"read", "wrote" or "read and wrote": what other processes did to the disk, a tenth of it or more."""
+    """What other processes did to the disk, each counted from a tenth of it: read, wrote, or read and wrote."""
     total = read + write
     return "wrote" if read < 0.1 * total else "read" if write < 0.1 * total else "read and wrote"
 

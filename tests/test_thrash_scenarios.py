@@ -7,7 +7,8 @@ controller; the cgroups are children of the test's own), each scenario bounded i
     on the Memory page in Chromium and the agent's answer shown: accepted, its major-fault rate falls;
     refused because a thrashing step outlasted the agent's 60 s wait, nothing changed;
 (c) another process thrashing its own small cgroup: "pressure from another process", and no advice
-    to shrink the agent's cache.
+    to shrink the agent's cache; with the agent's cap dragged to its minimum meanwhile, the cache's
+    thrash is said too, with its own fix (a larger cap: the memory that is short is not the machine's).
 
 Each asserts the verdict and the numbers behind it, as `flashmoe-cli diagnose --json` gives them (the
 library function behind it and the Memory page), from the store the real collector wrote.
@@ -23,17 +24,19 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
-from agents import CLI, Agent, demo_model, start_agent, start_collector, start_dashboard, stop, wait_for
+from agents import CLI, Agent, demo_model, spawn, start_agent, start_collector, start_dashboard, stop, wait_for
 from agent.experts.cap import MAX_MEMORY_SHARE, resident_bytes
 from agent.experts.layout import INDEX, Index
 from bench.memory import MemoryCgroup
 from dashboard import pages
+from dashboard.agent_client import Agent as AgentClient
 from machine.cgroup import memory_cgroup
 from machine.memory import parse_proc_stat, parse_vmstat
 from store import diagnosis, queries
@@ -46,6 +49,7 @@ VERDICT_WITHIN_S = 60
 FAULT_SAMPLE_S = 10       # the agent's major-fault rate, before and after the fix
 FAULTS = "mem.agent.majflt_per_s"
 REFAULTS = "cgroup.agent.workingset_refault_file_per_s"
+BOTH_TOKEN = "thrash-scenarios-both"
 
 
 def threshold(series: str) -> float:
@@ -124,25 +128,34 @@ while time.monotonic() < end:              # four times its cgroup's memory, rea
 """
 
 
-def test_another_process_thrashing_its_own_cgroup_is_not_blamed_on_the_agent(tmp_path_factory, tmp_path):
-    agent = start_agent(demo_model(tmp_path_factory), tmp_path)
-    collector = start_collector(agent, tmp_path)
-    group = cgroup("flashmoe-test-reader", 64 * MIB)
-    reader = subprocess.Popen([sys.executable, "-c", READER, str(tmp_path / "big.bin"), str(256 * MIB), "90"],
+@contextmanager
+def thrashing_reader(workdir: Path, name: str) -> Iterator[None]:
+    """READER re-reading 256 MiB in a 64 MiB cgroup of its own for up to 90 s, from when it has written it."""
+    group = cgroup(name, 64 * MIB)
+    reader = subprocess.Popen([sys.executable, "-c", READER, str(workdir / "big.bin"), str(256 * MIB), "90"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         group.add(reader.pid)
         reader.stdin.write("go\n")
         reader.stdin.flush()
         assert reader.stdout.readline().strip() == "written"
-        verdict = wait_for(lambda: (v := diagnose(agent.db, 60))["verdict"] == "pressure from another process"
-                           and v, VERDICT_WITHIN_S + 15, "the verdict to name another process")
+        yield
     finally:
         reader.kill()
         reader.wait()
+        remove(group)
+
+
+def test_another_process_thrashing_its_own_cgroup_is_not_blamed_on_the_agent(tmp_path_factory, tmp_path):
+    agent = start_agent(demo_model(tmp_path_factory), tmp_path)
+    collector = start_collector(agent, tmp_path)
+    try:
+        with thrashing_reader(tmp_path, "flashmoe-test-reader"):
+            verdict = wait_for(lambda: (v := diagnose(agent.db, 60))["verdict"] == "pressure from another process"
+                               and v, VERDICT_WITHIN_S + 15, "the verdict to name another process")
+    finally:
         stop(collector)
         agent.stop()
-        remove(group)
     seen = signals(verdict)
     assert seen["vm.workingset_refault_file_per_s"]["peak"] > seen["vm.workingset_refault_file_per_s"]["threshold"]
     assert seen[FAULTS]["peak"] < seen[FAULTS]["threshold"]                  # the agent's own faults stayed flat
@@ -150,6 +163,31 @@ def test_another_process_thrashing_its_own_cgroup_is_not_blamed_on_the_agent(tmp
     assert verdict["recommendation"]["changes"] == {}
     assert verdict["recommendation"]["text"].startswith("The fix is outside the agent")
     assert "the shortage is inside another process's own memory limit" in verdict["recommendation"]["text"]
+
+
+def test_another_process_thrashing_while_the_cache_thrashes_too_says_both_with_each_fix(tmp_path_factory, tmp_path):
+    """(c) with the small demo serving traffic at its smallest cap (its lookups re-read 0.66-0.72): memory
+    pressure from the reader is the verdict, and the cache's re-reads are said too, with their own fix: a
+    larger cap, now, since the memory that is short is the reader's cgroup's, not the machine's."""
+    agent = start_agent(demo_model(tmp_path_factory), tmp_path, "--token", BOTH_TOKEN)
+    collector = start_collector(agent, tmp_path)
+    client = AgentClient(agent.url, BOTH_TOKEN)
+    assert client.push({"cache_cap_bytes": client.knobs()["cache_cap_bytes"]["min"]}).startswith("accepted")
+    traffic = spawn([*CLI, "traffic", "--agent-url", agent.url, "--clients", "2", "--pause", "0"],
+                    tmp_path / "traffic.log")
+    try:
+        with thrashing_reader(tmp_path, "flashmoe-test-both"):
+            verdict = wait_for(lambda: (v := diagnose(agent.db, 60))["verdict"] == "pressure from another process"
+                               and signals(v)[diagnosis.REREADS]["sustained"] and v, VERDICT_WITHIN_S + 15,
+                               "the verdict to name another process and the cache's re-reads")
+    finally:
+        stop(traffic)
+        stop(collector)
+        agent.stop()
+    text = verdict["recommendation"]["text"]
+    assert verdict["recommendation"]["changes"] == {} and text.startswith("The fix is outside the agent"), text
+    assert "The cache thrashes too: expert lookups re-reading" in text, text
+    assert "raise the cap to " in text and " now: the machine has " in text, text   # the shortage is the reader's own
 
 
 @pytest.fixture(scope="module")

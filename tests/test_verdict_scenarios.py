@@ -8,9 +8,13 @@
 (c) another process reading the same disk hard with O_DIRECT while the agent reads it: memory is calm;
 (d) the cache cap dragged to its minimum over HTTP with the token, as the Tuning page does (the
     README's demo): "cache thrashing" with its evidence and a larger cap within the bounds; that cap
-    applied, the verdict clears.
+    applied, the verdict clears;
+(e) another process reading the disk hard for longer than the window and the baseline's span before it
+    (both shrunk for the test): contention, judged against the calm latency remembered from before;
+(f) another process writing the disk hard with O_DIRECT: contention, the writer named;
+(g) another process appending to its log with an fsync each time, as a database does: no alarm.
 
-One agent serves all four in this order (the cold start first), so each scenario costs only its own
+One agent serves all of them in this order (the cold start first), so each scenario costs only its own
 window.
 """
 from __future__ import annotations
@@ -101,24 +105,24 @@ def quiet(db: Path) -> None:
 
 
 def disk_quiet(db: Path) -> None:
-    """Wait up to CALM_WITHIN_S for CALM_S of the agent's disk calm as the disk verdict counts it (read by
-    no other process, the previous scenario's dd gone, and not busy with anyone's writes); skip if it
-    never comes: the agent would have no calm stretch to be slowed from (the verdict says so, rightly),
-    and dd would share the blame."""
+    """Wait up to CALM_WITHIN_S for CALM_S of the agent's disk calm as the disk verdict counts it (read and
+    written by no other process, the previous scenario's dd gone, and not busy); skip if it never comes:
+    the agent would have no calm stretch to be slowed from (the verdict says so, rightly), and dd would
+    share the blame."""
     def calm() -> tuple[str, float, float]:
-        """The agent's disk, how fast others read it and how busy it was over the last CALM_S."""
+        """The agent's disk, how fast others read and wrote it and how busy it was over the last CALM_S."""
         since = time.time() - CALM_S
         device = disk_diagnosis.agent_disk(db, since, time.time())
-        return (device, mean(db, f"io.{device}.others_read_bytes_per_s", since, time.time()),
-                mean(db, f"block.{device}.util", since, time.time()))
+        return (device, sum(mean(db, f"io.{device}.others_{io}_bytes_per_s", since, time.time())
+                            for io in ("read", "write")), mean(db, f"block.{device}.util", since, time.time()))
     try:
         wait_for(lambda: (c := calm())[1] < disk_diagnosis.OTHERS_FLOOR and c[2] < disk_diagnosis.BUSY_UTIL,
                  CALM_WITHIN_S, "a calm disk")
     except AssertionError:
         device, others, util = calm()
         readers = sorted({r["name"] for r in queries.disk_readers(db, device, time.time() - CALM_S, time.time())})
-        pytest.skip(f"{device} was not calm for {CALM_WITHIN_S} s: others read it at {others / MIB:,.0f} MiB/s "
-                    f"({readers}), {util:.0%} busy")
+        pytest.skip(f"{device} was not calm for {CALM_WITHIN_S} s: others read and wrote it at "
+                    f"{others / MIB:,.0f} MiB/s ({readers}), {util:.0%} busy")
 
 
 def uncached_file(path: Path, size: int) -> Path:
@@ -135,11 +139,16 @@ def uncached_file(path: Path, size: int) -> Path:
 
 def neighbour(path: Path, flag: str, seconds: float, workdir: Path, block: str = "1M") -> float:
     """`dd` reading `path` with `flag` in `block`s again and again for `seconds` (each buffered pass drops
-    what it read behind it, so every pass comes from the disk); the seconds it ran, from the clock the
-    store uses."""
+    what it read behind it, so every pass comes from the disk); when it began, from the clock the store
+    uses."""
+    return looped(f"dd if={path} of=/dev/null bs={block} iflag={flag}", seconds, workdir / f"dd-{flag}.log")
+
+
+def looped(command: str, seconds: float, log: Path) -> float:
+    """`command` run again and again for `seconds`; when it began, from the clock the store uses."""
     loop = (f'end=$(($(date +%s) + {int(seconds)})); while [ $(date +%s) -lt $end ]; do '
-            f'dd if={path} of=/dev/null bs={block} iflag={flag} 2>/dev/null; done')
-    proc = spawn(["sh", "-c", loop], workdir / f"dd-{flag}.log")
+            f'{command} 2>/dev/null; done')
+    proc = spawn(["sh", "-c", loop], log)
     began = time.time()
     assert proc.wait(seconds + 60) == 0
     return began
@@ -233,3 +242,57 @@ def test_a_cap_dragged_far_below_the_working_set_is_cache_thrashing_and_the_rais
     after = diagnose(db, time.time() - settled)
     assert after["verdict"] != CACHE_THRASHING and not signals(after)[REREADS]["sustained"], signals(after)[REREADS]
     assert mean(db, "agent.hit_rate", settled, time.time()) > hit_rate
+
+
+LONG_BASELINE_S = 15      # (e): the baseline's span before the window, shrunk from 300 s...
+LONG_WINDOW_S = 25        # ...and the window judged: dd reads through both
+
+
+def test_another_process_reading_the_disk_for_longer_than_the_verdict_looks_back_is_judged_on_the_calm_before(
+        served, tmp_path, monkeypatch):
+    """A reader that started before the window and its BASELINE_S, both shrunk for the test (the logic as it
+    is): no calm bucket in them, so the agent's calm latency is the one remembered from before dd began."""
+    db = served.agent.db
+    quiet(db)
+    disk_quiet(db)
+    monkeypatch.setattr(disk_diagnosis, "BASELINE_S", LONG_BASELINE_S)
+    began = neighbour(served.big_file, "direct", LONG_BASELINE_S + LONG_WINDOW_S + 5, tmp_path, block="64M")
+    verdict = diagnose(db, LONG_WINDOW_S, until=time.time() - 2)    # ends before dd did: dd read all of it
+    assert verdict["until"] - LONG_WINDOW_S - LONG_BASELINE_S > began
+    assert_not_the_agents(verdict)
+    seen = disk(verdict, "O_DIRECT neighbour longer than the baseline")
+    assert seen["verdict"] == CONTENTION and seen["readers"][0]["name"] == "dd", seen
+    assert seen["baseline_source"].startswith("remembered: "), seen
+    assert seen["latency_s"] > 3 * seen["baseline_latency_s"] and seen["agent_share"] < 0.25, seen
+
+
+def test_another_process_writing_the_disk_hard_is_disk_contention_naming_the_writer(served, tmp_path):
+    """dd rewriting 1 GiB of the big file with O_DIRECT 64 MiB writes, pass after pass: the agent's reads
+    wait behind them; the disk verdict names dd and what it wrote."""
+    db = served.agent.db
+    quiet(db)
+    disk_quiet(db)
+    began = looped(f"dd if=/dev/zero of={served.big_file} bs=64M count=16 oflag=direct conv=notrunc", NEIGHBOUR_S,
+                   tmp_path / "dd-write.log")
+    verdict = diagnose(db, time.time() - began)
+    assert_not_the_agents(verdict)
+    seen = disk(verdict, "O_DIRECT writer")
+    assert seen["verdict"] == CONTENTION and seen["readers"][0]["name"] == "dd", seen
+    assert seen["others_write_bytes_per_s"] > 4 * seen["others_read_bytes_per_s"], seen
+    assert seen["readers"][0]["write_bytes_per_s"] > disk_diagnosis.OTHERS_FLOOR, seen
+    assert "wrote" in seen["summary"] and seen["latency_s"] > 3 * seen["baseline_latency_s"], seen
+
+
+def test_another_process_appending_to_its_log_with_fsync_is_no_alarm(served, tmp_path):
+    """A process appending 256 KiB to its log and syncing it ten times a second, as a database does: the disk
+    writes for it all along, and neither verdict blames anything it did not slow."""
+    db = served.agent.db
+    quiet(db)
+    log = tmp_path / "journal.log"
+    began = looped(f"dd if=/dev/zero of={log} bs=256k count=1 oflag=append conv=notrunc,fsync 2>/dev/null; sleep 0.1",
+                   NEIGHBOUR_S, tmp_path / "dd-journal.log")
+    verdict = diagnose(db, time.time() - began)
+    assert mean(db, f"io.{disk_diagnosis.agent_disk(db, began, time.time())}.others_write_bytes_per_s", began,
+                time.time()) > 0
+    assert_not_the_agents(verdict)
+    assert_no_disk_alarm(verdict, "fsync'd log appends", ours="dd")
