@@ -134,6 +134,7 @@ class DiskReadersSampler:
     _previous: Reading | None = None
     _scan: tuple[float, dict[int, proc_io.Io]] | None = None          # (t, io bytes by pid) while others use the disk
     _use: dict[int, proc_io.Use] = field(default_factory=dict)        # by pid, while others use it: fds cost ~1 ms
+    _own: dict[int, proc_io.Io] = field(default_factory=dict)         # the last scan's candidates' own I/O
 
     @property
     def disk(self) -> str | None:
@@ -163,6 +164,7 @@ class DiskReadersSampler:
         else:
             self._scan = None
             self._use.clear()
+            self._own.clear()
         return series.disk_reader_series(disk, agent.read, others.read, others.write)
 
     def _agent_disk(self, pid: int, t: float) -> str:
@@ -176,29 +178,39 @@ class DiskReadersSampler:
         return self._disk[1]
 
     def _users(self, agent: int, disk: str, t: float, device: proc_io.Io) -> list[tuple[int, str, float, float]]:
-        """The top TOP_READERS processes besides the agent and the collector reading and writing over
+        """The top TOP_READERS processes besides the agent and the collector that read and wrote over
         READER_FLOOR since the last scan with a file open (or mapped) on `disk` for it (a read counts with
-        a file it may read, a write with one it may write); none at the first scan. A process new since
-        then did all its I/O in between. Reads (writes) over CHARGED times the disk's were not of this
-        disk: those are the bytes of children it reaped (proc(5)), or of another disk."""
+        a file it may read, a write with one it may write); none at the first scan. The candidates are
+        found by their /proc/<pid>/io, then judged on their live threads' own I/O, which leaves out the
+        children they reaped (a shell running dd after dd): a process new since the last scan did all of
+        it in between; one older, first a candidate now, is judged from the next scan on. Reads (writes)
+        over CHARGED times the disk's were not of this disk."""
         now = proc_io.all_io_bytes()
         previous, self._scan = self._scan, (t, now)
         if previous is None:
             return []
         dt = t - previous[0]
-        rates = [(proc_io.Io(*((n - p) / dt for n, p in zip(io, previous[1].get(pid, (0, 0))))), pid)
+        rates = [(sum(n - p for n, p in zip(io, previous[1].get(pid, (0, 0)))) / dt, pid)
                  for pid, io in now.items() if pid not in (agent, os.getpid())]
-        top = []
-        for rate, pid in sorted(rates, key=lambda r: -sum(r[0])):
-            if sum(rate) < READER_FLOOR or len(top) == TOP_READERS:
+        top, own = [], {}
+        for rate, pid in sorted(rates, reverse=True):
+            if rate < READER_FLOOR or len(top) == TOP_READERS:
                 break
+            try:
+                own[pid] = proc_io.own_io_bytes(pid)
+            except OSError:
+                continue          # exited, or not ours
+            before = self._own.get(pid, proc_io.Io(0, 0) if pid not in previous[1] else None)
+            if before is None:
+                continue
             if pid not in self._use:
                 self._use[pid] = proc_io.use_of(pid, disk)
-            use = self._use[pid]
-            read = rate.read if use.reads and rate.read <= CHARGED * device.read else 0.0
-            write = rate.write if use.writes and rate.write <= CHARGED * device.write else 0.0
+            use, (read, write) = self._use[pid], (max(0, n - b) / dt for n, b in zip(own[pid], before))
+            read = read if use.reads and read <= CHARGED * device.read else 0.0
+            write = write if use.writes and write <= CHARGED * device.write else 0.0
             if read + write >= READER_FLOOR:
                 top.append((pid, proc_io.process_name(pid), read, write))
+        self._own = own
         return top
 
 

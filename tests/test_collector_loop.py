@@ -326,6 +326,16 @@ def test_another_process_writing_the_agents_disk_is_counted_and_named_with_its_w
     assert "dd" in names and names["dd"][1] > samplers.READER_FLOOR, names
 
 
+
+def test_a_shell_reaping_writer_after_writer_is_not_named_for_their_writes(tmp_path):
+    """A shell running short `dd` O_DIRECT writers one after another, its log open for writing on the same
+    disk: it is charged each dd's write_bytes as it reaps it, smoothly enough to pass for a writer; only
+    the dd processes, whose own threads wrote, are named."""
+    db, disk, _ = collected_beside(tmp_path, ["sh", "-c", f"while :; do dd if=/dev/zero of={tmp_path / 'w.bin'} "
+                                                          f"bs=4M count=16 oflag=direct conv=notrunc; done"])
+    names = named(db, disk)
+    assert "dd" in names and "sh" not in names, names
+
 MAPPED_READER = MAPPED + """
 pages, address, size = mapped(sys.argv[1])
 while True:

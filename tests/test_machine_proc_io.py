@@ -117,6 +117,21 @@ def test_a_program_and_its_libraries_mapped_are_no_use_of_their_disk(tmp_path):
         shell.communicate(b"\n")
 
 
+def test_a_shells_own_io_leaves_out_the_reader_it_reaped(tmp_path):
+    """A shell is charged the read_bytes of a child it reaps (proc(5)); its threads' own I/O is not."""
+    path = tmp_path / "data.bin"
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", "count=16", "conv=fsync"], check=True,
+                   capture_output=True)
+    shell = subprocess.Popen(["sh", "-c", f"dd if={path} of=/dev/null bs=1M iflag=direct 2>/dev/null; echo reaped; "
+                                          f"read line"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert shell.stdout.readline() == "reaped\n"
+        assert proc_io.io_bytes(shell.pid).read >= 16 * MIB
+        assert proc_io.own_io_bytes(shell.pid).read < MIB
+    finally:
+        shell.communicate("\n")
+
+
 def test_a_device_number_of_no_block_device_has_no_disk():
     assert proc_io.disk_of(os.makedev(0, 0)) is None
 
