@@ -230,9 +230,10 @@ def baseline(db: Db, device: str, grid: Grid, cells: Sequence[Bucket], window: f
     if len(calm) < MIN_CALM:
         return None
     ago = grid.since + BASELINE_S - (calm[-1].start + earlier.width)
+    ago_text = f"{ago:,.0f} s" if ago < 600 else f"{ago / 60:,.0f} min"
     return Baseline(_median(calm), f"remembered: median of the last {len(calm)} calm {earlier.width:.0f} s averages "
-                                   f"in the store, ending {ago / 60:,.0f} min before the window; the window "
-                                   f"and the {BASELINE_S:,.0f} s before it had no calm stretch")
+                                   f"in the store, ending {ago_text} before the window; the window and the "
+                                   f"{BASELINE_S:,.0f} s before it had no calm stretch")
 
 
 def slow(b: Bucket, base: float) -> bool:

@@ -318,7 +318,7 @@ def test_contention_longer_than_the_window_and_its_baseline_is_judged_on_the_cal
     assert d.disk.verdict == "disk contention from another process" and d.disk.seconds >= WINDOW - 5
     assert d.disk.baseline_s == pytest.approx(0.8e-3) and [r.name for r in d.disk.readers] == ["dd"]
     assert d.disk.baseline.source.startswith("remembered: median of the last 60 calm 5 s averages in the store, "
-                                             "ending 5 min before the window")
+                                             "ending 300 s before the window")
     assert any("(remembered: " in e for e in d.disk.evidence())
     assert on_disk(tmp_path / "t.db", seconds=3 * WINDOW).disk.baseline.source.startswith("median of 120 calm")
 
