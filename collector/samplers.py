@@ -196,6 +196,11 @@ class DiskReadersSampler:
         for rate, pid in sorted(rates, reverse=True):
             if rate < READER_FLOOR or len(top) == TOP_READERS:
                 break
+            if pid not in self._use:
+                self._use[pid] = proc_io.use_of(pid, disk)
+            use = self._use[pid]
+            if not any(use):
+                continue          # nothing on this disk: its threads are not worth reading
             try:
                 own[pid] = proc_io.own_io_bytes(pid)
             except OSError:
@@ -203,9 +208,7 @@ class DiskReadersSampler:
             before = self._own.get(pid, proc_io.Io(0, 0) if pid not in previous[1] else None)
             if before is None:
                 continue
-            if pid not in self._use:
-                self._use[pid] = proc_io.use_of(pid, disk)
-            use, (read, write) = self._use[pid], (max(0, n - b) / dt for n, b in zip(own[pid], before))
+            read, write = (max(0, n - b) / dt for n, b in zip(own[pid], before))
             read = read if use.reads and read <= CHARGED * device.read else 0.0
             write = write if use.writes and write <= CHARGED * device.write else 0.0
             if read + write >= READER_FLOOR:

@@ -20,6 +20,7 @@ window.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import time
@@ -109,10 +110,13 @@ def disk_quiet(db: Path) -> None:
     written by no other process, the previous scenario's dd gone, and not busy); skip if it never comes:
     the agent would have no calm stretch to be slowed from (the verdict says so, rightly), and dd would
     share the blame."""
-    def calm() -> tuple[str, float, float]:
-        """The agent's disk, how fast others read and wrote it and how busy it was over the last CALM_S."""
+    def calm() -> tuple[str | None, float, float]:
+        """The agent's disk, how fast others read and wrote it and how busy it was over the last CALM_S
+        (busy all along until the collector has split the disk: a scenario run first, right after the start)."""
         since = time.time() - CALM_S
         device = disk_diagnosis.agent_disk(db, since, time.time())
+        if device is None:
+            return None, math.inf, 1.0
         return (device, sum(mean(db, f"io.{device}.others_{io}_bytes_per_s", since, time.time())
                             for io in ("read", "write")), mean(db, f"block.{device}.util", since, time.time()))
     try:
