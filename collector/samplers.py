@@ -133,7 +133,7 @@ class DiskReadersSampler:
     _disk: tuple[int, str | None, float] | None = None                # (agent pid, its disk, when looked for)
     _previous: Reading | None = None
     _scan: tuple[float, dict[int, proc_io.Io]] | None = None          # (t, io bytes by pid) while others use the disk
-    _use: dict[int, proc_io.Use] = field(default_factory=dict)        # by pid, while others use it: fds cost ~1 ms
+    _use: dict[int, tuple[proc_io.Use, float]] = field(default_factory=dict)   # by pid: (its use, when looked)
     _own: dict[int, proc_io.Io] = field(default_factory=dict)         # the last scan's candidates' own I/O
 
     @property
@@ -184,7 +184,10 @@ class DiskReadersSampler:
         found by their /proc/<pid>/io, then judged on their live threads' own I/O, which leaves out the
         children they reaped (a shell running dd after dd): a process new since the last scan did all of
         it in between; one older, first a candidate now, is judged from the next scan on. Reads (writes)
-        over CHARGED times the disk's were not of this disk."""
+        over CHARGED times the disk's were not of this disk. Whether a process has a file there is looked
+        at again every LOOK_AGAIN_S: a process that opened one after it was looked at (first using another
+        disk), or a pid taken by another process, was judged by the first look for as long as others kept
+        using the disk."""
         now = proc_io.all_io_bytes()
         previous, self._scan = self._scan, (t, now)
         if previous is None:
@@ -196,9 +199,9 @@ class DiskReadersSampler:
         for rate, pid in sorted(rates, reverse=True):
             if rate < READER_FLOOR or len(top) == TOP_READERS:
                 break
-            if pid not in self._use:
-                self._use[pid] = proc_io.use_of(pid, disk)
-            use = self._use[pid]
+            if pid not in self._use or t - self._use[pid][1] >= LOOK_AGAIN_S:
+                self._use[pid] = (proc_io.use_of(pid, disk), t)   # its fds and maps cost ~1 ms: not every tick
+            use = self._use[pid][0]
             if not any(use):
                 continue          # nothing on this disk: its threads are not worth reading
             try:

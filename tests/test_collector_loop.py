@@ -315,6 +315,23 @@ def test_the_agents_disk_reads_are_split_and_the_other_reader_is_named_not_the_s
     assert "dd" in names and "sh" not in names, names
 
 
+def test_whether_a_reader_has_a_file_on_the_agents_disk_is_looked_at_again(monkeypatch):
+    """A process first looked at while it read another disk was never named once it read the agent's, for as
+    long as others kept reading the agent's disk (a way to hide from the disk verdict); a reused pid likewise
+    kept its first process's answer. /proc stands in for one function's test: its reads, its open files."""
+    reads, opened = {4242: 0}, {4242: False}
+    monkeypatch.setattr(proc_io, "all_io_bytes", lambda: {pid: proc_io.Io(n, 0) for pid, n in reads.items()})
+    monkeypatch.setattr(proc_io, "own_io_bytes", lambda pid: proc_io.Io(reads[pid], 0))
+    monkeypatch.setattr(proc_io, "use_of", lambda pid, disk: proc_io.Use(opened[pid], False))
+    monkeypatch.setattr(proc_io, "process_name", lambda pid: "reader")
+    sampler, tops = samplers.DiskReadersSampler(None), []
+    for t in range(3 * int(samplers.LOOK_AGAIN_S)):
+        reads[4242] += 100 << 20                  # 100 MiB/s, of another disk until t = 5, then of the agent's
+        opened[4242] = t >= 5
+        tops.append(sampler._users(agent=1, disk="vda", t=float(t), device=proc_io.Io(200 << 20, 0)))
+    assert tops[1:6] == [[]] * 5 and tops[-1] == [(4242, "reader", 100 << 20, 0.0)]
+
+
 def test_another_process_writing_the_agents_disk_is_counted_and_named_with_its_writes(tmp_path):
     """One `dd` writing a file on the agent's disk with O_DIRECT: the disk's writes for others are counted
     beside its reads, and dd is named with what it wrote."""

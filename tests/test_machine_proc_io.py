@@ -109,9 +109,10 @@ def test_a_program_and_its_libraries_mapped_are_no_use_of_their_disk(tmp_path):
     """A shell reaping readers is charged their bytes (proc(5)) but maps only code: not a reader. Its
     descriptors are pipes and /dev/null, so only its mappings could tell."""
     disk = disk_of_dir("/usr/bin")
-    shell = subprocess.Popen(["sh", "-c", "read line"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+    shell = subprocess.Popen(["sh", "-c", "echo ready; read line"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL)
     try:
+        assert shell.stdout.readline() == b"ready\n"     # exec'd: no longer the fork of this process, its maps
         assert proc_io.use_of(shell.pid, disk) == (False, False)
     finally:
         shell.communicate(b"\n")
