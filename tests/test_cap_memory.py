@@ -37,3 +37,9 @@ def test_a_cap_that_fits_only_without_the_model_is_refused(model, monkeypatch):
     monkeypatch.setattr(cap, "memory_limit_bytes", lambda: int((want + reserved) / cap.MAX_MEMORY_SHARE) + 1)
     with ExpertCache(model, want) as cache:
         assert cache.cap_bytes == want and cache.reserved_bytes == reserved
+
+
+def test_a_kv_budget_that_leaves_no_room_for_any_cap_says_so(model):
+    index = Index.load(model / INDEX)
+    with pytest.raises(ValueError, match=r"no cache cap fits: .* smaller KV budget \(serve --kv-budget\)"):
+        ExpertCache(model, 8 * index.n_layers * index.slot_bytes, kv_positions=10**12)

@@ -194,6 +194,11 @@ class ExpertCache:
 
     def _check_cap(self, cap_bytes: int) -> None:
         lo, hi = cap_bounds(self.index, self.min_per_layer, self.scope, self.reserved_bytes)
+        if hi < lo:
+            raise ValueError(f"no cache cap fits: {MAX_MEMORY_SHARE:.0%} of physical memory or of the cgroup memory "
+                             f"limit, less the model's dense weights and KV cache ({self.reserved_bytes} bytes), "
+                             f"leaves {max(hi, 0)} bytes, under one layer's {self.min_per_layer} experts ({lo} bytes); "
+                             f"give the agent more memory or a smaller KV budget (serve --kv-budget)")
         if not lo <= cap_bytes <= hi:
             raise ValueError(f"cache cap {cap_bytes} bytes is outside the allowed range [{lo}, {hi}] bytes: at least "
                              f"one layer's {self.min_per_layer} experts ({self.scope} scope) x "
