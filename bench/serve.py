@@ -228,6 +228,21 @@ def drive(url: str, mix: list[list[dict]]) -> tuple[list[float], int, float]:
     return [d[0] for d in done], sum(d[1] for d in done), time.perf_counter() - start
 
 
+NEIGHBOUR_MIN_BYTES = 256 * 2**20   # each pass a stream of reads, not a loop of dd starts on the CPU
+
+
+def neighbour_refused(path: Path, stores: tuple[Path, ...]) -> str | None:
+    """Why `path` cannot be the disk neighbour's file, or None: it must be a file of some size, outside the
+    run's stores (reading those would warm what the agent reads, not compete with it)."""
+    if not path.is_file():
+        return "not a file"
+    if path.stat().st_size < NEIGHBOUR_MIN_BYTES:
+        return f"{path.stat().st_size} bytes; give a file of at least {NEIGHBOUR_MIN_BYTES >> 20} MiB"
+    if any(path.resolve().is_relative_to(store.resolve()) for store in stores):
+        return "a file of a store this run serves; give another file on the same disk"
+    return None
+
+
 @contextlib.contextmanager
 def disk_neighbour(path: Path | None):
     """While the block runs, another process (yielded) reads `path` over and over with O_DIRECT (bench
@@ -408,8 +423,8 @@ def main() -> int:
     stores = (args.model, args.reference) if args.reference else (args.model,)
     if not set(letters) <= {c.name[0] for c in CONFIGS}:
         ap.error(f"--configs {args.configs!r}: give letters among a,b,c,g,p,q and A,B,C,G,P,Q, comma separated")
-    if args.neighbour is not None and not args.neighbour.is_file():
-        ap.error(f"--neighbour {args.neighbour}: not a file")
+    if args.neighbour is not None and (why := neighbour_refused(args.neighbour, stores)):
+        ap.error(f"--neighbour {args.neighbour}: {why}")
     if any(x.isupper() for x in letters) != (args.reference is not None):
         ap.error("configs A,B,C and --reference go together")
     if not (args.model / "experts.index.json").exists():

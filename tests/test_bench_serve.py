@@ -155,3 +155,18 @@ def test_a_disk_neighbour_that_stopped_fails_the_run_and_one_that_ran_is_stopped
             proc.wait(60)                              # its next dd finds no file
     with disk_neighbour(None) as proc:
         assert proc is None
+
+
+def test_a_neighbour_file_is_a_big_file_outside_the_runs_stores(tmp_path):
+    """A tiny file made the neighbour a loop of dd starts on the CPU, and a store's own file warmed the agent."""
+    from bench.serve import NEIGHBOUR_MIN_BYTES, neighbour_refused
+    store, small, big = tmp_path / "store", tmp_path / "small.bin", tmp_path / "big.bin"
+    store.mkdir()
+    small.write_bytes(b"x" * 4096)
+    for path in (big, store / "experts.bin"):
+        with open(path, "wb") as f:
+            f.truncate(NEIGHBOUR_MIN_BYTES)
+    assert neighbour_refused(tmp_path / "missing", (store,)) == "not a file"
+    assert "at least 256 MiB" in neighbour_refused(small, (store,))
+    assert "a store this run serves" in neighbour_refused(store / "experts.bin", (store,))
+    assert neighbour_refused(big, (store,)) is None
