@@ -152,7 +152,7 @@ def test_a_damaged_store_is_one_line_for_its_readers(table, tmp_path):
             store.append("io.vda.others_read_bytes_per_s", now - i, 800e6)
             store.append("io.vda.agent_read_bytes_per_s", now - i, 20e6)
             store.append("agent.read_latency_s", now - i, 25e-3)
-            store.record_disk_readers(now - i, "vda", [(4242, "dd", 800e6)])
+            store.record_disk_readers(now - i, "vda", [(4242, "dd", 800e6, 0.0)])
     with sqlite3.connect(db) as conn:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         (page,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)).fetchone()
