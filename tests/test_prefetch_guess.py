@@ -42,12 +42,26 @@ def test_the_router_ranks_its_guess_by_tokens_then_gate_weight():
     assert routing.experts == [1, 2, 3, 5]  # what the provider is routed stays ascending
 
 
-def test_co_activation_ranks_what_followed_most_often_first():
+def test_co_activation_guesses_the_experts_likely_enough_to_follow_likeliest_first():
     look = Lookahead(CoActivation(n_layers=2, n_experts=8))
-    for following in ([3, 6], [6, 7]):
+    for following in ([3, 6], [6, 7], [3, 6]):
         look.after_route(0, [1, 2], residual=None)
         look.after_route(1, following, residual=None)
-    assert look.after_route(0, [1, 2], residual=None) == (1, [6, 3])  # 6 twice; 3 and 7 once, lower id first
+    assert look.after_route(0, [1, 2], residual=None) == (1, [6, 3, 7])  # chances 1, 2/3, 1/3: all >= GUESS_AT
+    look.after_route(1, [6, 5], residual=None)
+    look.after_route(0, [1, 2], residual=None)
+    look.after_route(1, [6, 4], residual=None)
+    # after 1 and 2 five times: 6 five, 3 twice (0.4), 7, 5 and 4 once (0.2, under GUESS_AT = 0.3: not read)
+    assert look.after_route(0, [1, 2], residual=None) == (1, [6, 3])
+
+
+def test_co_activation_averages_over_the_experts_routed_now():
+    look = Lookahead(CoActivation(n_layers=2, n_experts=8))
+    for routed, following in (([1], [5]), ([2], [6]), ([2], [6])):
+        look.after_route(0, routed, residual=None)
+        look.after_route(1, following, residual=None)
+    # 5 always followed 1, 6 always followed 2: each has chance (1 + 0) / 2 given both; 3 never seen: left out
+    assert look.after_route(0, [1, 2, 3], residual=None) == (1, [5, 6])
 
 
 def batched_replay(name: str, policy: str, ascending: bool = False) -> tuple[int, int, int, int]:

@@ -131,4 +131,5 @@ def test_with_a_route_trace_the_lookahead_learns_from_the_trace(store, tmp_path)
     model = load_model(store, InMemoryExperts(store), route_trace=[write_trace(tmp_path / "t.jsonl", records(8))])
     assert isinstance(model.lookahead.predictor, CoActivation)
     generate(model, [1, 2, 3], 20, greedy=True)
-    assert model.lookahead.predicted > 0 and model.lookahead.accuracy > 0.5   # the 8-record walk repeats
+    # the 8-record walk repeats: right far more often than a guess that learned nothing (TOP_K of EXPERTS)
+    assert model.lookahead.predicted > 0 and model.lookahead.accuracy > 1.5 * TOP_K / EXPERTS
