@@ -20,6 +20,7 @@ COMMANDS = {
     "simulate": ("agent.simulator", "replay routing traces through the cache policies"),
     "train-policy": ("agent.learned.train", "train the learned FlashMoE policy by imitating Belady"),
     "serve": ("agent.serve.server", "run the agent: completions, knobs, status and metrics over HTTP"),
+    "supervise": ("agent.supervise", "run the agent and start it again when it dies, with a backoff"),
     "traffic": ("agent.traffic", "send demo completions to the agent from a few clients"),
     "warmup": ("agent.warmup", "find the hot experts of a prompt file and preload them into the agent"),
     "collect": ("collector.loop", "sample the SSD, block devices and memory into the store"),

@@ -59,15 +59,16 @@ def read_pid_file(path: Path) -> int | None:
         pid = int(path.read_text().strip())
     except (OSError, ValueError):
         return None
-    return pid if pid > 0 and Path(f"/proc/{pid}/stat").exists() and _alive(pid) else None
+    return pid if pid > 0 and alive(pid) else None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (ended, not yet reaped by its parent)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except (ProcessLookupError, FileNotFoundError):
         return False
     except PermissionError:
         return True          # exists, owned by someone else
-    state = Path(f"/proc/{pid}/stat").read_text()
     return state[state.rindex(")") + 2] != "Z"

@@ -31,6 +31,7 @@ MOVED = {"FLASHMOE_AGENT_PORT": "18621", "FLASHMOE_DASHBOARD_PORT": "18522"}
 def test_every_process_finds_the_agent_on_its_port(env, agent, dashboard):
     procs = expanded(env)
     assert set(procs) == {"agent", "collector", "dashboard", "traffic"}
+    assert procs["agent"][:5] == ["flashmoe-cli", "supervise", "--", "flashmoe-cli", "serve"]   # comes back if killed
     assert after(procs["agent"], "--port") == agent
     assert f"FLASHMOE_AGENT_URL=http://127.0.0.1:{agent}" in procs["dashboard"]
     assert after(procs["dashboard"], "--server.port") == dashboard

@@ -1,0 +1,99 @@
+"""flashmoe-cli supervise: run a command (the agent) and start it again whenever it ends.
+
+Examples:
+    flashmoe-cli supervise -- flashmoe-cli serve --model data/demo --db data/flashmoe.db --pid-file data/agent.pid
+    flashmoe-cli supervise --give-up-after 3 --fast-s 30 -- flashmoe-cli serve --model data/demo
+
+honcho stops every process of the Procfile when one ends, so an agent killed by the OOM killer or kill -9
+took the collector and the dashboard, the view of what happened, down with it. Under this supervisor the
+agent comes back by itself: each end is logged with the exit status or signal that caused it, and the
+command starts again after 1 s, twice as long after each run shorter than --fast-s in a row (up to 30 s).
+After --give-up-after such fast runs in a row (a broken model, a taken port) it stops trying and exits 1,
+saying so. SIGTERM or Ctrl-C stops the command (SIGTERM, as honcho sends it) and then the supervisor.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+
+from agent.argtypes import count
+
+log = logging.getLogger(__name__)
+
+FIRST_DELAY_S = 1.0
+MAX_DELAY_S = 30.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = __doc__.split("\n\n", 1)[1]
+    p.add_argument("--give-up-after", type=count, default=5,
+                   help="fast runs in a row after which it stops trying and exits 1 (default 5)")
+    p.add_argument("--fast-s", type=count, default=60,
+                   help="a run shorter than this many seconds counts as a failure to start (default 60)")
+    p.add_argument("argv", metavar="COMMAND", nargs=argparse.REMAINDER, help="the command to run, after --")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not command:
+        log.error("no command to supervise: give it after --, e.g. flashmoe-cli supervise -- flashmoe-cli serve ...")
+        return 2
+    return supervise(command, args.give_up_after, args.fast_s)
+
+
+def ended(returncode: int) -> str:
+    """How a child ended, as subprocess reports it (a negative code is the signal that killed it)."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    name = signal.Signals(-returncode).name
+    return f"was killed by {name}" + (" (kill -9, or the kernel's OOM killer: see `dmesg`)"
+                                      if returncode == -signal.SIGKILL else "")
+
+
+def delay_after(fast_runs: int) -> float:
+    """The wait before the next start: FIRST_DELAY_S, doubled for each fast run in a row, at most MAX_DELAY_S."""
+    return min(FIRST_DELAY_S * 2 ** max(fast_runs - 1, 0), MAX_DELAY_S)
+
+
+def supervise(command: Sequence[str], give_up_after: int, fast_s: float) -> int:
+    """Run `command` until asked to stop (SIGTERM, SIGINT), starting it again each time it ends; returns
+    1 after `give_up_after` runs in a row each shorter than `fast_s`, else how the last run ended."""
+    shown = shlex.join(command[:3]) + (" ..." if len(command) > 3 else "")
+    stopping = threading.Event()
+    child: subprocess.Popen | None = None
+
+    def stop(signum: int, _frame) -> None:
+        stopping.set()
+        if child is not None:
+            child.send_signal(signal.SIGTERM)   # not a second SIGINT: the agent takes that as "stop now"
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    fast_runs = restarts = 0
+    while True:
+        started = time.monotonic()
+        child = subprocess.Popen(command)
+        if stopping.is_set():                    # asked to stop while it was being started
+            child.send_signal(signal.SIGTERM)
+        code = child.wait()
+        ran = time.monotonic() - started
+        if stopping.is_set():
+            log.info("%s (pid %d) %s: stopped as asked", shown, child.pid, ended(code))
+            return code if code >= 0 else 128 - code
+        fast_runs = fast_runs + 1 if ran < fast_s else 0
+        if fast_runs >= give_up_after:
+            log.error("giving up on %s: it ended %d times in a row within %g s of starting (the last %s); fix what "
+                      "its log above says and start it again", shown, fast_runs, fast_s, ended(code))
+            return 1
+        restarts += 1
+        delay = delay_after(fast_runs)
+        log.warning("%s (pid %d) %s after %.1f s; starting it again in %g s (restart %d)", shown, child.pid,
+                    ended(code), ran, delay, restarts)
+        if stopping.wait(delay):
+            return 0

@@ -1,0 +1,83 @@
+"""`flashmoe-cli supervise`, the Procfile's agent line: an agent killed with SIGKILL comes back on the same port
+by itself, with the kill logged; a command that fails at once is given up on with a message; SIGTERM or SIGINT
+stops the command and the supervisor; under honcho the other processes keep running through the kill, and
+honcho's own stop still ends everything."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agents import CLI, START_TIMEOUT_S, demo_model, free_port, spawn, stop, wait_for, wait_http
+from machine.memory import alive, read_pid_file
+
+HONCHO = str(Path(sys.executable).with_name("honcho"))
+
+
+def test_an_agent_killed_with_sigkill_comes_back_on_its_port_and_sigterm_stops_both(tmp_path_factory, tmp_path):
+    port, pid_file, log = free_port(), tmp_path / "agent.pid", tmp_path / "supervise.log"
+    proc = spawn([*CLI, "supervise", "--", *CLI, "serve", "--model", str(demo_model(tmp_path_factory)),
+                  "--port", str(port), "--db", str(tmp_path / "flashmoe.db"), "--pid-file", str(pid_file)], log)
+    url = f"http://127.0.0.1:{port}/v1/status"
+    try:
+        wait_http(url, proc, log)
+        first = read_pid_file(pid_file)
+        assert first is not None and first != proc.pid
+        os.kill(first, signal.SIGKILL)
+        second = wait_for(lambda: (pid := read_pid_file(pid_file)) not in (None, first) and pid, START_TIMEOUT_S,
+                          "a new agent's pid file")
+        wait_http(url, proc, log)
+        assert httpx.get(url, timeout=10).json()["experts"]
+        text = log.read_text()
+        assert f"(pid {first}) was killed by SIGKILL" in text and "(restart 1)" in text, text
+        os.kill(proc.pid, signal.SIGTERM)          # the supervisor alone, as `kill <its pid>` would
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        assert not alive(second), "the agent outlived its supervisor"
+    finally:
+        stop(proc)
+
+
+def test_a_command_that_fails_at_once_is_given_up_on_with_a_message(tmp_path):
+    done = subprocess.run([*CLI, "supervise", "--give-up-after", "3", "--", "sh", "-c", "echo started; exit 3"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout.count("started") == 3, done
+    assert "giving up on sh -c 'echo started; exit 3': it ended 3 times in a row within 60 s of starting (the " \
+           "last exited with status 3)" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_supervisor_stops_its_command_and_then_itself(sig, tmp_path):
+    child_pid, log = tmp_path / "child.pid", tmp_path / "supervise.log"
+    proc = spawn([*CLI, "supervise", "--", "sh", "-c", f"echo $$ > {child_pid}; exec sleep 600"], log)
+    try:
+        pid = wait_for(lambda: child_pid.exists() and child_pid.read_text().strip(), 30, "the command's pid")
+        os.kill(proc.pid, sig)
+        assert proc.wait(30) == 128 + signal.SIGTERM, log.read_text()      # sleep ends on the SIGTERM sent on
+        assert not alive(int(pid)) and "stopped as asked" in log.read_text()
+    finally:
+        stop(proc)
+
+
+def test_under_honcho_the_others_outlive_a_killed_agent_and_honchos_stop_ends_everything(tmp_path):
+    child_pid, other_pid, log = tmp_path / "child.pid", tmp_path / "other.pid", tmp_path / "honcho.log"
+    cli = " ".join(CLI)
+    (tmp_path / "Procfile").write_text(
+        f"agent: {cli} supervise -- sh -c 'echo $$ > {child_pid}; exec sleep 600'\n"
+        f"dashboard: sh -c 'echo $$ > {other_pid}; exec sleep 600'\n")
+    honcho = spawn([HONCHO, "start", "-f", str(tmp_path / "Procfile"), "-d", str(tmp_path)], log)
+    try:
+        first = wait_for(lambda: child_pid.exists() and int(child_pid.read_text() or 0), 60, "the agent's pid")
+        other = wait_for(lambda: other_pid.exists() and int(other_pid.read_text() or 0), 60, "the dashboard's pid")
+        os.kill(first, signal.SIGKILL)
+        second = wait_for(lambda: (pid := int(child_pid.read_text() or 0)) != first and pid, 30, "a new agent")
+        assert honcho.poll() is None and alive(other) and alive(second), log.read_text()
+        os.kill(honcho.pid, signal.SIGINT)          # as `pkill -INT -f "honcho start"` and Ctrl-C do
+        honcho.wait(30)
+        assert not alive(other) and not alive(second), log.read_text()
+    finally:
+        stop(honcho)
