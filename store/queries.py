@@ -13,6 +13,7 @@ Times are Unix seconds; `since` / `until` of None mean "from the first" / "to th
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -96,11 +97,15 @@ def _reader(db: Db) -> Iterator[sqlite3.Connection | None]:
         path = next(file for _, name, file in conn.execute("PRAGMA database_list") if name == "main")
         if is_busy(e):
             raise StoreError(f"cannot read {path} yet ({e}): {advice_for(e, Path(path))}") from e
-        raise StoreError(f"{path} is damaged ({e}): `sqlite3 {path} .recover > saved.sql` saves what can be read; "
-                         f"move the file aside to start a new store") from e
+        raise damaged(path, str(e)) from e
     finally:
         if conn is not None and conn is not db:
             conn.close()
+
+
+def damaged(path: str | Path, problem: str) -> StoreError:
+    return StoreError(f"{path} is damaged ({problem}): `sqlite3 {path} .recover > saved.sql` saves what can be read; "
+                      f"move the file aside to start a new store")
 
 
 def _dicts(conn: sqlite3.Connection, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[dict[str, Any]]:
@@ -379,21 +384,36 @@ def sweeps(db: Db) -> list[dict[str, Any]]:
 # --- the store as a whole (flashmoe-cli store) ----------------------------------------------
 def stats(db: str | Path) -> dict[str, Any]:
     """Per series: points, chunks, encoded bytes and bytes per point; the row count of every row
-    table; totals and the file's size. Raises StoreError if there is no store at `db`."""
-    conn = connect_ro(db)
-    if conn is None:
-        raise StoreError(f"there is no store at {db}; start `flashmoe-cli collect --db {db}` "
-                         f"or the agent to create it")
-    try:
+    table; totals and the file's size. Raises StoreError if there is no store at `db` or it is damaged
+    anywhere: the counts alone read little of it (a row table's COUNT(*) reads its index), and missed
+    a damaged table."""
+    with _reader(db) as conn:
+        if conn is None:
+            raise StoreError(f"there is no store at {db}; start `flashmoe-cli collect --db {db}` "
+                             f"or the agent to create it")
+        problem = _quick_check(conn)
+        if problem is not None:
+            raise damaged(db, problem)
         series = [asdict(info) | {"bytes_per_point": round(info.bytes_per_point, 3)} for info in series_info(conn)]
         rows = {t.name: conn.execute(f"SELECT COUNT(*) FROM {t.name}").fetchone()[0] for t in ROW_TABLES}
-    finally:
-        conn.close()
     points = sum(s["points"] for s in series)
     encoded = sum(s["encoded_bytes"] for s in series)
     return {"db": str(db), "file_bytes": Path(db).stat().st_size, "series": series, "rows": rows,
             "points": points, "encoded_bytes": encoded,
             "bytes_per_point": round(encoded / points, 3) if points else 0.0}
+
+
+def _quick_check(conn: sqlite3.Connection) -> str | None:
+    """SQLite's quick_check of every page (the b-trees, not index against table) on one line, naming the tables
+    and indexes whose root page it faults; None when the file is sound."""
+    found = [line for (text,) in conn.execute("PRAGMA quick_check(2)") for line in text.splitlines()
+             if not line.startswith("***")]
+    if found == ["ok"]:
+        return None
+    pages = {int(page) for page in re.findall(r"tree page (\d+)", " ".join(found))}
+    names = [f"{kind} {name}" for kind, name, root in conn.execute("SELECT type, name, rootpage FROM sqlite_master")
+             if root in pages]
+    return (f"{', '.join(names)}: " if names else "") + "; ".join(found)
 
 
 def export(db: str | Path, series: str, since: float | None = None, until: float | None = None,
