@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import shutil
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 APPLICATION_ID = 0x464D4F45    # "FMOE"
 WAL_CHECKPOINT_PAGES = 256     # checkpoint the write-ahead log once it holds this many pages (1 MiB)...
 WAL_LIMIT_BYTES = 1 << 20      # ...and truncate it to this size when it starts over
+NO_ROOM_BYTES = 64 << 10       # free bytes under which a disk counts as full
 
 
 def place_problem(path: Path) -> str | None:
@@ -67,11 +69,26 @@ def advice_for(error: sqlite3.Error, path: Path) -> str:
     if is_busy(error):
         return (f"another connection holds the write lock on {path} beyond the busy timeout; "
                 f"find it with `fuser {path}` and end its long transaction")
-    if "full" in text:
-        return f"the disk holding {path} is full; free space there or shorten the retention"
+    if "full" in text or ("disk i/o error" in text and _no_room(path)):
+        # measured on a full disk: compaction failed too, as it first writes what it deletes to the log
+        return (f"the disk holding {path} is full: free space on it (delete other files there, or stop the agent "
+                f"and the collector and move the store to a larger disk). Compaction cannot run before that: it "
+                f"first writes what it deletes to the store's log, which needs room about the size of what it "
+                f"deletes; then `flashmoe-cli store compact --db {path} --retention-days N` (N under the collector's "
+                f"--retention-days, 7 by default) deletes older data, whose room the store reuses (the file keeps "
+                f"its size)")
     if "readonly" in text or "read-only" in text or "unable to open" in text:
         return place_problem(path) or f"{path} or its directory is not writable by this user; fix the permissions"
     return f"check that {path} is a FlashMoE store on a healthy disk"
+
+
+def _no_room(path: Path) -> bool:
+    """The filesystem holding `path` has less than a few pages free (SQLite calls failing to create its
+    shared-memory file there a "disk I/O error")."""
+    try:
+        return shutil.disk_usage(path.absolute().parent).free < NO_ROOM_BYTES
+    except OSError:
+        return False
 
 
 def open_database(path: Path, busy_timeout_s: float, create: bool = True,

@@ -4,6 +4,7 @@ A real tmpfs of a few MiB stands in for the disk (conftest.py's `tmpfs`: mountin
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sqlite3
 import subprocess
@@ -67,6 +68,32 @@ def test_a_full_disk_keeps_the_log_bounded_counts_what_it_drops_and_writing_resu
         assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     print(f"\nfull disk: {tick} ticks x {len(SERIES)} series, {outage_ticks} without space; largest log "
           f"{max(wal_seen)} bytes; points stored {stored}, lost and counted {store.lost.points}")
+
+
+def test_a_full_disk_is_advised_free_space_first_then_the_compaction_named_runs(tmpfs):
+    """The advice was "free space there or shorten the retention", and the compaction that shortens it fails on
+    a full disk too: it writes what it deletes to the log first. Both are named, in the order that works."""
+    disk = tmpfs("4m")
+    db, month_ago = disk / "flashmoe.db", time.time() - 30 * 86400
+    store = Store(db, autoflush_s=0, retry_s=0, max_held_points=40)
+    for tick in range(3000):                                       # ~1 MiB of data older than the retention
+        for name in SERIES:
+            store.append(name, month_ago + tick, tick % 100)
+    assert store.flush()
+    filler = fill(disk)
+    tick = 3000
+    while store.flush():                                           # until the log has no room left either
+        store.append(SERIES[0], month_ago + tick, 1.0)
+        tick += 1
+    compact = ["store", "compact", "--db", str(db), "--retention-days", "7"]
+    code, lines = cli_error(*compact)
+    assert code == 1 and f"the disk holding {db} is full: free space on it" in lines[-1], lines
+    assert f"`flashmoe-cli {' '.join(compact)[:-1]}N` (N under" in lines[-1], lines
+    filler.unlink()                                                # the advice's first step, then its command
+    code, lines = cli_error(*compact)
+    assert code == 0 and json.loads(lines[0])["chunks_deleted"] > 0, lines
+    assert store.flush()
+    store.close()
 
 
 def test_sigterm_on_a_full_disk_says_how_many_points_were_lost(tmpfs, tmp_path):
