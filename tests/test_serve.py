@@ -9,13 +9,16 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from fastapi import HTTPException
 from prometheus_client.parser import text_string_to_metric_families
 
 from access.loopback import addressed_to_loopback
 from agent.policies import DEFAULT_POLICY
+from agent.serve.app import CompletionRequest, _prompt_ids
 from agents import CLI, demo_model, free_port, start_agent, stop, wait_for
 from store import queries
 
@@ -94,6 +97,20 @@ def test_completion_by_text_and_by_token_ids(agent):
 def test_bad_completion_requests_are_refused_with_the_reason(agent, body, words):
     r = httpx.post(agent.url + "/v1/completions", json=body, timeout=30)
     assert 400 <= r.status_code < 500 and words in r.text
+
+
+@pytest.mark.parametrize("context, kv_budget, named", [
+    (4096, 400, "this agent's KV budget of 400 positions (serve --kv-budget)"),
+    (300, 4096, "the model's context of 300 tokens"),
+    (400, 400, "the model's context of 400 tokens"),
+])
+def test_a_prompt_past_both_limits_is_refused_naming_the_smaller(context, kv_budget, named):
+    """One check against the smaller limit: past both, the context was named even where the KV budget was the
+    one a shorter request would still have hit."""
+    body = CompletionRequest(prompt=[1, 2, 3], max_tokens=5000)
+    with pytest.raises(HTTPException) as refused:
+        _prompt_ids(body, None, SimpleNamespace(vocab_size=10, max_seq_len=context), kv_budget)
+    assert refused.value.detail == f"prompt (3 tokens) + max_tokens (5000) exceeds {named}; shorten one of them"
 
 
 def test_concurrent_requests_share_model_steps(agent):

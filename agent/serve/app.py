@@ -394,12 +394,13 @@ def _prompt_ids(body: CompletionRequest, tokenizer, config, kv_budget: int) -> l
     bad = [t for t in ids if not 0 <= t < config.vocab_size]
     if bad:
         raise HTTPException(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
-    if len(ids) + body.max_tokens > config.max_seq_len:
-        raise HTTPException(400, f"prompt ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds the model's "
-                                 f"context of {config.max_seq_len} tokens; shorten one of them")
-    if len(ids) + body.max_tokens > kv_budget:
-        raise HTTPException(400, f"prompt ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds this agent's "
-                                 f"KV budget of {kv_budget} positions (serve --kv-budget); shorten one of them")
+    # the smaller limit is the one hit (the context on a tie)
+    limit, named = min((config.max_seq_len, f"the model's context of {config.max_seq_len} tokens"),
+                       (kv_budget, f"this agent's KV budget of {kv_budget} positions (serve --kv-budget)"),
+                       key=lambda pair: pair[0])
+    if len(ids) + body.max_tokens > limit:
+        raise HTTPException(400, f"prompt ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds {named}; "
+                                 f"shorten one of them")
     return ids
 
 
