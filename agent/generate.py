@@ -167,7 +167,8 @@ def _stats(gen: Generation, net: Transformer, before: CacheStats, profile_before
         "decode_io_busy": (after.io_busy_s - before.io_busy_s) / gen.decode_s if gen.decode_s > 0 else None,
         "prefetch_accuracy": net.lookahead.accuracy, "prefetch_predicted": net.lookahead.predicted,
         "prefetch_correct": net.lookahead.correct, "prefetches": after.prefetches,
-        "prefetch_hits": after.prefetch_hits, "prefetch_gate": after.prefetch, "cap_bytes": after.cap_bytes, "capacity_slots": after.capacity,
+        "prefetch_hits": after.prefetch_hits, "prefetch_gate": after.prefetch, "cap_bytes": after.cap_bytes,
+        "capacity_slots": after.capacity,
         "policy": after.policy, "scope": after.scope, "backend": after.backend,
         "decode_profile_ms_per_token": {k: 1000 * v / max(decode_steps, 1) for k, v in phases.items()},
     }

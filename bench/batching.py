@@ -6,12 +6,12 @@
 A served step runs every running request's token through each layer at once, so a layer's step
 routes the union of the requests' top-k. This builds that union from real routing: each of a
 batch's B requests decodes `--tokens` tokens from its own place in a recorded OLMoE decode trace
-(by default `olmoe_math`, `olmoe_dialogue`: the report split's, held out from policy training), `--waves` batches one after the
-other (new requests at new places, seeded), and replays the steps through every live policy (the
+(by default `olmoe_math`, `olmoe_dialogue`: the report split's, held out from policy training), `--waves` batches one
+after the other (new requests at new places, seeded), and replays the steps through every live policy (the
 learned one with each of its decision rules) and Belady with the simulator, per layer at capacity
-0.25 (16 of OLMoE's 64 experts: the seed-scale benches' cap). Reported per B: the union a layer's step routes, each policy's hit rate, and the
-expert reads per generated token (misses summed over layers ÷ tokens: bytes ∝ that), with what
-share of LRU's reads Belady — no policy can do better — still saves.
+0.25 (16 of OLMoE's 64 experts: the seed-scale benches' cap). Reported per B: the union a layer's step routes, each
+policy's hit rate, and the expert reads per generated token (misses summed over layers ÷ tokens: bytes ∝ that), with
+what share of LRU's reads Belady — no policy can do better — still saves.
 JSON: bench/results/batching.json (or --results NAME).
 """
 from __future__ import annotations

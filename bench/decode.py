@@ -133,13 +133,15 @@ def print_table(rows: list[Row]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="an expert store (default: a private demo copy in data/)")
-    parser.add_argument("--size", choices=("default", "small"), default="default", help="demo size if --model is absent")
+    parser.add_argument("--size", choices=("default", "small"), default="default",
+                        help="demo size if --model is absent")
     parser.add_argument("--tokens", type=count, default=48, help="new tokens per run (default 48)")
     parser.add_argument("--repeat", type=count, default=2, help="interleaved rounds; the median is reported")
     parser.add_argument("--caps", default="10,25,50,100", help="cache caps in %% of expert bytes")
     parser.add_argument("--backends", default="direct,mmap")
     parser.add_argument("--prefetch", choices=(*MODES, "both", "all"), default="on",
-                        help="lookahead prefetch: on, off, auto (agent/prefetch_gate.py), both (on and off) or all three")
+                        help="lookahead prefetch: on, off, auto (agent/prefetch_gate.py), both (on and off) or "
+                             "all three")
     parser.add_argument("--threads", type=count, default=1, help="torch intra-op threads (as flashmoe-cli generate)")
     parser.add_argument("--scope", choices=("layer", "global"), default="layer",
                         help="cache scope (global lets a cap below top-k per layer run)")
@@ -157,8 +159,9 @@ def main() -> None:
     facts = machine(store)
     print(f"\nstore {store}: {index.n_layers} layers x {index.n_experts} experts, blocks of "
           f"{index.nbytes / 2**20:.2f} MiB ({index.nbytes * len(index.blocks) / 2**30:.2f} GiB); prompt "
-          f"{len(load_tokenizer(store).encode(PROMPT))} tokens, {args.tokens} new tokens, greedy, {args.policy}, {args.scope} scope, "
-          f"prefetch {args.prefetch}; {args.threads} torch thread(s); median of {args.repeat}; {time.monotonic() - start:.0f} s")
+          f"{len(load_tokenizer(store).encode(PROMPT))} tokens, {args.tokens} new tokens, greedy, {args.policy}, "
+          f"{args.scope} scope, prefetch {args.prefetch}; {args.threads} torch thread(s); median of {args.repeat}; "
+          f"{time.monotonic() - start:.0f} s")
     print(f"machine: {facts['cpu']}, {facts['cores']} cores, {facts['ram_bytes'] / 2**30:.1f} GiB RAM, "
           f"{facts['filesystem']}, kernel {facts['kernel']}")
     print_table(rows)

@@ -117,7 +117,8 @@ def _read_range(fd: int, chunk_bytes: int, offset: int, end: int) -> int:
     view = memoryview(buf)
     done = 0
     try:
-        while offset + done < end and (n := os.preadv(fd, [view[:min(chunk_bytes, end - offset - done)]], offset + done)):
+        while offset + done < end and (n := os.preadv(fd, [view[:min(chunk_bytes, end - offset - done)]],
+                                                      offset + done)):
             done += n
     finally:
         view.release()
@@ -213,8 +214,8 @@ def configurations(store: Path, chunk_bytes: int, io_threads: int) -> dict[str, 
     payload = index.nbytes * len(index.blocks)
     size = (store / EXPERTS).stat().st_size
     configs = {"raw O_DIRECT, 1 stream": (lambda: raw_direct_read(store / EXPERTS, chunk_bytes), size),
-               f"raw O_DIRECT, {io_threads} streams": (lambda: raw_direct_read(store / EXPERTS, chunk_bytes, io_threads),
-                                                      size)}
+               f"raw O_DIRECT, {io_threads} streams":
+                   (lambda: raw_direct_read(store / EXPERTS, chunk_bytes, io_threads), size)}
     for backend, verify, shuffled in [("direct", True, False), ("direct", False, False), ("direct", True, True),
                                       ("buffered", True, False), ("mmap", True, False), ("mmap", True, True)]:
         name = f"cache {backend}, crc {'on' if verify else 'off'}, {'shuffled' if shuffled else 'sequential'}"

@@ -9,9 +9,9 @@ right after start), interleaved off, on, off, on... for `--rounds`. Each run las
 worker's CPU time over the run as a share of one core (the worker's utime+stime from /proc, as the
 agent's /v1/status reports it, start-up and imports included), the updates swapped in and rolled
 back, the jobs that failed, each judged update's hindsight hit rate with the weights before it (old)
-and with its own (new) on the steps since it took effect, the agent process's own CPU share, tokens/s and the per-request latency percentiles. The
-on/off ratios of tokens/s and latency show what the steps pay; the machine is shared, so compare
-within a round. JSON: bench/results/online_agent.json.
+and with its own (new) on the steps since it took effect, the agent process's own CPU share, tokens/s and the
+per-request latency percentiles. The on/off ratios of tokens/s and latency show what the steps pay; the machine is
+shared, so compare within a round. JSON: bench/results/online_agent.json.
 """
 from __future__ import annotations
 

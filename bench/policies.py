@@ -138,13 +138,15 @@ def run_all(tasks: list[Task], root: Path, jobs: int) -> dict[Task, Run]:
         return {t: _done(t, run(t), i, len(order)) for i, t in enumerate(order, 1)}
     with ProcessPoolExecutor(jobs, initializer=_init, initargs=(root,)) as pool:
         futures = {pool.submit(run, t): t for t in order}
-        done = {futures[f]: _done(futures[f], f.result(), i, len(order)) for i, f in enumerate(as_completed(futures), 1)}
+        done = {futures[f]: _done(futures[f], f.result(), i, len(order))
+                for i, f in enumerate(as_completed(futures), 1)}
     return {t: done[t] for t in order}
 
 
 def cost(task: Task) -> int:
     """A rough relative CPU cost: learning online ~100 replays, a prefill part ~40 decode traces, global scope ~4x."""
-    return (100 if task.candidate.online else 1) * (40 if task.part.prompts else 1) * (4 if task.scope == "global" else 1)
+    return ((100 if task.candidate.online else 1) * (40 if task.part.prompts else 1)
+            * (4 if task.scope == "global" else 1))
 
 
 def _done(task: Task, result: Run, i: int, n: int) -> Run:
@@ -251,7 +253,8 @@ def config_table(runs: list[Run], report: list[str], degenerate: str | None, lab
                        ("gap closed (mean of traces)", summary["gap_closed_mean_of_traces"])):
         lines.append(name.ljust(width) + "".join(_pct(gaps[p]).rjust(16) for p in labels))
     if degenerate is not None:
-        lines.append(f"{degenerate} (degenerate)".ljust(width) + "".join(f"{rate[degenerate, p]:16.4f}" for p in labels))
+        lines.append(f"{degenerate} (degenerate)".ljust(width)
+                     + "".join(f"{rate[degenerate, p]:16.4f}" for p in labels))
     return "\n".join(lines), summary
 
 
@@ -301,7 +304,8 @@ def default_policies() -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", type=Path, default=TRACES_DIR, help="the shared traces directory (decode/, prefill/)")
+    parser.add_argument("--traces", type=Path, default=TRACES_DIR,
+                        help="the shared traces directory (decode/, prefill/)")
     parser.add_argument("--policies", help="comma-separated registered policies (default: all); lru and belady "
                         "always run: they are the ends of the gap")
     parser.add_argument("--no-online", dest="online", action="store_false", help="leave the online loop out")
@@ -348,7 +352,8 @@ def main() -> None:
     degenerate = names.get(DEGENERATE)
     doc = {"machine": machine(), "jobs": args.jobs, "cold_misses_counted": True,
            "splits": {s: [asdict(p) | {"prompts": _range(p.prompts)} for p in parts] for s, parts in SPLITS.items()},
-           "selection": {"at": SELECT_AT, "given": bool(args.chosen), "scores": {label: [{k: v for k, v in s.items() if k != "candidate"}
+           "selection": {"at": SELECT_AT, "given": bool(args.chosen),
+                         "scores": {label: [{k: v for k, v in s.items() if k != "candidate"}
                                                              for s in scored] for label, scored in scores.items()},
                          "chosen": {label: c.setting() for label, c in chosen.items()}},
            "report_traces": report_names, "degenerate_trace": degenerate, "configs": []}
@@ -363,7 +368,8 @@ def main() -> None:
         print(f"{heading}\n{table}")
     else:  # an empty table would read as "nothing to report"
         doc["absent_architectures"] = None
-        print(f"{heading}\nnot run: {'--no-absent' if not args.absent else f'{SELECT_AT[0]}:{SELECT_AT[1]:g} is not among --configs'}")
+        why = "--no-absent" if not args.absent else f"{SELECT_AT[0]}:{SELECT_AT[1]:g} is not among --configs"
+        print(f"{heading}\nnot run: {why}")
     doc["wall_seconds"] = time.perf_counter() - started
     write_results(args.results, doc)
 

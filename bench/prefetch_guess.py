@@ -152,7 +152,8 @@ def table(runs: list[dict]) -> str:
         mine = [r for r in runs if r["variant"] == variant]
         med = lambda f: statistics.median(f(r) for r in mine)  # noqa: E731
         lines.append("| " + " | ".join([
-            variant, str(len(mine)), f"{med(lambda r: r['admission_wall_s']):.1f}", f"{med(lambda r: r['decode_wall_s']):.1f}",
+            variant, str(len(mine)), f"{med(lambda r: r['admission_wall_s']):.1f}",
+            f"{med(lambda r: r['decode_wall_s']):.1f}",
             f"{med(lambda r: sum(r['decode_idle_s'].values())):.2f}",
             *[f"{med(lambda r: r['decode_idle_s'][k]):.2f}" for k in ("step start", "within a layer", "layer change")],
             *[f"{med(lambda r: r[k]):.0f}" for k in ("decode_hits", "decode_misses", "prefetches", "prefetch_hits")],
@@ -164,7 +165,8 @@ def table(runs: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="an expert store (flashmoe-cli convert)")
-    parser.add_argument("--route-trace", type=Path, nargs="+", required=True, help="recorded routing (serve --route-trace)")
+    parser.add_argument("--route-trace", type=Path, nargs="+", required=True,
+                        help="recorded routing (serve --route-trace)")
     parser.add_argument("--clients", type=count, default=16)
     parser.add_argument("--rounds", type=count, default=2)
     parser.add_argument("--policy", default="flashmoe")

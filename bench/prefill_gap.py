@@ -127,7 +127,8 @@ def prompt_counts(trace: Trace) -> np.ndarray:
 
 
 def earlier_rates(trace: Trace, counts: np.ndarray) -> np.ndarray:
-    """Each expert's uses per token over the prompts before each prompt (0 before the first): [prompts, layers, experts]."""
+    """Each expert's uses per token over the prompts before each prompt (0 before the first):
+    [prompts, layers, experts]."""
     tokens = np.diff(np.append(trace.session_starts, trace.n_tokens))
     before = np.cumsum(counts, 0) - counts
     return before / np.maximum(np.cumsum(tokens) - tokens, 1)[:, None, None]

@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parity", action=argparse.BooleanOptionalAction, default=True,
                         help="measure the parity checkpoints (--no-parity: the --pair stores only)")
     parser.add_argument("--cap", default="2GB", help="cache cap for --pair stores")
-    parser.add_argument("--results", type=results_name, default="quant_error", help="name of the JSON in bench/results/")
+    parser.add_argument("--results", type=results_name, default="quant_error",
+                        help="name of the JSON in bench/results/")
     args = parser.parse_args(argv)
     prefill = args.prefill or args.tokens // 2
     if prefill > args.tokens:

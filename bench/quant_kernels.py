@@ -138,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=counts, default=[1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512],
                         help="tokens per expert to measure, comma-separated")
-    parser.add_argument("--threads", type=counts, default=[1, 2], help="torch thread counts to measure, comma-separated")
+    parser.add_argument("--threads", type=counts, default=[1, 2],
+                        help="torch thread counts to measure, comma-separated")
     parser.add_argument("--chunk", type=count, default=64, help="most tokens per call of the chunked int4 kernel")
     parser.add_argument("--repeats", type=count, default=7)
     parser.add_argument("--store", type=Path, help="an expert store whose experts.bin gives the raw O_DIRECT rate")
-    parser.add_argument("--results", type=results_name, default="quant_kernels", help="name of the JSON in bench/results/")
+    parser.add_argument("--results", type=results_name, default="quant_kernels",
+                        help="name of the JSON in bench/results/")
     args = parser.parse_args(argv)
     raw_mb_s = raw_rate(args.store) if args.store else None
     runs = {}

@@ -100,7 +100,8 @@ def cache_rows(rng: np.random.Generator, t: np.ndarray) -> tuple[list[tuple], li
         for layer in range(LAYERS):
             k = i * LAYERS + layer
             lat = None if latency[k] != latency[k] else latency[k]
-            stats.append((ti, layer, hits[k], misses[k], misses[k] // 2, hits[k] // 8, misses[k] << 20, lat, hits[k] // 4))
+            stats.append((ti, layer, hits[k], misses[k], misses[k] // 2, hits[k] // 8, misses[k] << 20, lat,
+                          hits[k] // 4))
             acts.append((ti, layer, (i + layer * 3) % EXPERTS, 1 + hits[k] % 3))
     return stats, acts
 
@@ -224,7 +225,8 @@ def main() -> int:
     print(f"\nCache page: cache_stats ({CACHE_BUCKETS} buckets + per layer) and activations, {LAYERS} layers at 1 Hz")
     print(f"{'window':10} {'raw rows':>10} {'ours s':>8} {'plain s':>8} {'plain/ours':>10}")
     for r in cache["rows"]:
-        print(f"{r['window']:10} {r['raw_rows']:>10} {r['ours_s']:>8.3f} {r['plain_s']:>8.3f} {r['plain_over_ours']:>10.1f}")
+        print(f"{r['window']:10} {r['raw_rows']:>10} {r['ours_s']:>8.3f} {r['plain_s']:>8.3f} "
+              f"{r['plain_over_ours']:>10.1f}")
     w = cache["write"]
     print(f"inserting the {w['rows']:,} rows as Store.flush does: with the rollup triggers {w['ours_s']:.1f} s "
           f"({1e6 * w['ours_s'] / w['rows']:.1f} us/row), plain tables {w['plain_s']:.1f} s "

@@ -20,7 +20,8 @@ routing, for a shape no recorded trace fits). Each round measures, interleaved:
   the store, the page cache decides, no prefetch; (d) = (a) with --threads torch threads for the
   matmuls (the reads wait in the kernel meanwhile); (e) = (a) without prefetch and (g) = (a) with
   adaptive prefetch (issued while it pays, agent/prefetch_gate.py; the agent's default): each
-  `flashmoe-cli generate` in its own process inside the same cgroup memory limit (cap + dense weights + working memory), from a cold page cache.
+  `flashmoe-cli generate` in its own process inside the same cgroup memory limit (cap + dense weights + working memory),
+  from a cold page cache.
 A configuration's limit is 1 / max(compute s/token, its MB missed per token / raw MB/s): perfect
 overlap of reads and compute. Reported: decode tokens/s, its fraction of the limit, MB read and hit
 rate per decode token, where a token's time went, the share of it with a read running, peak RSS and
@@ -78,7 +79,8 @@ class Config:
     more_threads: bool = False    # --threads torch threads instead of one
 
     def args(self, threads: int) -> list[str]:
-        return ["--policy", self.policy, "--backend", self.backend, "--threads", str(threads if self.more_threads else 1),
+        return ["--policy", self.policy, "--backend", self.backend, "--threads",
+                str(threads if self.more_threads else 1),
                 "--prefetch", self.prefetch]
 
 
@@ -130,7 +132,8 @@ class Run:
     prefill_mb_per_token: float   # read from the SSD per prompt token
     run_hit_rate: float           # prefill and decode, cold misses included (what the simulator counts)
     capacity_slots: int           # the cap in whole slots (a slot is a block rounded up to the O_DIRECT alignment)
-    prefetch_gate: dict           # adaptive prefetch at the run's end: issuing, the accuracy it judged (prefetch_gate.py)
+    prefetch_gate: dict           # adaptive prefetch at the run's end: issuing, the accuracy it judged
+                                  # (prefetch_gate.py)
 
 
 def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int, threads: int = 1) -> float:
@@ -293,11 +296,13 @@ def main() -> int:
         for n in range(args.rounds):
             raw = raw_baseline(store / EXPERTS, index, CHUNK, IO_THREADS)
             host = host_cache_check(store / EXPERTS, CHUNK)
-            by_threads = {t: compute_bound(store, traces, prompt_ids, args.tokens, t) for t in dict.fromkeys((1, args.threads))}
+            by_threads = {t: compute_bound(store, traces, prompt_ids, args.tokens, t)
+                          for t in dict.fromkeys((1, args.threads))}
             compute_tok_s = max(by_threads.values())
             with torch_linears():
                 torch_tok_s = compute_bound(store, traces, prompt_ids, args.tokens)
-            r = {"round": n, **raw, "host_cache_mb_s": host, "compute_tok_s": compute_tok_s, "compute_tok_s_by_threads": by_threads,
+            r = {"round": n, **raw, "host_cache_mb_s": host, "compute_tok_s": compute_tok_s,
+                 "compute_tok_s_by_threads": by_threads,
                  "compute_tok_s_torch_linear": torch_tok_s,
                  "slot_dtype_ms": slot_dtype_ms(store), "runs": []}
             print(f"round {n + 1}: raw {raw['raw_file_mb_s']:.0f} MB/s in file order ({raw['raw_streams']} stream(s)), "
@@ -313,8 +318,8 @@ def main() -> int:
                 same = run.token_ids == reference
                 print(f"  {config.name}: {run.decode_tok_s:.2f} tok/s = {run.decode_tok_s / lim:.2f} x its limit "
                       f"{lim:.2f}; {run.mb_per_token:.0f} MB/token, hit rate {run.hit_rate:.3f}, own compute "
-                      f"{own_compute_ms(run.profile_ms):.0f} ms/token, reads running {run.io_busy or 0:.0%} of the time, "
-                      f"peak RSS {run.peak_rss_bytes / 2**20:.0f} MiB; {gate_summary(run)}; "
+                      f"{own_compute_ms(run.profile_ms):.0f} ms/token, reads running {run.io_busy or 0:.0%} of the "
+                      f"time, peak RSS {run.peak_rss_bytes / 2**20:.0f} MiB; {gate_summary(run)}; "
                       f"same tokens: {same}", flush=True)
                 r["runs"].append({**asdict(run), "limit_tok_s": lim, "same_tokens": same})
             rounds.append(r)
@@ -339,7 +344,8 @@ def summarize(rounds: list[dict]) -> dict:
         out["configs"][name] = {k: med(run[k] for run in runs) for k in
                                 ("decode_tok_s", "limit_tok_s", "mb_per_token", "hit_rate", "peak_rss_bytes")}
         out["configs"][name]["io_busy"] = med(run["io_busy"] or 0 for run in runs)
-        out["configs"][name]["profile_ms"] = {k: med(run["profile_ms"][k] for run in runs) for k in runs[0]["profile_ms"]}
+        out["configs"][name]["profile_ms"] = {k: med(run["profile_ms"][k] for run in runs)
+                                              for k in runs[0]["profile_ms"]}
         out["configs"][name]["of_limit"] = med(run["decode_tok_s"] / run["limit_tok_s"] for run in runs)
         out["configs"][name]["cgroup_peak_bytes"] = max((run["cgroup_peak_bytes"] or 0) for run in runs)
     by = {name[0]: name for name in names}
@@ -362,8 +368,8 @@ def print_table(summary: dict, cgroup: MemoryCgroup, facts: dict, args: argparse
     print(f"\n{facts['config'].get('model_type')} {facts['config'].get('num_hidden_layers')} layers, "
           f"{facts['expert_bytes'] / 1e9:.1f} GB of experts; cap 25%; {args.tokens} tokens; {args.rounds} rounds; "
           f"{_routing(args.route_trace)}; raw {summary['raw_mb_s']:.0f} MB/s; "
-          f"compute-only {summary['compute_tok_s']:.2f} tok/s ({summary['compute_tok_s_torch_linear']:.2f} with torch's "
-          f"F.linear); {cgroup.describe()}")
+          f"compute-only {summary['compute_tok_s']:.2f} tok/s ({summary['compute_tok_s_torch_linear']:.2f} with "
+          f"torch's F.linear); {cgroup.describe()}")
     print(f"{'configuration':<34} {'tok/s':>6} {'limit':>6} {'x limit':>7} {'MB/tok':>7} {'hit':>6} {'own ms':>7} "
           f"{'io busy':>7} {'peak RSS':>9} {'cgroup peak':>11} {'of memory':>9}")
     for name, c in summary["configs"].items():
@@ -374,7 +380,8 @@ def print_table(summary: dict, cgroup: MemoryCgroup, facts: dict, args: argparse
     print_phases(summary["configs"])
     for key in ("tok_s_a_over_c", "tok_s_a_over_b"):
         if key in summary:
-            print(f"{key}: {summary[key]['median']:.2f} (rounds {', '.join(f'{x:.2f}' for x in summary[key]['per_round'])})")
+            rounds = ", ".join(f"{x:.2f}" for x in summary[key]["per_round"])
+            print(f"{key}: {summary[key]['median']:.2f} (rounds {rounds})")
 
 
 if __name__ == "__main__":

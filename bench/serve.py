@@ -24,17 +24,18 @@ completion tokens over the wall time of the whole load, and tokens/step those to
 (how many requests shared a step, on average). With --neighbour FILE another process reads FILE with
 O_DIRECT, over and over, during every run's load: a disk that is busy with someone else's reads.
 A warm-up run of the first configuration comes before the rounds and is not measured (`--no-warm-up`
-leaves it out): the first run of an invocation can be slower than the same configuration's later ones (P99 1.3x in one run of BENCHMARKS.md's
-"The final runs", none in the next, started right after; 2-3x seen before), for what the per-run drop
-leaves warm across invocations; the JSON keeps it under "warm_up", apart from the rounds.
+leaves it out): the first run of an invocation can be slower than the same configuration's later ones (P99 1.3x in one
+run of BENCHMARKS.md's "The final runs", none in the next, started right after; 2-3x seen before), for what the per-run
+drop leaves warm across invocations; the JSON keeps it under "warm_up", apart from the rounds.
 Where (a)'s time goes: every run's model steps are profiled by the agent
 (agent/serve/engine.py's StepProfile, from /v1/status), summed apart for admission steps (they prefill
 prompts) and decode steps: the model's phases (attention, router, route, wait for reads, expert
 matmuls, head; `other` is the rest of the step's wall time), CRC and policy, bytes read and the read
 bandwidth over the step's wall time and over the time a read ran, the disk's idle time, the reads in
 flight while it was busy, and the step's I/O bound (its bytes at the raw O_DIRECT bandwidth, which
-each round measures after its runs on --model's expert file, as bench/scale.py does). With --reference the cache cap is 25% of the reference's expert bytes and
-the memory limit is the reference's, for every configuration (an int8 cache then holds twice the experts).
+each round measures after its runs on --model's expert file, as bench/scale.py does). With --reference the cache cap is
+25% of the reference's expert bytes and the memory limit is the reference's, for every configuration (an int8 cache then
+holds twice the experts).
 
 One run of a configuration is noisy: which requests share a step depends on when each client's
 next request lands, and a step that admits a prompt reads far more than a decode step; with 32
@@ -165,7 +166,8 @@ def start(model: Path, config: Config, cgroup: MemoryCgroup, log_path: Path, ser
           ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     with log_path.open("w") as log:
-        proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), *serve_args, *config.args()],
+        proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), *serve_args,
+                                 *config.args()],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     with stopped_on_failure(proc):
         cgroup.add(proc.pid)  # before the model loads: every allocation and page-cache page is charged to it
@@ -494,7 +496,8 @@ def main() -> int:
     write_results(args.results, {
         "command": " ".join(sys.argv), "cache_cap": CAP, "clients": args.clients,
         "requests_per_client": args.requests_per_client, "max_batch_size": args.max_batch_size,
-        "admit_window_ms": args.admit_window_ms, "neighbour": str(args.neighbour or ""), "rounds": args.rounds, "order": args.configs, "machine": facts,
+        "admit_window_ms": args.admit_window_ms, "neighbour": str(args.neighbour or ""), "rounds": args.rounds,
+        "order": args.configs, "machine": facts,
         **report})
     return 0
 

@@ -264,7 +264,8 @@ def main() -> None:
     traces = {c: [read_jsonl(p) for p in ps] for c, ps in paths.items()}
     half = args.runs // 2
     train = [t for ts in traces.values() for t in ts[:half]]
-    nets = {"shipped (random series)": shared_net(str(DEFAULT_WEIGHTS)), "tuned, real series": fine_tune(train, "recorded"),
+    nets = {"shipped (random series)": shared_net(str(DEFAULT_WEIGHTS)),
+            "tuned, real series": fine_tune(train, "recorded"),
             "tuned, random series": fine_tune(train, "random")}
     results = {}
     for condition, ts in traces.items():

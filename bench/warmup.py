@@ -60,8 +60,10 @@ def measure(model: Path, policy: str, requests: int, max_tokens: int, warm: bool
         proc.wait(120)
     hits, misses = sum(r["expert_hits"] for r in rows), sum(r["expert_misses"] for r in rows)
     first = rows[0]["expert_hits"] / (rows[0]["expert_hits"] + rows[0]["expert_misses"])
-    return {"config": "warm-up then serve" if warm else "cold start", "requests": len(rows), "hit_rate": hits / (hits + misses),
-            "first_request_hit_rate": first, "per_request_hit_rate": [r["expert_hits"] / (r["expert_hits"] + r["expert_misses"])
+    return {"config": "warm-up then serve" if warm else "cold start", "requests": len(rows),
+            "hit_rate": hits / (hits + misses),
+            "first_request_hit_rate": first,
+            "per_request_hit_rate": [r["expert_hits"] / (r["expert_hits"] + r["expert_misses"])
                                                                      for r in rows],
             "mean_latency_s": sum(r["latency_s"] for r in rows) / len(rows), "warmup_s": warmup_s,
             "bytes_read": sum(r["bytes_read"] for r in rows)}
@@ -70,7 +72,8 @@ def measure(model: Path, policy: str, requests: int, max_tokens: int, warm: bool
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=ROOT / "data" / "demo")
-    ap.add_argument("--requests", type=count, default=8, choices=range(1, len(PROMPTS) + 1), metavar=f"1..{len(PROMPTS)}")
+    ap.add_argument("--requests", type=count, default=8, choices=range(1, len(PROMPTS) + 1),
+                    metavar=f"1..{len(PROMPTS)}")
     ap.add_argument("--max-tokens", type=count, default=8)
     ap.add_argument("--policy", default="lru")
     args = ap.parse_args()
@@ -79,7 +82,8 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     results = [measure(args.model, args.policy, args.requests, args.max_tokens, warm, logs) for warm in (False, True)]
     cold, warm = results
-    head = f"{'config':<20} {'req':>4} {'hit rate':>9} {'1st req hit':>11} {'mean lat s':>10} {'GB read':>8} {'warm-up s':>9}"
+    head = (f"{'config':<20} {'req':>4} {'hit rate':>9} {'1st req hit':>11} {'mean lat s':>10} {'GB read':>8} "
+            f"{'warm-up s':>9}")
     print(head + "\n" + "-" * len(head))
     for r in results:
         print(f"{r['config']:<20} {r['requests']:>4} {r['hit_rate']:>9.3f} {r['first_request_hit_rate']:>11.3f} "

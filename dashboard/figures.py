@@ -28,7 +28,8 @@ LEGEND_CHAR_PX = 5.6       # a legend character at plotly's default font, as Chr
 TICK_CHAR_PX = 5.5         # a y tick label character, its unit included (5.3)
 ENTRY_SYMBOL_PX = 44       # a legend entry's symbol and gap before its text (40), and a little slack
 LABEL_CHAR_PX = 5.0        # a threshold label character at its font size (4.6)
-PLOT_PX = 180             # about the plot area's height (HEIGHT less title, ticks and legend), to place threshold labels
+PLOT_PX = 180             # about the plot area's height (HEIGHT less title, ticks and legend), to place threshold
+                          # labels
 LABEL_PX = 15             # a threshold label's height at its font size
 AXIS_HEADROOM = 1.06      # plotly's autorange reaches a little over the largest value
 DASHES = ("solid", "dash", "dot", "dashdot")   # P50, P95, P99...: told apart without colour too
@@ -134,7 +135,8 @@ def _threshold_lines(thresholds: Sequence[Threshold], shown: Display,
                            y1=v * shown.factor, line=dict(color=THRESHOLD_COLOUR, width=1, dash="dash")))
         notes.append(dict(xref="x domain", x=0, xanchor="left", yref="y", y=v * shown.factor, yanchor="bottom",
                           yshift=lift, showarrow=False, hovertext=whole,
-                          text=whole if len(whole) <= fits else f"threshold {shown.text(v)}", font=dict(color=THRESHOLD_COLOUR, size=11), bgcolor=LABEL_BACKGROUND))
+                          text=whole if len(whole) <= fits else f"threshold {shown.text(v)}",
+                          font=dict(color=THRESHOLD_COLOUR, size=11), bgcolor=LABEL_BACKGROUND))
     return shapes, notes
 
 
@@ -187,7 +189,8 @@ def bar_chart(labels: Sequence[str], values: Sequence[float], title: str, unit: 
     shown = display(unit, max(values, default=0.0))
     fig = go.Figure(go.Bar(x=list(labels), y=[v * shown.factor for v in values],
                            text=[shown.text(v) for v in values],
-                           hovertemplate=f"{x_title} %{{x}}: %{{y:{shown.tick_format()}}} {shown.label}<extra></extra>"))
+                           hovertemplate=f"{x_title} %{{x}}: %{{y:{shown.tick_format()}}} {shown.label}"
+                                         "<extra></extra>"))
     fig.update_xaxes(type="category")
     fig.update_yaxes(rangemode="tozero", tickformat=shown.tick_format(), ticksuffix=f" {shown.label}")
     return fig.update_layout(_layout(title, "", x_title))

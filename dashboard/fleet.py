@@ -200,7 +200,8 @@ def alert_rows(rows: Iterable[Device]) -> list[dict[str, str]]:
     says, the rule's value and since when."""
     firing = sorted(((d.name, a) for d in rows for a in d.alerts), key=lambda p: (p[1].urgency, p[1].name, p[0]))
     return [{"severity": a.severity or MISSING, "device": name, "alert": a.name, "summary": a.summary or MISSING,
-             "value": MISSING if a.value is None else np.format_float_positional(a.value, 4, fractional=False, trim="-"),
+             "value": (MISSING if a.value is None
+                       else np.format_float_positional(a.value, 4, fractional=False, trim="-")),
              "active since": MISSING if a.active_since is None else clock(a.active_since),
              "description": a.description or MISSING} for name, a in firing]
 

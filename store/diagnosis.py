@@ -314,8 +314,8 @@ def recommend(verdict: str, facts: Facts, signals: Sequence[Signal]) -> Recommen
         if cap <= lo:
             return Recommendation(
                 f"The cache is already at its minimum ({_size(lo)}, one layer's working set): the agent needs "
-                f"more memory. Raise its memory limit{f' (now {_size(facts.cgroup_limit)})' if facts.cgroup_limit else ''}"
-                f" or run it on a larger machine.")
+                f"more memory. Raise its memory limit"
+                f"{f' (now {_size(facts.cgroup_limit)})' if facts.cgroup_limit else ''} or run it on a larger machine.")
         new = max(int(lo), _mib_floor(cap * SHRINK))
         return Recommendation(
             f"Shrink the cache cap from {_size(cap)} to {_size(new)}: its slots give {_size(cap - new)} back to the "
@@ -364,7 +364,8 @@ class Effect:
 
     @property
     def improved(self) -> bool:
-        return self.before is not None and self.after is not None and self.after <= min(self.before, self.threshold.limit)
+        return (self.before is not None and self.after is not None
+                and self.after <= min(self.before, self.threshold.limit))
 
     def sentence(self) -> str:
         th = self.threshold
@@ -386,7 +387,8 @@ def effect(db: Db, changed_at: float, until: float, series: Sequence[str]) -> li
             return None
         _, values = queries.points(db, name, lo, hi)
         return float(values.mean()) if len(values) else None
-    return [Effect(th, mean(th.series, changed_at - BEFORE_S, changed_at), mean(th.series, changed_at + SETTLE_S, until))
+    return [Effect(th, mean(th.series, changed_at - BEFORE_S, changed_at),
+                   mean(th.series, changed_at + SETTLE_S, until))
             for th in THRESHOLDS if th.series in series]
 
 
@@ -404,7 +406,8 @@ def facts(db: Db, knobs: Mapping[str, Mapping[str, Any]] | None, since: float, u
     if cap is not None:
         value, lo, hi = cap["value"], cap.get("min"), cap.get("max")
     else:
-        value, lo, hi = last("agent.cache_cap_bytes"), last("agent.cache_cap_min_bytes"), last("agent.cache_cap_max_bytes")
+        value, lo, hi = (last("agent.cache_cap_bytes"), last("agent.cache_cap_min_bytes"),
+                         last("agent.cache_cap_max_bytes"))
     others = max((most for *_, most in queries.series(db, SHARED, since, until, 1)), default=0)
     return Facts(value, lo, hi, last("cgroup.agent.limit_bytes"), last("mem.available_bytes"), int(others),
                  last("mem.total_bytes"), mean("agent.hit_rate"), mean("agent.read_bytes_per_s"))

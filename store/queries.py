@@ -5,8 +5,8 @@ Every function takes `db` first: a path to the store file, or an open connection
 can never write or lock out the writers.
 
 A store file that does not exist yet (the collector and agent have not started), or is still
-empty (a writer is creating it), is not an error: every query then returns its empty result (`[]`, `{}` or `None`). A file that exists but is not a
-FlashMoE store raises `StoreError` naming the file.
+empty (a writer is creating it), is not an error: every query then returns its empty result (`[]`, `{}` or `None`). A
+file that exists but is not a FlashMoE store raises `StoreError` naming the file.
 
 Times are Unix seconds; `since` / `until` of None mean "from the first" / "to the last" record.
 """

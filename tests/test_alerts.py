@@ -13,7 +13,8 @@ PROMTOOL = "/usr/bin/promtool"
 
 
 def promtool(*args: str, cwd: Path = EXAMPLES) -> subprocess.CompletedProcess:
-    assert shutil.which(PROMTOOL), "Debian's prometheus package (with promtool) is a test dependency (.ci/system-packages)"
+    assert shutil.which(PROMTOOL), ("Debian's prometheus package (with promtool) is a test dependency "
+                                    "(.ci/system-packages)")
     return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 

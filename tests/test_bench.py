@@ -15,8 +15,8 @@ sys.path.insert(0, str(ROOT))
 from bench import batching, common  # noqa: E402
 
 SCRIPTS = ("batching", "codec", "collector_cost", "dashboard", "decode", "loader", "online_agent", "policies",
-           "policy_cost", "prefill_gap", "prompt_bound", "quant_error", "quant_kernels", "quant_scale", "queries", "serve",
-           "warmup")
+           "policy_cost", "prefill_gap", "prompt_bound", "quant_error", "quant_kernels", "quant_scale", "queries",
+           "serve", "warmup")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -27,18 +27,18 @@ def test_bench_script_imports_and_parses_its_arguments(script):
     assert done.stdout.startswith(f"usage: {script}.py")
 
 
-@pytest.mark.parametrize(("script", "args", "says"), [("decode", ["--tokens", "0"], "--tokens: must be at least 1, got 0"),
-                                                      ("warmup", ["--max-tokens", "x"], "expected a whole number, got 'x'"),
-                                                      ("serve", ["--rounds", "0"], "--rounds: must be at least 1, got 0"),
-                                                      ("scale", ["--threads", "0"], "--threads: must be at least 1, got 0"),
-                                                      ("quant_scale", ["--tokens", "0"], "--tokens: must be at least 1"),
-                                                      ("batching", ["--results", "../../x"], "expected a file name"),
-                                                      ("batching", ["--batches", "1,a"], "got 'a'"),
-                                                      ("quant_kernels", ["--tokens", "1,x"], "got 'x'"),
-                                                      ("quant_kernels", ["--threads", "0"], "--threads: must be at least 1"),
-                                                      ("quant_error", ["--tokens", "4", "--prefill", "8"],
-                                                       "--prefill 8 is more than --tokens 4"),
-                                                      ("policies", ["--results", ""], "expected a file name")])
+@pytest.mark.parametrize(("script", "args", "says"), [
+    ("decode", ["--tokens", "0"], "--tokens: must be at least 1, got 0"),
+    ("warmup", ["--max-tokens", "x"], "expected a whole number, got 'x'"),
+    ("serve", ["--rounds", "0"], "--rounds: must be at least 1, got 0"),
+    ("scale", ["--threads", "0"], "--threads: must be at least 1, got 0"),
+    ("quant_scale", ["--tokens", "0"], "--tokens: must be at least 1"),
+    ("batching", ["--results", "../../x"], "expected a file name"),
+    ("batching", ["--batches", "1,a"], "got 'a'"),
+    ("quant_kernels", ["--tokens", "1,x"], "got 'x'"),
+    ("quant_kernels", ["--threads", "0"], "--threads: must be at least 1"),
+    ("quant_error", ["--tokens", "4", "--prefill", "8"], "--prefill 8 is more than --tokens 4"),
+    ("policies", ["--results", ""], "expected a file name")])
 def test_a_bad_count_is_one_usage_line_not_a_traceback(script, args, says):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

@@ -29,7 +29,8 @@ def shaped(tmp_path_factory) -> tuple[Path, list[Path]]:
     tmp = tmp_path_factory.mktemp("scale")
     config = {**tiny("olmoe-1b-7b"), "num_experts_per_tok": 2}
     convert(write_checkpoint(config, tmp / "hf"), tmp / "store", quantize=None)
-    sets = [[sorted({(t + l) % 16, (5 * t + 3 * l + 1) % 16} | {(t + 9) % 16})[:2] for l in range(2)] for t in range(64)]
+    sets = [[sorted({(t + l) % 16, (5 * t + 3 * l + 1) % 16} | {(t + 9) % 16})[:2] for l in range(2)]
+            for t in range(64)]
     return tmp / "store", [write_trace(tmp / "trace.jsonl", sets, layers=2, top_k=2, n_experts=16)]
 
 
@@ -72,7 +73,8 @@ def test_summary_takes_medians_and_ratios_within_rounds():
     def run(config, tok_s):
         return {"config": config, "decode_tok_s": tok_s, "limit_tok_s": 2.0, "mb_per_token": 10.0, "hit_rate": 0.5,
                 "peak_rss_bytes": 1, "cgroup_peak_bytes": 2, "profile_ms": {"wait": tok_s}, "io_busy": tok_s / 8}
-    rounds = [{"raw_mb_s": r, "compute_tok_s": 3.0, "compute_tok_s_torch_linear": 1.0, "runs": [run("a: x", 1.0 * r), run("c: y", 0.25 * r)]}
+    rounds = [{"raw_mb_s": r, "compute_tok_s": 3.0, "compute_tok_s_torch_linear": 1.0,
+               "runs": [run("a: x", 1.0 * r), run("c: y", 0.25 * r)]}
               for r in (1, 2, 4)]
     s = scale.summarize(rounds)
     assert s["configs"]["a: x"]["decode_tok_s"] == 2.0 and s["configs"]["a: x"]["of_limit"] == 1.0

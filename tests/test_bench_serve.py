@@ -43,7 +43,8 @@ def test_ratios_pair_configurations_within_a_round():
 def test_runs_on_the_reference_store_are_more_ratios_when_every_round_ran_them():
     runs = [run("a: x", n, [1.0]) for n in (0, 1)] + [run("b: y", n, [2.0]) for n in (0, 1)] + \
            [run("c: z", n, [4.0]) for n in (0, 1)] + [run("C: z, --reference", 0, [5.0]),
-                                                      run("C: z, --reference", 1, [2.0]), run("A: x, --reference", 0, [4.0])]
+                                                      run("C: z, --reference", 1, [2.0]),
+                                                      run("A: x, --reference", 0, [4.0])]
     r = round_ratios(runs)
     assert r["p99_a_over_C"]["per_round"] == [0.2, 0.5]
     assert "p99_a_over_A" not in r                          # A lost in one round: no median of one kind

@@ -185,16 +185,19 @@ CUT = """() => {
   }
   for (const plot of main.querySelectorAll('.js-plotly-plot')) {
     const box = plot.getBoundingClientRect();
-    for (const t of plot.querySelectorAll('.gtitle, .xtitle, .ytitle, .annotation-text, .xtick text, .ytick text, .cbtitle text, .colorbar text')) {
+    for (const t of plot.querySelectorAll('.gtitle, .xtitle, .ytitle, .annotation-text, .xtick text, .ytick text, '
+                                          + '.cbtitle text, .colorbar text')) {
       const r = t.getBoundingClientRect();
       if (r.width && (r.left < box.left - 1 || r.right > box.right + 1)) cut.add('chart: ' + t.textContent);
     }
     const bg = plot.querySelector('.legend .bg');
     const items = [...plot.querySelectorAll('.legend .traces')].map(g => ({g, t: g.querySelector('.legendtext')}))
-      .filter(x => x.t).map(x => ({name: x.t.textContent, text: x.t.getBoundingClientRect(), item: x.g.getBoundingClientRect()}));
+      .filter(x => x.t)
+      .map(x => ({name: x.t.textContent, text: x.t.getBoundingClientRect(), item: x.g.getBoundingClientRect()}));
     const right = bg ? bg.getBoundingClientRect().right : box.right;
     for (const a of items) {
-      const next = items.filter(b => Math.abs(b.item.top - a.item.top) < 3 && b.item.left > a.item.left + 1).map(b => b.item.left);
+      const next = items.filter(b => Math.abs(b.item.top - a.item.top) < 3 && b.item.left > a.item.left + 1)
+        .map(b => b.item.left);
       const limit = Math.min(right, ...next);
       if (a.text.right > limit + 1) cut.add('legend: ' + a.name);
     }

@@ -1,6 +1,6 @@
 """ExpertCache under batching: a step's union larger than a partition, resident-first order, sliding
-reads, the order a step that fits is used in, and a lookahead prefetch that waits for the step's own reads and never evicts what the
-step will hit."""
+reads, the order a step that fits is used in, and a lookahead prefetch that waits for the step's own reads and never
+evicts what the step will hit."""
 from __future__ import annotations
 
 import random

@@ -306,8 +306,8 @@ def test_the_agents_disk_reads_are_split_and_the_other_reader_is_named_not_the_s
     theirs = tmp_path / "other.bin"
     subprocess.run(["dd", "if=/dev/zero", f"of={theirs}", "bs=1M", "count=64", "conv=fsync"], check=True,
                    capture_output=True)
-    db, disk, _ = collected_beside(tmp_path, ["sh", "-c", f"while :; do dd if={theirs} of=/dev/null bs=1M iflag=direct; "
-                                                          f"done"])
+    loop = f"while :; do dd if={theirs} of=/dev/null bs=1M iflag=direct; done"
+    db, disk, _ = collected_beside(tmp_path, ["sh", "-c", loop])
     others = queries.points(db, f"io.{disk}.others_read_bytes_per_s")[1]
     mine = queries.points(db, f"io.{disk}.agent_read_bytes_per_s")[1]
     assert others.max() > samplers.READER_FLOOR and mine.max() > 0

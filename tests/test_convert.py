@@ -233,9 +233,12 @@ def test_config_with_fewer_layers_than_the_tensors(tmp_path):
 
 # A wrong type anywhere in config.json is one line naming the field, never a traceback.
 BAD_CONFIG_FIELDS = [("hidden_size", "32", "a positive integer"), ("hidden_size", True, "a positive integer"),
-                     ("num_hidden_layers", 2.5, "an integer from 1 to 65536"), ("num_hidden_layers", 10**9, "an integer from 1"), ("num_experts", 0, "a positive integer"),
-                     ("num_attention_heads", 0, "a positive integer"), ("num_experts_per_tok", -1, "a positive integer"),
-                     ("rms_norm_eps", "x", "a positive finite number"), ("rms_norm_eps", None, "a positive finite number"),
+                     ("num_hidden_layers", 2.5, "an integer from 1 to 65536"),
+                     ("num_hidden_layers", 10**9, "an integer from 1"), ("num_experts", 0, "a positive integer"),
+                     ("num_attention_heads", 0, "a positive integer"),
+                     ("num_experts_per_tok", -1, "a positive integer"),
+                     ("rms_norm_eps", "x", "a positive finite number"),
+                     ("rms_norm_eps", None, "a positive finite number"),
                      ("rms_norm_eps", float("nan"), "a positive finite number"),
                      ("rope_theta", [1], "a positive finite number"), ("norm_topk_prob", "yes", "true or false"),
                      ("eos_token_id", "x", "a token id"), ("clip_qkv", float("inf"), "a positive finite number"),

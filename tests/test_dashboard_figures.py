@@ -58,9 +58,11 @@ def test_time_chart_shows_bytes_in_one_binary_unit_with_units_in_ticks_and_toolt
 
 
 def test_time_chart_draws_thresholds_and_marks_knob_changes_in_range():
-    markers = [figures.Marker(T + 30, "cache_cap_bytes: 4.0 GiB → 3.0 GiB (dashboard)"), figures.Marker(T - 99, "old")]
+    markers = [figures.Marker(T + 30, "cache_cap_bytes: 4.0 GiB → 3.0 GiB (dashboard)"),
+               figures.Marker(T - 99, "old")]
     fig = figures.time_chart({"agent": ROWS}, "faults", "faults/s", T, T + 60, markers,
-                             [figures.Threshold(50.0, "agent major faults"), figures.Threshold(50.0, "cgroup major faults"),
+                             [figures.Threshold(50.0, "agent major faults"),
+                              figures.Threshold(50.0, "cgroup major faults"),
                               figures.Threshold(80.0, "other")], bands=False)
     line, notes = fig.data
     assert notes.name == "knob changes" and list(notes.hovertext) == [markers[0].text]

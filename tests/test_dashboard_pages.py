@@ -99,7 +99,8 @@ def test_overview_shows_latest_values_latency_tail_and_processes(monkeypatch, of
     last = SPAN_S - 1
     shown = metrics(at)
     # the mean of the last 10 s: the agent's latest 1 s sample alone read 0 while a step took longer
-    assert shown["Tokens/s (last 10 s)"] == f"{tokens_now(last):.1f} tokens/s" != f"{synthetic.tokens_per_s(last):.1f} tokens/s"
+    assert (shown["Tokens/s (last 10 s)"] == f"{tokens_now(last):.1f} tokens/s"
+            != f"{synthetic.tokens_per_s(last):.1f} tokens/s")
     # per sample: hits 10+11+12+13 = 46, misses 10+9+8+7 = 34 (the same on every page)
     assert shown["Hit rate (last 1 min)"] == f"{100 * 46 / 80:.1f} %"
     assert shown["Requests"] == str(SPAN_S // 10)
@@ -214,7 +215,8 @@ def evidence(at: AppTest) -> dict[str, dict]:
 
 def test_memory_page_healthy_states_every_signal_against_its_threshold(monkeypatch, offline, db):
     at = open_page(monkeypatch, db, "memory")
-    assert set(figures(at)) == {"Agent memory", "Major faults", "Workingset refaults", "Memory pressure stall (PSI avg10)",
+    assert set(figures(at)) == {"Agent memory", "Major faults", "Workingset refaults",
+                                "Memory pressure stall (PSI avg10)",
                                 "Expert lookups re-reading a block the cache evicted"}
     assert "Healthy" in texts(at.success)
     rows = evidence(at)
@@ -357,7 +359,8 @@ def test_overview_says_how_much_telemetry_was_lost(monkeypatch, offline, db, tmp
     lossy = fill(tmp_path / "lossy.db")
     with sqlite3.connect(lossy) as conn:         # as a writer counts what a full disk made it drop
         record_lost(conn, 1234, 5)
-    assert "Telemetry lost to store write failures: 1,234 points and 5 rows" in texts(open_page(monkeypatch, lossy).warning)
+    warnings = texts(open_page(monkeypatch, lossy).warning)
+    assert "Telemetry lost to store write failures: 1,234 points and 5 rows" in warnings
 
 
 def test_overview_and_memory_page_say_how_many_samples_the_collector_missed(monkeypatch, offline, db, tmp_path):

@@ -109,7 +109,8 @@ def hf_demo(demo) -> OlmoeForCausalLM:
     experts = InMemoryExperts(demo)
     for layer in range(model.config.num_hidden_layers):
         blocks = [experts.get(layer, e) for e in range(N_EXPERTS)]
-        state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([b.gate, b.up]) for b in blocks])
+        state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([b.gate, b.up])
+                                                                               for b in blocks])
         state[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack([b.down for b in blocks])
     model.load_state_dict(state, strict=True)
     return model

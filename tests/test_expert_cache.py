@@ -451,7 +451,8 @@ class Recorder(Policy):
 
 def test_measured_read_latency_and_memory_pressure_reach_the_policy(store, monkeypatch, tmp_path):
     monkeypatch.setattr(cache_module, "SYSTEM_SAMPLE_INTERVAL_S", 0.0)
-    (tmp_path / "memory").write_text("some avg10=25.00 avg60=0 avg300=0 total=1\nfull avg10=0 avg60=0 avg300=0 total=0\n")
+    (tmp_path / "memory").write_text("some avg10=25.00 avg60=0 avg300=0 total=1\n"
+                                     "full avg10=0 avg60=0 avg300=0 total=0\n")
     monitor = SystemSampler(psi_root=tmp_path)
     with ExpertCache(store, slots(store, LAYERS * 2), policy="test-recorder", scope="global", monitor=monitor) as cache:
         step(cache, 0, [0])
@@ -467,8 +468,10 @@ def test_a_resize_goes_ahead_while_the_learned_policys_system_tower_runs(store, 
     fault back in for tens of seconds a call (the squeeze scenario in test_thrash_scenarios), so it must
     not run under the cache's lock, which a resize from the HTTP thread waits for."""
     monkeypatch.setattr(cache_module, "SYSTEM_SAMPLE_INTERVAL_S", 0.0)  # a new sample at every route()
-    (tmp_path / "memory").write_text("some avg10=37.00 avg60=0 avg300=0 total=1\nfull avg10=0 avg60=0 avg300=0 total=0\n")
-    with ExpertCache(store, slots(store, LAYERS * 4), policy="flashmoe", monitor=SystemSampler(psi_root=tmp_path)) as cache:
+    (tmp_path / "memory").write_text("some avg10=37.00 avg60=0 avg300=0 total=1\n"
+                                     "full avg10=0 avg60=0 avg300=0 total=0\n")
+    with ExpertCache(store, slots(store, LAYERS * 4), policy="flashmoe",
+                     monitor=SystemSampler(psi_root=tmp_path)) as cache:
         tower = cache._residency._parts[0].policy.scorer.shared.net.system
         resized_meanwhile = []
 

@@ -26,7 +26,8 @@ from playwright.sync_api import expect, sync_playwright
 from streamlit import config
 from streamlit.testing.v1 import AppTest
 
-from agents import CLI, ROOT, Agent, Prometheus, demo_model, free_port, spawn, start_agent, start_prometheus, stop, wait_http
+from agents import (CLI, ROOT, Agent, Prometheus, demo_model, free_port, spawn, start_agent, start_prometheus, stop,
+                    wait_http)
 from dashboard import fleet
 from dashboard.agent_client import TOKEN_ENV
 from test_browser import CHROMIUM, CHROMIUM_ARGS, RENDER_TIMEOUT_MS, picture
@@ -114,7 +115,8 @@ def test_fleet_page_shows_every_device_and_pushes_to_the_two_chosen(real_fleet, 
                        "--server.port", str(port), "--server.address", "127.0.0.1",
                        "--browser.gatherUsageStats", "false"], log,
                       env={"FLASHMOE_PROMETHEUS_URL": real_fleet.prometheus.url,
-                           "FLASHMOE_FLEET_TOKENS": str(real_fleet.tokens_file), "FLASHMOE_DB": str(tmp_path / "none.db")})
+                           "FLASHMOE_FLEET_TOKENS": str(real_fleet.tokens_file),
+                           "FLASHMOE_DB": str(tmp_path / "none.db")})
     before = {name: knob(agent, "max_batch_size") for name, agent in real_fleet.agents.items()}
     new = before["edge-a"] - 1
     try:
@@ -252,7 +254,8 @@ def test_devices_joins_targets_figures_alerts_and_memory_by_device_name():
          "summary": "FlashMoESSDMediaErrors summary", "value": "0.25", "active since": "2026-12-01 10:00:00 UTC",
          "description": "FlashMoESSDMediaErrors description"},
         *({"severity": "warning", "device": "edge-b", "alert": name, "summary": f"{name} summary", "value": "0.25",
-           "active since": "2026-12-01 10:00:00 UTC", "description": f"{name} description"} for name in (THRASH, PRESSURE))]
+           "active since": "2026-12-01 10:00:00 UTC", "description": f"{name} description"}
+          for name in (THRASH, PRESSURE))]
 
 
 def test_an_alert_without_severity_annotations_or_a_number_reads_as_missing_not_none():

@@ -27,7 +27,8 @@ def test_shapes_follow_the_checkpoint(arch):
 
 
 def test_architecture_switches():
-    olmoe, qwen3, qwen2, mixtral = (MoEConfig.from_hf(hf_json(a)) for a in ("olmoe", "qwen3_moe", "qwen2_moe", "mixtral"))
+    olmoe, qwen3, qwen2, mixtral = (MoEConfig.from_hf(hf_json(a))
+                                    for a in ("olmoe", "qwen3_moe", "qwen2_moe", "mixtral"))
     assert (olmoe.qk_norm, qwen3.qk_norm, qwen2.qk_norm, mixtral.qk_norm) == ("full", "head", None, None)
     assert qwen2.qkv_bias and not qwen2.o_bias and not olmoe.qkv_bias
     assert qwen2.shared_expert_dim == 40 and olmoe.shared_expert_dim == qwen3.shared_expert_dim == 0
@@ -44,7 +45,8 @@ def test_router_and_bias_flags_are_read():
 
 def test_sliding_windows_per_layer():
     assert MoEConfig.from_hf(hf_json("mixtral", sliding_window=7)).sliding_window == (7, 7)
-    assert MoEConfig.from_hf(hf_json("qwen3_moe", use_sliding_window=False, sliding_window=7)).sliding_window == (None, None)
+    unused = MoEConfig.from_hf(hf_json("qwen3_moe", use_sliding_window=False, sliding_window=7))
+    assert unused.sliding_window == (None, None)
     assert MoEConfig.from_hf(hf_json("qwen3_moe", use_sliding_window=True, sliding_window=7)).sliding_window == (7, 7)
     # Qwen2-MoE: even-numbered layers below max_window_layers slide, as transformers' layer_types says.
     qwen2 = MoEConfig.from_hf(hf_json("qwen2_moe", use_sliding_window=True, sliding_window=7, max_window_layers=1))

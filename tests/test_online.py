@@ -166,7 +166,8 @@ def test_labels_within_sessions_stop_at_the_session_end():
     at_step_0 = LiveDecision(2, [(0, 0), (0, 2), (0, 4)], *zeros)
     assert label_live(trace, [at_step_0], 0).distance[0, :3].tolist() == [2, 0, 6]
     assert label_live(trace, [at_step_0], 0, within_sessions=True).distance[0, :3].tolist() == [2, 0, 2]
-    window, session = (collect(trace, 2, "lru", 100, np.random.default_rng(0), within_sessions=w) for w in (False, True))
+    window, session = (collect(trace, 2, "lru", 100, np.random.default_rng(0), within_sessions=w)
+                       for w in (False, True))
     assert (window.mask == session.mask).all()  # the same decisions (all of them), labelled two ways
     assert (session.distance <= window.distance).all() and (session.distance < window.distance).any()
     assert session_ends(trace).tolist() == [4, 4, 4, 4, 8, 8, 8, 8]
@@ -199,13 +200,15 @@ def test_a_learning_cache_records_a_share_of_its_own_evictions(qwen):
     recorded = list(learner._window.live)
     assert 0.18 * evictions < len(recorded) < 0.32 * evictions
     assert all(1 < len(d.keys) <= 16 and d.signature.shape == (len(d.keys), 32) for d in recorded)
-    assert [d.position for d in recorded] == sorted(d.position for d in recorded) and recorded[-1].position <= learner.accesses
+    assert [d.position for d in recorded] == sorted(d.position for d in recorded)
+    assert recorded[-1].position <= learner.accesses
 
 
 @pytest.mark.parametrize("options, message", [
     ({"window": 0}, "window"), ({"lr": float("nan")}, "lr"), ({"anchor": -1.0}, "anchor"),
     ({"warmup": 512}, "warmup"), ({"every": -3}, "every"), ({"live": 1.5}, "live"),
-    ({"drivers": ("oracle",)}, "drivers"), ({"holdout": 500}, "holdout"), ({"drivers": (), "live": 0.0}, "something to learn from"),
+    ({"drivers": ("oracle",)}, "drivers"), ({"holdout": 500}, "holdout"),
+    ({"drivers": (), "live": 0.0}, "something to learn from"),
 ])
 def test_bad_settings_are_clear_errors(options, message):
     with pytest.raises(ValueError, match=message):

@@ -36,7 +36,8 @@ def runtime(tmp_path_factory, tmp_path):
 
 def complete(runtime: Runtime, tokens: int) -> None:
     done = threading.Event()
-    runtime.submit(Request(f"r{time.monotonic()}", [5, 6, 7, 8], tokens, 1.0, lambda e: e.kind != "token" and done.set()))
+    runtime.submit(Request(f"r{time.monotonic()}", [5, 6, 7, 8], tokens, 1.0,
+                           lambda e: e.kind != "token" and done.set()))
     assert done.wait(120)
 
 

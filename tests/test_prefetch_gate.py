@@ -50,7 +50,8 @@ def test_hysteresis_resumes_only_clear_of_the_break_even():
 
 def test_evicting_blocks_the_policy_wants_back_more_than_a_miss_does_raises_the_break_even():
     gate = PrefetchGate()
-    for by_prefetch, back in ((True, 3), (False, 1)):    # 3 of 4 read back after a prefetch evicted them, 1 of 4 after a miss
+    # 3 of 4 read back after a prefetch evicted them, 1 of 4 after a miss
+    for by_prefetch, back in ((True, 3), (False, 1)):
         for n in range(4):
             gate.evicted(by_prefetch)
             if n < back:
@@ -134,7 +135,8 @@ def unpredictable(n: int) -> list[list[list[int]]]:
 
 def run(store: Path, trace: Path, mode: str, capsys) -> dict:
     assert cli(["generate", "--model", str(store), "--prompt-ids", "3,1,4", "--max-new-tokens", str(TOKENS),
-                "--greedy", "--cache-cap", slot_cap(store, TOP_K), "--prefetch", mode, "--route-trace", str(trace), "--json"]) == 0
+                "--greedy", "--cache-cap", slot_cap(store, TOP_K), "--prefetch", mode, "--route-trace", str(trace),
+                "--json"]) == 0
     return json.loads(capsys.readouterr().out)["stats"]
 
 

@@ -71,7 +71,8 @@ def batched_replay(name: str, policy: str, ascending: bool = False) -> tuple[int
     trace = batched(load(TRACES / f"{name}.jsonl"), batch=8, tokens=12, waves=4)
     residency, _ = cache_for(trace, policy, 0.25)
     predictor = CoActivation(trace.n_layers, trace.n_experts)
-    replay(trace, residency, SystemReplay.synthetic(), lookahead=Lookahead(Ascending(predictor) if ascending else predictor))
+    replay(trace, residency, SystemReplay.synthetic(),
+           lookahead=Lookahead(Ascending(predictor) if ascending else predictor))
     s = residency.stats
     return (sum(x.hits for x in s), sum(x.misses for x in s), sum(x.prefetches for x in s),
             sum(x.prefetch_hits for x in s))
@@ -99,6 +100,7 @@ def test_the_bench_splits_a_tiny_burst_s_disk_idle_and_counts_both_guesses(tmp_p
     trace = write_trace(tmp_path / "t.jsonl", records(64))
     runs = {v: burst(tmp_path / "store", [trace], 3, "lru", v, cap="50%") for v in VARIANTS}
     for run in runs.values():
-        assert run["decode_steps"] == max(c[0]["max_tokens"] for c in request_mix(3, 1)) - 1  # the first token: admission
+        # the first token: admission
+        assert run["decode_steps"] == max(c[0]["max_tokens"] for c in request_mix(3, 1)) - 1
         assert 0 <= sum(run["decode_idle_s"].values()) <= run["decode_wall_s"]
         assert run["decode_hits"] + run["decode_misses"] > 0 and run["prefetch_hits"] <= run["prefetches"]

@@ -69,7 +69,8 @@ def test_a_file_that_is_not_a_store_raises_store_error(tmp_path):
     other = tmp_path / "other.db"
     with sqlite3.connect(other) as conn:
         conn.execute("CREATE TABLE x (a)")
-    with pytest.raises(StoreError, match="other.db is not a FlashMoE store: it is an SQLite database of another application"):
+    with pytest.raises(StoreError,
+                       match="other.db is not a FlashMoE store: it is an SQLite database of another application"):
         queries.series_names(other)
 
 

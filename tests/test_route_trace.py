@@ -31,7 +31,8 @@ def store(tmp_path_factory) -> Path:
 def write_trace(path: Path, records: list[list[list[int]]], layers: int = LAYERS, top_k: int = TOP_K,
                 n_experts: int = EXPERTS) -> Path:
     meta = {"model": "test", "steps": len(records), "layers": layers, "top_k": top_k, "n_experts": n_experts}
-    lines = [json.dumps({"meta": meta})] + [json.dumps({"step": s, "routed": {str(l): sets for l, sets in enumerate(r)}})
+    lines = [json.dumps({"meta": meta})] + [json.dumps({"step": s, "routed": {str(l): sets
+                                                                              for l, sets in enumerate(r)}})
                                             for s, r in enumerate(records)]
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -34,7 +34,8 @@ TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16
 def serialize(tensors: Tensors) -> bytes:
     """The file the reference library writes for `tensors`, each tensor holding exactly its bytes."""
     def tensor(t: dict) -> torch.Tensor:
-        raw = torch.frombuffer(bytearray(t["data"]), dtype=torch.uint8) if t["data"] else torch.empty(0, dtype=torch.uint8)
+        raw = (torch.frombuffer(bytearray(t["data"]), dtype=torch.uint8) if t["data"]
+               else torch.empty(0, dtype=torch.uint8))
         return raw.view(TORCH_DTYPES[t["dtype"]]).reshape(t["shape"])
     return safetensors.torch.save({name: tensor(t) for name, t in tensors.items()})
 

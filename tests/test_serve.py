@@ -221,7 +221,8 @@ def test_metrics_and_store_get_the_same_counts(agent):
 def test_sigterm_stops_cleanly_and_knobs_are_restored_on_restart(model, tmp_path):
     first = start_agent(model, tmp_path)
     cap = first.get("/v1/knobs").json()["cache_cap_bytes"]["min"] * 3
-    assert httpx.put(first.url + "/v1/knobs", json={"cache_cap_bytes": cap, "recompute_threshold": 0.5}).status_code == 200
+    changed = httpx.put(first.url + "/v1/knobs", json={"cache_cap_bytes": cap, "recompute_threshold": 0.5})
+    assert changed.status_code == 200
     assert first.stop() == 0 and not first.pid_file.exists()
     second = start_agent(model, tmp_path, "--token", "s3cret-of-sixteen")
     try:
@@ -348,9 +349,10 @@ def test_refuses_a_public_address_without_a_token(model, tmp_path):
     assert r.returncode == 2 and "--token" in r.stderr and "FLASHMOE_TOKEN" in r.stderr
 
 
-@pytest.mark.parametrize("host, says", [("999.1.1.1", "is not an IP address: an IPv4 address is four numbers of 0 to 255"),
-                                        ("no-such-host.invalid", "is neither an IP address nor a name this box resolves"),
-                                        ("203.0.113.9", "no interface of this box has that address")])
+@pytest.mark.parametrize("host, says", [
+    ("999.1.1.1", "is not an IP address: an IPv4 address is four numbers of 0 to 255"),
+    ("no-such-host.invalid", "is neither an IP address nor a name this box resolves"),
+    ("203.0.113.9", "no interface of this box has that address")])
 def test_a_host_it_cannot_bind_is_one_line_that_says_why(model, host, says):
     """999.1.1.1 was "refusing to bind 999.1.1.1: it is not a loopback address, so control calls need a token"."""
     r = subprocess.run([*CLI, "serve", "--model", str(model), "--host", host, "--port", str(free_port())],
@@ -414,7 +416,8 @@ def test_requests_share_the_kv_budget_the_cap_counts_and_one_larger_than_it_is_r
                 status = wait_for(lambda: (s := agent.get("/v1/status").json())["queue_depth"] == 1 and s, 30,
                                   "the second request to wait")
                 assert status["batch_size"] == 1 and status["kv_budget"] == 400
-                assert 300 < status["kv_positions"] <= 400 < status["kv_positions"] + 100  # the first's; with the second's over
+                # the first's; with the second's over
+                assert 300 < status["kv_positions"] <= 400 < status["kv_positions"] + 100
                 for _ in lines:                                  # the first runs to its end...
                     pass
                 assert second.result().status_code == 200        # ...then the second runs

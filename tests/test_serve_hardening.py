@@ -124,7 +124,8 @@ def test_a_body_over_the_limit_is_refused_unread(agent, chunked):
     assert_clean_4xx(r, 413, f"limit of {body_limit(MAX_PROMPT_BYTES)} bytes")
 
 
-@pytest.mark.parametrize("path, method", [("/v1/completions", "POST"), ("/v1/knobs", "PUT"), ("/v1/cache/preload", "POST")])
+@pytest.mark.parametrize("path, method", [("/v1/completions", "POST"), ("/v1/knobs", "PUT"),
+                                          ("/v1/cache/preload", "POST")])
 @pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 100_000])
 def test_a_body_nested_too_deeply_is_refused_before_it_is_parsed_naming_the_limit(agent, path, method, depth):
     """Past ~1,000 levels Python's parser raised RecursionError: "There was an error parsing the body"."""

@@ -11,7 +11,8 @@ from agent.serve.recorder import Recorder
 from agent.serve.scheduler import RequestStats
 
 
-def cache_stats(layers: list[LayerStats], bytes_read: int, reads: int, latencies: list[float], resident: int) -> CacheStats:
+def cache_stats(layers: list[LayerStats], bytes_read: int, reads: int, latencies: list[float],
+                resident: int) -> CacheStats:
     return CacheStats(hits=sum(l.hits for l in layers), misses=sum(l.misses for l in layers), evictions=0,
                       prefetches=sum(l.prefetches for l in layers), prefetch_hits=0, bytes_read=bytes_read,
                       reads=reads, resident=resident, capacity=8, cap_bytes=8 * 4096, slot_bytes=4096,
@@ -82,11 +83,13 @@ def test_every_exposed_sample_names_the_device():
     m = Metrics(reg, n_layers=2)
     m.tick(1.0, cache_stats([LayerStats(hits=1, misses=1), LayerStats()], 4096, 1, [0.001], 1), 1, 0, 16, 3, {})
     m.knob_changes.inc()
-    families = {f.name: f for f in text_string_to_metric_families(generate_latest(DeviceLabelled(reg, "edge-01")).decode())}
+    exposed = generate_latest(DeviceLabelled(reg, "edge-01")).decode()
+    families = {f.name: f for f in text_string_to_metric_families(exposed)}
     samples = [s for f in families.values() for s in f.samples]
     assert len(samples) > 50 and all(s.labels["device_name"] == "edge-01" for s in samples)
     assert families["flashmoe_agent_info"].samples[0].value == 1
-    hits = {s.labels["layer"]: s.value for s in families["flashmoe_expert_cache_hits"].samples if s.name.endswith("_total")}
+    hits = {s.labels["layer"]: s.value for s in families["flashmoe_expert_cache_hits"].samples
+            if s.name.endswith("_total")}
     assert hits == {"0": 1.0, "1": 0.0}                      # the layer label is kept beside the device's
     assert families["flashmoe_knob_changes"].samples[0].value == 1
     assert sample(reg, "flashmoe_expert_cache_hits_total", layer="0") == 1   # the registry itself is unchanged

@@ -27,7 +27,8 @@ def runtime(tmp_path_factory, tmp_path):
 
 def test_sustained_memory_pressure_shrinks_the_cache_step_by_step_and_records_why(runtime, tmp_path):
     psi = tmp_path / "memory"
-    psi.write_text("some avg10=60.00 avg60=40.00 avg300=10.00 total=1\nfull avg10=42.00 avg60=30.00 avg300=5.00 total=1\n")
+    psi.write_text("some avg10=60.00 avg60=40.00 avg300=10.00 total=1\n"
+                   "full avg10=42.00 avg60=30.00 avg300=5.00 total=1\n")
     runtime.monitor.psi_root = tmp_path
     runtime.monitor.meminfo = tmp_path / "meminfo"     # and the machine as a whole short of memory
     runtime.monitor.meminfo.write_text("MemTotal: 8000000 kB\nMemAvailable: 240000 kB\n")

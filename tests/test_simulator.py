@@ -89,7 +89,8 @@ def test_a_recorded_trace_replays_its_own_samples_just_before_their_route(tmp_pa
     assert trace.system == {3: {"read_latency_s": 0.5}, 4: {"read_latency_s": 0.25, "mem_pressure": 0.1}}
     replay(trace, Residency(4, 2, functools.partial(HookLog, seen), "global", 1),
            SystemReplay.synthetic())  # not the synthetic series
-    assert [e for e in seen if e[0] != "session"] == [("route", 0), ("route", 1), ("route", 0), ("system", 0.5), ("route", 1),
+    assert [e for e in seen if e[0] != "session"] == [("route", 0), ("route", 1), ("route", 0), ("system", 0.5),
+                                                      ("route", 1),
                     ("system", 0.25), ("route", 0), ("route", 1)]
     lines[2]["system"] = [{"layer": 2, "read_latency_s": 0.5}]  # no layer 2 in this trace
     path.write_text("\n".join(json.dumps(line) for line in lines))

@@ -32,7 +32,8 @@ def test_a_tick_gives_ms_per_token_by_phase_from_the_interval_alone():
     stats = cache_stats([LayerStats(hits=1, misses=1)], 4096, 1, [0.001], 1)
     m.tick(1.0, stats, 1, 0, 16, 10, {}, profile={"wait": 2.0, "experts": 1.0})
     tick = m.tick(2.0, stats, 1, 0, 16, 14, {}, profile={"wait": 2.2, "experts": 1.4})   # 4 tokens in this second
-    assert tick.token_ms["token_ms_wait"] == pytest.approx(50.0) and tick.token_ms["token_ms_experts"] == pytest.approx(100.0)
+    assert tick.token_ms["token_ms_wait"] == pytest.approx(50.0)
+    assert tick.token_ms["token_ms_experts"] == pytest.approx(100.0)
     assert reg.get_sample_value("flashmoe_step_phase_seconds_total", {"phase": "wait"}) == pytest.approx(2.2)
     assert Recorder.series(tick)["agent.token_ms.experts"] == pytest.approx(100.0)
     idle = m.tick(3.0, stats, 0, 0, 16, 14, {}, profile={"wait": 2.2, "experts": 1.4})

@@ -58,7 +58,8 @@ def test_recorded_trace_with_batched_sets_and_sessions(tmp_path):
     (json.dumps({"step": 1, "routed": {"0": [1, 1], "1": [2, 3]}}), r"t\.jsonl:3: layer 0 lists an expert twice"),
     (json.dumps({"step": 1, "routed": {"0": [], "1": [2, 3]}}), r"t\.jsonl:3: layer 0 must be a non-empty list"),
     (json.dumps({"step": 1, "routed": {"0": [1, -2], "1": [2, 3]}}), r"t\.jsonl:3: layer 0 must be"),
-    (json.dumps({"step": 1, "routed": {"0": [1, 99], "1": [2, 3]}}), r"t\.jsonl:3: layer 0 expert id 99 is out of range for n_experts=8"),
+    (json.dumps({"step": 1, "routed": {"0": [1, 99], "1": [2, 3]}}),
+     r"t\.jsonl:3: layer 0 expert id 99 is out of range for n_experts=8"),
 ])
 def test_malformed_jsonl_names_file_and_line(tmp_path, line, message):
     p = tmp_path / "t.jsonl"

@@ -92,7 +92,8 @@ def test_pairwise_loss_prefers_scores_ordered_by_next_use():
 def test_spread_sessions_keeps_whole_sessions_in_order(tmp_path):
     lines = (TRACES / "olmoe_prose.jsonl").read_text().splitlines()
     sessions = tmp_path / "three_sessions.jsonl"  # 3 sessions of 20 tokens, as the runtime records them
-    sessions.write_text("\n".join([lines[0]] + [l[:-1] + f', "session": {i // 20}}}' for i, l in enumerate(lines[1:61])]))
+    sessions.write_text("\n".join([lines[0]] + [l[:-1] + f', "session": {i // 20}}}'
+                                                for i, l in enumerate(lines[1:61])]))
     trace = load_trace(sessions)
     small = spread_sessions(trace, 45)
     assert small.n_tokens == 40 and small.session_starts.tolist() == [0, 20]

@@ -112,7 +112,8 @@ def test_the_token_is_taken_as_serve_takes_it_and_on_the_command_line_with_a_war
         agent.stop()
     assert by_flag.returncode == by_file.returncode == by_shared_file.returncode == 0, by_flag.stderr + by_file.stderr
     assert "every user of this box can read in `ps`; set FLASHMOE_TOKEN or pass --token-file" in by_flag.stderr
-    assert "WARNING" not in by_file.stderr and f"--token-file {shared} is readable by other users" in by_shared_file.stderr
+    assert "WARNING" not in by_file.stderr
+    assert f"--token-file {shared} is readable by other users" in by_shared_file.stderr
     assert unreadable.returncode == 2 and unreadable.stderr.splitlines()[-1].endswith(
         f"cannot read --token-file {tmp_path / 'absent'}: No such file or directory; give a file holding the token "
         f"on its first line"), unreadable.stderr

@@ -139,7 +139,8 @@ class Metrics:
         self.requests = Counter("flashmoe_requests", "finished requests", registry=registry)
         self.tokens = Counter("flashmoe_generated_tokens", "generated tokens", registry=registry)
         self.batch_size = Gauge("flashmoe_batch_size", "requests in the running batch", registry=registry)
-        self.batch_limit = Gauge("flashmoe_batch_limit", "most requests stepped together (the knob max_batch_size)", registry=registry)
+        self.batch_limit = Gauge("flashmoe_batch_limit", "most requests stepped together (the knob max_batch_size)",
+                                 registry=registry)
         self.queue_depth = Gauge("flashmoe_queue_depth", "requests waiting to join the batch", registry=registry)
         self.cache_bytes = Gauge("flashmoe_cache_bytes", "bytes of experts resident in the cache", registry=registry)
         self.cap_bytes = Gauge("flashmoe_cache_cap_bytes", "expert cache cap", registry=registry)
@@ -150,7 +151,8 @@ class Metrics:
         self.hit_ratio = Gauge("flashmoe_expert_cache_hit_ratio",
                                f"expert cache hit ratio over the last {RECENT_TICKS} s", registry=registry)
         self.prefetch_issuing = Gauge("flashmoe_prefetch_issuing", "1 while lookahead prefetch reads are issued, "
-                                      "0 while adaptive prefetch holds them back (or prefetch is off)", registry=registry)
+                                      "0 while adaptive prefetch holds them back (or prefetch is off)",
+                                      registry=registry)
         self.prefetch_guess_accuracy = Gauge("flashmoe_prefetch_guess_accuracy", "share of the lookahead's recent "
                                              "guessed reads its layer then used, issued or not: what adaptive "
                                              "prefetch judges", registry=registry)

@@ -2,8 +2,8 @@
 
 The HTTP routes (agent.serve.app) only call the methods here. A one-second ticker thread turns the
 counters into a Tick (metrics, store), takes a monitoring sample (agent.monitor, the one the
-cache's policy sees too) and runs the memory guard on it. Knob changes are applied on the scheduler thread between two steps, so a shrink
-never frees a slot the running step still reads.
+cache's policy sees too) and runs the memory guard on it. Knob changes are applied on the scheduler thread between two
+steps, so a shrink never frees a slot the running step still reads.
 """
 from __future__ import annotations
 

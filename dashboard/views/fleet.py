@@ -20,7 +20,8 @@ def snapshot(url: str) -> fleet.Snapshot:
 def table(rows: list[fleet.Device]) -> pd.DataFrame:
     return pd.DataFrame([{
         "device": d.name, "agent": "up" if d.up else "down", "hit rate": d.hit_rate, "tokens/s": d.tokens_per_s,
-        "P99 latency (s)": d.p99_s, "SSD MB/s": None if d.ssd_read_bytes_per_s is None else d.ssd_read_bytes_per_s / 1e6,
+        "P99 latency (s)": d.p99_s,
+        "SSD MB/s": None if d.ssd_read_bytes_per_s is None else d.ssd_read_bytes_per_s / 1e6,
         "SSD utilisation": d.ssd_util, "memory": d.memory, "firing alerts": ", ".join(a.name for a in d.alerts),
         "dashboard": d.dashboard_url} for d in rows])
 
@@ -109,7 +110,8 @@ def current(device: str, knobs: dict[str, Any] | str, name: str) -> dict[str, st
     spec = knobs.get(name)
     if spec is None:
         return {"device": device, "now": "no such knob", "allowed": MISSING}
-    return {"device": device, "now": transforms.value_text(name, spec["value"]), "allowed": transforms.bounds_text(spec)}
+    return {"device": device, "now": transforms.value_text(name, spec["value"]),
+            "allowed": transforms.bounds_text(spec)}
 
 
 def answers(results: list[fleet.PushResult]) -> None:

@@ -29,7 +29,8 @@ CHARTS = {                    # title -> (unit, {store series: legend label})
                                                 "cgroup.agent.psi_full_avg10": "agent cgroup, full"}),
     "Expert lookups re-reading a block the cache evicted": ("fraction", {"agent.reread_rate": "share of lookups"}),
 }
-FOOTPRINT = {"mem.agent.hwm_bytes": "peak RSS", "mem.agent.rss_bytes": "RSS", "mem.agent.rss_file_bytes": "file-backed RSS",
+FOOTPRINT = {"mem.agent.hwm_bytes": "peak RSS", "mem.agent.rss_bytes": "RSS",
+             "mem.agent.rss_file_bytes": "file-backed RSS",
              "agent.cache_cap_bytes": "cache cap", "cgroup.agent.usage_bytes": "agent cgroup usage",
              "cgroup.agent.limit_bytes": "agent cgroup limit"}
 DASHED = {"peak RSS": "dash",        # drawn first and dashed, so RSS (solid, on top) is never hidden behind it
