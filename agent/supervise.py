@@ -78,7 +78,11 @@ def supervise(command: Sequence[str], give_up_after: int, fast_s: float) -> int:
     fast_runs = restarts = 0
     while True:
         started = time.monotonic()
-        child = subprocess.Popen(command)
+        try:
+            child = subprocess.Popen(command)
+        except OSError as exc:                   # no such program, not executable: no use trying again
+            log.error("cannot start %s: %s", shown, exc.strerror)
+            return 2
         if stopping.is_set():                    # asked to stop while it was being started
             child.send_signal(signal.SIGTERM)
         code = child.wait()

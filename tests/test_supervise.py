@@ -50,6 +50,13 @@ def test_a_command_that_fails_at_once_is_given_up_on_with_a_message(tmp_path):
            "last exited with status 3)" in done.stderr, done.stderr
 
 
+def test_a_command_that_cannot_start_is_one_line(tmp_path):
+    done = subprocess.run([*CLI, "supervise", "--", str(tmp_path / "nothing")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and f"cannot start {tmp_path / 'nothing'}: No such file or directory" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_the_supervisor_stops_its_command_and_then_itself(sig, tmp_path):
     child_pid, log = tmp_path / "child.pid", tmp_path / "supervise.log"
