@@ -20,7 +20,6 @@ window.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import time
@@ -41,7 +40,7 @@ TOKEN = "verdict-scenarios"
 COLD_S = 45               # the cold start judged: the agent's first 45 s of serving
 NEIGHBOUR_S = 30          # each neighbour's run, longer than SUSTAIN_S: a sustained signal would show
 THRASH_WITHIN_S = 60      # the cap dragged down to the verdict
-CALM_S = 10               # a calm disk before the O_DIRECT neighbour: two of the disk verdict's buckets...
+CALM_S = 3 * disk_diagnosis.AVERAGE_S   # a calm disk before the O_DIRECT neighbour: two whole verdict buckets...
 CALM_WITHIN_S = 60        # ...waited for this long at most
 BIG_FILE = 2048 * MIB
 REREADS = "agent.reread_rate"
@@ -106,27 +105,30 @@ def quiet(db: Path) -> None:
 
 
 def disk_quiet(db: Path) -> None:
-    """Wait up to CALM_WITHIN_S for CALM_S of the agent's disk calm as the disk verdict counts it (read and
-    written by no other process, the previous scenario's dd gone, and not busy); skip if it never comes:
-    the agent would have no calm stretch to be slowed from (the verdict says so, rightly), and dd would
-    share the blame."""
-    def calm() -> tuple[str | None, float, float]:
-        """The agent's disk, how fast others read and wrote it and how busy it was over the last CALM_S
-        (busy all along until the collector has split the disk: a scenario run first, right after the start)."""
-        since = time.time() - CALM_S
-        device = disk_diagnosis.agent_disk(db, since, time.time())
-        if device is None:
-            return None, math.inf, 1.0
-        return (device, sum(mean(db, f"io.{device}.others_{io}_bytes_per_s", since, time.time())
-                            for io in ("read", "write")), mean(db, f"block.{device}.util", since, time.time()))
+    """Wait up to CALM_WITHIN_S for the last CALM_S of the agent's disk to be calm by the disk verdict's own test
+    (`disk_diagnosis.Bucket.calm` of its buckets: the agent reading, other processes reading and writing little,
+    the previous scenario's dd gone, the device not busy); skip if it never comes: the agent would have no calm
+    stretch to be slowed from (the verdict says so, rightly), and dd would share the blame."""
+    def recent() -> tuple[str | None, list[disk_diagnosis.Bucket]]:
+        """The agent's disk and the verdict's buckets of it over the last CALM_S (none until the collector has
+        split the disk: a scenario run first, right after the start)."""
+        until = time.time()
+        device = disk_diagnosis.agent_disk(db, until - CALM_S, until)
+        grid = disk_diagnosis.Grid.over(until - CALM_S, until, disk_diagnosis.AVERAGE_S)
+        return device, [] if device is None else disk_diagnosis.buckets(db, device, grid)
+
+    def calm() -> bool:
+        cells = recent()[1]
+        return len(cells) == CALM_S / disk_diagnosis.AVERAGE_S and all(b.calm for b in cells)
     try:
-        wait_for(lambda: (c := calm())[1] < disk_diagnosis.OTHERS_FLOOR and c[2] < disk_diagnosis.BUSY_UTIL,
-                 CALM_WITHIN_S, "a calm disk")
+        wait_for(calm, CALM_WITHIN_S, "a calm disk")
     except AssertionError:
-        device, others, util = calm()
+        device, cells = recent()
         readers = sorted({r["name"] for r in queries.disk_readers(db, device, time.time() - CALM_S, time.time())})
-        pytest.skip(f"{device} was not calm for {CALM_WITHIN_S} s: others read and wrote it at "
-                    f"{others / MIB:,.0f} MiB/s ({readers}), {util:.0%} busy")
+        pytest.skip(f"{device} was not calm for {CALM_WITHIN_S} s: in its last {CALM_S:g} s others read and wrote it "
+                    f"at {[round(b.others / MIB) for b in cells]} MiB/s ({readers}), "
+                    f"{[round(b.util or 0, 2) for b in cells]} busy, the agent's reads taking "
+                    f"{[b.latency for b in cells]} s")
 
 
 def uncached_file(path: Path, size: int) -> Path:
