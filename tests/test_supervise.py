@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -15,30 +16,37 @@ import pytest
 
 from agents import CLI, START_TIMEOUT_S, demo_model, free_port, spawn, stop, wait_for, wait_http
 from machine.memory import alive, read_pid_file
+from store import queries
 
 HONCHO = str(Path(sys.executable).with_name("honcho"))
 
 
 def test_an_agent_killed_with_sigkill_comes_back_on_its_port_and_sigterm_stops_both(tmp_path_factory, tmp_path):
-    port, pid_file, log = free_port(), tmp_path / "agent.pid", tmp_path / "supervise.log"
+    """The collector beside it, as in the Procfile, keeps running and samples the new agent."""
+    port, db, pid_file, log = free_port(), tmp_path / "flashmoe.db", tmp_path / "agent.pid", tmp_path / "supervise.log"
     proc = spawn([*CLI, "supervise", "--", *CLI, "serve", "--model", str(demo_model(tmp_path_factory)),
-                  "--port", str(port), "--db", str(tmp_path / "flashmoe.db"), "--pid-file", str(pid_file)], log)
+                  "--port", str(port), "--db", str(db), "--pid-file", str(pid_file)], log)
+    collector = spawn([*CLI, "collect", "--db", str(db), "--pid-file", str(pid_file)], tmp_path / "collector.log")
     url = f"http://127.0.0.1:{port}/v1/status"
     try:
         wait_http(url, proc, log)
         first = read_pid_file(pid_file)
         assert first is not None and first != proc.pid
         os.kill(first, signal.SIGKILL)
+        killed = time.time()
         second = wait_for(lambda: (pid := read_pid_file(pid_file)) not in (None, first) and pid, START_TIMEOUT_S,
                           "a new agent's pid file")
         wait_http(url, proc, log)
         assert httpx.get(url, timeout=10).json()["experts"]
         text = log.read_text()
         assert f"(pid {first}) was killed by SIGKILL" in text and "(restart 1)" in text, text
+        wait_for(lambda: len(queries.points(db, "mem.agent.rss_bytes", killed)[0]), 60, "the new agent's RSS")
+        assert collector.poll() is None, (tmp_path / "collector.log").read_text()[-3000:]
         os.kill(proc.pid, signal.SIGTERM)          # the supervisor alone, as `kill <its pid>` would
         assert proc.wait(60) == 0, log.read_text()[-3000:]
         assert not alive(second), "the agent outlived its supervisor"
     finally:
+        stop(collector)
         stop(proc)
 
 
