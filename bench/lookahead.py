@@ -9,7 +9,8 @@ after a layer's step as the runtime does, for three guesses side by side: none; 
 counts ranked and cut at as many experts as the layer routed (the guess before agent/model/lookahead.py
 estimated chances, kept here as the baseline); and the shipped CoActivation (every expert whose
 estimated chance is at least GUESS_AT). B > 1 replays bench/batching.py's batched steps (B requests a
-step, 12 tokens each, 16 waves). Counted, not timed: a token's demand misses are what decode waits for;
+step, 12 tokens each, 16 waves); DeepSeek-V2-Lite's prompts are replayed token by token, as generate
+prefills them. Counted, not timed: a token's demand misses are what decode waits for;
 its prefetch reads cost bandwidth; both are expert reads of the same size.
 JSON: bench/results/lookahead.json (or --results NAME).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +27,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from agent.model.lookahead import CoActivation, Lookahead  # noqa: E402
 from agent.simulator import SystemReplay, cache_for, replay  # noqa: E402
-from agent.traces import Trace, load  # noqa: E402
+from agent.traces import Trace, load, parse_prompts  # noqa: E402
 from bench.batching import TRACES, batched  # noqa: E402
 from bench.common import counts, machine, results_name, write_results  # noqa: E402
 
 CAPACITY = 0.25
+PREFILL = TRACES.parent / "prefill" / "deepseek_v2_lite_puffin_0001-1000.npz"
 
 
 class TopCounts(CoActivation):
@@ -59,30 +62,41 @@ def measure(trace: Trace, policy: str, guess) -> dict:
             "reads_per_step": (misses + prefetches) / steps, "hit_rate": hits / (hits + misses)}
 
 
+def replays(args: argparse.Namespace) -> Iterator[tuple[str, int, Trace]]:
+    """(name, requests a step, trace): each decode trace at each batch size, then each prompt range."""
+    for name in args.names.split(","):
+        source = load(args.traces / f"{name}.jsonl")
+        for batch in args.batches:
+            yield name, batch, source if batch == 1 else batched(source, batch, tokens=12, waves=16)
+    for prompts in map(parse_prompts, args.prompts.split(",")):
+        yield f"prompts {prompts.start}..{prompts.stop - 1}", 1, load(args.prefill, prompts=prompts)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", type=Path, default=TRACES)
     parser.add_argument("--names", default="olmoe_code,qwen_code,olmoe_math,olmoe_dialogue,qwen_dialogue",
                         help="decode traces (validation first, then report)")
-    parser.add_argument("--batches", type=counts, default=[1, 16], help="requests a step")
+    parser.add_argument("--batches", type=counts, default=[1, 16], help="requests a step (decode traces)")
+    parser.add_argument("--prefill", type=Path, default=PREFILL,
+                        help="DeepSeek-V2-Lite's prompt routing, replayed token by token as generate prefills")
+    parser.add_argument("--prompts", default="601..800,801..1000",
+                        help="prompt ranges of --prefill (validation, report)")
     parser.add_argument("--results", type=results_name, default="lookahead")
     args = parser.parse_args()
     rows = []
-    print(f"{'trace':15s} {'B':>3s} {'policy':9s} {'guess':18s} {'demand/step':>11s} {'prefetch/step':>13s} "
+    print(f"{'trace':18s} {'B':>3s} {'policy':9s} {'guess':18s} {'demand/step':>11s} {'prefetch/step':>13s} "
           f"{'used':>5s} {'reads/step':>10s} {'hit':>6s}")
-    for name in args.names.split(","):
-        source = load(args.traces / f"{name}.jsonl")
-        for batch in args.batches:
-            trace = source if batch == 1 else batched(source, batch, tokens=12, waves=16)
-            for policy in ("flashmoe", "lru"):
-                for label, guess in GUESSES.items():
-                    row = {"trace": name, "batch": batch, "policy": policy, "guess": label,
-                           **measure(trace, policy, guess)}
-                    rows.append(row)
-                    used = f"{row['prefetch_used']:.2f}" if row["prefetch_used"] is not None else "-"
-                    print(f"{name:15s} {batch:3d} {policy:9s} {label:18s} {row['demand_misses_per_step']:11.2f} "
-                          f"{row['prefetch_reads_per_step']:13.2f} {used:>5s} {row['reads_per_step']:10.2f} "
-                          f"{row['hit_rate']:6.4f}", flush=True)
+    for name, batch, trace in replays(args):
+        for policy in ("flashmoe", "lru"):
+            for label, guess in GUESSES.items():
+                row = {"trace": name, "batch": batch, "policy": policy, "guess": label,
+                       **measure(trace, policy, guess)}
+                rows.append(row)
+                used = f"{row['prefetch_used']:.2f}" if row["prefetch_used"] is not None else "-"
+                print(f"{name:18s} {batch:3d} {policy:9s} {label:18s} {row['demand_misses_per_step']:11.2f} "
+                      f"{row['prefetch_reads_per_step']:13.2f} {used:>5s} {row['reads_per_step']:10.2f} "
+                      f"{row['hit_rate']:6.4f}", flush=True)
     write_results(args.results, {"machine": machine(), "capacity": CAPACITY, "rows": rows})
     return 0
 
