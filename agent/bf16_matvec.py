@@ -18,6 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from agent.workers import parts, split_rows
+
+# A one-token matvec this large is split by rows over the step's workers (agent/workers.py); a smaller one
+# costs less than handing half of it to another thread (bench/scale.py's compute-only runs by workers).
+SPLIT_MIN_BYTES = 4 * 2**20
+
 
 @numba.njit(cache=True, fastmath={"reassoc", "contract"}, nogil=True, boundscheck=False)
 def _matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
@@ -44,5 +50,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
                         and weight.is_contiguous()):
         return F.linear(x, weight, bias)
     out = torch.zeros(weight.shape[0]) if bias is None else bias.to(torch.float32, copy=True)  # added before rounding
-    _matvec(weight.detach().view(torch.uint16).numpy(), x[0].float().contiguous().numpy(), out.numpy())
+    w, x32, out32 = weight.detach().view(torch.uint16).numpy(), x[0].float().contiguous().numpy(), out.numpy()
+    workers = split_rows(w.shape[0]) if weight.nbytes >= SPLIT_MIN_BYTES else None
+    if workers is None:
+        _matvec(w, x32, out32)
+    else:   # each row is computed as above, by whichever worker takes its part
+        workers.each(parts(w.shape[0], workers.workers), lambda part: _matvec(w[slice(*part)], x32, out32[slice(*part)]))
     return out.to(torch.bfloat16).view(1, -1)

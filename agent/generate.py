@@ -102,7 +102,7 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
                  max_new_tokens: int = 32, greedy: bool = False, cache_cap: str = "100%", policy: str = DEFAULT_POLICY,
                  scope: str = "layer", backend: str = "direct", prefetch: str = "auto", prefill: str = "sequential",
                  record_trace: Path | None = None, seed: int = 0, route_trace: Sequence[Path] = (),
-                 int8_activations: bool = True) -> GenerateResult:
+                 int8_activations: bool = True, workers: int = 1) -> GenerateResult:
     """Generate from an expert store; the library function behind the command (same parameter names)."""
     check_mode(prefetch)
     model = Path(model)
@@ -121,7 +121,7 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
                      int8_activations=int8_activations, prefetch=prefetch) as cache:
         _check_not_truncated(model, index)
         recorder = RoutingRecorder(cache)
-        net = load_model(model, recorder, prefetch=prefetch != "off", route_trace=route_trace)
+        net = load_model(model, recorder, prefetch=prefetch != "off", route_trace=route_trace, workers=workers)
         if prefill == "batched":
             _check_batched_fits(net.config, cache.stats(), len(ids))
         prefill_steps, after_prefill = (1 if prefill == "batched" else len(ids)), []
@@ -136,6 +136,7 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
                        prefill_chunk=None if prefill == "batched" else 1, on_step=on_step)
         stats = _stats(gen, net, *after_prefill[0], cache.stats())
     stats.update(prefetch=prefetch, prefill=prefill, steps=len(recorder.records), int8_activations=int8_activations,
+                 workers=workers,
                  routing=net.route_trace.describe() if net.route_trace else "the model's router")
     result = GenerateResult(ids, gen.token_ids, tokenizer.decode(gen.token_ids), stats)
     if record_trace is not None:
@@ -231,6 +232,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=argtypes.threads, default=1,
                         help="torch intra-op threads (default 1: the expert reads and their CRC checks run on "
                         "other threads, and one token's matmuls are small)")
+    parser.add_argument("--workers", type=argtypes.threads, default=1,
+                        help="threads a decode step computes on, its own one of them: a token's experts run on "
+                        "them at once and its large matvecs are split between them (default 1)")
     parser.add_argument("--record-trace", type=Path, metavar="FILE", help="write the routing as decode-layout JSONL")
     parser.add_argument("--route-trace", type=Path, nargs="+", default=(), metavar="FILE",
                         help="take each token's experts from recorded real routing (../shared/traces; it must match "
@@ -255,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_generate(args.model, args.prompt, args.prompt_ids, args.max_new_tokens, args.greedy,
                               args.cache_cap, args.policy, args.scope, args.backend, args.prefetch, args.prefill,
-                              args.record_trace, args.seed, args.route_trace, args.int8_activations)
+                              args.record_trace, args.seed, args.route_trace, args.int8_activations, args.workers)
     except TraceNotWritten as exc:   # a full disk: the text is shown, then why its trace is not there
         _show(exc.result, args.json)
         log.error("%s; the generation above ran, its trace was not written", exc)

@@ -21,24 +21,25 @@ from agent.model.route_trace import RouteTrace
 
 
 def load_model(store_dir: Path, provider: ExpertProvider, prefetch: bool = True,
-               route_trace: Sequence[Path] = ()) -> Transformer:
+               route_trace: Sequence[Path] = (), workers: int = 1) -> Transformer:
     """Load config.json and dense.safetensors of an expert store; routed experts come from provider.
-    With route trace files, each token's experts follow them (agent/model/route_trace.py)."""
+    With route trace files, each token's experts follow them (agent/model/route_trace.py); `workers`:
+    the threads a one-token step computes on (agent/workers.py)."""
     store_dir = Path(store_dir)
     config = MoEConfig.from_file(store_dir / CONFIG)
     index = Index.load(store_dir / INDEX)
     check_index(config, index)
     trace = RouteTrace.load(route_trace, config) if route_trace else None  # a bad trace fails before the weights load
-    model = from_state(config, dense_state(config, store_dir / DENSE, index.dense_crc32), provider, prefetch)
+    model = from_state(config, dense_state(config, store_dir / DENSE, index.dense_crc32), provider, prefetch, workers)
     if trace is not None:
         model.follow(trace)
     return model
 
 
 def from_state(config: MoEConfig, state: dict[str, Tensor], provider: ExpertProvider,
-               prefetch: bool = True) -> Transformer:
+               prefetch: bool = True, workers: int = 1) -> Transformer:
     with torch.device("meta"):  # no allocation: the loaded tensors are assigned as they are
-        model = Transformer(config, provider, prefetch)
+        model = Transformer(config, provider, prefetch, workers)
     check_state(model, state)
     model.load_state_dict(state, assign=True)
     return model.eval()

@@ -28,6 +28,7 @@ from agent.model.profile import Profile
 from agent.model.rope import apply_rope, deinterleave, rope_tables
 from agent.model.route_trace import Placement, RouteTrace
 from agent.model.routed import RoutedExperts, Routing
+from agent.workers import Workers
 
 
 class Linear(nn.Linear):
@@ -277,12 +278,13 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: MoEConfig, provider: ExpertProvider, prefetch: bool = True) -> None:
+    def __init__(self, config: MoEConfig, provider: ExpertProvider, prefetch: bool = True, workers: int = 1) -> None:
+        """`workers`: the threads a one-token step computes on (agent/workers.py), its own one of them."""
         super().__init__()
         self.config = config
         store_layer = {d: i for i, d in enumerate(config.moe_layer_ids)}  # decoder layer -> store layer
-        self.lookahead, self.profile = Lookahead(RouterGuess({}), prefetch), Profile()
-        self.experts = RoutedExperts(provider, self.lookahead, self.profile)
+        self.lookahead, self.profile, self.workers = Lookahead(RouterGuess({}), prefetch), Profile(), Workers(workers)
+        self.experts = RoutedExperts(provider, self.lookahead, self.profile, self.workers)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config, i, store_layer.get(i), self.experts) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.rms_eps)
@@ -320,18 +322,19 @@ class Transformer(nn.Module):
         positions = torch.cat([torch.arange(s.pos, s.pos + s.n) for s in segments])    # [T]
         step = Step(segments, rope_tables(positions, self.config, self.dtype),
                     self._imposed_routes(batch, segments))
-        with self.profile.phase("head"):
-            x = self.embed_tokens(tokens)                                               # [T, D]
-        for block in self.layers:
-            x = block(x, step)
-        for s in segments:
-            s.seq.pos += s.n
-        with self.profile.phase("head"):
-            x = self.norm(x)
-            if all_logits:
-                return [self.lm_head(x[s.start:s.start + s.n]).float() for s in segments]
-            last = torch.tensor([s.start + s.n - 1 for s in segments])
-            return list(self.lm_head(x[last]).float())                                   # B x [V]
+        with self.workers.splitting():
+            with self.profile.phase("head"):
+                x = self.embed_tokens(tokens)                                           # [T, D]
+            for block in self.layers:
+                x = block(x, step)
+            for s in segments:
+                s.seq.pos += s.n
+            with self.profile.phase("head"):
+                x = self.norm(x)
+                if all_logits:
+                    return [self.lm_head(x[s.start:s.start + s.n]).float() for s in segments]
+                last = torch.tensor([s.start + s.n - 1 for s in segments])
+                return list(self.lm_head(x[last]).float())                               # B x [V]
 
     def _imposed_routes(self, batch: Seq[tuple[Sequence, Tensor]], segments: list[Segment]) -> Tensor | None:
         """[T, MoE layers, k] from the route trace, if any; a new sequence is placed by its first tokens."""

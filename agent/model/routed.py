@@ -6,7 +6,10 @@ is a module of the model), as gpt-fast's Mixtral separates them.
 """
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -16,6 +19,7 @@ from torch import Tensor
 from agent.experts.provider import ExpertProvider
 from agent.model.lookahead import Lookahead
 from agent.model.profile import Profile
+from agent.workers import Workers
 
 
 @dataclass
@@ -52,6 +56,7 @@ class RoutedExperts:
     provider: ExpertProvider
     lookahead: Lookahead
     profile: Profile
+    workers: Workers | None = None   # a one-token step's experts run on them at once
 
     def __call__(self, layer: int, h: Tensor, routing: Routing, residual: Tensor) -> Tensor:
         """Route the step's union to the provider, let the lookahead guess the next layer from
@@ -64,24 +69,40 @@ class RoutedExperts:
         if guess is not None:
             with self.profile.phase("route"):
                 self.provider.prefetch(*guess)
-        return run_experts(h, routing, self.provider, layer, order, self.profile)
+        return run_experts(h, routing, self.provider, layer, order, self.profile, self.workers)
 
 
 def run_experts(h: Tensor, routing: Routing, provider: ExpertProvider, layer: int, order: Sequence[int],
-                profile: Profile) -> Tensor:
+                profile: Profile, workers: Workers | None = None) -> Tensor:
     """Sum over each token's chosen experts of gate weight x SwiGLU(expert weights from the provider).
 
-    Experts are fetched in `order` (the provider's choice); their outputs are summed in ascending
-    expert order, so the result does not depend on what the cache held."""
+    Experts are fetched in `order` (the provider's choice), on `workers` at once for a one-token step
+    (each takes the next expert when it is free); their outputs are summed in ascending expert order,
+    so the result depends neither on what the cache held nor on which worker computed what. A larger
+    step stays on one thread: its union may exceed the cache's partition, whose window then frees an
+    expert's slot once get() has moved past it, which a second worker would still be computing on.
+    The profile is the model thread's: its own waits and matmuls, and its wait for the other workers
+    at the end counted as expert matmuls."""
     # index_select / index_put_ rather than h[tok] / index_add_: the latter cost ~1 ms a call on a busy CPU.
     outputs: dict[int, Tensor] = {}
-    for e in order:
+    model_thread = threading.get_ident()
+
+    def one(e: int) -> None:
+        timed = threading.get_ident() == model_thread
         tok, rank = routing.assignments[e]
-        with profile.phase("wait"):
+        with profile.phase("wait") if timed else nullcontext():
             expert = provider.get(layer, e)                            # SwiGLU of its weights, plain or int8
-        with profile.phase("experts"):
-            y = expert(h.index_select(0, tok))                         # [t, D]
-            outputs[e] = y * routing.weights[tok, rank, None]
+        with profile.phase("experts") if timed else nullcontext():
+            outputs[e] = expert(h.index_select(0, tok)) * routing.weights[tok, rank, None]  # [t, D]
+
+    if workers is None or workers.workers == 1 or h.shape[0] > 1:
+        for e in order:
+            one(e)
+    else:
+        before, start = profile.seconds["wait"] + profile.seconds["experts"], time.perf_counter()
+        workers.each(order, one)
+        joined = time.perf_counter() - start - (profile.seconds["wait"] + profile.seconds["experts"] - before)
+        profile.seconds["experts"] += joined
     with profile.phase("experts"):
         out = torch.zeros_like(h)                                      # [T, D]
         for e in sorted(outputs):

@@ -1,0 +1,98 @@
+"""The cores a model step computes on: its own thread and, with `workers` > 1, helper threads beside it.
+
+A one-token decode step is a chain of small matvecs that torch's intra-op threads split badly (two torch
+threads ran OLMoE's decode at 0.26x one thread's speed here: they busy-wait against each other and the
+cache's I/O threads). Here the parallelism is explicit and coarse instead: a layer's experts are handed
+out whole, one at a time, to whichever worker is free (agent/model/routed.py), and a large one-token
+matvec is split by rows into one part per worker (agent/bf16_matvec.py). The work runs in numba loops
+compiled nogil and in torch ops, which both release the GIL. Every worker computes its share exactly as
+one thread would, so a result does not depend on how many there are or which one took what.
+
+`Workers.splitting()` marks the thread that steps the model; work handed out by `each` is not split
+again inside (a helper is busy with its own share by then).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+_splitting: ContextVar[Workers | None] = ContextVar("splitting", default=None)
+
+
+class Workers:
+    def __init__(self, workers: int = 1) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        self.workers = workers
+        self._helpers = (ThreadPoolExecutor(workers - 1, thread_name_prefix="model-worker")
+                         if workers > 1 else None)
+
+    def each(self, items: Iterable[T], fn: Callable[[T], None]) -> None:
+        """fn(item) for every item, on every worker at once (the calling thread is one): each takes the
+        next item in order when it is free. Returns when every worker has stopped; the first error raised
+        (the calling thread's first) is raised again, and a worker that sees another's error stops."""
+        if self._helpers is None:
+            for item in items:
+                fn(item)
+            return
+        failed: list[BaseException] = []
+        queue = iter(items)   # next() on one iterator from several threads: each item once (the GIL)
+
+        def work() -> None:
+            with torch.inference_mode():   # thread-local, as the model step's is
+                for item in _until(queue, failed):
+                    try:
+                        fn(item)
+                    except BaseException as exc:
+                        failed.append(exc)
+                        raise
+
+        helpers = [self._helpers.submit(work) for _ in range(self.workers - 1)]
+        token = _splitting.set(None)   # the helpers are busy with their share: no split inside fn
+        try:
+            work()
+        finally:
+            _splitting.reset(token)
+            for helper in helpers:
+                helper.exception()     # wait for every worker before anything it computes on may be freed
+        if failed:
+            raise failed[0]
+
+    @contextmanager
+    def splitting(self) -> Iterator[None]:
+        """Within: large one-token matvecs on this thread are split over the workers (split_rows)."""
+        token = _splitting.set(self if self._helpers is not None else None)
+        try:
+            yield
+        finally:
+            _splitting.reset(token)
+
+    def close(self) -> None:
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
+
+
+def split_rows(rows: int) -> Workers | None:
+    """The workers to split a `rows`-row matvec over on this thread, if any (see Workers.splitting)."""
+    workers = _splitting.get()
+    return workers if workers is not None and rows >= workers.workers else None
+
+
+def parts(rows: int, n: int) -> list[tuple[int, int]]:
+    """[start, stop) of n parts of rows as equal as can be, in order."""
+    bounds = [rows * i // n for i in range(n + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _until(queue: Iterator[T], failed: list[BaseException]) -> Iterator[T]:
+    for item in queue:
+        if failed:
+            return
+        yield item
+
