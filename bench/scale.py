@@ -14,12 +14,15 @@ routing, for a shape no recorded trace fits). Each round measures, interleaved:
   repeated reads from its own RAM;
 - compute: the same greedy decode with every expert resident (each layer served by one layer's
   blocks held in RAM: the same shapes, dtype and matmuls, no SSD), in this process, with one torch
-  thread and with --threads; the faster is the compute bound; and with one thread and torch's own
+  thread and with --threads, and on one worker and on as many as the configurations use (generate
+  --workers, agent/workers.py); the fastest is the compute bound; and with one thread and torch's own
   F.linear for every linear (the A/B of agent/bf16_matvec.py's one-token matvec);
 - (a) the learned policy + lookahead prefetch, O_DIRECT; (b) LRU + prefetch, O_DIRECT; (c) mmap of
   the store, the page cache decides, no prefetch; (d) = (a) with --threads torch threads for the
   matmuls (the reads wait in the kernel meanwhile); (e) = (a) without prefetch and (g) = (a) with
-  adaptive prefetch (issued while it pays, agent/prefetch_gate.py; the agent's default): each
+  adaptive prefetch (issued while it pays, agent/prefetch_gate.py; the agent's default); a2, b2, c2,
+  e2, g2: the same on two workers (a token's experts on two threads at once, its large matvecs split
+  between them; mmap's page faults then come from two threads at once too, as llama.cpp's do): each
   `flashmoe-cli generate` in its own process inside the same cgroup memory limit (cap + dense weights + working memory),
   from a cold page cache.
 A configuration's limit is 1 / max(compute s/token, its MB missed per token / raw MB/s): perfect
@@ -41,7 +44,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -77,11 +80,12 @@ class Config:
     backend: str
     prefetch: str                 # on, off or auto (agent/prefetch_gate.py)
     more_threads: bool = False    # --threads torch threads instead of one
+    workers: int = 1              # generate --workers: threads a decode step computes on (agent/workers.py)
 
     def args(self, threads: int) -> list[str]:
         return ["--policy", self.policy, "--backend", self.backend, "--threads",
                 str(threads if self.more_threads else 1),
-                "--prefetch", self.prefetch]
+                "--prefetch", self.prefetch, "--workers", str(self.workers)]
 
 
 CONFIGS = {"a": Config("a: flashmoe + prefetch, O_DIRECT", "flashmoe", "direct", "on"),
@@ -90,6 +94,10 @@ CONFIGS = {"a": Config("a: flashmoe + prefetch, O_DIRECT", "flashmoe", "direct",
            "d": Config("d: (a) with --threads threads", "flashmoe", "direct", "on", more_threads=True),
            "e": Config("e: (a) without prefetch", "flashmoe", "direct", "off"),
            "g": Config("g: (a) with adaptive prefetch", "flashmoe", "direct", "auto")}
+# Each on two workers: the two cores the machine has, used by explicit parallelism rather than torch's threads
+CONFIGS |= {f"{key}2": replace(c, name=f"{key}2: {c.name.split(': ', 1)[1]}, 2 workers", workers=2)
+            for key, c in CONFIGS.items() if not c.more_threads}
+RATIOS = (("a", "c"), ("a", "b"), ("a2", "c2"), ("a2", "c"), ("g", "c"), ("g2", "c2"), ("a2", "a"), ("c2", "c"))
 
 
 class OneLayerResident:
@@ -136,17 +144,19 @@ class Run:
                                   # (prefetch_gate.py)
 
 
-def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int, threads: int = 1) -> float:
+def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int, threads: int = 1,
+                  workers: int = 1) -> float:
     """Decode tokens/s with every expert resident (compute_run)."""
-    return compute_run(store, traces, prompt_ids, tokens, threads).decode_tokens_per_s
+    return compute_run(store, traces, prompt_ids, tokens, threads, workers=workers).decode_tokens_per_s
 
 
 def compute_run(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int, threads: int = 1,
-                prefill_chunk: int | None = 1) -> Generation:
+                prefill_chunk: int | None = 1, workers: int = 1) -> Generation:
     """The prompt token by token (or in chunks of `prefill_chunk`; None: one step) and `tokens` greedy
-    decode tokens with every expert resident. The routing follows the same trace records as the cached
-    runs (placed by the same first step), so every step multiplies the same shapes."""
-    model = load_model(store, OneLayerResident(store), prefetch=False, route_trace=traces)
+    decode tokens with every expert resident, on `workers` (agent/workers.py). The routing follows the
+    same trace records as the cached runs (placed by the same first step), so every step multiplies the
+    same shapes."""
+    model = load_model(store, OneLayerResident(store), prefetch=False, route_trace=traces, workers=workers)
     torch.set_num_threads(threads)
     try:
         generate(model, prompt_ids[:4], 3, greedy=True, prefill_chunk=1)  # kernels built once, not timed
@@ -277,7 +287,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=count, default=32, help="new tokens per run (default 32)")
     ap.add_argument("--rounds", type=count, default=2, help="interleaved rounds; medians are reported")
     ap.add_argument("--threads", type=count, default=2, help="torch intra-op threads of (d) (default 2)")
-    ap.add_argument("--configs", default="a,b,c,d", help="which of a,b,c,d,e,g, in this order within every round")
+    ap.add_argument("--configs", default="a,b,c,d", help="which of a,b,c,d,e,g and a2,b2,c2,e2,g2 (the same on two "
+                    "workers), in this order within every round")
     ap.add_argument("--results", type=results_name, default="scale",
                     help="bench/results/NAME.json to write (default scale)")
     args = ap.parse_args()
@@ -298,17 +309,20 @@ def main() -> int:
             host = host_cache_check(store / EXPERTS, CHUNK)
             by_threads = {t: compute_bound(store, traces, prompt_ids, args.tokens, t)
                           for t in dict.fromkeys((1, args.threads))}
-            compute_tok_s = max(by_threads.values())
+            by_workers = {w: compute_bound(store, traces, prompt_ids, args.tokens, workers=w)
+                          for w in sorted({1} | {c.workers for c in chosen})}
+            compute_tok_s = max(*by_threads.values(), *by_workers.values())
             with torch_linears():
                 torch_tok_s = compute_bound(store, traces, prompt_ids, args.tokens)
             r = {"round": n, **raw, "host_cache_mb_s": host, "compute_tok_s": compute_tok_s,
-                 "compute_tok_s_by_threads": by_threads,
+                 "compute_tok_s_by_threads": by_threads, "compute_tok_s_by_workers": by_workers,
                  "compute_tok_s_torch_linear": torch_tok_s,
                  "slot_dtype_ms": slot_dtype_ms(store), "runs": []}
             print(f"round {n + 1}: raw {raw['raw_file_mb_s']:.0f} MB/s in file order ({raw['raw_streams']} stream(s)), "
                   f"{raw['raw_blocks_mb_s']:.0f} MB/s "
                   f"as shuffled whole blocks ({IO_THREADS} in flight); the same region twice "
                   f"{host[0]:.0f} / {host[1]:.0f} MB/s; compute-only tok/s by threads {by_threads}, "
+                  f"by workers {by_workers}, "
                   f"{torch_tok_s:.2f} with torch's F.linear for every linear; "
                   f"one layer's experts for a token, ms: {r['slot_dtype_ms']}", flush=True)
             for config in chosen:
@@ -337,6 +351,8 @@ def summarize(rounds: list[dict]) -> dict:
     med = statistics.median
     out = {"raw_mb_s": med(r["raw_mb_s"] for r in rounds), "compute_tok_s": med(r["compute_tok_s"] for r in rounds),
            "compute_tok_s_torch_linear": med(r["compute_tok_s_torch_linear"] for r in rounds),
+           "compute_tok_s_by_workers": {w: med(r["compute_tok_s_by_workers"][w] for r in rounds)
+                                        for w in rounds[0]["compute_tok_s_by_workers"]},
            "configs": {}}
     names = [run["config"] for run in rounds[0]["runs"]]
     for name in names:
@@ -348,8 +364,8 @@ def summarize(rounds: list[dict]) -> dict:
                                               for k in runs[0]["profile_ms"]}
         out["configs"][name]["of_limit"] = med(run["decode_tok_s"] / run["limit_tok_s"] for run in runs)
         out["configs"][name]["cgroup_peak_bytes"] = max((run["cgroup_peak_bytes"] or 0) for run in runs)
-    by = {name[0]: name for name in names}
-    for x, y in (("a", "c"), ("a", "b")):
+    by = {name.split(":")[0]: name for name in names}
+    for x, y in RATIOS:
         if x in by and y in by:
             ratios = [_tok(r, by[x]) / _tok(r, by[y]) for r in rounds]
             out[f"tok_s_{x}_over_{y}"] = {"median": med(ratios), "per_round": ratios}
@@ -368,8 +384,8 @@ def print_table(summary: dict, cgroup: MemoryCgroup, facts: dict, args: argparse
     print(f"\n{facts['config'].get('model_type')} {facts['config'].get('num_hidden_layers')} layers, "
           f"{facts['expert_bytes'] / 1e9:.1f} GB of experts; cap 25%; {args.tokens} tokens; {args.rounds} rounds; "
           f"{_routing(args.route_trace)}; raw {summary['raw_mb_s']:.0f} MB/s; "
-          f"compute-only {summary['compute_tok_s']:.2f} tok/s ({summary['compute_tok_s_torch_linear']:.2f} with "
-          f"torch's F.linear); {cgroup.describe()}")
+          f"compute-only {summary['compute_tok_s']:.2f} tok/s (by workers {summary['compute_tok_s_by_workers']}; "
+          f"{summary['compute_tok_s_torch_linear']:.2f} with torch's F.linear); {cgroup.describe()}")
     print(f"{'configuration':<34} {'tok/s':>6} {'limit':>6} {'x limit':>7} {'MB/tok':>7} {'hit':>6} {'own ms':>7} "
           f"{'io busy':>7} {'peak RSS':>9} {'cgroup peak':>11} {'of memory':>9}")
     for name, c in summary["configs"].items():
@@ -378,7 +394,7 @@ def print_table(summary: dict, cgroup: MemoryCgroup, facts: dict, args: argparse
               f"{c['io_busy']:>7.2f} {c['peak_rss_bytes'] / 2**20:>7.0f}Mi "
               f"{c['cgroup_peak_bytes'] / 2**20:>9.0f}Mi {c['cgroup_peak_bytes'] / cgroup.limit:>9.2f}")
     print_phases(summary["configs"])
-    for key in ("tok_s_a_over_c", "tok_s_a_over_b"):
+    for key in (f"tok_s_{x}_over_{y}" for x, y in RATIOS):
         if key in summary:
             rounds = ", ".join(f"{x:.2f}" for x in summary[key]["per_round"])
             print(f"{key}: {summary[key]['median']:.2f} (rounds {rounds})")
