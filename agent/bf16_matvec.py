@@ -18,11 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from agent.workers import parts, split_rows
+from agent.workers import parts, split_workers
 
 # A one-token matvec this large is split by rows over the step's workers (agent/workers.py); a smaller one
 # costs less than handing half of it to another thread (bench/scale.py's compute-only runs by workers).
 SPLIT_MIN_BYTES = 4 * 2**20
+# Parts per worker: a helper that wakes late (its core busy) leaves the rest to the model's thread, which
+# then waits for one small part rather than for half the matrix.
+PARTS_PER_WORKER = 4
 
 
 @numba.njit(cache=True, fastmath={"reassoc", "contract"}, nogil=True, boundscheck=False)
@@ -51,9 +54,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     out = torch.zeros(weight.shape[0]) if bias is None else bias.to(torch.float32, copy=True)  # added before rounding
     w, x32, out32 = weight.detach().view(torch.uint16).numpy(), x[0].float().contiguous().numpy(), out.numpy()
-    workers = split_rows(w.shape[0]) if weight.nbytes >= SPLIT_MIN_BYTES else None
+    workers = split_workers() if weight.nbytes >= SPLIT_MIN_BYTES else None
     if workers is None:
         _matvec(w, x32, out32)
     else:   # each row is computed as above, by whichever worker takes its part
-        workers.each(parts(w.shape[0], workers.workers), lambda part: _matvec(w[slice(*part)], x32, out32[slice(*part)]))
+        workers.each(parts(w.shape[0], PARTS_PER_WORKER * workers.workers),
+                     lambda part: _matvec(w[slice(*part)], x32, out32[slice(*part)]))
     return out.to(torch.bfloat16).view(1, -1)

@@ -4,11 +4,12 @@ A one-token decode step is a chain of small matvecs that torch's intra-op thread
 threads ran OLMoE's decode at 0.26x one thread's speed here: they busy-wait against each other and the
 cache's I/O threads). Here the parallelism is explicit and coarse instead: a layer's experts are handed
 out whole, one at a time, to whichever worker is free (agent/model/routed.py), and a large one-token
-matvec is split by rows into one part per worker (agent/bf16_matvec.py). The work runs in numba loops
+matvec is split by rows into a few parts per worker (agent/bf16_matvec.py). The work runs in numba loops
 compiled nogil and in torch ops, which both release the GIL. Every worker computes its share exactly as
 one thread would, so a result does not depend on how many there are or which one took what.
 
-`Workers.splitting()` marks the thread that steps the model; work handed out by `each` is not split
+torch's intra-op thread count is the process's, so helpers' torch ops use what the model's thread does
+(generate --threads, 1 by default). `Workers.splitting()` marks the thread that steps the model; work handed out by `each` is not split
 again inside (a helper is busy with its own share by then).
 """
 from __future__ import annotations
@@ -66,7 +67,7 @@ class Workers:
 
     @contextmanager
     def splitting(self) -> Iterator[None]:
-        """Within: large one-token matvecs on this thread are split over the workers (split_rows)."""
+        """Within: large one-token matvecs on this thread are split over the workers (split_workers)."""
         token = _splitting.set(self if self._helpers is not None else None)
         try:
             yield
@@ -78,16 +79,15 @@ class Workers:
             self._helpers.shutdown(wait=True)
 
 
-def split_rows(rows: int) -> Workers | None:
-    """The workers to split a `rows`-row matvec over on this thread, if any (see Workers.splitting)."""
-    workers = _splitting.get()
-    return workers if workers is not None and rows >= workers.workers else None
+def split_workers() -> Workers | None:
+    """The workers to split a large matvec over on this thread, if any (see Workers.splitting)."""
+    return _splitting.get()
 
 
 def parts(rows: int, n: int) -> list[tuple[int, int]]:
-    """[start, stop) of n parts of rows as equal as can be, in order."""
+    """[start, stop) of n parts of rows as equal as can be, in order (empty ones left out)."""
     bounds = [rows * i // n for i in range(n + 1)]
-    return list(zip(bounds, bounds[1:]))
+    return [(start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
 
 
 def _until(queue: Iterator[T], failed: list[BaseException]) -> Iterator[T]:

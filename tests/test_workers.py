@@ -107,6 +107,7 @@ def test_the_calling_threads_error_waits_for_the_helpers():
 
 def test_parts_cover_the_rows_in_order():
     assert parts(5, 2) == [(0, 2), (2, 5)] and parts(1, 1) == [(0, 1)] and parts(4096, 2) == [(0, 2048), (2048, 4096)]
+    assert parts(2, 8) == [(0, 1), (1, 2)]
 
 
 def test_a_split_matvec_is_the_one_threads_result_bit_for_bit(monkeypatch):
@@ -122,7 +123,7 @@ def test_a_split_matvec_is_the_one_threads_result_bit_for_bit(monkeypatch):
     with workers.splitting():
         split = linear(x, w, bias), linear(x, small)
     assert all(torch.equal(a, b) for a, b in zip(alone, split))
-    assert calls == [1024, 1024, 64]                               # halves on two workers; a small one whole
+    assert calls == [256] * 8 + [64]                               # parts on two workers; a small one whole
     calls.clear()
     linear(x, w)                                                   # outside a step: one call, whole
     assert calls == [2048]
