@@ -1,11 +1,13 @@
 """Decode speed and SSD traffic per token at several cache caps, O_DIRECT vs mmap, beside all experts in RAM.
 
     .venv/bin/python bench/decode.py [--model DIR] [--size default|small] [--tokens 48] [--repeat 2] [--results NAME]
+        [--workers 1,2]
 
 Every configuration runs `run_generate` (what `flashmoe-cli generate` runs) on the same prompt,
 greedy, from a cold cache, and must produce the same tokens as the all-in-RAM run (InMemoryExperts,
 the reference). Reported per configuration: decode tokens/s (prefill excluded), the decode steps'
 hit rate and MB read from the SSD per token, and the ratio of its tokens/s to the in-RAM figure.
+`--workers 1,2` runs every configuration on one worker and on two (generate --workers, agent/workers.py).
 Rounds interleave the configurations (the machine is shared) and the median of each is reported.
 
 The mmap rows start with experts.bin dropped from the page cache (posix_fadvise DONTNEED); after
@@ -41,7 +43,7 @@ from agent.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.common import count, machine, results_name, write_results  # noqa: E402
+from bench.common import count, counts, machine, results_name, write_results  # noqa: E402
 from bench.loader import drop_from_page_cache  # noqa: E402
 
 PROMPT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
@@ -69,10 +71,11 @@ def in_ram(store: Path, prompt_ids: list[int], tokens: int) -> tuple[float, list
 
 
 def cached(store: Path, prompt_ids: list[int], tokens: int, cap_bytes: int, backend: str, prefetch: str,
-           scope: str, policy: str) -> dict:
+           scope: str, policy: str, workers: int = 1) -> dict:
     drop_from_page_cache(store, Index.load(store / INDEX))
     result = run_generate(store, prompt_ids=prompt_ids, max_new_tokens=tokens, greedy=True,
-                          cache_cap=str(cap_bytes), policy=policy, backend=backend, prefetch=prefetch, scope=scope)
+                          cache_cap=str(cap_bytes), policy=policy, backend=backend, prefetch=prefetch, scope=scope,
+                          workers=workers)
     return {**result.stats, "token_ids": result.token_ids}
 
 
@@ -89,23 +92,24 @@ def cap_for(store: Path, pct: float, scope: str) -> tuple[int, float, str]:
 
 
 def run(store: Path, caps: list[float], backends: list[str], prefetch: list[str], tokens: int,
-        repeat: int, scope: str, policy: str) -> list[Row]:
+        repeat: int, scope: str, policy: str, workers: tuple[int, ...] = (1,)) -> list[Row]:
     prompt_ids = load_tokenizer(store).encode(PROMPT)
-    configs = [(b, *cap_for(store, pct, scope), pct, p) for pct in caps for b in backends for p in prefetch]
+    configs = [(b, *cap_for(store, pct, scope), pct, p, w) for pct in caps for b in backends for p in prefetch
+               for w in workers]
     ram_speeds, samples = [], {i: [] for i in range(len(configs))}
     in_ram(store, prompt_ids, 4)  # warm-up, not measured: the process's first forward passes are slower
     for _ in range(repeat):
         speed, reference = in_ram(store, prompt_ids, tokens)
         ram_speeds.append(speed)
-        for i, (backend, cap_bytes, _, _, pct, pf) in enumerate(configs):
-            samples[i].append(cached(store, prompt_ids, tokens, cap_bytes, backend, pf, scope, policy))
-            print(f"  {_name(backend, pct, pf)}: {samples[i][-1]['decode_tokens_per_s']:.2f} tok/s", flush=True)
+        for i, (backend, cap_bytes, _, _, pct, pf, w) in enumerate(configs):
+            samples[i].append(cached(store, prompt_ids, tokens, cap_bytes, backend, pf, scope, policy, w))
+            print(f"  {_name(backend, pct, pf, w)}: {samples[i][-1]['decode_tokens_per_s']:.2f} tok/s", flush=True)
     ram = statistics.median(ram_speeds)
     rows = [Row("all experts in RAM", "in-memory", None, "", ram, 1.0, 1.0, 0.0, None, True, ram_speeds)]
-    for i, (backend, _, pct_run, note, pct, pf) in enumerate(configs):
+    for i, (backend, _, pct_run, note, pct, pf, w) in enumerate(configs):
         runs = samples[i]
         speed = statistics.median(r["decode_tokens_per_s"] for r in runs)
-        rows.append(Row(_name(backend, pct, pf), backend, round(pct_run, 2), note, speed, speed / ram,
+        rows.append(Row(_name(backend, pct, pf, w), backend, round(pct_run, 2), note, speed, speed / ram,
                         statistics.median(r["decode_hit_rate"] for r in runs),
                         statistics.median(r["decode_mb_read_per_token"] for r in runs),
                         runs[-1]["prefetch_accuracy"], all(r["token_ids"] == reference for r in runs),
@@ -113,8 +117,9 @@ def run(store: Path, caps: list[float], backends: list[str], prefetch: list[str]
     return rows
 
 
-def _name(backend: str, pct: float, prefetch: str) -> str:
-    return f"{backend} {pct:g}%" + {"on": "", "off": " no-pf", "auto": " pf-auto"}[prefetch]
+def _name(backend: str, pct: float, prefetch: str, workers: int = 1) -> str:
+    return (f"{backend} {pct:g}%" + {"on": "", "off": " no-pf", "auto": " pf-auto"}[prefetch]
+            + (f" {workers} workers" if workers > 1 else ""))
 
 
 def print_table(rows: list[Row]) -> None:
@@ -143,6 +148,8 @@ def main() -> None:
                         help="lookahead prefetch: on, off, auto (agent/prefetch_gate.py), both (on and off) or "
                              "all three")
     parser.add_argument("--threads", type=count, default=1, help="torch intra-op threads (as flashmoe-cli generate)")
+    parser.add_argument("--workers", type=counts, default=[1],
+                        help="threads a decode step computes on, each configuration with each: e.g. 1,2 (default 1)")
     parser.add_argument("--scope", choices=("layer", "global"), default="layer",
                         help="cache scope (global lets a cap below top-k per layer run)")
     parser.add_argument("--policy", default="lru", help="replacement policy (default lru, as BENCHMARKS.md's table)")
@@ -155,7 +162,7 @@ def main() -> None:
     start = time.monotonic()
     prefetch = {"both": ["on", "off"], "all": list(MODES)}.get(args.prefetch, [args.prefetch])
     rows = run(store, [float(c) for c in args.caps.split(",")], args.backends.split(","), prefetch, args.tokens,
-               args.repeat, args.scope, args.policy)
+               args.repeat, args.scope, args.policy, tuple(args.workers))
     facts = machine(store)
     print(f"\nstore {store}: {index.n_layers} layers x {index.n_experts} experts, blocks of "
           f"{index.nbytes / 2**20:.2f} MiB ({index.nbytes * len(index.blocks) / 2**30:.2f} GiB); prompt "
@@ -168,7 +175,8 @@ def main() -> None:
     print()
     write_results(args.results, {"command": " ".join(sys.argv), "store": str(store), "layers": index.n_layers,
                                  "experts": index.n_experts, "block_bytes": index.nbytes, "tokens": args.tokens,
-                                 "repeat": args.repeat, "threads": args.threads, "prefetch": args.prefetch,
+                                 "repeat": args.repeat, "threads": args.threads, "workers": args.workers,
+                                 "prefetch": args.prefetch,
                                  "scope": args.scope, "policy": args.policy, "prompt": PROMPT, "machine": facts,
                                  "rows": [asdict(r) for r in rows]})
 
