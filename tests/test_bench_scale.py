@@ -43,6 +43,8 @@ def test_one_round_of_compute_and_a_configuration(shaped):
     store, traces = shaped
     prompt = [5, 6, 7]
     assert scale.compute_bound(store, traces, prompt, tokens=4) > 0
+    assert scale.compute_bound(store, traces, prompt, tokens=4, workers=2) > 0
+    assert scale.CONFIGS["c2"].args(1)[-2:] == ["--workers", "2"] and scale.CONFIGS["c2"].backend == "mmap"
     assert scale.prefill_bound_s(store, traces, prompt * 8) > 0           # one batched step of 24 tokens
     with scale.torch_linears():                                           # the A/B: torch's F.linear throughout
         assert scale.agent.model.model.linear is F.linear and scale.agent.experts.provider.linear is F.linear
@@ -74,12 +76,16 @@ def test_summary_takes_medians_and_ratios_within_rounds():
         return {"config": config, "decode_tok_s": tok_s, "limit_tok_s": 2.0, "mb_per_token": 10.0, "hit_rate": 0.5,
                 "peak_rss_bytes": 1, "cgroup_peak_bytes": 2, "profile_ms": {"wait": tok_s}, "io_busy": tok_s / 8}
     rounds = [{"raw_mb_s": r, "compute_tok_s": 3.0, "compute_tok_s_torch_linear": 1.0,
-               "runs": [run("a: x", 1.0 * r), run("c: y", 0.25 * r)]}
+               "compute_tok_s_by_workers": {1: 3.0, 2: 2.0 + r},
+               "runs": [run("a: x", 1.0 * r), run("c: y", 0.25 * r), run("a2: x, 2 workers", 1.5 * r),
+                        run("c2: y, 2 workers", 0.5 * r)]}
               for r in (1, 2, 4)]
     s = scale.summarize(rounds)
     assert s["configs"]["a: x"]["decode_tok_s"] == 2.0 and s["configs"]["a: x"]["of_limit"] == 1.0
     assert s["configs"]["a: x"]["io_busy"] == 0.25
     assert s["tok_s_a_over_c"] == {"median": 4.0, "per_round": [4.0, 4.0, 4.0]} and "tok_s_a_over_b" not in s
+    assert s["compute_tok_s_by_workers"] == {1: 3.0, 2: 4.0}
+    assert [s[f"tok_s_{k}"]["median"] for k in ("a2_over_c2", "a2_over_c", "a2_over_a", "c2_over_c")] == [3.0, 6.0, 1.5, 2.0]
 
 
 def test_quant_scale_sets_each_store_against_mmap_of_its_own_and_of_the_bf16_store():
