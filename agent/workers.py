@@ -9,8 +9,8 @@ compiled nogil and in torch ops, which both release the GIL. Every worker comput
 one thread would, so a result does not depend on how many there are or which one took what.
 
 torch's intra-op thread count is the process's, so helpers' torch ops use what the model's thread does
-(generate --threads, 1 by default). `Workers.splitting()` marks the thread that steps the model; work handed out by `each` is not split
-again inside (a helper is busy with its own share by then).
+(generate --threads, 1 by default). `Workers.splitting()` marks the thread that steps the model; work
+handed out by `each` is not split again inside (a helper is busy with its own share by then).
 """
 from __future__ import annotations
 

@@ -85,7 +85,8 @@ def test_summary_takes_medians_and_ratios_within_rounds():
     assert s["configs"]["a: x"]["io_busy"] == 0.25
     assert s["tok_s_a_over_c"] == {"median": 4.0, "per_round": [4.0, 4.0, 4.0]} and "tok_s_a_over_b" not in s
     assert s["compute_tok_s_by_workers"] == {1: 3.0, 2: 4.0}
-    assert [s[f"tok_s_{k}"]["median"] for k in ("a2_over_c2", "a2_over_c", "a2_over_a", "c2_over_c")] == [3.0, 6.0, 1.5, 2.0]
+    ratios = ("a2_over_c2", "a2_over_c", "a2_over_a", "c2_over_c")
+    assert [s[f"tok_s_{k}"]["median"] for k in ratios] == [3.0, 6.0, 1.5, 2.0]
 
 
 def test_quant_scale_sets_each_store_against_mmap_of_its_own_and_of_the_bf16_store():
