@@ -36,8 +36,8 @@ class Workers:
 
     def each(self, items: Iterable[T], fn: Callable[[T], None]) -> None:
         """fn(item) for every item, on every worker at once (the calling thread is one): each takes the
-        next item in order when it is free. Returns when every worker has stopped; the first error raised
-        (the calling thread's first) is raised again, and a worker that sees another's error stops."""
+        next item in order when it is free. Returns when every worker has stopped. An error stops every
+        worker at its next item and is raised as itself: the calling thread's own, or else a helper's."""
         if self._helpers is None:
             for item in items:
                 fn(item)
@@ -73,10 +73,6 @@ class Workers:
             yield
         finally:
             _splitting.reset(token)
-
-    def close(self) -> None:
-        if self._helpers is not None:
-            self._helpers.shutdown(wait=True)
 
 
 def split_workers() -> Workers | None:

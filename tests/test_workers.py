@@ -73,7 +73,6 @@ def test_each_item_runs_once_and_both_workers_take_some():
     assert sorted(item for item, _ in seen) == list(range(40))
     assert main in {thread for _, thread in seen} and len({thread for _, thread in seen}) == 2
     workers.each([], fn)                     # nothing to do: returns
-    workers.close()
 
 
 def test_a_helpers_error_is_raised_on_the_calling_thread_after_every_worker_stopped():
