@@ -20,9 +20,9 @@ from torch import Tensor
 
 from agent.workers import parts, split_workers
 
-# A one-token matvec this large is split by rows over the step's workers (agent/workers.py); handing a part
-# to another thread costs ~20-50 us. A dev check on two workers, speed split against whole: a 64-row router
-# 0.3-0.5x, 1024 x 2048 0.7-1.4x, 2048 x 2048 1.0-1.1x, OLMoE's LM head (50304 x 2048) 1.3-1.6x.
+# A one-token matvec this large is split by rows over the step's workers (agent/workers.py); handing out
+# parts costs ~20 us (an each() of no-ops). A dev check on two workers, speed split against whole: a 64-row
+# router 0.3-0.5x, 1024 x 2048 0.7-1.4x, 2048 x 2048 1.0-1.1x, OLMoE's LM head (50304 x 2048) 1.3-1.6x.
 SPLIT_MIN_BYTES = 4 * 2**20
 # Parts per worker: a helper that wakes late (its core busy) leaves the rest to the model's thread, which
 # then waits for one small part rather than for half the matrix.
