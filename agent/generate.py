@@ -39,6 +39,7 @@ from agent.policies import DEFAULT_POLICY
 from agent.prefetch_gate import check_mode
 from agent.serve.scrub import truncated
 from agent.tokenizer import load_tokenizer
+from agent.workers import DEFAULT_WORKERS
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
                  max_new_tokens: int = 32, greedy: bool = False, cache_cap: str = "100%", policy: str = DEFAULT_POLICY,
                  scope: str = "layer", backend: str = "direct", prefetch: str = "auto", prefill: str = "sequential",
                  record_trace: Path | None = None, seed: int = 0, route_trace: Sequence[Path] = (),
-                 int8_activations: bool = True, workers: int = 1) -> GenerateResult:
+                 int8_activations: bool = True, workers: int = DEFAULT_WORKERS) -> GenerateResult:
     """Generate from an expert store; the library function behind the command (same parameter names)."""
     check_mode(prefetch)
     model = Path(model)
@@ -232,9 +233,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=argtypes.threads, default=1,
                         help="torch intra-op threads (default 1: the expert reads and their CRC checks run on "
                         "other threads, and one token's matmuls are small)")
-    parser.add_argument("--workers", type=argtypes.threads, default=1,
+    parser.add_argument("--workers", type=argtypes.threads, default=DEFAULT_WORKERS,
                         help="threads a decode step computes on, its own one of them: a token's experts run on "
-                        "them at once and its large matvecs are split between them (default 1)")
+                        "them at once and its large matvecs are split between them (default %(default)s: two "
+                        "where the process may use two cores)")
     parser.add_argument("--record-trace", type=Path, metavar="FILE", help="write the routing as decode-layout JSONL")
     parser.add_argument("--route-trace", type=Path, nargs="+", default=(), metavar="FILE",
                         help="take each token's experts from recorded real routing (../shared/traces; it must match "

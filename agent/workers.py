@@ -14,6 +14,7 @@ handed out by `each` is not split again inside (a helper is busy with its own sh
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -23,6 +24,9 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
+# generate's default: two where the process may run on two cores (BENCHMARKS.md, "Decode on both cores": 1.06-1.20x
+# decode tokens/s at seed scale, the demo model unmoved); more were not measured
+DEFAULT_WORKERS = min(2, len(os.sched_getaffinity(0)))
 _splitting: ContextVar[Workers | None] = ContextVar("splitting", default=None)
 
 

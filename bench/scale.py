@@ -97,7 +97,8 @@ CONFIGS = {"a": Config("a: flashmoe + prefetch, O_DIRECT", "flashmoe", "direct",
 # Each on two workers: the two cores the machine has, used by explicit parallelism rather than torch's threads
 CONFIGS |= {f"{key}2": replace(c, name=f"{key}2: {c.name.split(': ', 1)[1]}, 2 workers", workers=2)
             for key, c in CONFIGS.items() if not c.more_threads}
-RATIOS = (("a", "c"), ("a", "b"), ("a2", "c2"), ("a2", "c"), ("g", "c"), ("g2", "c2"), ("a2", "a"), ("c2", "c"))
+RATIOS = (("a", "c"), ("a", "b"), ("a2", "c2"), ("a2", "c"), ("g", "c"), ("g2", "c2"), ("a2", "a"), ("g2", "g"),
+          ("c2", "c"))
 
 
 class OneLayerResident:
