@@ -47,7 +47,7 @@ class Workers:
                 fn(item)
             return
         failed: list[BaseException] = []
-        queue = iter(items)   # next() on one iterator from several threads: each item once (the GIL)
+        queue = iter(list(items))   # a list's iterator: each item once across threads (a generator's raises)
 
         def work() -> None:
             with torch.inference_mode():   # thread-local, as the model step's is
