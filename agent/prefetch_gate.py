@@ -22,9 +22,10 @@ nothing is judged before MIN_SCORED reads are in the window. It starts issuing. 
 with prefetch on, 35-38% of the reads issued on DeepSeek-V2-Lite's recorded prompt routing were used
 (LRU), on OLMoE's decode traces 61-65% with LRU and 52% with the learned policy (it keeps more of
 what a guess would read), e at most 0.04 on all; since the lookahead guesses by estimated chances
-(agent/model/lookahead.py), 65-68% on the DeepSeek prompts and 58-80% on OLMoE (bench/lookahead.py). A predictor learning online (CoActivation) guesses
-poorly over its first tokens, so a short run may stop issuing there and resume once its window is
-right more often.
+(agent/model/lookahead.py), 65-68% on the DeepSeek prompts and 58-80% on OLMoE (bench/lookahead.py),
+replayed over many prompts. A predictor learning online (CoActivation) guesses poorly over its first
+tokens (33-35% on one DeepSeek prompt in a fresh generate), so a short run may stop issuing there and
+resume once its window is right more often.
 
 Modes: "on" always issues (scores too), "off" never guesses at all, "auto" follows the rule. Nothing
 here depends on time, so a replay (the simulator) decides as the runtime does.
