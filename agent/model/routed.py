@@ -85,11 +85,11 @@ def run_experts(h: Tensor, routing: Routing, provider: ExpertProvider, layer: in
     at the end counted as expert matmuls."""
     # index_select / index_put_ rather than h[tok] / index_add_: the latter cost ~1 ms a call on a busy CPU.
     outputs: dict[int, Tensor] = {}
-    model_thread = threading.get_ident()
+    model_thread, assignments = threading.get_ident(), routing.assignments   # computed once, before any worker
 
     def one(e: int) -> None:
         timed = threading.get_ident() == model_thread
-        tok, rank = routing.assignments[e]
+        tok, rank = assignments[e]
         with profile.phase("wait") if timed else nullcontext():
             expert = provider.get(layer, e)                            # SwiGLU of its weights, plain or int8
         with profile.phase("experts") if timed else nullcontext():
