@@ -10,6 +10,10 @@ agent comes back by itself: each end is logged with the exit status or signal th
 command starts again after 1 s, twice as long after each run shorter than --fast-s in a row (up to 30 s).
 After --give-up-after such fast runs in a row (a broken model, a taken port) it stops trying and exits 1,
 saying so. SIGTERM or Ctrl-C stops the command (SIGTERM, as honcho sends it) and then the supervisor.
+A command stopped on purpose is not started again: the supervisor logs it and exits too. On purpose is how
+an operator stops the agent itself (`kill <agent pid>`, Ctrl-C): the agent ends its requests and exits 0;
+killed by SIGTERM or SIGINT before it could (while loading), or 128 + either (the CLI's Ctrl-C, a shell's
+report of it). Anything else is a death: a crash, another status, SIGKILL (kill -9, the OOM killer).
 """
 from __future__ import annotations
 
@@ -56,13 +60,25 @@ def ended(returncode: int) -> str:
                                       if returncode == -signal.SIGKILL else "")
 
 
+def stopped_on_purpose(returncode: int) -> bool:
+    """An exit the agent makes only when asked to stop (status 0 after its SIGTERM/SIGINT shutdown), or death by
+    those signals, directly or as 128 + the signal a shell or the CLI's KeyboardInterrupt reports."""
+    asked = (signal.SIGTERM, signal.SIGINT)
+    return returncode == 0 or -returncode in asked or returncode - 128 in asked
+
+
+def exit_status(returncode: int) -> int:
+    """The status a shell would report for a child's end: 128 + the signal that killed it."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
 def delay_after(fast_runs: int) -> float:
     """The wait before the next start: FIRST_DELAY_S, doubled for each fast run in a row, at most MAX_DELAY_S."""
     return min(FIRST_DELAY_S * 2 ** max(fast_runs - 1, 0), MAX_DELAY_S)
 
 
 def supervise(command: Sequence[str], give_up_after: int, fast_s: float) -> int:
-    """Run `command` until asked to stop (SIGTERM, SIGINT), starting it again each time it ends; returns
+    """Run `command` until asked to stop (SIGTERM, SIGINT), starting it again each time it dies; returns
     1 after `give_up_after` runs in a row each shorter than `fast_s`, else how the last run ended."""
     shown = shlex.join(command[:3]) + (" ..." if len(command) > 3 else "")
     stopping = threading.Event()
@@ -89,7 +105,10 @@ def supervise(command: Sequence[str], give_up_after: int, fast_s: float) -> int:
         ran = time.monotonic() - started
         if stopping.is_set():
             log.info("%s (pid %d) %s: stopped as asked", shown, child.pid, ended(code))
-            return code if code >= 0 else 128 - code
+            return exit_status(code)
+        if stopped_on_purpose(code):
+            log.info("%s (pid %d) %s: stopped on purpose, so not starting it again", shown, child.pid, ended(code))
+            return exit_status(code)
         fast_runs = fast_runs + 1 if ran < fast_s else 0
         if fast_runs >= give_up_after:
             log.error("giving up on %s: it ended %d times in a row within %g s of starting (the last %s); fix what "

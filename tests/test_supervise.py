@@ -1,6 +1,7 @@
 """`flashmoe-cli supervise`, the Procfile's agent line: an agent killed with SIGKILL comes back on the same port
 by itself, with the kill logged; a command that fails at once is given up on with a message; SIGTERM or SIGINT
-stops the command and the supervisor; under honcho the other processes keep running through the kill, and
+stops the command and the supervisor; an agent stopped on purpose (SIGTERM to the agent itself, a clean exit)
+is not started again; under honcho the other processes keep running through the kill, and
 honcho's own stop still ends everything."""
 from __future__ import annotations
 
@@ -48,6 +49,40 @@ def test_an_agent_killed_with_sigkill_comes_back_on_its_port_and_sigterm_stops_b
     finally:
         stop(collector)
         stop(proc)
+
+
+def test_an_agent_stopped_with_sigterm_to_itself_is_not_started_again(tmp_path_factory, tmp_path):
+    """`kill <agent pid>` by an operator: the agent shuts down cleanly (exit 0) and the supervisor ends with it."""
+    port, pid_file, log = free_port(), tmp_path / "agent.pid", tmp_path / "supervise.log"
+    proc = spawn([*CLI, "supervise", "--", *CLI, "serve", "--model", str(demo_model(tmp_path_factory)),
+                  "--port", str(port), "--pid-file", str(pid_file)], log)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/v1/status", proc, log)
+        agent = read_pid_file(pid_file)
+        os.kill(agent, signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        text = log.read_text()
+        assert f"(pid {agent}) exited with status 0: stopped on purpose, so not starting it again" in text, text
+        assert "restart" not in text and not pid_file.exists(), text
+    finally:
+        stop(proc)
+
+
+@pytest.mark.parametrize("how, status", [("exit 0", 0), ("kill -TERM $$", 128 + signal.SIGTERM),
+                                         ("exit 130", 130)])
+def test_a_command_stopped_on_purpose_runs_once(how, status):
+    done = subprocess.run([*CLI, "supervise", "--", "sh", "-c", f"echo started; {how}"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == status and done.stdout.count("started") == 1, done
+    assert "stopped on purpose, so not starting it again" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("how", ["kill -KILL $$", "kill -SEGV $$", "exit 1"])
+def test_a_command_that_dies_is_started_again(how):
+    done = subprocess.run([*CLI, "supervise", "--give-up-after", "2", "--", "sh", "-c", f"echo started; {how}"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout.count("started") == 2, done
+    assert "(restart 1)" in done.stderr, done.stderr
 
 
 def test_a_command_that_fails_at_once_is_given_up_on_with_a_message(tmp_path):
