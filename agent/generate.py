@@ -123,19 +123,22 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
         _check_not_truncated(model, index)
         recorder = RoutingRecorder(cache)
         net = load_model(model, recorder, prefetch=prefetch != "off", route_trace=route_trace, workers=workers)
-        if prefill == "batched":
-            _check_batched_fits(net.config, cache.stats(), len(ids))
-        prefill_steps, after_prefill = (1 if prefill == "batched" else len(ids)), []
+        try:
+            if prefill == "batched":
+                _check_batched_fits(net.config, cache.stats(), len(ids))
+            prefill_steps, after_prefill = (1 if prefill == "batched" else len(ids)), []
 
-        def on_step() -> None:
-            recorder.end_step()
-            if len(recorder.records) == prefill_steps:
-                after_prefill.append((cache.stats(), dict(net.profile.seconds)))
+            def on_step() -> None:
+                recorder.end_step()
+                if len(recorder.records) == prefill_steps:
+                    after_prefill.append((cache.stats(), dict(net.profile.seconds)))
 
-        cache.session()
-        gen = generate(net, ids, max_new_tokens, greedy=greedy, seed=seed, stop_ids=_stop_ids(net.config),
-                       prefill_chunk=None if prefill == "batched" else 1, on_step=on_step)
-        stats = _stats(gen, net, *after_prefill[0], cache.stats())
+            cache.session()
+            gen = generate(net, ids, max_new_tokens, greedy=greedy, seed=seed, stop_ids=_stop_ids(net.config),
+                           prefill_chunk=None if prefill == "batched" else 1, on_step=on_step)
+            stats = _stats(gen, net, *after_prefill[0], cache.stats())
+        finally:
+            net.workers.close()      # with the cache: no helper thread outlives the run
     stats.update(prefetch=prefetch, prefill=prefill, steps=len(recorder.records), int8_activations=int8_activations,
                  workers=workers,
                  routing=net.route_trace.describe() if net.route_trace else "the model's router")

@@ -69,6 +69,13 @@ class Workers:
         if failed:
             raise failed[0]
 
+    def close(self) -> None:
+        """End the helper threads now, once their work in hand is done. A dropped Workers' helpers end by
+        themselves only some time after it is collected, and never while something still holds it (a
+        traceback's frame, a cycle); `each` raises RuntimeError after this."""
+        if self._helpers is not None:
+            self._helpers.shutdown()
+
     @contextmanager
     def splitting(self) -> Iterator[None]:
         """Within: large one-token matvecs on this thread are split over the workers (split_workers)."""

@@ -104,6 +104,21 @@ def test_the_calling_threads_error_waits_for_the_helpers():
     assert finished.is_set()                 # the helper's item ended before each() returned
 
 
+def helper_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("model-worker")}
+
+
+def test_close_ends_the_helper_threads_at_once():
+    workers, before = Workers(3), helper_threads()
+    workers.each(range(8), lambda item: None)
+    assert helper_threads() - before         # started on the first each, kept for the next
+    workers.close()
+    assert not helper_threads() - before
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        workers.each(range(8), lambda item: None)
+    Workers(1).close()                       # no helpers: nothing to end
+
+
 def test_parts_cover_the_rows_in_order():
     assert parts(5, 2) == [(0, 2), (2, 5)] and parts(1, 1) == [(0, 1)] and parts(4096, 2) == [(0, 2048), (2048, 4096)]
     assert parts(2, 8) == [(0, 1), (1, 2)]
@@ -158,3 +173,9 @@ def test_generate_on_two_workers_gives_the_same_tokens_and_reads(store, backend)
                          prefetch="off", workers=w) for w in (1, 2)]
     assert runs[0].token_ids == runs[1].token_ids and runs[1].stats["workers"] == 2
     assert [r.stats[k] for r in runs for k in ("hits", "misses")] == [runs[0].stats[k] for k in ("hits", "misses")] * 2
+
+
+def test_generate_leaves_no_helper_thread_behind(store):
+    before = helper_threads()
+    run_generate(store, prompt_ids=PROMPT, max_new_tokens=2, greedy=True, prefetch="off", workers=2)
+    assert not helper_threads() - before
