@@ -247,3 +247,28 @@ def test_an_empty_file_becomes_a_store(tmp_path):
     Store(db, autoflush_s=0).close()
     assert queries.stats(db)["points"] == 0
 
+
+
+def test_a_store_opened_on_a_full_disk_leaves_sqlites_empty_log_and_index_and_opens_once_there_is_room(tmpfs):
+    """The 3-byte -shm beside a store after a writer failed to open it on a full disk is SQLite's own: its first
+    connection truncates the log's index to 3 bytes (to be rebuilt) and then cannot grow it to 32 KiB. The log
+    beside it is empty, so nothing is lost; the next connection once there is room rebuilds the index, and its
+    clean close removes both files."""
+    db = tmpfs("4m") / "flashmoe.db"
+    with Store(db, autoflush_s=0) as store:
+        for tick in range(100):
+            store.append(SERIES[0], T0 + tick, float(tick))
+    assert sorted(p.name for p in db.parent.iterdir()) == ["flashmoe.db"]     # a clean close leaves the file alone
+    filler = fill(db.parent)
+    with pytest.raises(StoreError, match="disk I/O error; the disk holding .* is full"):
+        Store(db, autoflush_s=0)
+    assert {p.name: p.stat().st_size for p in db.parent.iterdir() if p.name != "filler"} == \
+        {"flashmoe.db": db.stat().st_size, "flashmoe.db-shm": 3, "flashmoe.db-wal": 0}
+    filler.unlink()
+    assert queries.points(db, SERIES[0])[1].tolist() == [float(tick) for tick in range(100)]   # a reader first
+    with Store(db, autoflush_s=0) as store:
+        store.append(SERIES[0], T0 + 100, 100.0)
+    assert sorted(p.name for p in db.parent.iterdir()) == ["flashmoe.db"]
+    assert queries.points(db, SERIES[0])[1].tolist() == [float(tick) for tick in range(101)]
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
