@@ -69,7 +69,7 @@ def advice_for(error: sqlite3.Error, path: Path) -> str:
     if is_busy(error):
         return (f"another connection holds the write lock on {path} beyond the busy timeout; "
                 f"find it with `fuser {path}` and end its long transaction")
-    if "full" in text or ("disk i/o error" in text and _no_room(path)):
+    if "full" in text or ("disk i/o error" in text and no_room(path)):
         # measured on a full disk: compaction failed too, as it first writes what it deletes to the log
         return (f"the disk holding {path} is full: free space on it (delete other files there, or stop the agent "
                 f"and the collector and move the store to a larger disk). Compaction cannot run before that: it "
@@ -82,7 +82,7 @@ def advice_for(error: sqlite3.Error, path: Path) -> str:
     return f"check that {path} is a FlashMoE store on a healthy disk"
 
 
-def _no_room(path: Path) -> bool:
+def no_room(path: Path) -> bool:
     """The filesystem holding `path` has less than a few pages free (SQLite calls failing to create its
     shared-memory file there a "disk I/O error")."""
     try:

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from store import codec, rollup
-from store.database import advice_for, foreign, is_busy, not_a_file, place_problem, stored_schema_version
+from store.database import (advice_for, foreign, is_busy, no_room, not_a_file, place_problem,
+                            stored_schema_version)
 from store.errors import StoreError
 from store.schema import ACTIVATIONS_ROLLUP, CACHE_STATS_ROLLUP, ROW_TABLES, SCHEMA_VERSION
 
@@ -46,7 +47,9 @@ def connect_ro(path: str | Path, setting: str = "--db") -> sqlite3.Connection | 
         tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         problem = foreign(conn)
     except sqlite3.DatabaseError as e:
-        if is_busy(e):      # e.g. a writer creating the file, descheduled under load: not a damaged store
+        # a writer creating the file, descheduled under load; a full disk, where SQLite cannot make the log's
+        # index beside the store: neither is a file that is no store
+        if is_busy(e) or no_room(path):
             raise StoreError(f"cannot read {path} yet ({e}): {advice_for(e, path)}") from e
         raise StoreError(f"{path} is not a readable FlashMoE store ({e}); {advice}") from e
     if problem is None and tables and not {"meta", "chunks"} <= tables:

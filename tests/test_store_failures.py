@@ -264,6 +264,8 @@ def test_a_store_opened_on_a_full_disk_leaves_sqlites_empty_log_and_index_and_op
         Store(db, autoflush_s=0)
     assert {p.name: p.stat().st_size for p in db.parent.iterdir() if p.name != "filler"} == \
         {"flashmoe.db": db.stat().st_size, "flashmoe.db-shm": 3, "flashmoe.db-wal": 0}
+    with pytest.raises(StoreError, match=f"cannot read {db} yet .*the disk holding {db} is full: free space"):
+        queries.points(db, SERIES[0])          # a reader, once told to point --db elsewhere
     filler.unlink()
     assert queries.points(db, SERIES[0])[1].tolist() == [float(tick) for tick in range(100)]   # a reader first
     with Store(db, autoflush_s=0) as store:
