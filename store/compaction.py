@@ -5,10 +5,17 @@ into chunks of up to `target_points` makes reads decode fewer, larger chunks. On
 data is older than `min_age_s` are merged, which is older than any writer's open chunk
 (store.series_writer.STALE_OPEN_S), so no open chunk is ever rewritten by two writers. Retention
 trims a chunk that straddles its cutoff by the same rule; a younger one is kept whole until then.
+
+It runs on a nearly full disk: old chunks and rows go DELETE_BATCH at a time, each batch committed and the log
+checkpointed after it, so the log starts over in the room it already holds instead of growing by all that is
+deleted; and freed pages are not zeroed (SQLite's secure_delete, Debian's default, writes each freed page to
+the log: a deletion then needed free room about its own size). The file keeps its size; no VACUUM.
 """
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from store import codec
@@ -18,6 +25,7 @@ from store.series_writer import EncodedChunk, write_chunk
 
 COMPACT_MIN_AGE_S = 3600.0  # compaction merges only chunks whose data is older than this (> STALE_OPEN_S)
 COMPACT_POINTS = 7200       # merged chunk size: 2 h at 1 Hz (fewer, larger chunks decode faster)
+DELETE_BATCH = 100          # chunks or rows deleted per transaction: the log holds one batch's pages at a time
 
 ChunkRow = tuple[int, float, bytes, int]    # id, precision, data, n_points
 
@@ -38,10 +46,45 @@ def compact(conn: sqlite3.Connection, cutoff: float, merge_before: float,
     One short transaction for retention and one per run merged: chunks are decoded and encoded
     before it, so the write lock is held for the SQL alone."""
     report = Compaction()
-    _retain(conn, cutoff, merge_before, report)
-    for (series_id,) in conn.execute("SELECT id FROM series").fetchall():
-        _merge_series(conn, series_id, merge_before, target_points, report)
+    with _freed_pages_not_zeroed(conn):
+        _retain(conn, cutoff, merge_before, report)
+        for (series_id,) in conn.execute("SELECT id FROM series").fetchall():
+            _merge_series(conn, series_id, merge_before, target_points, report)
     return report
+
+
+@contextmanager
+def _freed_pages_not_zeroed(conn: sqlite3.Connection) -> Iterator[None]:
+    """secure_delete FAST: deleted content is zeroed only where its page is written anyway (telemetry, not
+    secrets; the file's permissions guard it), so the log takes the pages a deletion changes, not each freed one."""
+    (previous,) = conn.execute("PRAGMA secure_delete").fetchone()
+    conn.execute("PRAGMA secure_delete = FAST")
+    try:
+        yield
+    finally:
+        conn.execute(f"PRAGMA secure_delete = {('OFF', 'ON', 'FAST')[previous]}")   # it reads 2 for FAST, and 2 sets ON
+
+
+def _delete_in_batches(conn: sqlite3.Connection, table: str, where: str, args: tuple) -> int:
+    """DELETE FROM table WHERE `where`, DELETE_BATCH rows per transaction, the log checkpointed after each that
+    deleted any; returns how many rows went. What one batch deleted stays deleted whatever a later one meets."""
+    deleted = 0
+    while True:
+        with transaction(conn):
+            n = conn.execute(f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} WHERE {where} "
+                             f"LIMIT {DELETE_BATCH})", args).rowcount
+        deleted += n
+        if n:
+            _checkpoint(conn)
+        if n < DELETE_BATCH:
+            return deleted
+
+
+def _checkpoint(conn: sqlite3.Connection) -> None:
+    """Move the log's pages into the file, so the next transaction starts the log over in its own room. A
+    checkpoint that cannot finish (a reader on an older snapshot, no room to grow the file) is not an error:
+    the next transaction then appends to the log, as it would have anyway."""
+    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
 
 class _Moved(Exception):
@@ -60,21 +103,22 @@ def _retain(conn: sqlite3.Connection, cutoff: float, sealed_before: float, repor
                               (cutoff, cutoff, sealed_before)).fetchall()
     trimmed = [(chunk_id, n_points, series_id, _recent(data, precision, cutoff))  # keep only the recent points
                for chunk_id, series_id, precision, data, n_points in straddling]
+    report.chunks_deleted = _delete_in_batches(conn, "chunks", "t_end < ?", (cutoff,))
     try:
         with transaction(conn):
-            report.chunks_deleted = conn.execute("DELETE FROM chunks WHERE t_end < ?", (cutoff,)).rowcount
             for chunk_id, n_points, series_id, chunk in trimmed:
                 if conn.execute(_DELETE_AS_READ, (chunk_id, n_points)).rowcount != 1:
                     raise _Moved
                 write_chunk(conn, series_id, chunk)
-            for table in ROW_TABLES:
-                if not table.expires:
-                    continue
-                keep = (f" AND id NOT IN (SELECT MAX(id) FROM {table.name} GROUP BY {table.keep_latest_of})"
-                        if table.keep_latest_of else "")
-                report.rows_deleted += conn.execute(f"DELETE FROM {table.name} WHERE t < ?{keep}", (cutoff,)).rowcount
     except _Moved:
-        report.chunks_deleted = report.rows_deleted = 0        # rolled back: the next compaction retains
+        pass                                                     # rolled back: the next compaction trims them
+    if trimmed:
+        _checkpoint(conn)
+    for table in ROW_TABLES:
+        if table.expires:
+            keep = (f" AND id NOT IN (SELECT MAX(id) FROM {table.name} GROUP BY {table.keep_latest_of})"
+                    if table.keep_latest_of else "")
+            report.rows_deleted += _delete_in_batches(conn, table.name, f"t < ?{keep}", (cutoff,))
 
 
 def _recent(data: bytes, precision: float, cutoff: float) -> EncodedChunk:
@@ -98,6 +142,7 @@ def _merge_series(conn: sqlite3.Connection, series_id: int, before: float, targe
                     write_chunk(conn, series_id, chunk)
         except _Moved:
             continue                                             # rolled back: merged already
+        _checkpoint(conn)
         report.chunks_written += len(merged)
         report.chunks_merged += len(run)
 

@@ -27,6 +27,7 @@ APPLICATION_ID = 0x464D4F45    # "FMOE"
 WAL_CHECKPOINT_PAGES = 256     # checkpoint the write-ahead log once it holds this many pages (1 MiB)...
 WAL_LIMIT_BYTES = 1 << 20      # ...and truncate it to this size when it starts over
 NO_ROOM_BYTES = 64 << 10       # free bytes under which a disk counts as full
+COMPACT_ROOM_BYTES = 128 << 10  # free bytes store compaction needs: the log's index and one batch (measured)
 
 
 def place_problem(path: Path) -> str | None:
@@ -70,13 +71,12 @@ def advice_for(error: sqlite3.Error, path: Path) -> str:
         return (f"another connection holds the write lock on {path} beyond the busy timeout; "
                 f"find it with `fuser {path}` and end its long transaction")
     if "full" in text or ("disk i/o error" in text and no_room(path)):
-        # measured on a full disk: compaction failed too, as it first writes what it deletes to the log
-        return (f"the disk holding {path} is full: free space on it (delete other files there, or stop the agent "
-                f"and the collector and move the store to a larger disk). Compaction cannot run before that: it "
-                f"first writes what it deletes to the store's log, which needs room about the size of what it "
-                f"deletes; then `flashmoe-cli store compact --db {path} --retention-days N` (N under the collector's "
-                f"--retention-days, 7 by default) deletes older data, whose room the store reuses (the file keeps "
-                f"its size)")
+        return (f"the disk holding {path} is full: make room in the store with `flashmoe-cli store compact --db {path} "
+                f"--retention-days N` (N under the collector's --retention-days, 7 by default), which deletes older "
+                f"data a little at a time in {COMPACT_ROOM_BYTES >> 10} KiB of free space plus the size of the store's "
+                f"log ({path}-wal, at most about {WAL_LIMIT_BYTES >> 20} MiB), and the store reuses what it frees (the "
+                f"file keeps its size); or free space on the disk (delete other files there, or stop the agent and the "
+                f"collector and move the store to a larger disk)")
     if "readonly" in text or "read-only" in text or "unable to open" in text:
         return place_problem(path) or f"{path} or its directory is not writable by this user; fix the permissions"
     return f"check that {path} is a FlashMoE store on a healthy disk"
