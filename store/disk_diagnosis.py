@@ -9,7 +9,10 @@ reads and writes (io.{dev}.*, collector.samplers.DiskReadersSampler; block.{dev}
   OTHERS_FLOOR, the device under BUSY_UTIL) in the window and the BASELINE_S before it; when those hold
   fewer than MIN_CALM (another process has used the disk for longer), the median of the latest calm
   buckets remembered in the store's REMEMBER_S before that; without any, there is nothing to compare
-  with (a cold start), and no verdict but healthy. The evidence says which baseline it was;
+  with (a cold start), and no verdict but healthy. The evidence says which baseline it was. A baseline is
+  of one thing measured: the agent records what its reads are at start (an EXPERT_READS event: backend, block
+  size, expert store, disk), and calm buckets from before it last began reading something else are not used
+  (another model's blocks read at another latency gave wrong verdicts);
 - a bucket is **slow** when the latency is over SLOWER x the baseline and SLOWER_BY_S above it;
 - **disk contention from another process**: slow buckets where the others read and write over
   OTHERS_FLOOR and the agent's share of the disk's bytes is under SMALL_SHARE, for SUSTAIN_S of the
@@ -20,6 +23,7 @@ reads and writes (io.{dev}.*, collector.samplers.DiskReadersSampler; block.{dev}
 """
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections.abc import Sequence
@@ -46,6 +50,20 @@ TOP = 3
 DISK_VERDICTS = ("disk contention from another process", "the agent's own reads saturate the disk", "healthy",
                  "no data")
 OTHERS = re.compile(r"io\.(?P<dev>.+)\.others_read_bytes_per_s\Z")
+EXPERT_READS = "agent.expert_reads"   # event kind: what the agent's expert reads are, as reads_described says
+
+
+def reads_described(backend: str, block_bytes: int, store_dir: str, disk: str | None) -> str:
+    """What the agent's read latency measures: equal texts, equal reads (the EXPERT_READS event's message)."""
+    return f"{backend} reads of {block_bytes} B expert blocks of {store_dir} on {disk or 'no block device'}"
+
+
+def measuring_since(db: Db, until: float) -> float | None:
+    """When the agent began reading what it reads at `until` (the first EXPERT_READS event after the last one
+    that described other reads), or None when nothing else was read before (or a store without the events)."""
+    marks = [e for e in queries.events(db, kind=EXPERT_READS) if e["t"] <= until]
+    other = [i for i, e in enumerate(marks) if e["message"] != marks[-1]["message"]] if marks else []
+    return marks[other[-1] + 1]["t"] if other else None
 
 
 def did(read: float, write: float) -> str:
@@ -220,13 +238,19 @@ def _median(calm: Sequence[Bucket]) -> float:
 
 def baseline(db: Db, device: str, grid: Grid, cells: Sequence[Bucket], window: float) -> Baseline | None:
     """The agent's calm read latency: from the calm ones of the `cells` of `grid` (the window and the
-    BASELINE_S before it), else from the latest calm buckets remembered in the REMEMBER_S before it."""
-    calm = [b for b in cells if b.calm]
+    BASELINE_S before it), else from the latest calm buckets remembered in the REMEMBER_S before it; either
+    only since the agent began reading what it reads at the window's end (measuring_since)."""
+    since = measuring_since(db, grid.until)
+    since = -math.inf if since is None else since
+    calm = [b for b in cells if b.calm and b.start >= since]
     if len(calm) >= MIN_CALM:
         return Baseline(_median(calm), f"median of {len(calm)} calm {grid.width:.0f} s averages in the "
                                        f"{window:,.0f} s judged and the {BASELINE_S:,.0f} s before")
+    if since >= grid.since:
+        return None
     earlier = Grid.over(grid.since - REMEMBER_S, grid.since, grid.width)
-    calm = [b for b in buckets(db, device, earlier) if b.calm][-max(MIN_CALM, round(BASELINE_S / grid.width)):]
+    calm = [b for b in buckets(db, device, earlier) if b.calm and b.start >= since]
+    calm = calm[-max(MIN_CALM, round(BASELINE_S / grid.width)):]
     if len(calm) < MIN_CALM:
         return None
     ago = grid.since + BASELINE_S - (calm[-1].start + earlier.width)
@@ -300,7 +324,8 @@ def judge_disk(db: Db, since: float, until: float, memory_verdict: str, relief: 
         busy = (f" Other processes used it hard meanwhile ({', '.join(r.sentence() for r in found)}): whether "
                 f"they slow the agent shows once they pause." if found else "")
         return DiskDiagnosis("healthy", f"the agent's reads of {device} have no calm stretch to compare with "
-                             f"(a cold start, or a disk busy for all the {REMEMBER_S / 3600:,.0f} h remembered), so "
+                             f"(a cold start, the first reads of what it reads now, or a disk busy for all the "
+                             f"{REMEMBER_S / 3600:,.0f} h remembered), so "
                              f"no slowdown is judged.{busy}", device, None, (), 0.0, found, None)
     for verdict, rule in (("disk contention from another process", contended),
                           ("the agent's own reads saturate the disk", saturating)):

@@ -10,6 +10,7 @@ import pytest
 from agents import CLI
 from bench import synthetic
 from store import diagnosis
+from store.disk_diagnosis import EXPERT_READS, reads_described
 from store.db import Store
 from store.errors import StoreError
 
@@ -321,6 +322,43 @@ def test_contention_longer_than_the_window_and_its_baseline_is_judged_on_the_cal
                                              "ending 300 s before the window")
     assert any("(remembered: " in e for e in d.disk.evidence())
     assert on_disk(tmp_path / "t.db", seconds=3 * WINDOW).disk.baseline.source.startswith("median of 120 calm")
+
+
+def reads_of(path: Path, *marks: tuple[float, str]) -> Path:
+    """The agent's EXPERT_READS events: at each time, O_DIRECT reads of that expert store's blocks on vda."""
+    with Store(path, autoflush_s=0) as store:
+        for t, store_dir in marks:
+            store.record_event(t, EXPERT_READS, reads_described("direct", 12_582_912, store_dir, "vda"))
+    return path
+
+
+def test_a_baseline_remembered_from_another_expert_store_is_not_used(tmp_path):
+    """As above, but the agent began reading another model's store when dd began: the calm latency before
+    was of other reads, so there is nothing to compare with; after a restart on the same store there is."""
+    crowded = {k: (2 * WINDOW, v) for k, (_, v) in CROWDED.items()}
+    other = reads_of(tmp_path / "s.db", (T0 - 3 * WINDOW, "/models/olmoe"), (T0 - 2 * WINDOW, "/models/qwen3"))
+    d = on_disk(other, seconds=3 * WINDOW, readers={"dd": (4242, 2 * WINDOW)}, **crowded)
+    assert d.disk.verdict == "healthy" and d.disk.baseline_s is None and "no calm stretch" in d.disk.summary
+    same = reads_of(tmp_path / "t.db", (T0 - 3 * WINDOW, "/models/olmoe"), (T0 - 2 * WINDOW, "/models/olmoe"))
+    d = on_disk(same, seconds=3 * WINDOW, readers={"dd": (4242, 2 * WINDOW)}, **crowded)
+    assert d.disk.verdict == "disk contention from another process" and d.disk.baseline_s == pytest.approx(0.8e-3)
+
+
+def test_calm_buckets_of_the_store_read_before_a_switch_are_left_out_of_the_baseline(tmp_path):
+    """The agent switched to a model of larger blocks (calm at 10 ms, not 0.8) 5 minutes before the window:
+    25 ms under dd is not 3x its calm latency. With the old store's buckets in the median it was 0.8 ms."""
+    path = reads_of(tmp_path / "s.db", (T0 - 2 * WINDOW, "/models/olmoe"), (T0 - WINDOW, "/models/qwen3"))
+    with Store(path, autoflush_s=0) as store:
+        for t in range(int(T0) - 2 * WINDOW + 1, int(T0) + 1):
+            levels = synthetic.MEMORY["healthy"] | DISK
+            if t > T0 - WINDOW:
+                levels |= {"agent.read_latency_s": 10e-3}
+            if t > T0 - 60:
+                levels |= {k.replace("__", "."): v for k, (_, v) in CROWDED.items()}
+            for name, value in levels.items():
+                store.append(name, t, value)
+    disk = judged(path).disk
+    assert disk.verdict == "healthy" and disk.baseline_s == pytest.approx(10e-3), disk.summary
 
 
 def test_another_process_writing_the_agents_disk_while_its_reads_slow_is_contention_naming_the_writer(tmp_path):

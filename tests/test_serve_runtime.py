@@ -11,6 +11,7 @@ from agent.serve.guard import GuardConfig
 from agent.serve.runtime import Runtime, ServeOptions
 from store import queries
 from store.db import Store
+from store.disk_diagnosis import EXPERT_READS
 from test_serve import demo_model
 
 
@@ -51,6 +52,13 @@ def test_sustained_memory_pressure_shrinks_the_cache_step_by_step_and_records_wh
     for _ in range(4):
         runtime.tick()
     assert runtime.cache.cap_bytes == int(cap * 0.9)  # calm again: no further step
+
+
+def test_the_agent_records_what_its_reads_measure_when_it_starts(runtime, tmp_path_factory):
+    """The disk verdict's baseline is of these reads alone (store.disk_diagnosis.measuring_since)."""
+    [event] = queries.events(runtime.recorder.store.path, kind=EXPERT_READS)
+    model = demo_model(tmp_path_factory).resolve()
+    assert event["message"].startswith(f"direct reads of {runtime.cache.index.nbytes} B expert blocks of {model} on ")
 
 
 def test_a_busy_ssd_read_from_the_collector_leaves_the_batch_limit_at_max_batch_size(runtime):
