@@ -1,4 +1,4 @@
-"""flashmoe-cli supervise: run a command (the agent) and start it again whenever it ends.
+"""flashmoe-cli supervise: run a command (the agent) and start it again whenever it dies.
 
 Examples:
     flashmoe-cli supervise -- flashmoe-cli serve --model data/demo --db data/flashmoe.db --pid-file data/agent.pid
