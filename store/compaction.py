@@ -6,10 +6,12 @@ data is older than `min_age_s` are merged, which is older than any writer's open
 (store.series_writer.STALE_OPEN_S), so no open chunk is ever rewritten by two writers. Retention
 trims a chunk that straddles its cutoff by the same rule; a younger one is kept whole until then.
 
-It runs on a nearly full disk: old chunks and rows go DELETE_BATCH at a time, each batch committed and the log
-checkpointed after it, so the log starts over in the room it already holds instead of growing by all that is
-deleted; and freed pages are not zeroed (SQLite's secure_delete, Debian's default, writes each freed page to
-the log: a deletion then needed free room about its own size). The file keeps its size; no VACUUM.
+It runs on a nearly full disk: old chunks and rows go DELETE_BATCH at a time, each batch committed and, on a disk
+short of room, the log checkpointed after it, so the log starts over in the room it already holds instead of
+growing by all that is deleted (elsewhere the autocheckpoint does, less often: deleting 160,000 rows took 1.8 s
+here with a checkpoint per batch, 0.47 s without, 0.29 s in one transaction); and freed pages are not zeroed
+(SQLite's secure_delete, Debian's default, writes each freed page to the log: a deletion then needed free room
+about its own size). The file keeps its size; no VACUUM.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from store import codec
-from store.database import transaction
+from store.database import WAL_LIMIT_BYTES, short_of_room, transaction
 from store.schema import ROW_TABLES
 from store.series_writer import EncodedChunk, write_chunk
 
@@ -66,8 +69,8 @@ def _freed_pages_not_zeroed(conn: sqlite3.Connection) -> Iterator[None]:
 
 
 def _delete_in_batches(conn: sqlite3.Connection, table: str, where: str, args: tuple) -> int:
-    """DELETE FROM table WHERE `where`, DELETE_BATCH rows per transaction, the log checkpointed after each that
-    deleted any; returns how many rows went. What one batch deleted stays deleted whatever a later one meets."""
+    """DELETE FROM table WHERE `where`, DELETE_BATCH rows per transaction, room made after each that deleted
+    any; returns how many rows went. What one batch deleted stays deleted whatever a later one meets."""
     deleted = 0
     while True:
         with transaction(conn):
@@ -75,16 +78,18 @@ def _delete_in_batches(conn: sqlite3.Connection, table: str, where: str, args: t
                              f"LIMIT {DELETE_BATCH})", args).rowcount
         deleted += n
         if n:
-            _checkpoint(conn)
+            _make_room(conn)
         if n < DELETE_BATCH:
             return deleted
 
 
-def _checkpoint(conn: sqlite3.Connection) -> None:
-    """Move the log's pages into the file, so the next transaction starts the log over in its own room. A
-    checkpoint that cannot finish (a reader on an older snapshot, no room to grow the file) is not an error:
-    the next transaction then appends to the log, as it would have anyway."""
-    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+def _make_room(conn: sqlite3.Connection) -> None:
+    """On a disk with less free than the log's bound, move the log's pages into the file now, so the next
+    transaction starts the log over in its own room. A checkpoint that cannot finish (a reader on an older
+    snapshot, no room to grow the file) is not an error: the next transaction then appends to the log."""
+    path = conn.execute("PRAGMA database_list").fetchone()[2]
+    if path and short_of_room(Path(path), WAL_LIMIT_BYTES):
+        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
 
 class _Moved(Exception):
@@ -113,7 +118,7 @@ def _retain(conn: sqlite3.Connection, cutoff: float, sealed_before: float, repor
     except _Moved:
         pass                                                     # rolled back: the next compaction trims them
     if trimmed:
-        _checkpoint(conn)
+        _make_room(conn)
     for table in ROW_TABLES:
         if table.expires:
             keep = (f" AND id NOT IN (SELECT MAX(id) FROM {table.name} GROUP BY {table.keep_latest_of})"
@@ -142,7 +147,7 @@ def _merge_series(conn: sqlite3.Connection, series_id: int, before: float, targe
                     write_chunk(conn, series_id, chunk)
         except _Moved:
             continue                                             # rolled back: merged already
-        _checkpoint(conn)
+        _make_room(conn)
         report.chunks_written += len(merged)
         report.chunks_merged += len(run)
 

@@ -85,8 +85,13 @@ def advice_for(error: sqlite3.Error, path: Path) -> str:
 def no_room(path: Path) -> bool:
     """The filesystem holding `path` has less than a few pages free (SQLite calls failing to create its
     shared-memory file there a "disk I/O error")."""
+    return short_of_room(path, NO_ROOM_BYTES)
+
+
+def short_of_room(path: Path, room: int) -> bool:
+    """The filesystem holding `path` has less than `room` bytes free."""
     try:
-        return shutil.disk_usage(path.absolute().parent).free < NO_ROOM_BYTES
+        return shutil.disk_usage(path.absolute().parent).free < room
     except OSError:
         return False
 
