@@ -46,8 +46,8 @@ def compact(conn: sqlite3.Connection, cutoff: float, merge_before: float,
             target_points: int = COMPACT_POINTS) -> Compaction:
     """Delete chunks and rows older than `cutoff` (tables that do not expire, and the newest row of
     each knob, are kept), then merge runs of small chunks whose data ends before `merge_before`.
-    One short transaction for retention and one per run merged: chunks are decoded and encoded
-    before it, so the write lock is held for the SQL alone."""
+    Short transactions: one per DELETE_BATCH deleted, one for the chunks retention trims and one per run
+    merged, their chunks decoded and encoded before it, so the write lock is held for the SQL alone."""
     report = Compaction()
     with _freed_pages_not_zeroed(conn):
         _retain(conn, cutoff, merge_before, report)
