@@ -63,7 +63,7 @@ def test_an_agent_stopped_with_sigterm_to_itself_is_not_started_again(tmp_path_f
         assert proc.wait(60) == 0, log.read_text()[-3000:]
         text = log.read_text()
         assert f"(pid {agent}) exited with status 0: stopped on purpose, so not starting it again" in text, text
-        assert "restart" not in text and not pid_file.exists(), text
+        assert "(restart 1)" not in text and not pid_file.exists(), text
     finally:
         stop(proc)
 
