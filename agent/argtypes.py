@@ -44,9 +44,19 @@ def on_off(text: str) -> bool:
 def add_int8_activations(parser: argparse.ArgumentParser) -> None:
     """generate's and serve's --int8-activations, into `int8_activations` (a bool)."""
     parser.add_argument("--int8-activations", type=on_off, default=True, metavar="{on,off}",
-                        help="int8 experts of a bf16 model quantize their activations too where an expert has more "
+                        help="int8 experts (and --dense int8's linears) of a bf16 model quantize their activations "
+                             "too where an expert (a linear) has more "
                              "than 8 tokens (W8A8: prefill, large batches); off computes with the weights only "
                              "quantized, for a model whose activations hold outliers (default on)")
+
+
+def add_dense(parser: argparse.ArgumentParser) -> None:
+    """generate's and serve's --dense stored|int8, into `dense`."""
+    from agent.model.dense_int8 import DENSE_MODES
+    parser.add_argument("--dense", choices=DENSE_MODES, default="stored",
+                        help="dense linears (attention projections, shared experts, LM head) as the store holds "
+                             "them (stored, the default) or quantized to int8 as the model loads: half their bytes "
+                             "and decode time; embeddings, norms and routers stay as stored")
 
 
 def add_prefetch(parser: argparse.ArgumentParser, default: str | None) -> None:

@@ -12,6 +12,9 @@ order of the additions differs, so a result may differ from torch's in its last 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import numba
 import numpy as np
 import torch
@@ -27,6 +30,7 @@ SPLIT_MIN_BYTES = 4 * 2**20
 # Parts per worker: a helper that wakes late (its core busy) leaves the rest to the model's thread, which
 # then waits for one small part rather than for half the matrix.
 PARTS_PER_WORKER = 4
+T = TypeVar("T")
 
 
 @numba.njit(cache=True, fastmath={"reassoc", "contract"}, nogil=True, boundscheck=False)
@@ -55,10 +59,21 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     out = torch.zeros(weight.shape[0]) if bias is None else bias.to(torch.float32, copy=True)  # added before rounding
     w, x32, out32 = weight.detach().view(torch.uint16).numpy(), x[0].float().contiguous().numpy(), out.numpy()
-    workers = split_workers() if weight.nbytes >= SPLIT_MIN_BYTES else None
-    if workers is None:
-        _matvec(w, x32, out32)
-    else:   # each row is computed as above, by whichever worker takes its part
-        workers.each(parts(w.shape[0], PARTS_PER_WORKER * workers.workers),
-                     lambda part: _matvec(w[slice(*part)], x32, out32[slice(*part)]))
+    by_rows(w.shape[0], weight.nbytes, lambda rows: _matvec(w[rows], x32, out32[rows]))
     return out.to(torch.bfloat16).view(1, -1)
+
+
+def by_rows(rows: int, nbytes: int, fn: Callable[[slice], T], min_bytes: int = SPLIT_MIN_BYTES) -> list[T]:
+    """[fn(part) for each part of a one-token matvec's rows, in order]: split over the step's workers where
+    its matrix of `nbytes` is at least `min_bytes`, else one part of all rows. Each row is computed as it
+    would be whole, by whichever worker takes its part, so the result does not depend on the workers."""
+    workers = split_workers() if nbytes >= min_bytes else None
+    if workers is None:
+        return [fn(slice(0, rows))]
+    results: list[T] = [None] * PARTS_PER_WORKER * workers.workers   # type: ignore[list-item]
+    chunks = list(enumerate(parts(rows, len(results))))
+
+    def run(chunk: tuple[int, tuple[int, int]]) -> None:
+        results[chunk[0]] = fn(slice(*chunk[1]))
+    workers.each(chunks, run)
+    return results[:len(chunks)]

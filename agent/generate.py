@@ -33,7 +33,7 @@ from agent.experts.layout import EXPERTS, INDEX, Index, StoreError
 from agent.experts.provider import Expert, ExpertProvider
 from agent.model.config import ConfigError, MoEConfig
 from agent.model.generation import Generation, generate
-from agent.model.loading import load_model
+from agent.model.loading import check_dense, load_model
 from agent.model.model import Transformer
 from agent.policies import DEFAULT_POLICY
 from agent.prefetch_gate import check_mode
@@ -103,9 +103,10 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
                  max_new_tokens: int = 32, greedy: bool = False, cache_cap: str = "100%", policy: str = DEFAULT_POLICY,
                  scope: str = "layer", backend: str = "direct", prefetch: str = "auto", prefill: str = "sequential",
                  record_trace: Path | None = None, seed: int = 0, route_trace: Sequence[Path] = (),
-                 int8_activations: bool = True, workers: int = DEFAULT_WORKERS) -> GenerateResult:
+                 int8_activations: bool = True, workers: int = DEFAULT_WORKERS, dense: str = "stored") -> GenerateResult:
     """Generate from an expert store; the library function behind the command (same parameter names)."""
     check_mode(prefetch)
+    check_dense(dense)
     model = Path(model)
     if not model.is_dir():
         raise ValueError(f"--model {model} is not a directory; give an expert store written by "
@@ -122,7 +123,8 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
                      int8_activations=int8_activations, prefetch=prefetch) as cache:
         _check_not_truncated(model, index)
         recorder = RoutingRecorder(cache)
-        net = load_model(model, recorder, prefetch=prefetch != "off", route_trace=route_trace, workers=workers)
+        net = load_model(model, recorder, prefetch=prefetch != "off", route_trace=route_trace, workers=workers,
+                         dense=dense, int8_activations=int8_activations)
         try:
             if prefill == "batched":
                 _check_batched_fits(net.config, cache.stats(), len(ids))
@@ -140,7 +142,7 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
         finally:
             net.workers.close()      # with the cache: no helper thread outlives the run
     stats.update(prefetch=prefetch, prefill=prefill, steps=len(recorder.records), int8_activations=int8_activations,
-                 workers=workers,
+                 workers=workers, dense=dense,
                  routing=net.route_trace.describe() if net.route_trace else "the model's router")
     result = GenerateResult(ids, gen.token_ids, tokenizer.decode(gen.token_ids), stats)
     if record_trace is not None:
@@ -245,6 +247,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="take each token's experts from recorded real routing (../shared/traces; it must match "
                         "the model's MoE layers, experts and top-k); the router still runs, its choice is discarded")
     argtypes.add_int8_activations(parser)
+    argtypes.add_dense(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
 
 
@@ -264,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_generate(args.model, args.prompt, args.prompt_ids, args.max_new_tokens, args.greedy,
                               args.cache_cap, args.policy, args.scope, args.backend, args.prefetch, args.prefill,
-                              args.record_trace, args.seed, args.route_trace, args.int8_activations, args.workers)
+                              args.record_trace, args.seed, args.route_trace, args.int8_activations, args.workers,
+                              args.dense)
     except TraceNotWritten as exc:   # a full disk: the text is shown, then why its trace is not there
         _show(exc.result, args.json)
         log.error("%s; the generation above ran, its trace was not written", exc)

@@ -1,13 +1,19 @@
-"""How far quantized experts move the model: next-token distributions of int8 and int4 stores against their source.
+"""How far quantized weights move the model: next-token distributions of int8 and int4 stores, and of int8
+dense linears (--dense int8), against their source.
 
-    .venv/bin/python bench/quant_error.py [--pair PLAIN_STORE QUANTIZED_STORE]... [--tokens 64] [--prefill N]
-                                          [--no-parity] [--cap 2GB] [--results quant_error]
+    .venv/bin/python bench/quant_error.py [--pair PLAIN_STORE QUANTIZED_STORE]... [--dense STORE]...
+                                          [--tokens 64] [--prefill N] [--no-parity] [--cap 2GB]
+                                          [--results quant_error]
 
 The parity checkpoints (tests/hf_models.py: tiny random-weight OLMoE, Qwen3-MoE, Qwen2-MoE and
 Mixtral, in float32 and bfloat16) are converted three times, as they are and with --quantize int8 and
 int4; with --pair, two stores converted from one checkpoint (e.g. the OLMoE-1B-7B-shaped model and its
 int8 or int4 twin) are compared as well, their experts read through the cache (O_DIRECT, LRU, --cap);
 --no-parity leaves the parity checkpoints out (their 128 positions are too few for a long --prefill).
+Dense linears in int8 (agent/model/dense_int8.py; W8A8 above 8 tokens, as the runtime computes them):
+each parity checkpoint's plain store and int8 store with them, against the plain store; with --dense,
+a store (e.g. the OLMoE-1B-7B-shaped int8 one) with them against itself as stored, experts through the
+cache as for --pair: the dense linears' error alone.
 Each model reads the same seeded random token sequence teacher-forced: its first --prefill tokens (half
 by default) as one prefill step (many tokens per expert), then one token per step (decode). An int8
 store is measured twice: as the runtime computes it (bf16 activations quantized to int8 above 8 tokens
@@ -63,9 +69,10 @@ def compare(ref: torch.Tensor, got: torch.Tensor, model: str) -> Error:
                  kl.max().item(), (got.argmax(-1) == ref.argmax(-1)).float().mean().item())
 
 
-def sequence_logits(store: Path, provider: ExpertProvider, ids: list[int], prefill: int) -> torch.Tensor:
-    """[len(ids), V]: the first `prefill` as one step, then one token per step."""
-    model = load_model(store, provider)
+def sequence_logits(store: Path, provider: ExpertProvider, ids: list[int], prefill: int,
+                    dense: str = "stored") -> torch.Tensor:
+    """[len(ids), V]: the first `prefill` as one step, then one token per step; the dense linears `dense`."""
+    model = load_model(store, provider, dense=dense)
     seq = model.new_sequence(len(ids))
     out = [model.step([(seq, torch.tensor(ids[:prefill]))], all_logits=True)[0]]
     out += [model.step([(seq, torch.tensor([t]))], all_logits=True)[0] for t in ids[prefill:]]
@@ -83,6 +90,7 @@ def token_ids(vocab: int, n: int) -> list[int]:
 
 
 QUANTS = ("int8", "int4")
+DENSE_INT8 = "int8 dense W8A8"   # the dense linears int8 (--dense int8), their activations too above 8 tokens
 
 
 def parity(tokens: int, prefill: int) -> list[Error]:
@@ -95,11 +103,31 @@ def parity(tokens: int, prefill: int) -> list[Error]:
                 ids = token_ids(ckpt.model.config.vocab_size, tokens)
                 plain = _converted(ckpt.path, work / "plain")
                 ref = sequence_logits(plain, InMemoryExperts(plain), ids, prefill)
+                label = f"{arch} {name} (tiny parity checkpoint)"
+                got = sequence_logits(plain, InMemoryExperts(plain), ids, prefill, "int8")
+                errors.append(compare(ref, got, f"{label}, {DENSE_INT8}"))
                 for quantized in QUANTS:
                     store = _converted(ckpt.path, work / quantized, quantized)
                     for way, activations in ways(quantized):
                         got = sequence_logits(store, InMemoryExperts(store, int8_activations=activations), ids, prefill)
-                        errors.append(compare(ref, got, f"{arch} {name} (tiny parity checkpoint), {way}"))
+                        errors.append(compare(ref, got, f"{label}, {way}"))
+                    if quantized == "int8":
+                        got = sequence_logits(store, InMemoryExperts(store), ids, prefill, "int8")
+                        errors.append(compare(ref, got, f"{label}, int8 W8A8 + {DENSE_INT8}"))
+    return errors
+
+
+def dense_alone(stores: list[Path], tokens: int, prefill: int, cap: str) -> list[Error]:
+    """Each store with its dense linears in int8 against itself as stored, experts read through the cache
+    with `cap` (bytes, or a share of the store's expert bytes)."""
+    errors = []
+    for store in stores:
+        index = Index.load(store / INDEX)
+        cap_bytes = parse_cap(cap, index.nbytes * len(index.blocks))
+        ids = token_ids(MoEConfig.from_file(store / CONFIG).vocab_size, tokens)
+        ref = _cached_logits(store, cap_bytes, ids, prefill)
+        errors.append(compare(ref, _cached_logits(store, cap_bytes, ids, prefill, dense="int8"),
+                              f"{store} ({DENSE_INT8}, against its dense weights as stored)"))
     return errors
 
 
@@ -120,9 +148,9 @@ def pairs(stores: list[tuple[Path, Path]], tokens: int, prefill: int, cap: str) 
 
 
 def _cached_logits(store: Path, cap_bytes: int, ids: list[int], prefill: int,
-                   int8_activations: bool = True) -> torch.Tensor:
+                   int8_activations: bool = True, dense: str = "stored") -> torch.Tensor:
     with ExpertCache(store, cap_bytes, policy="lru", backend="direct", int8_activations=int8_activations) as cache:
-        return sequence_logits(store, cache, ids, prefill)
+        return sequence_logits(store, cache, ids, prefill, dense)
 
 
 def _converted(src: Path, dst: Path, quantize: str | None = None) -> Path:
@@ -135,11 +163,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", nargs=2, type=Path, action="append", default=[], metavar=("PLAIN", "QUANTIZED"),
                         help="two stores of one checkpoint, unquantized and int8 or int4 (repeatable)")
+    parser.add_argument("--dense", type=Path, action="append", default=[], metavar="STORE",
+                        help="a store to measure with its dense linears in int8 against itself (repeatable)")
     parser.add_argument("--tokens", type=count, default=64, help="length of the token sequence")
     parser.add_argument("--prefill", type=count, help="tokens of the prefill step (default: half of --tokens)")
     parser.add_argument("--parity", action=argparse.BooleanOptionalAction, default=True,
                         help="measure the parity checkpoints (--no-parity: the --pair stores only)")
-    parser.add_argument("--cap", default="2GB", help="cache cap for --pair stores")
+    parser.add_argument("--cap", default="2GB", help="cache cap for --pair and --dense stores")
     parser.add_argument("--results", type=results_name, default="quant_error",
                         help="name of the JSON in bench/results/")
     args = parser.parse_args(argv)
@@ -147,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     if prefill > args.tokens:
         parser.error(f"--prefill {prefill} is more than --tokens {args.tokens}")
     torch.set_num_threads(1)
-    errors = (parity(args.tokens, prefill) if args.parity else []) + pairs(args.pair, args.tokens, prefill, args.cap)
+    errors = ((parity(args.tokens, prefill) if args.parity else []) + pairs(args.pair, args.tokens, prefill, args.cap)
+              + dense_alone(args.dense, args.tokens, prefill, args.cap))
     print("| model | positions | max logit diff | largest logit | mean KL | max KL | top-1 agreement |")
     print("|---|---|---|---|---|---|---|")
     for e in errors:
@@ -155,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{e.max_kl:.2e} | {e.top1_agreement:.3f} |")
     write_results(args.results, {"tokens": args.tokens, "prefill": prefill,
                                   "errors": [asdict(e) for e in errors],
-                                  "pairs": [[str(p), str(q)] for p, q in args.pair], "machine": machine()})
+                                  "pairs": [[str(p), str(q)] for p, q in args.pair],
+                                  "dense": [str(d) for d in args.dense], "machine": machine()})
     return 0
 
 

@@ -81,11 +81,12 @@ class Config:
     prefetch: str                 # on, off or auto (agent/prefetch_gate.py)
     more_threads: bool = False    # --threads torch threads instead of one
     workers: int = 1              # generate --workers: threads a decode step computes on (agent/workers.py)
+    dense: str = "stored"         # generate --dense: the dense linears as stored or int8 (agent/model/dense_int8.py)
 
     def args(self, threads: int) -> list[str]:
         return ["--policy", self.policy, "--backend", self.backend, "--threads",
                 str(threads if self.more_threads else 1),
-                "--prefetch", self.prefetch, "--workers", str(self.workers)]
+                "--prefetch", self.prefetch, "--dense", self.dense, "--workers", str(self.workers)]
 
 
 CONFIGS = {"a": Config("a: flashmoe + prefetch, O_DIRECT", "flashmoe", "direct", "on"),
@@ -97,8 +98,10 @@ CONFIGS = {"a": Config("a: flashmoe + prefetch, O_DIRECT", "flashmoe", "direct",
 # Each on two workers: the two cores the machine has, used by explicit parallelism rather than torch's threads
 CONFIGS |= {f"{key}2": replace(c, name=f"{key}2: {c.name.split(': ', 1)[1]}, 2 workers", workers=2)
             for key, c in CONFIGS.items() if not c.more_threads}
+# Each with its dense linears in int8 (ai, a2i, c2i, ...); its limit is the compute bound with int8 dense weights
+CONFIGS |= {f"{key}i": replace(c, name=f"{key}i: ({key}) with int8 dense", dense="int8") for key, c in CONFIGS.items()}
 RATIOS = (("a", "c"), ("a", "b"), ("a2", "c2"), ("a2", "c"), ("g", "c"), ("g2", "c2"), ("a2", "a"), ("g2", "g"),
-          ("c2", "c"))
+          ("c2", "c"), ("ai", "a"), ("a2i", "a2"), ("ci", "c"), ("c2i", "c2"), ("a2i", "c2i"), ("a2i", "c2"))
 
 
 class OneLayerResident:
@@ -146,18 +149,19 @@ class Run:
 
 
 def compute_bound(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int, threads: int = 1,
-                  workers: int = 1) -> float:
+                  workers: int = 1, dense: str = "stored") -> float:
     """Decode tokens/s with every expert resident (compute_run)."""
-    return compute_run(store, traces, prompt_ids, tokens, threads, workers=workers).decode_tokens_per_s
+    return compute_run(store, traces, prompt_ids, tokens, threads, workers=workers, dense=dense).decode_tokens_per_s
 
 
 def compute_run(store: Path, traces: list[Path], prompt_ids: list[int], tokens: int, threads: int = 1,
-                prefill_chunk: int | None = 1, workers: int = 1) -> Generation:
+                prefill_chunk: int | None = 1, workers: int = 1, dense: str = "stored") -> Generation:
     """The prompt token by token (or in chunks of `prefill_chunk`; None: one step) and `tokens` greedy
-    decode tokens with every expert resident, on `workers` (agent/workers.py). The routing follows the
-    same trace records as the cached runs (placed by the same first step), so every step multiplies the
-    same shapes."""
-    model = load_model(store, OneLayerResident(store), prefetch=False, route_trace=traces, workers=workers)
+    decode tokens with every expert resident, on `workers` (agent/workers.py), the dense linears `dense`.
+    The routing follows the same trace records as the cached runs (placed by the same first step), so
+    every step multiplies the same shapes."""
+    model = load_model(store, OneLayerResident(store), prefetch=False, route_trace=traces, workers=workers,
+                       dense=dense)
     torch.set_num_threads(threads)
     try:
         generate(model, prompt_ids[:4], 3, greedy=True, prefill_chunk=1)  # kernels built once, not timed
@@ -289,7 +293,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=count, default=2, help="interleaved rounds; medians are reported")
     ap.add_argument("--threads", type=count, default=2, help="torch intra-op threads of (d) (default 2)")
     ap.add_argument("--configs", default="a,b,c,d", help="which of a,b,c,d,e,g and a2,b2,c2,e2,g2 (the same on two "
-                    "workers), in this order within every round")
+                    "workers), each also with an i for int8 dense weights (ai, a2i, c2i, ...), in this order within "
+                    "every round")
     ap.add_argument("--results", type=results_name, default="scale",
                     help="bench/results/NAME.json to write (default scale)")
     args = ap.parse_args()
@@ -303,7 +308,9 @@ def main() -> int:
     facts = {**machine(store), "memory_limit": cgroup.describe(), "model": str(store), "expert_bytes": expert_bytes,
              "config": json.loads((store / "config.json").read_text()), "route_trace": [str(t) for t in traces]}
     chosen = [CONFIGS[c] for c in args.configs.split(",")]
-    rounds, reference = [], []
+    rounds, reference = [], {}
+    int8_workers = sorted({1} | {c.workers for c in chosen if c.dense == "int8"}) if any(
+        c.dense == "int8" for c in chosen) else []
     try:
         for n in range(args.rounds):
             raw = raw_baseline(store / EXPERTS, index, CHUNK, IO_THREADS)
@@ -313,24 +320,27 @@ def main() -> int:
             by_workers = {w: compute_bound(store, traces, prompt_ids, args.tokens, workers=w)
                           for w in sorted({1} | {c.workers for c in chosen})}
             compute_tok_s = max(*by_threads.values(), *by_workers.values())
+            int8_by_workers = {w: compute_bound(store, traces, prompt_ids, args.tokens, workers=w, dense="int8")
+                               for w in int8_workers}
+            bound = {"stored": compute_tok_s, "int8": max(int8_by_workers.values(), default=None)}
             with torch_linears():
                 torch_tok_s = compute_bound(store, traces, prompt_ids, args.tokens)
             r = {"round": n, **raw, "host_cache_mb_s": host, "compute_tok_s": compute_tok_s,
                  "compute_tok_s_by_threads": by_threads, "compute_tok_s_by_workers": by_workers,
-                 "compute_tok_s_torch_linear": torch_tok_s,
+                 "compute_tok_s_torch_linear": torch_tok_s, "compute_tok_s_int8_dense_by_workers": int8_by_workers,
                  "slot_dtype_ms": slot_dtype_ms(store), "runs": []}
             print(f"round {n + 1}: raw {raw['raw_file_mb_s']:.0f} MB/s in file order ({raw['raw_streams']} stream(s)), "
                   f"{raw['raw_blocks_mb_s']:.0f} MB/s "
                   f"as shuffled whole blocks ({IO_THREADS} in flight); the same region twice "
                   f"{host[0]:.0f} / {host[1]:.0f} MB/s; compute-only tok/s by threads {by_threads}, "
-                  f"by workers {by_workers}, "
+                  f"by workers {by_workers} (int8 dense: {int8_by_workers}), "
                   f"{torch_tok_s:.2f} with torch's F.linear for every linear; "
                   f"one layer's experts for a token, ms: {r['slot_dtype_ms']}", flush=True)
             for config in chosen:
                 run = run_config(store, config, n, cgroup, traces, prompt_ids, args.tokens, args.threads)
-                lim, _, _ = limit_tok_s(compute_tok_s, run.mb_per_token, r["raw_mb_s"])
-                reference = reference or run.token_ids   # every configuration must produce the same tokens
-                same = run.token_ids == reference
+                lim, _, _ = limit_tok_s(bound[config.dense], run.mb_per_token, r["raw_mb_s"])
+                # every configuration must produce the same tokens as the first of its dense mode
+                same = run.token_ids == reference.setdefault(config.dense, run.token_ids)
                 print(f"  {config.name}: {run.decode_tok_s:.2f} tok/s = {run.decode_tok_s / lim:.2f} x its limit "
                       f"{lim:.2f}; {run.mb_per_token:.0f} MB/token, hit rate {run.hit_rate:.3f}, own compute "
                       f"{own_compute_ms(run.profile_ms):.0f} ms/token, reads running {run.io_busy or 0:.0%} of the "
@@ -354,6 +364,8 @@ def summarize(rounds: list[dict]) -> dict:
            "compute_tok_s_torch_linear": med(r["compute_tok_s_torch_linear"] for r in rounds),
            "compute_tok_s_by_workers": {w: med(r["compute_tok_s_by_workers"][w] for r in rounds)
                                         for w in rounds[0]["compute_tok_s_by_workers"]},
+           "compute_tok_s_int8_dense_by_workers": {w: med(r["compute_tok_s_int8_dense_by_workers"][w] for r in rounds)
+                                                   for w in rounds[0].get("compute_tok_s_int8_dense_by_workers", {})},
            "configs": {}}
     names = [run["config"] for run in rounds[0]["runs"]]
     for name in names:
@@ -386,6 +398,7 @@ def print_table(summary: dict, cgroup: MemoryCgroup, facts: dict, args: argparse
           f"{facts['expert_bytes'] / 1e9:.1f} GB of experts; cap 25%; {args.tokens} tokens; {args.rounds} rounds; "
           f"{_routing(args.route_trace)}; raw {summary['raw_mb_s']:.0f} MB/s; "
           f"compute-only {summary['compute_tok_s']:.2f} tok/s (by workers {summary['compute_tok_s_by_workers']}; "
+          f"int8 dense by workers {summary['compute_tok_s_int8_dense_by_workers']}; "
           f"{summary['compute_tok_s_torch_linear']:.2f} with torch's F.linear); {cgroup.describe()}")
     print(f"{'configuration':<34} {'tok/s':>6} {'limit':>6} {'x limit':>7} {'MB/tok':>7} {'hit':>6} {'own ms':>7} "
           f"{'io busy':>7} {'peak RSS':>9} {'cgroup peak':>11} {'of memory':>9}")

@@ -16,21 +16,28 @@ from torch import Tensor, nn
 from agent.experts.layout import CONFIG, DENSE, INDEX, Index, StoreError, file_crc32
 from agent.experts.provider import ExpertProvider
 from agent.model.config import ConfigError, MoEConfig
+from agent.model.dense_int8 import DENSE_MODES, quantize_dense
 from agent.model.model import Transformer
 from agent.model.route_trace import RouteTrace
 
 
 def load_model(store_dir: Path, provider: ExpertProvider, prefetch: bool = True,
-               route_trace: Sequence[Path] = (), workers: int = 1) -> Transformer:
+               route_trace: Sequence[Path] = (), workers: int = 1, dense: str = "stored",
+               int8_activations: bool = True) -> Transformer:
     """Load config.json and dense.safetensors of an expert store; routed experts come from provider.
     With route trace files, each token's experts follow them (agent/model/route_trace.py); `workers`:
-    the threads a one-token step computes on (agent/workers.py)."""
+    the threads a one-token step computes on (agent/workers.py); `dense`: the dense linears as stored or
+    "int8", quantized now, whose activations are quantized too above 8 tokens with `int8_activations`
+    (agent/model/dense_int8.py)."""
+    check_dense(dense)
     store_dir = Path(store_dir)
     config = MoEConfig.from_file(store_dir / CONFIG)
     index = Index.load(store_dir / INDEX)
     check_index(config, index)
     trace = RouteTrace.load(route_trace, config) if route_trace else None  # a bad trace fails before the weights load
     model = from_state(config, dense_state(config, store_dir / DENSE, index.dense_crc32), provider, prefetch, workers)
+    if dense == "int8":
+        quantize_dense(model, int8_activations)
     if trace is not None:
         model.follow(trace)
     return model
@@ -43,6 +50,11 @@ def from_state(config: MoEConfig, state: dict[str, Tensor], provider: ExpertProv
     check_state(model, state)
     model.load_state_dict(state, assign=True)
     return model.eval()
+
+
+def check_dense(dense: str) -> None:
+    if dense not in DENSE_MODES:
+        raise ValueError(f"dense must be one of {DENSE_MODES}, got {dense!r}")
 
 
 def check_state(model: nn.Module, state: dict[str, Tensor]) -> None:

@@ -32,7 +32,8 @@ from agent.workers import Workers
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-token bf16 steps take the compiled matvec (agent/bf16_matvec.py)."""
+    """A dense linear: nn.Linear whose one-token bf16 steps take the compiled matvec (agent/bf16_matvec.py);
+    a model loaded with dense="int8" has an Int8Linear in its place (agent/model/dense_int8.py)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
@@ -161,7 +162,8 @@ class LatentAttention(nn.Module):
             self.q_b_proj = Linear(m.q_lora_rank, q_out, bias=False)
         self.kv_a_proj_with_mqa = Linear(c.dim, m.kv_lora_rank + m.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6)
-        self.kv_b_proj = Linear(m.kv_lora_rank, c.n_heads * (m.nope_dim + m.v_dim), bias=False)
+        # never called: its weight is folded into the query and the output (forward), so not a dense Linear
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, c.n_heads * (m.nope_dim + m.v_dim), bias=False)
         self.o_proj = Linear(c.n_heads * m.v_dim, c.dim, bias=False)
         self.scale = c.k_head_dim ** -0.5 * (c.yarn.softmax_scale if c.yarn else 1.0)
 

@@ -93,14 +93,16 @@ class ModelEngine:
     not)."""
 
     def __init__(self, model_dir: Path, cache: ExpertCache, prefetch: bool = True, seed: int = 0,
-                 threads: int = 1, route_trace: Sequence[Path] = (), prefill_threads: int | None = None) -> None:
+                 threads: int = 1, route_trace: Sequence[Path] = (), prefill_threads: int | None = None,
+                 dense: str = "stored", int8_activations: bool = True) -> None:
         prefill_threads = prefill_threads or threads
         if min(threads, prefill_threads) < 1:
             raise ValueError(f"threads must be at least 1, got {threads} and {prefill_threads} for prefill")
         self.cache, self.threads, self.prefill_threads = cache, threads, prefill_threads
         self._configured = threading.local()
         self.routes = RouteCounter(cache)
-        self.model = load_model(model_dir, self.routes, prefetch, route_trace)
+        self.model = load_model(model_dir, self.routes, prefetch, route_trace, dense=dense,
+                                int8_activations=int8_activations)
         self.generator = torch.Generator().manual_seed(seed)
         self.profiles: collections.deque[StepProfile] = collections.deque(maxlen=STEP_PROFILES)
 

@@ -23,6 +23,7 @@ from agent.experts.quant import quantizes_activations
 from agent.experts.reader import IO_THREADS
 from agent.monitor import SystemSample, SystemSampler
 from agent.model.config import MoEConfig
+from agent.model.loading import check_dense
 from agent.learned.service import OnlineLearning
 from agent.policies import DEFAULT_POLICY, live_policies, policy_factory, policy_knobs, policy_options
 from agent.prefetch_gate import check_mode, knobs_of, mode_of
@@ -59,11 +60,13 @@ class ServeOptions:
     int8_activations: bool = True    # int8 experts quantize bf16 activations above 8 tokens an expert (W8A8)
     max_waiting: int = MAX_WAITING   # requests queued for a place in the batch; more get 429
     kv_budget: int = KV_BUDGET_TOKENS  # KV positions of all running requests together (the cap's rule counts them)
+    dense: str = "stored"            # dense linears as stored or int8 (agent/model/dense_int8.py)
 
     def __post_init__(self) -> None:
         check_admit_window(self.admit_window_s)  # before the model loads, so a bad value fails at once
         if self.prefetch is not None:
             check_mode(self.prefetch)
+        check_dense(self.dense)
         if self.kv_budget < 1:
             raise ValueError(f"kv_budget must be at least one position, got {self.kv_budget}")
 
@@ -78,7 +81,8 @@ class Runtime:
                                  int8_activations=opts.int8_activations, kv_positions=opts.kv_budget)
         try:
             self.engine = ModelEngine(opts.model_dir, self.cache, threads=opts.threads, route_trace=opts.route_trace,
-                                      prefill_threads=opts.prefill_threads)
+                                      prefill_threads=opts.prefill_threads, dense=opts.dense,
+                                      int8_activations=opts.int8_activations)
         except BaseException:
             self.cache.close()
             raise
@@ -239,6 +243,7 @@ class Runtime:
             "model": str(self.opts.model_dir), "uptime_s": time.time() - self.started,
             "routing": trace.describe() if (trace := self.engine.model.route_trace) else "the model's router",
             "policy": s.policy, "backend": s.backend, "scope": s.scope, "experts": self.experts_compute(),
+            "dense": self.opts.dense,
             "cache": {"resident_experts": s.resident, "capacity_experts": s.capacity,
                       "cache_bytes": s.resident * s.slot_bytes, "cap_bytes": s.cap_bytes,
                       "occupancy": s.resident / s.capacity if s.capacity else 0.0,

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from access.loopback import is_loopback
-from agent.argtypes import add_int8_activations, add_prefetch, count, port, threads
+from agent.argtypes import add_dense, add_int8_activations, add_prefetch, count, port, threads
 from agent.experts.cap import KV_BUDGET_TOKENS
 from agent.experts.layout import StoreError as ExpertStoreError
 from agent.experts.reader import BACKENDS, IO_THREADS
@@ -87,6 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="take each token's experts from recorded real routing (../shared/traces), for a random-weight "
                         "model; each request follows the trace from a place its prompt decides")
     add_int8_activations(p)
+    add_dense(p)
     p.add_argument("--verify", action="store_true", help="check every expert block's CRC32 in the background "
                    "while idle; GET /v1/status reports progress and damaged blocks under \"store\"")
     p.add_argument("--max-prompt-bytes", type=count, default=MAX_PROMPT_BYTES,
@@ -263,7 +264,7 @@ def serve(args: argparse.Namespace) -> None:
             opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
                                 args.max_batch_size, args.threads, args.io_threads, args.admit_window_ms / 1000,
                                 args.verify, tuple(args.route_trace), args.prefill_threads, args.int8_activations,
-                                args.max_waiting, args.kv_budget)
+                                args.max_waiting, args.kv_budget, args.dense)
             runtime = Runtime(opts, CollectorRegistry(), store)
             runtime.start()
         except (ValueError, OSError, ExpertStoreError) as exc:
