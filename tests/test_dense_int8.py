@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from test_model_parity import one_torch_thread  # noqa: F401  (autouse fixture)
 
 from agent.convert import convert
+from agent.experts import quant
 from agent.experts.provider import InMemoryExperts
 from agent.generate import run_generate
 from agent.model import dense_int8
@@ -126,3 +127,10 @@ def test_one_tokens_matvecs_split_over_two_workers_give_the_one_workers_logits(s
                 for w in (1, 2))
     assert torch.equal(one, two)
     assert 128 // 8 in calls and 128 in calls   # parts on two workers (8 of a q_proj); whole on one
+
+
+def test_quantizing_by_rows_is_quantizing_the_whole_matrix(monkeypatch):
+    w = torch.randn(50, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    monkeypatch.setattr(dense_int8, "QUANTIZE_ROWS", 16)      # 16, 16, 16 and 2 rows
+    whole, parts = quant.quantize_rows(w, torch.bfloat16), dense_int8.quantize_by_rows(w, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(whole, parts))

@@ -26,6 +26,7 @@ DENSE_MODES = ("stored", "int8")  # the dense weights as the store holds them, o
 # two workers, a core busy with other work, split against whole: 64 of OLMoE's 2048 x 2048 attention matrices
 # 0.77x, its LM head (50304 x 2048) 1.7x.
 SPLIT_MIN_BYTES = 16 * 2**20
+QUANTIZE_ROWS = 4096
 _SCALE_DTYPE = {torch.float16: torch.float32}  # float16 cannot hold a row of small weights' scale (layout.py)
 
 
@@ -39,7 +40,7 @@ class Int8Linear(nn.Module):
     @classmethod
     def of(cls, linear: nn.Linear, activations: bool = True) -> Int8Linear:
         w = linear.weight.detach()
-        q, scale = quantize_rows(w, _SCALE_DTYPE.get(w.dtype, w.dtype))
+        q, scale = quantize_by_rows(w, _SCALE_DTYPE.get(w.dtype, w.dtype))
         return cls(q, scale, None if linear.bias is None else linear.bias.detach(), activations)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -53,6 +54,16 @@ class Int8Linear(nn.Module):
 
     def _rows(self, x: Tensor) -> Callable[[slice], Tensor]:
         return lambda rows: linear_int8(x, self.q[rows], self.scale[rows], self.activations)
+
+
+def quantize_by_rows(w: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """quantize_rows(w, dtype), QUANTIZE_ROWS rows at a time (each row is quantized alone): its float32 passes
+    over a whole LM head would hold ~1.2 GB at once (OLMoE's), more than the head's int8 copy saves."""
+    q, scale = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0], dtype=dtype)
+    for start in range(0, w.shape[0], QUANTIZE_ROWS):
+        rows = slice(start, start + QUANTIZE_ROWS)
+        q[rows], scale[rows] = quantize_rows(w[rows], dtype)
+    return q, scale
 
 
 def quantize_dense(model: nn.Module, activations: bool = True) -> None:
