@@ -55,8 +55,9 @@ def add_dense(parser: argparse.ArgumentParser) -> None:
     from agent.model.dense_int8 import DENSE_MODES
     parser.add_argument("--dense", choices=DENSE_MODES, default="stored",
                         help="dense linears (attention projections, shared experts, LM head) as the store holds "
-                             "them (stored, the default) or quantized to int8 as the model loads: half their bytes "
-                             "and decode time; embeddings, norms and routers stay as stored")
+                             "them (stored, the default) or quantized to int8 as the model loads: half their bytes, "
+                             "faster decode, answers moved ~10x more than by int8 experts (BENCHMARKS.md); "
+                             "embeddings, norms and routers stay as stored")
 
 
 def add_prefetch(parser: argparse.ArgumentParser, default: str | None) -> None:

@@ -103,7 +103,8 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
                  max_new_tokens: int = 32, greedy: bool = False, cache_cap: str = "100%", policy: str = DEFAULT_POLICY,
                  scope: str = "layer", backend: str = "direct", prefetch: str = "auto", prefill: str = "sequential",
                  record_trace: Path | None = None, seed: int = 0, route_trace: Sequence[Path] = (),
-                 int8_activations: bool = True, workers: int = DEFAULT_WORKERS, dense: str = "stored") -> GenerateResult:
+                 int8_activations: bool = True, workers: int = DEFAULT_WORKERS,
+                 dense: str = "stored") -> GenerateResult:
     """Generate from an expert store; the library function behind the command (same parameter names)."""
     check_mode(prefetch)
     check_dense(dense)
