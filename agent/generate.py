@@ -70,6 +70,9 @@ class RoutingRecorder:
     def get(self, layer: int, expert: int) -> Expert:
         return self.inner.get(layer, expert)
 
+    def done(self, layer: int, expert: int) -> None:
+        self.inner.done(layer, expert)
+
     def prefetch(self, layer: int, experts: list[int]) -> None:
         self.inner.prefetch(layer, experts)
 

@@ -141,6 +141,9 @@ class Residency:
         only the window still to be used must stay (the policy already saw the whole step in route())."""
         self._pinned = set(keys)
 
+    def is_pinned(self, key: Key) -> bool:
+        return key in self._pinned
+
     def take(self, layer: int, experts: list[int], ahead: int) -> None:
         """A layer's whole step the way the runtime cache takes it (agent.experts.cache, with no reads
         to wait for): route, then every expert once. A step larger than its partition goes resident

@@ -122,6 +122,9 @@ class OneLayerResident:
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self._blocks[expert]
 
+    def done(self, layer: int, expert: int) -> None:
+        pass
+
     def prefetch(self, layer: int, experts: list[int]) -> None:
         pass
 

@@ -12,6 +12,8 @@
 (p) (a) with the steps that admit prompts on every core (serve --prefill-threads N, N = os.cpu_count(); the
     agent's default is one thread, as for decode): the A/B of the prefill threads;
 (q) (c) with its admission steps on every core too, what (p) is to be compared with;
+(w) (a) with every step's experts on two workers (serve --workers 2: whole experts at once, agent/workers.py);
+(x) (c) on two workers too, what (w) is to be compared with;
 (A), (B), (C) with --reference (the same checkpoint's unquantized store, when --model is its int8 twin):
     (a), (b), (c) on that store, the weights as published.
 Each run starts `flashmoe-cli serve` as its own process with the cache cap at 25% of expert bytes,
@@ -100,12 +102,15 @@ class Config:
 
 
 EVERY_CORE = ("--prefill-threads", str(os.cpu_count()))
+TWO_WORKERS = ("--workers", "2")
 CONFIGS = [Config("a: flashmoe + prefetch", "flashmoe", "direct", "on"),
            Config("b: lru + prefetch", "lru", "direct", "on"),
            Config("c: mmap (page cache)", "lru", "mmap", "off"),
            Config("g: a, adaptive prefetch", "flashmoe", "direct", "auto"),
            Config("p: a, prefill on every core", "flashmoe", "direct", "on", extra=EVERY_CORE),
-           Config("q: c, prefill on every core", "lru", "mmap", "off", extra=EVERY_CORE)]
+           Config("q: c, prefill on every core", "lru", "mmap", "off", extra=EVERY_CORE),
+           Config("w: a, two workers", "flashmoe", "direct", "on", extra=TWO_WORKERS),
+           Config("x: c, two workers", "lru", "mmap", "off", extra=TWO_WORKERS)]
 CONFIGS += [c.on_reference() for c in CONFIGS]
 
 
@@ -354,8 +359,9 @@ def summarize(results: list[Result]) -> dict[str, dict]:
 
 
 # P99 ratios reported when a round ran both: (a) against the others; (p) against (q), the same
-# configurations with admission on every core, and against (c)
-P99_PAIRS = ("ac", "ab", "aA", "aC", "pq", "pc")
+# configurations with admission on every core, and against (c); (w) against (x), both on two workers,
+# against (c) on one, and each on two workers against itself on one
+P99_PAIRS = ("ac", "ab", "aA", "aC", "pq", "pc", "wx", "wc", "wa", "xc")
 
 
 def round_ratios(results: list[Result]) -> dict[str, dict[str, float]]:
@@ -407,7 +413,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=count, default=5, help="runs of every configuration, interleaved (default 5)")
     ap.add_argument("--admit-window-ms", type=float,
                     help="the agent's admission window (serve --admit-window-ms); default: the agent's own")
-    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c,g,p,q (A,B,C,G,P,Q: on --reference) to run, "
+    ap.add_argument("--configs", default="b,a,c", help="which of a,b,c,g,p,q,w,x (capitals: on --reference) to run, "
                                                        "in this order within every round")
     ap.add_argument("--reference", type=Path, help="the unquantized store of --model's checkpoint: the cap and memory "
                                                     "limit come from it, and configs A,B,C run on it")
@@ -424,7 +430,7 @@ def main() -> int:
     letters = args.configs.split(",")
     stores = (args.model, args.reference) if args.reference else (args.model,)
     if not set(letters) <= {c.name[0] for c in CONFIGS}:
-        ap.error(f"--configs {args.configs!r}: give letters among a,b,c,g,p,q and A,B,C,G,P,Q, comma separated")
+        ap.error(f"--configs {args.configs!r}: give letters among a,b,c,g,p,q,w,x and A,B,C,G,P,Q,W,X, comma separated")
     if args.neighbour is not None and (why := neighbour_refused(args.neighbour, stores)):
         ap.error(f"--neighbour {args.neighbour}: {why}")
     if any(x.isupper() for x in letters) != (args.reference is not None):

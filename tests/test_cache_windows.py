@@ -133,21 +133,24 @@ def model_store(tmp_path_factory) -> Path:
     return tmp / "store"
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_a_batch_whose_union_exceeds_the_cache_gives_the_in_memory_logits(model_store, prefetch):
+@pytest.mark.parametrize("prefetch, workers", [(True, 1), (False, 1), (True, 2), (False, 2)])
+def test_a_batch_whose_union_exceeds_the_cache_gives_the_in_memory_logits(model_store, prefetch, workers):
+    """Admission of a batch's prompts, a batched decode step and one long prompt's prefill: on one or two
+    workers, the one-thread in-memory model's logits bit for bit."""
     prompts = [[5, 17, 42, 7], [99, 3, 250, 11, 8], [1, 2, 3], [60, 61]]
     reference = load_model(model_store, InMemoryExperts(model_store))
     with ExpertCache(model_store, slots(model_store, LAYERS * TOP_K)) as cache:  # two slots per layer
-        cached = load_model(model_store, cache, prefetch=prefetch)
+        cached = load_model(model_store, cache, prefetch=prefetch, workers=workers)
         for model in (reference, cached):
             seqs = [model.new_sequence(8) for _ in prompts]
             first = model.step([(s, torch.tensor(p)) for s, p in zip(seqs, prompts)])
             second = model.step([(s, torch.tensor([9])) for s in seqs])
-            model.logits = first + second
+            prefill = model.step([(model.new_sequence(24), torch.arange(3, 200, 9))])
+            model.logits = first + second + prefill
         s = cache.stats()
-    for got, want in zip(cached.logits, reference.logits):
+    for got, want in zip(cached.logits, reference.logits, strict=True):
         assert torch.equal(got, want)  # same sums in the same order, whatever the cache held
-    assert s.misses > 2 * LAYERS * TOP_K  # the unions did not fit: experts went through the slots in windows
+    assert s.misses > 3 * LAYERS * TOP_K  # the unions did not fit: experts went through the slots in windows
 
 
 @pytest.mark.parametrize("policy, io_threads", [("lru", 2), ("lfu", 8), (EvictHighestId.name, 1)])

@@ -48,6 +48,9 @@ class Explicit:
     def prefetch(self, layer, experts):
         pass
 
+    def done(self, layer, expert):
+        pass
+
     def get(self, layer, expert):
         e = self.inner.get(layer, expert)
 

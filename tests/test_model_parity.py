@@ -161,6 +161,9 @@ class Recording:
         self.calls.append(("get", layer, expert))
         return self.inner.get(layer, expert)
 
+    def done(self, layer, expert):
+        self.inner.done(layer, expert)
+
     def prefetch(self, layer, experts):
         self.calls.append(("prefetch", layer, list(experts)))
 

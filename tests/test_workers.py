@@ -55,6 +55,9 @@ class BothTake:
                 raise self.fail
         return self.inner.get(layer, expert)
 
+    def done(self, layer, expert):
+        self.inner.done(layer, expert)
+
     def prefetch(self, layer, experts):
         self.inner.prefetch(layer, experts)
 

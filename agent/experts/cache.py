@@ -150,6 +150,8 @@ class ExpertCache:
             self._reader.close()
             raise
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)  # a thread is done with an expert, for a get() that waits
+        self._waiting = 0                    # get()s waiting on it (see _get)
         self._slot_of: dict[Key, int] = {}
         self._ready: dict[Key, Expert] = {}
         self._inflight: dict[Key, _Load] = {}
@@ -157,6 +159,7 @@ class ExpertCache:
         self._current: _Step | None = None   # the last route()'s step
         self._guess: tuple[int, list[int]] | None = None  # a prefetch not started yet (see _start_guess)
         self._routed: tuple[int, list[int]] = (0, [])  # the window of experts Residency pins
+        self._held: dict[int, Key] = {}      # thread -> the expert get() gave it, until done() (pinned too)
         self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
         self._outgrown = False               # a shrink left the running layer's pinned experts past the cap
         self._dropped: list = []             # evicted experts, released slot views: freed outside the lock
@@ -279,31 +282,38 @@ class ExpertCache:
         contract says. A larger one reads `io_threads` experts ahead of get() (the device queue stays
         full, and an expert's slot is free once get() has moved past it), and its residents stay
         pinned until their use; the rest of the partition is the policy's to keep. The last window
-        stays to the step's end."""
-        start, stop = step_window(len(step.order), step.at, step.residents, self._room(self._residency.capacity),
+        stays to the step's end. Experts other threads still use from before the window stay pinned
+        too, and the window is that much smaller, so that a miss still finds an expert to evict."""
+        start, stop = step_window(len(step.order), step.at, step.residents, self._room_at(layer, step, step.at),
                                   self.read_ahead)
         window = step.order[start:stop]
-        self._residency.pin([(layer, e) for e in window])
         self._routed = (layer, window)
+        self._residency.pin(self._pinned())
         for e in window:
             if e not in step.loads:
                 step.loads[e] = self._access((layer, e))
         self._start_guess()
 
     def get(self, layer: int, expert: int) -> Expert:
+        """The expert's weights, for the calling thread to use until its done() (or its next get(): a thread
+        uses one expert at a time). A step larger than a partition must be asked for in route()'s order,
+        one get() after another, though from any threads: meanwhile no expert in use is evicted."""
         weights = self._get(layer, expert)
         if self._mmap is not None:
             self._count_page_faults(self.index.block(layer, expert))
         return weights
 
     def _get(self, layer: int, expert: int) -> Expert:
-        key = (layer, expert)
+        key, thread = (layer, expert), threading.get_ident()
         with self._lock:
+            self._release(thread)
             step = self._steps.get(layer)
             at = step.position.get(expert, -1) if step is not None else -1
             if step is not None and at > step.at:  # the model moved on: slide the window
+                self._wait_for_room(layer, step, at)
                 step.at = at
                 self._fill(layer, step)
+            self._hold(thread, key)
             if at >= 0 and key in self._ready:
                 return self._ready[key]
             load = step.loads.get(expert) if at >= 0 else None
@@ -312,6 +322,44 @@ class ExpertCache:
                 if load is None:
                     return self._ready[key]
         return load.future.result()
+
+    def done(self, layer: int, expert: int) -> None:
+        """The calling thread no longer uses the expert get() gave it: unpinned, unless the step needs it."""
+        with self._lock:
+            if self._held.get(threading.get_ident()) == (layer, expert):
+                self._release(threading.get_ident())
+
+    def _hold(self, thread: int, key: Key) -> None:
+        self._held[thread] = key
+        if not self._residency.is_pinned(key):
+            self._residency.pin(self._pinned())
+
+    def _release(self, thread: int) -> None:
+        if self._held.pop(thread, None) is not None:
+            self._residency.pin(self._pinned())
+            if self._waiting:
+                self._released.notify_all()
+
+    def _wait_for_room(self, layer: int, step: _Step, at: int) -> None:
+        """Wait until a window from `at` on has a slot: a partition smaller than the workers may be in use whole."""
+        self._waiting += 1
+        try:
+            self._released.wait_for(lambda: self._room_at(layer, step, at) > 0)
+        finally:
+            self._waiting -= 1
+
+    def _pinned(self) -> list[Key]:
+        """The running step's window and every expert a thread still uses."""
+        layer, window = self._routed
+        return [(layer, e) for e in window] + list(self._held.values())
+
+    def _room_at(self, layer: int, step: _Step, at: int) -> int:
+        """The slots of `layer`'s partition a window from `at` on may pin: a step larger than the partition
+        leaves out those of experts still in use from before `at` (other workers')."""
+        room = self._room(self._residency.capacity)
+        if len(step.order) <= room:
+            return room
+        return room - sum(l == layer and step.position.get(e, -1) < at for l, e in self._held.values())
 
     def _count_page_faults(self, block: Block) -> None:
         """mmap: a block the policy holds may have left the page cache; the model's touch reads it again."""
@@ -506,8 +554,9 @@ class ExpertCache:
     def _layer_done(self) -> None:
         """The running layer ended and none of its experts is in use: unpin them, and finish a shrink
         they outlasted."""
-        self._residency.pin(())
+        self._held.clear()
         self._routed = (0, [])
+        self._residency.pin(())
         if self._outgrown:
             self._resize(self.cap_bytes)
 
@@ -522,8 +571,7 @@ class ExpertCache:
             new.resize(old.capacity)  # a resize meanwhile: nothing is resident yet, so nothing is evicted
             for key in old.resident():
                 new.access(key)  # admits without evicting: the capacity is the same
-            layer, window = self._routed
-            new.pin([(layer, e) for e in window])  # the current step's experts stay pinned
+            new.pin(self._pinned())  # the current step's experts stay pinned
             new.stats, new.gate = old.stats, old.gate
             self._residency, self.policy_name = new, name
         log.info("expert cache policy set to %s %s", name, options or "")

@@ -36,6 +36,7 @@ Expert = ExpertWeights | Int8Expert | Int4Expert  # what get() returns: called o
 class ExpertProvider(Protocol):
     def route(self, layer: int, experts: Sequence[int]) -> Sequence[int] | None: ...
     def get(self, layer: int, expert: int) -> Expert: ...
+    def done(self, layer: int, expert: int) -> None: ...   # the calling thread no longer uses what get() gave it
     def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
 
 
@@ -68,6 +69,9 @@ class InMemoryExperts:
 
     def get(self, layer: int, expert: int) -> Expert:
         return self._blocks[layer, expert]
+
+    def done(self, layer: int, expert: int) -> None:
+        pass
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         pass

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -56,7 +56,7 @@ class RoutedExperts:
     provider: ExpertProvider
     lookahead: Lookahead
     profile: Profile
-    workers: Workers | None = None   # a one-token step's experts run on them at once
+    workers: Workers | None = None   # a step's experts run on them at once
 
     def __call__(self, layer: int, h: Tensor, routing: Routing, residual: Tensor) -> Tensor:
         """Route the step's union to the provider, let the lookahead guess the next layer from
@@ -76,31 +76,38 @@ def run_experts(h: Tensor, routing: Routing, provider: ExpertProvider, layer: in
                 profile: Profile, workers: Workers | None = None) -> Tensor:
     """Sum over each token's chosen experts of gate weight x SwiGLU(expert weights from the provider).
 
-    Experts are fetched in `order` (the provider's choice), on `workers` at once for a one-token step
-    (each takes the next expert when it is free); their outputs are summed in ascending expert order,
-    so the result depends neither on what the cache held nor on which worker computed what. A larger
-    step stays on one thread: its union may exceed the cache's partition, whose window then frees an
-    expert's slot once get() has moved past it, which a second worker would still be computing on.
+    Experts are fetched in `order` (the provider's choice), on `workers` at once (each takes the next
+    expert when it is free, and tells the provider when it is done with it); their outputs are summed
+    in ascending expert order, so the result depends neither on what the cache held nor on which worker
+    computed what. A step of more than one token may be larger than the cache's partition, whose window
+    then slides on with get(): its workers ask for their experts in `order`, one after another, as one
+    thread would (an expert taken but not yet asked for must not be passed by the window). A one-token
+    step always fits (the cap holds top-k experts per partition), so its workers ask at once.
     The profile is the model thread's: its own waits and matmuls, and its wait for the other workers
     at the end counted as expert matmuls."""
     # index_select / index_put_ rather than h[tok] / index_add_: the latter cost ~1 ms a call on a busy CPU.
     outputs: dict[int, Tensor] = {}
     model_thread, assignments = threading.get_ident(), routing.assignments   # computed once, before any worker
+    turns = InOrder() if h.shape[0] > 1 else None
 
-    def one(e: int) -> None:
+    def one(item: tuple[int, int]) -> None:
+        i, e = item
         timed = threading.get_ident() == model_thread
         tok, rank = assignments[e]
-        with profile.phase("wait") if timed else nullcontext():
-            expert = provider.get(layer, e)                            # SwiGLU of its weights, plain or int8
-        with profile.phase("experts") if timed else nullcontext():
-            outputs[e] = expert(h.index_select(0, tok)) * routing.weights[tok, rank, None]  # [t, D]
+        try:
+            with profile.phase("wait") if timed else nullcontext(), turns.turn(i) if turns else nullcontext():
+                expert = provider.get(layer, e)                        # SwiGLU of its weights, plain or int8
+            with profile.phase("experts") if timed else nullcontext():
+                outputs[e] = expert(h.index_select(0, tok)) * routing.weights[tok, rank, None]  # [t, D]
+        finally:
+            provider.done(layer, e)
 
-    if workers is None or workers.workers == 1 or h.shape[0] > 1:
-        for e in order:
-            one(e)
+    if workers is None or workers.workers == 1:
+        for item in enumerate(order):
+            one(item)
     else:
         before, start = profile.seconds["wait"] + profile.seconds["experts"], time.perf_counter()
-        workers.each(order, one)
+        workers.each(enumerate(order), one)
         joined = time.perf_counter() - start - (profile.seconds["wait"] + profile.seconds["experts"] - before)
         profile.seconds["experts"] += joined
     with profile.phase("experts"):
@@ -108,3 +115,23 @@ def run_experts(h: Tensor, routing: Routing, provider: ExpertProvider, layer: in
         for e in sorted(outputs):
             out.index_put_((routing.assignments[e][0],), outputs[e], accumulate=True)
     return out
+
+
+class InOrder:
+    """Lets the callers of turn(i) through one at a time, in the order of i = 0, 1, 2, ... whichever thread
+    comes first; a turn that raises still passes on."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def turn(self, i: int) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: self._next == i)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._next += 1
+                self._changed.notify_all()

@@ -65,6 +65,9 @@ class RouteCounter:
     def get(self, layer: int, expert: int) -> Expert:
         return self.inner.get(layer, expert)
 
+    def done(self, layer: int, expert: int) -> None:
+        self.inner.done(layer, expert)
+
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         self.inner.prefetch(layer, experts)
 
@@ -84,7 +87,8 @@ class ModelEngine:
     `prefill_threads` instead (default: `threads`): its matmuls are large enough to split (an OLMoE
     projection of 850 tokens 34 -> 19 ms on two idle cores), and at seed scale that step is
     compute-bound with the disk idle most of it. Served on this shared 2-core machine two threads did
-    not shorten it (BENCHMARKS.md, "Where (a)'s time goes when serving"), so it stays opt-in. The
+    not shorten it (BENCHMARKS.md, "Where (a)'s time goes when serving"), so it stays opt-in. `workers`:
+    the threads a step's experts run on, whole experts at once (agent/workers.py, agent/model/routed.py). The
     count is set on the calling thread itself, because OpenMP and MKL keep the count per thread: a
     thread that never sets it uses one per core whatever the main thread set, and libgomp's idle team
     members then spin on the cores the reads and the step need. On a busy 2-core machine that made
@@ -94,7 +98,8 @@ class ModelEngine:
 
     def __init__(self, model_dir: Path, cache: ExpertCache, prefetch: bool = True, seed: int = 0,
                  threads: int = 1, route_trace: Sequence[Path] = (), prefill_threads: int | None = None,
-                 dense: str = "stored", int8_activations: bool = True) -> None:
+                 dense: str = "stored", int8_activations: bool = True,
+                 workers: int = 1) -> None:
         prefill_threads = prefill_threads or threads
         if min(threads, prefill_threads) < 1:
             raise ValueError(f"threads must be at least 1, got {threads} and {prefill_threads} for prefill")
@@ -102,7 +107,7 @@ class ModelEngine:
         self._configured = threading.local()
         self.routes = RouteCounter(cache)
         self.model = load_model(model_dir, self.routes, prefetch, route_trace, dense=dense,
-                                int8_activations=int8_activations)
+                                int8_activations=int8_activations, workers=workers)
         self.generator = torch.Generator().manual_seed(seed)
         self.profiles: collections.deque[StepProfile] = collections.deque(maxlen=STEP_PROFILES)
 

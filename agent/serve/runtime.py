@@ -61,6 +61,7 @@ class ServeOptions:
     max_waiting: int = MAX_WAITING   # requests queued for a place in the batch; more get 429
     kv_budget: int = KV_BUDGET_TOKENS  # KV positions of all running requests together (the cap's rule counts them)
     dense: str = "stored"            # dense linears as stored or int8 (agent/model/dense_int8.py)
+    workers: int = 1                 # threads a step's experts run on, the model's own one of them (agent/workers.py)
 
     def __post_init__(self) -> None:
         check_admit_window(self.admit_window_s)  # before the model loads, so a bad value fails at once
@@ -82,7 +83,7 @@ class Runtime:
         try:
             self.engine = ModelEngine(opts.model_dir, self.cache, threads=opts.threads, route_trace=opts.route_trace,
                                       prefill_threads=opts.prefill_threads, dense=opts.dense,
-                                      int8_activations=opts.int8_activations)
+                                      int8_activations=opts.int8_activations, workers=opts.workers)
         except BaseException:
             self.cache.close()
             raise

@@ -77,6 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "reads run on other threads, and on a small CPU more threads busy-wait against them)")
     p.add_argument("--prefill-threads", type=threads, help="torch intra-op threads for a step that admits prompts "
                    "(default: --threads; its matmuls are large enough to split, where a core is free for them)")
+    p.add_argument("--workers", type=threads, default=1, help="threads a step computes on, the model's own one of "
+                   "them: its experts are handed out whole to whichever is free (default 1)")
     p.add_argument("--io-threads", type=threads, default=IO_THREADS, help=f"expert reads in flight at once (default "
                    f"{IO_THREADS}: an SSD reaches its bandwidth only with several requests queued)")
     p.add_argument("--admit-window-ms", type=float, default=ADMIT_WINDOW_S * 1000,
@@ -264,7 +266,7 @@ def serve(args: argparse.Namespace) -> None:
             opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
                                 args.max_batch_size, args.threads, args.io_threads, args.admit_window_ms / 1000,
                                 args.verify, tuple(args.route_trace), args.prefill_threads, args.int8_activations,
-                                args.max_waiting, args.kv_budget, args.dense)
+                                args.max_waiting, args.kv_budget, args.dense, args.workers)
             runtime = Runtime(opts, CollectorRegistry(), store)
             runtime.start()
         except (ValueError, OSError, ExpertStoreError) as exc:
