@@ -243,8 +243,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads (default 1: the expert reads and their CRC checks run on "
                         "other threads, and one token's matmuls are small)")
     parser.add_argument("--workers", type=argtypes.threads, default=DEFAULT_WORKERS,
-                        help="threads a decode step computes on, its own one of them: a token's experts run on "
-                        "them at once and its large matvecs are split between them (default %(default)s: two "
+                        help="threads a step computes on, its own one of them: a step's experts run on them at "
+                        "once and a decode token's large matvecs are split between them (default %(default)s: two "
                         "where the process may use two cores)")
     parser.add_argument("--record-trace", type=Path, metavar="FILE", help="write the routing as decode-layout JSONL")
     parser.add_argument("--route-trace", type=Path, nargs="+", default=(), metavar="FILE",

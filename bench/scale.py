@@ -173,10 +173,10 @@ def compute_run(store: Path, traces: list[Path], prompt_ids: list[int], tokens: 
         torch.set_num_threads(1)
 
 
-def prefill_bound_s(store: Path, traces: list[Path], prompt_ids: list[int]) -> float:
+def prefill_bound_s(store: Path, traces: list[Path], prompt_ids: list[int], workers: int = 1) -> float:
     """Seconds of one batched prefill step of the whole prompt with every expert resident (its compute
-    alone; the best of two, after a short one builds the kernels)."""
-    model = load_model(store, OneLayerResident(store), prefetch=False, route_trace=traces)
+    alone; the best of two, after a short one builds the kernels), on `workers` (agent/workers.py)."""
+    model = load_model(store, OneLayerResident(store), prefetch=False, route_trace=traces, workers=workers)
     generate(model, prompt_ids[:16], 1, greedy=True)
     return min(generate(model, prompt_ids, 1, greedy=True).prefill_s for _ in range(2))
 

@@ -1,18 +1,20 @@
 """The runtime expert cache: Residency decides what stays, slots hold it, a reader fills them.
 
-`ExpertCache` implements the ExpertProvider contract (route / get / prefetch). route() makes the
-step's accesses: every routed expert is looked up once, and each miss takes the evicted expert's
+`ExpertCache` implements the ExpertProvider contract (route / get / done / prefetch). route() makes
+the step's accesses: every routed expert is looked up once, and each miss takes the evicted expert's
 slot (or a free one) and starts its read on a thread pool at once, so a layer's misses are read
 concurrently while get() hands out the blocks in turn. A batch's step larger than a partition is
 taken resident experts first (route() answers the order to ask in), in a window that slides on
 with get(), io_threads reads ahead of the model. A block that two callers want at once is read
 once, because both wait on the same in-flight future, and a block that prefetch already started
-is waited for instead of read again. One lock guards all bookkeeping (Residency, slot
-table, in-flight table, counters); reads, CRC checks, a policy's slow work on a monitoring sample or
-new weights (Policy.prepare), building a new policy (set_policy), faulting in a grow's slots and
-freeing evicted experts' tensors run outside it, so the service may resize or switch policy from its
-HTTP threads while decode runs: under memory thrash each of those waits on page faults for seconds
-(RELIABILITY.md has the figures).
+is waited for instead of read again. get() hands an expert to the calling thread until its done(),
+and an expert in use stays pinned: two workers may compute on a step's experts while its window
+slides on (agent/model/routed.py asks in route()'s order). One lock guards all bookkeeping
+(Residency, slot table, in-flight table, counters); reads, CRC checks, a policy's slow work on a
+monitoring sample or new weights (Policy.prepare), building a new policy (set_policy), faulting in
+a grow's slots and freeing evicted experts' tensors run outside it, so the service may resize or
+switch policy from its HTTP threads while decode runs: under memory thrash each of those waits on
+page faults for seconds (RELIABILITY.md has the figures).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def load_model(store_dir: Path, provider: ExpertProvider, prefetch: bool = True,
                int8_activations: bool = True) -> Transformer:
     """Load config.json and dense.safetensors of an expert store; routed experts come from provider.
     With route trace files, each token's experts follow them (agent/model/route_trace.py); `workers`:
-    the threads a one-token step computes on (agent/workers.py); `dense`: the dense linears as stored or
+    the threads a step computes on (agent/workers.py); `dense`: the dense linears as stored or
     "int8", quantized now, whose activations are quantized too above 8 tokens with `int8_activations`
     (agent/model/dense_int8.py)."""
     check_dense(dense)
