@@ -15,8 +15,8 @@ sys.path.insert(0, str(ROOT))
 from bench import batching, common  # noqa: E402
 
 SCRIPTS = ("batching", "codec", "collector_cost", "dashboard", "decode", "loader", "online_agent", "policies",
-           "policy_cost", "prefill_gap", "prompt_bound", "quant_error", "quant_kernels", "quant_scale", "queries",
-           "serve", "warmup")
+           "policy_cost", "prefill_gap", "prefill_workers", "prompt_bound", "quant_error", "quant_kernels",
+           "quant_scale", "queries", "serve", "warmup")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
