@@ -187,3 +187,13 @@ def test_a_memory_limit_that_cannot_be_read_keeps_the_cap_bounds_and_refuses_a_c
     with pytest.raises(KnobError, match="memory limit could not be read"):
         runtime.set_knobs({"cache_cap_bytes": smaller}, "api")
     assert runtime.cache.cap_bytes == cap and runtime.knobs["cache_cap_bytes"] == cap
+
+
+def test_serve_workers_reach_the_model(tmp_path_factory):
+    """serve --workers: the threads every step's experts run on (agent/model/routed.py)."""
+    rt = Runtime(ServeOptions(demo_model(tmp_path_factory), cache_cap="50%", workers=2), CollectorRegistry())
+    rt.start()
+    try:
+        assert rt.engine.model.workers.workers == 2 and rt.engine.model.experts.workers is rt.engine.model.workers
+    finally:
+        rt.stop()
