@@ -44,8 +44,8 @@ def main() -> int:
         for t in args.tokens:
             for w in WORKERS:
                 seconds[t][w].append(prefill_bound_s(args.model, args.route_trace, (ids * t)[:t], w))
-            print(f"round {n + 1}, {t} tokens: " + ", ".join(f"{w} worker(s) {seconds[t][w][-1]:.2f} s" for w in WORKERS),
-                  flush=True)
+            took = ", ".join(f"{w} worker(s) {seconds[t][w][-1]:.2f} s" for w in WORKERS)
+            print(f"round {n + 1}, {t} tokens: {took}", flush=True)
         load.append(os.getloadavg()[0])
     rows = {t: {"tok_s": {w: t / statistics.median(s) for w, s in by.items()},
                 "two_over_one": statistics.median(a / b for a, b in zip(by[1], by[2]))} for t, by in seconds.items()}

@@ -2,6 +2,7 @@
 partition, so the window slides on while one worker still computes on an expert it passed."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,10 @@ from test_model_parity import one_torch_thread  # noqa: F401  (autouse fixture)
 from test_readers import write_store
 
 from agent.experts.cache import ExpertCache
+from agent.experts.layout import StoreError
 from agent.experts.provider import InMemoryExperts
 from agent.model.profile import Profile
-from agent.model.routed import Routing, run_experts
+from agent.model.routed import InOrder, Routing, run_experts
 from agent.workers import Workers
 
 LAYERS, HIDDEN = 3, 64
@@ -94,3 +96,43 @@ def test_with_one_slot_a_partition_the_next_expert_waits_for_the_one_in_use(stor
         s = cache.stats()
     assert torch.equal(two, in_memory(store))
     assert (s.misses, s.reads) == (6, 6)
+
+
+class FailsAt:
+    """Over a provider: get() of `expert` raises `error`."""
+
+    def __init__(self, inner, expert: int, error: BaseException) -> None:
+        self.inner, self.expert, self.error = inner, expert, error
+
+    def get(self, layer, expert):
+        if expert == self.expert:
+            raise self.error
+        return self.inner.get(layer, expert)
+
+    def done(self, layer, expert):
+        self.inner.done(layer, expert)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_read_error_in_a_larger_step_is_the_error_it_raises(store, workers):
+    error = StoreError("expert block layer 0 expert 2 is corrupt or truncated; re-run flashmoe-cli convert")
+    h, routing = step_inputs()
+    provider = FailsAt(InMemoryExperts(store), 2, error)
+    with pytest.raises(StoreError) as raised, torch.inference_mode():
+        run_experts(h, routing, provider, 0, routing.experts, Profile(), Workers(workers))
+    assert raised.value is error
+
+
+def test_a_turn_whose_predecessor_will_never_come_is_given_up_once_aborted():
+    """A worker that fails makes the others stop taking experts; one taken and then dropped leaves the
+    next turn waiting forever, unless the failure aborts the turns."""
+    turns, mine = InOrder(), []
+
+    def second() -> None:
+        with turns.turn(1) as go:
+            mine.append(go)
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    turns.abort()                            # turn 0 was never taken
+    waiter.join(10)
+    assert not waiter.is_alive() and mine == [False]

@@ -94,11 +94,18 @@ def run_experts(h: Tensor, routing: Routing, provider: ExpertProvider, layer: in
         i, e = item
         timed = threading.get_ident() == model_thread
         tok, rank = assignments[e]
+        turn = turns.turn(i) if turns else nullcontext(True)
         try:
-            with profile.phase("wait") if timed else nullcontext(), turns.turn(i) if turns else nullcontext():
+            with profile.phase("wait") if timed else nullcontext(), turn as mine:
+                if not mine:
+                    return                                             # a worker failed: the step raises its error
                 expert = provider.get(layer, e)                        # SwiGLU of its weights, plain or int8
             with profile.phase("experts") if timed else nullcontext():
                 outputs[e] = expert(h.index_select(0, tok)) * routing.weights[tok, rank, None]  # [t, D]
+        except BaseException:
+            if turns:
+                turns.abort()   # the workers stop taking experts: one taken and dropped would never have its turn
+            raise
         finally:
             provider.done(layer, e)
 
@@ -119,18 +126,27 @@ def run_experts(h: Tensor, routing: Routing, provider: ExpertProvider, layer: in
 
 class InOrder:
     """Lets the callers of turn(i) through one at a time, in the order of i = 0, 1, 2, ... whichever thread
-    comes first; a turn that raises still passes on."""
+    comes first (`with turn(i) as mine`: mine is True); a turn that raises still passes on. After abort()
+    every turn still waiting is given up (mine is False)."""
 
     def __init__(self) -> None:
-        self._next = 0
+        self._next, self._aborted = 0, False
         self._changed = threading.Condition()
 
-    @contextmanager
-    def turn(self, i: int) -> Iterator[None]:
+    def abort(self) -> None:
         with self._changed:
-            self._changed.wait_for(lambda: self._next == i)
+            self._aborted = True
+            self._changed.notify_all()
+
+    @contextmanager
+    def turn(self, i: int) -> Iterator[bool]:
+        with self._changed:
+            self._changed.wait_for(lambda: self._next == i or self._aborted)
+            if self._next != i:
+                yield False
+                return
         try:
-            yield
+            yield True
         finally:
             with self._changed:
                 self._next += 1
