@@ -142,9 +142,10 @@ class InOrder:
     def turn(self, i: int) -> Iterator[bool]:
         with self._changed:
             self._changed.wait_for(lambda: self._next == i or self._aborted)
-            if self._next != i:
-                yield False
-                return
+            mine = self._next == i
+        if not mine:
+            yield False
+            return
         try:
             yield True
         finally:
