@@ -73,8 +73,9 @@ def test_the_warm_up_run_is_kept_apart_from_the_rounds_in_the_json():
     assert results_json(runs, None, [], [])["warm_up"] is None
 
 
-@pytest.mark.parametrize("argv,words", [(["--configs", "a,C"], "configs A,B,C and --reference go together"),
-                                        (["--configs", "a,r"], "give letters among a,b,c,g,p,q,w,x and A,B,C,G,P,Q,W,X")])
+@pytest.mark.parametrize("argv,words", [
+    (["--configs", "a,C"], "configs A,B,C and --reference go together"),
+    (["--configs", "a,r"], "give letters among a,b,c,g,p,q,w,x and A,B,C,G,P,Q,W,X")])
 def test_configs_on_a_reference_store_need_one(argv, words):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

@@ -111,8 +111,9 @@ class Runtime:
         """Bring knobs to their stored and command-line values, then start serving."""
         self.scheduler.start()
         if self.recorder is not None:    # what its read latency measures, so no other reads' baseline judges it
+            store = str(Path(self.opts.model_dir).resolve())
             self.recorder.event(time.time(), EXPERT_READS, reads_described(
-                self.opts.backend, self.cache.index.nbytes, str(Path(self.opts.model_dir).resolve()), self.monitor.disk))
+                self.opts.backend, self.cache.index.nbytes, store, self.monitor.disk))
         self._initial_knobs()
         self._ticker.start()
         if self.opts.verify:
