@@ -130,8 +130,6 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
         net = load_model(model, recorder, prefetch=prefetch != "off", route_trace=route_trace, workers=workers,
                          dense=dense, int8_activations=int8_activations)
         try:
-            if prefill == "batched":
-                _check_batched_fits(net.config, cache.stats(), len(ids))
             prefill_steps, after_prefill = (1 if prefill == "batched" else len(ids)), []
 
             def on_step() -> None:
@@ -196,16 +194,6 @@ def _check_not_truncated(model: Path, index: Index) -> None:
 
 def _stop_ids(config: MoEConfig) -> tuple[int, ...]:
     return () if config.eos_token_id is None else (config.eos_token_id,)
-
-
-def _check_batched_fits(config: MoEConfig, cache_stats: CacheStats, prompt_len: int) -> None:
-    """A batched prefill pins the union of the prompt's experts per layer; the cache must hold it."""
-    union = min(config.n_experts, prompt_len * config.top_k)
-    room = cache_stats.capacity // len(config.moe_layer_ids) if cache_stats.scope == "layer" else cache_stats.capacity
-    if room < union:
-        raise ValueError(f"--prefill batched may route up to {union} experts per layer for this {prompt_len}-token "
-                         f"prompt, but the cache holds {room} per layer; "
-                         "use --prefill sequential or a larger --cache-cap")
 
 
 def write_trace(path: Path, meta: dict[str, Any], records: list[dict[str, list[int]]],

@@ -108,6 +108,16 @@ def test_batched_prefill_records_the_prompt_union(store, reference, capsys, tmp_
         out["stats"]["hits"] + out["stats"]["misses"]
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_batched_prefill_larger_than_the_cache_slides_its_window(store, reference, capsys, workers):
+    """Two slots a layer for a prompt routing up to eight experts at each: the cache takes the step in a
+    window that slides on as the experts are used, on one worker or two, and the tokens are the same."""
+    out = run_json(capsys, "--model", str(store), "--prompt-ids", PROMPT, "--max-new-tokens", str(N_NEW), "--greedy",
+                   "--prefill", "batched", "--cache-cap", slot_cap(store, 2), "--no-prefetch", "--workers", workers)
+    assert out["token_ids"] == reference
+    assert out["stats"]["capacity_slots"] < 8 and out["stats"]["misses"] > out["stats"]["capacity_slots"]
+
+
 def test_text_prompt_goes_through_the_tokenizer(store, capsys):
     out = run_json(capsys, "--model", str(store), "--prompt", "hi", "--max-new-tokens", "2", "--greedy")
     assert out["prompt_ids"] == [104, 105] and len(out["token_ids"]) == 2 and isinstance(out["text"], str)
@@ -118,7 +128,6 @@ def test_text_prompt_goes_through_the_tokenizer(store, capsys):
     (["--prompt-ids", "5", "--policy", "nope"], "unknown policy 'nope'"),
     (["--prompt-ids", "5", "--cache-cap", "1"], "outside the allowed range"),
     (["--prompt-ids", "5", "--cache-cap", "lots"], "is not understood"),
-    (["--prompt-ids", PROMPT, "--prefill", "batched", "--cache-cap", "SMALL"], "use --prefill sequential"),
     (["--prompt-ids", "5", "--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
     (["--prompt-ids", "5", "--max-new-tokens", "1000000000000"], "exceed the model's context of"),
     (["--prompt-ids", "5", "--record-trace", "TMP"], "it is a directory; pass another --record-trace"),
