@@ -109,7 +109,7 @@ def test_a_step_that_fits_is_used_ready_first_then_in_the_order_its_reads_starte
     assert (s.hits, s.misses, s.prefetch_hits, s.reads) == (2, 3, 1, 4)
 
 
-def test_a_guess_is_read_once_the_step_has_started_all_its_own_reads(store):
+def test_a_guess_is_read_once_the_step_has_all_its_own_experts(store):
     with ExpertCache(store, slots(store, LAYERS * 3), io_threads=2) as cache:
         order = cache.route(0, [0, 1, 2, 3, 4])    # two reads ahead of get()
         cache.prefetch(1, [5, 6])
@@ -117,8 +117,8 @@ def test_a_guess_is_read_once_the_step_has_started_all_its_own_reads(store):
             cache.get(0, e)
             assert cache.stats().prefetches == 0   # layer 0 still had reads to start: they go first
         cache.get(0, order[3])                      # the last window: layer 0's last read has started
+        cache.get(0, order[4])                      # ... and finished
         assert cache.stats().prefetches == 2
-        cache.get(0, order[4])
         for e in cache.route(1, [5, 6]):
             cache.get(1, e)
         s = cache.stats()

@@ -378,24 +378,29 @@ class ExpertCache:
         return self._inflight.get(key)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """A guess at `layer`'s next step, most likely first, read once the current step has started
-        all its own reads."""
+        """A guess at `layer`'s next step, most likely first, read once the current step has all its own
+        experts."""
         with self._lock:
             self._guess = (layer, list(experts))
             self._start_guess()
 
     def _start_guess(self) -> None:
         """Start the guessed reads while room lasts (Residency.guess: the likeliest first, never
-        evicting an expert the guess names), if the current step has none left to start: queued
-        behind the step's reads they keep the device busy while the model finishes the step, rather
-        than delaying reads it already waits for."""
+        evicting an expert the guess names), once the current step has all its own experts: reads
+        running together share the device, so a guessed read beside a read the model waits for makes
+        that wait longer. Started after them, guessed reads keep the device busy while the model
+        computes the rest of the step. Called again as each read finishes."""
         step = self._current
-        if self._guess is None or (step is not None and len(step.loads) < len(step.order)):
+        if self._guess is None or (step is not None and (len(step.loads) < len(step.order) or self._reading(step))):
             return
         layer, experts = self._guess
         self._guess = None
         for key, victim in self._policy(self._residency.guess, layer, experts):
             self._start(key, victim)
+
+    def _reading(self, step: _Step) -> bool:
+        """Whether a read the step waits for is still running."""
+        return any(load is not None and self._inflight.get(load.key) is load for load in step.loads.values())
 
     def set_prefetch(self, mode: str) -> None:
         """on, off or auto (agent.prefetch_gate); the gate's measurements so far stay."""
@@ -482,6 +487,7 @@ class ExpertCache:
             if self._inflight.get(load.key) is load:
                 del self._inflight[load.key]
                 self._ready[load.key] = weights
+            self._start_guess()
         load.future.set_result(weights)
 
     def _read_begins(self) -> None:

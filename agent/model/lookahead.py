@@ -1,4 +1,4 @@
-"""Lookahead prefetch: guess the next MoE layer's experts while this layer's are being read.
+"""Lookahead prefetch: guess the next MoE layer's experts, to be read while this layer computes.
 
 Once layer L has routed, a predictor guesses layer L+1's experts, most likely first, and the guess
 goes to `provider.prefetch`, which reads the likeliest while room lasts: a batched step's guess names
