@@ -191,18 +191,15 @@ def test_get_waits_for_an_inflight_prefetch_instead_of_reading_again(store):
 def test_a_guess_is_read_only_once_the_step_has_its_own_experts(store):
     """The step's own misses are what the model waits for: a guess read beside them would share the
     device with them and make that wait longer, so it starts once they have arrived."""
-    reference = InMemoryExperts(store)
     with ExpertCache(store, slots(store, LAYERS * 3)) as cache:
         gated = GatedReads(cache)
         cache.route(0, [1])
-        gated.started.wait(10)
         cache.prefetch(1, [4])
-        assert cache.stats().prefetches == 0
+        assert cache.stats().prefetches == 0      # layer 0's read is still running
         gated.gate.set()
-        assert torch.equal(cache.get(0, 1).down, reference.get(0, 1).down)
+        cache.get(0, 1)
         wait_until(lambda: cache.stats().reads == 2)
-        s = cache.stats()
-    assert gated.calls == [(0, 1), (1, 4)] and s.prefetches == 1
+        assert gated.calls == [(0, 1), (1, 4)] and cache.stats().prefetches == 1
 
 
 def test_prefetch_never_evicts_the_pinned_experts(store):
