@@ -202,6 +202,21 @@ def test_a_guess_is_read_only_once_the_step_has_its_own_experts(store):
         assert gated.calls == [(0, 1), (1, 4)] and cache.stats().prefetches == 1
 
 
+def test_a_read_finishing_while_the_cache_closes_starts_no_guess_and_is_delivered(store):
+    cache = ExpertCache(store, slots(store, LAYERS * 3))
+    gated = GatedReads(cache)
+    cache.route(0, [1])
+    load = cache._inflight[(0, 1)]
+    cache.prefetch(1, [4])                       # waits for layer 0's read
+    closer = threading.Thread(target=cache.close)
+    closer.start()
+    wait_until(lambda: cache._io._shutdown)      # the pool refuses new reads from here on
+    gated.gate.set()
+    closer.join(10)
+    assert not closer.is_alive() and gated.calls == [(0, 1)]
+    assert load.future.done() and load.future.exception() is None
+
+
 def test_prefetch_never_evicts_the_pinned_experts(store):
     with ExpertCache(store, slots(store, LAYERS * TOP_K)) as cache:
         step(cache, 0, [0, 1])

@@ -160,6 +160,7 @@ class ExpertCache:
         self._steps: dict[int, _Step] = {}   # per layer: its last route()
         self._current: _Step | None = None   # the last route()'s step
         self._guess: tuple[int, list[int]] | None = None  # a prefetch not started yet (see _start_guess)
+        self._closing = False                # close() has begun: no guessed read starts (see close)
         self._routed: tuple[int, list[int]] = (0, [])  # the window of experts Residency pins
         self._held: dict[int, Key] = {}      # thread -> the expert get() gave it, until done() (pinned too)
         self._busy: dict[int, Future] = {}   # freed slot -> read still writing into it
@@ -391,7 +392,8 @@ class ExpertCache:
         that wait longer. Started after them, guessed reads keep the device busy while the model
         computes the rest of the step. Called again as each read finishes."""
         step = self._current
-        if self._guess is None or (step is not None and (len(step.loads) < len(step.order) or self._reading(step))):
+        waiting = step is not None and (len(step.loads) < len(step.order) or self._reading(step))
+        if self._guess is None or self._closing or waiting:
             return
         layer, experts = self._guess
         self._guess = None
@@ -599,6 +601,8 @@ class ExpertCache:
                 io_busy_s=self._io_busy(), read_s=self._read_s, prefetch=self._residency.gate.state())
 
     def close(self) -> None:
+        with self._lock:  # a read finishing now would start a guessed one on a pool that refuses it
+            self._closing = True
         self._io.shutdown(wait=True, cancel_futures=False)
         with self._lock:  # drop every view first, so an mmap backend can unmap at once
             for table in (self._ready, self._inflight, self._steps, self._busy, self._slot_of, self._dropped):
