@@ -391,9 +391,10 @@ class ExpertCache:
         running together share the device, so a guessed read beside a read the model waits for makes
         that wait longer. Started after them, guessed reads keep the device busy while the model
         computes the rest of the step. Called again as each read finishes."""
+        if self._guess is None or self._closing:
+            return
         step = self._current
-        waiting = step is not None and (len(step.loads) < len(step.order) or self._reading(step))
-        if self._guess is None or self._closing or waiting:
+        if step is not None and (len(step.loads) < len(step.order) or self._reading(step)):
             return
         layer, experts = self._guess
         self._guess = None
