@@ -39,11 +39,11 @@ class TopCounts(CoActivation):
     """The guess before chances: the experts most often seen at layer+1 with those routed now, as many."""
 
     def predict(self, layer: int, routed: list[int], residual) -> list[int] | None:
-        if not self.learn(layer, routed):
-            return None
+        self.learn(layer, routed)
         score = self.counts[layer, routed].sum(0)
         best = np.argsort(-score, kind="stable")[:len(routed)]
-        return [int(e) for e in best if score[e] > 0] or None
+        guess = [int(e) for e in best if score[e] > 0]
+        return ((layer + 1) % len(self.counts), guess) if guess else None
 
 
 GUESSES = {"none": None, "top counts": TopCounts, "chances (shipped)": CoActivation}

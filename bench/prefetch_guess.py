@@ -54,7 +54,7 @@ class Ascending:
 
     def predict(self, layer, routed, residual):
         guess = self.inner.predict(layer, routed, residual)
-        return None if guess is None else sorted(guess)
+        return None if guess is None else (guess[0], sorted(guess[1]))
 
 
 class Timeline:

@@ -124,7 +124,11 @@ def test_co_activation_guesses_what_followed_before_and_nothing_it_never_saw():
     assert look.after_route(0, [1, 2], residual=None) == (1, [3, 4])  # layer 1 followed [1, 2] with [3, 4]
     assert look.after_route(1, [3, 5], residual=None) is None         # layer 2 never seen after layer 1
     assert (look.predicted, look.correct) == (2, 1)
-    assert look.after_route(2, [0, 7], residual=None) is None         # the last layer has no next layer
+    assert look.after_route(2, [0, 7], residual=None) is None         # the next step's layer 0: never seen after it
+    look.after_route(0, [6, 7], residual=None)
+    assert look.after_route(1, [3, 5], residual=None) == (2, [0, 7])
+    assert look.after_route(2, [0, 7], residual=None) == (0, [6, 7])  # the last layer guesses the next step's first
+    assert (look.predicted, look.correct) == (6, 3)
 
 
 def test_with_a_route_trace_the_lookahead_learns_from_the_trace(store, tmp_path):

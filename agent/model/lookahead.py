@@ -15,7 +15,9 @@ evicting an expert the guess names, so its order decides which few are read. Two
   expert's chance of being routed at L+1, and the guess is every expert whose chance is at least
   GUESS_AT, likeliest first. Ranking raw co-occurrence counts instead favoured the experts routed
   most often, which are resident anyway, and read few of the rest: on OLMoE's decode traces this
-  guess cut a token's demand misses by 16-36% for 2-7% more reads (bench/lookahead.py).
+  guess cut a token's demand misses by 16-36% for 2-7% more reads (bench/lookahead.py). The last
+  layer guesses the first layer of the next step the same way, from what followed it before: the
+  head, the sampling and the first layer's attention run meanwhile, and the device would idle.
 Accuracy: of the experts predicted for a layer, how many its real routing then used.
 """
 from __future__ import annotations
@@ -31,16 +33,17 @@ Guess = Callable[[Tensor], list[int]]   # residual stream [T, D] -> a layer rout
 
 
 class Predictor(Protocol):
-    def predict(self, layer: int, routed: list[int], residual: Tensor) -> list[int] | None:
-        """Layer `layer` routed `routed`: the experts layer+1 will want, most likely first (None: no guess)."""
+    def predict(self, layer: int, routed: list[int], residual: Tensor) -> tuple[int, list[int]] | None:
+        """Layer `layer` routed `routed`: the layer that runs next and the experts it will want, most likely
+        first (None: no guess)."""
 
 
 @dataclass
 class RouterGuess:
     guesses: dict[int, Guess]           # store layer L -> how to guess store layer L+1's experts
 
-    def predict(self, layer: int, routed: list[int], residual: Tensor) -> list[int] | None:
-        return self.guesses[layer](residual) if layer in self.guesses else None
+    def predict(self, layer: int, routed: list[int], residual: Tensor) -> tuple[int, list[int]] | None:
+        return (layer + 1, self.guesses[layer](residual)) if layer in self.guesses else None
 
 
 GUESS_AT = 0.3   # chosen on the validation traces (olmoe_code, qwen_code): fewer demand misses at no more reads
@@ -49,30 +52,31 @@ GUESS_AT = 0.3   # chosen on the validation traces (olmoe_code, qwen_code): fewe
 class CoActivation:
     def __init__(self, n_layers: int, n_experts: int) -> None:
         self.counts = np.zeros((n_layers, n_experts, n_experts), np.int32)  # [L, e at L, e' at L+1]
-        self.seen = np.zeros((n_layers, n_experts), np.int32)               # [L, e at L]: steps with a next layer
+        self.seen = np.zeros((n_layers, n_experts), np.int32)               # [L, e at L]: times followed
         self._last: dict[int, list[int]] = {}                               # this step's routing so far
 
-    def predict(self, layer: int, routed: list[int], residual: Tensor) -> list[int] | None:
-        """The experts whose estimated chance of being routed at layer+1 is at least GUESS_AT, likeliest
-        first (ties: lower id first); None while no expert routed now has been seen before a next layer."""
-        if not self.learn(layer, routed):
-            return None
+    def predict(self, layer: int, routed: list[int], residual: Tensor) -> tuple[int, list[int]] | None:
+        """The next layer (after the last: the first, of the next step) and the experts whose estimated
+        chance of being routed there is at least GUESS_AT, likeliest first (ties: lower id first); None
+        while no expert routed now has been followed before."""
+        self.learn(layer, routed)
         seen = self.seen[layer, routed]
         known = seen > 0
         if not known.any():
             return None
         chance = (self.counts[layer, routed][known] / seen[known, None]).mean(0)   # [E]
         order = np.argsort(-chance, kind="stable")
-        return [int(e) for e in order if chance[e] >= GUESS_AT] or None
+        guess = [int(e) for e in order if chance[e] >= GUESS_AT]
+        return ((layer + 1) % len(self.counts), guess) if guess else None
 
-    def learn(self, layer: int, routed: list[int]) -> bool:
-        """Count what followed the previous layer's routing; whether `layer` has a next layer to guess."""
-        previous = self._last.get(layer - 1)
+    def learn(self, layer: int, routed: list[int]) -> None:
+        """Count what followed the previous layer's routing (the first layer's: the last of the step before)."""
+        before = (layer - 1) % len(self.counts)
+        previous = self._last.get(before)
         if previous is not None:
-            self.counts[layer - 1][np.ix_(previous, routed)] += 1
-            self.seen[layer - 1][previous] += 1
+            self.counts[before][np.ix_(previous, routed)] += 1
+            self.seen[before][previous] += 1
         self._last[layer] = routed
-        return layer + 1 < len(self.counts)
 
 
 @dataclass
@@ -89,12 +93,12 @@ class Lookahead:
         self.correct += len(self._pending.pop(layer, set()) & set(routed))
         if not self.enabled:
             return None
-        experts = self.predictor.predict(layer, routed, residual)
-        if experts is None:
+        guess = self.predictor.predict(layer, routed, residual)
+        if guess is None:
             return None
-        self._pending[layer + 1] = set(experts)
-        self.predicted += len(experts)
-        return layer + 1, experts
+        self._pending[guess[0]] = set(guess[1])
+        self.predicted += len(guess[1])
+        return guess
 
     @property
     def accuracy(self) -> float | None:
