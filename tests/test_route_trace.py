@@ -138,3 +138,17 @@ def test_with_a_route_trace_the_lookahead_learns_from_the_trace(store, tmp_path)
     generate(model, [1, 2, 3], 20, greedy=True)
     # the 8-record walk repeats: right far more often than a guess that learned nothing (TOP_K of EXPERTS)
     assert model.lookahead.predicted > 0 and model.lookahead.accuracy > 1.5 * TOP_K / EXPERTS
+
+
+def test_the_last_layer_s_guess_reads_the_next_token_s_first_layer_ahead(store, tmp_path):
+    from agent.experts.cache import ExpertCache
+    from agent.experts.layout import INDEX, Index
+    cache = ExpertCache(store, Index.load(store / INDEX).slot_bytes * LAYERS * 4, policy="lru", prefetch="on")
+    try:                                                                     # 4 of a layer's 8 experts
+        model = load_model(store, cache, route_trace=[write_trace(tmp_path / "t.jsonl", records(8))])
+        generate(model, [1, 2, 3], 20, greedy=True)
+        first = cache.stats().layers[0]
+    finally:
+        cache.close()
+    # only the last layer guesses layer 0, whose next step is the next token's; the walk repeats: guesses are used
+    assert first.prefetches > 0 and first.prefetch_hits > 0
