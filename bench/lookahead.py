@@ -38,12 +38,12 @@ PREFILL = TRACES.parent / "prefill" / "deepseek_v2_lite_puffin_0001-1000.npz"
 class TopCounts(CoActivation):
     """The guess before chances: the experts most often seen at layer+1 with those routed now, as many."""
 
-    def predict(self, layer: int, routed: list[int], residual) -> list[int] | None:
+    def predict(self, layer: int, routed: list[int], residual) -> tuple[int, list[int]] | None:
         self.learn(layer, routed)
         score = self.counts[layer, routed].sum(0)
         best = np.argsort(-score, kind="stable")[:len(routed)]
         guess = [int(e) for e in best if score[e] > 0]
-        return ((layer + 1) % len(self.counts), guess) if guess else None
+        return (self.after(layer), guess) if guess else None
 
 
 GUESSES = {"none": None, "top counts": TopCounts, "chances (shipped)": CoActivation}

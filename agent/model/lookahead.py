@@ -51,9 +51,10 @@ GUESS_AT = 0.3   # chosen on the validation traces (olmoe_code, qwen_code): fewe
 
 class CoActivation:
     def __init__(self, n_layers: int, n_experts: int) -> None:
-        self.counts = np.zeros((n_layers, n_experts, n_experts), np.int32)  # [L, e at L, e' at L+1]
+        # [L, e at L, e' at the layer after L (after the last layer: the next step's first)]
+        self.counts = np.zeros((n_layers, n_experts, n_experts), np.int32)
         self.seen = np.zeros((n_layers, n_experts), np.int32)               # [L, e at L]: times followed
-        self._last: dict[int, list[int]] = {}                               # this step's routing so far
+        self._last: dict[int, list[int]] = {}                               # each layer's latest routing
 
     def predict(self, layer: int, routed: list[int], residual: Tensor) -> tuple[int, list[int]] | None:
         """The next layer (after the last: the first, of the next step) and the experts whose estimated
@@ -67,7 +68,11 @@ class CoActivation:
         chance = (self.counts[layer, routed][known] / seen[known, None]).mean(0)   # [E]
         order = np.argsort(-chance, kind="stable")
         guess = [int(e) for e in order if chance[e] >= GUESS_AT]
-        return ((layer + 1) % len(self.counts), guess) if guess else None
+        return (self.after(layer), guess) if guess else None
+
+    def after(self, layer: int) -> int:
+        """The layer that runs after `layer`: after the last, the first of the next step."""
+        return (layer + 1) % len(self.counts)
 
     def learn(self, layer: int, routed: list[int]) -> None:
         """Count what followed the previous layer's routing (the first layer's: the last of the step before)."""
