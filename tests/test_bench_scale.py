@@ -118,3 +118,10 @@ def test_sigterm_removes_the_cgroup_of_a_bench_that_made_one(tmp_path):
     assert bench.returncode != 0
     if path != "None":      # the machine gave it a cgroup
         assert not Path(path).exists(), f"{path} left behind"
+
+
+def test_a_round_s_raw_rate_is_the_better_of_its_measurements_and_keeps_them_all():
+    low = {"raw_mb_s": 1170.0, "raw_file_mb_s": 1170.0, "raw_streams": 1, "raw_blocks_mb_s": 1034.0}
+    high = {"raw_mb_s": 1560.0, "raw_file_mb_s": 1560.0, "raw_streams": 8, "raw_blocks_mb_s": 1393.0}
+    assert scale.best_raw(low, high) == {**high, "raw_mb_s_measured": [1170.0, 1560.0]}
+    assert scale.best_raw(high, low) == {**high, "raw_mb_s_measured": [1560.0, 1170.0]}
