@@ -140,6 +140,7 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
             cache.session()
             gen = generate(net, ids, max_new_tokens, greedy=greedy, seed=seed, stop_ids=_stop_ids(net.config),
                            prefill_chunk=None if prefill == "batched" else 1, on_step=on_step)
+            cache.wait_for_reads()   # the last step's guess may still be reading: count it
             stats = _stats(gen, net, *after_prefill[0], cache.stats())
         finally:
             net.workers.close()      # with the cache: no helper thread outlives the run

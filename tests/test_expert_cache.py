@@ -217,6 +217,20 @@ def test_a_read_finishing_while_the_cache_closes_starts_no_guess_and_is_delivere
     assert load.future.done() and load.future.exception() is None
 
 
+def test_waiting_for_reads_returns_once_every_started_read_is_done_and_counted(store):
+    with ExpertCache(store, slots(store, LAYERS * 3)) as cache:
+        gated = GatedReads(cache)
+        cache.prefetch(1, [4])                       # no step running: the guess is read at once
+        gated.started.wait(10)
+        waiter = threading.Thread(target=cache.wait_for_reads)
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive() and cache.stats().bytes_read == 0   # still reading
+        gated.gate.set()
+        waiter.join(10)
+        assert not waiter.is_alive() and cache.stats().bytes_read == cache.index.nbytes
+
+
 def test_prefetch_never_evicts_the_pinned_experts(store):
     with ExpertCache(store, slots(store, LAYERS * TOP_K)) as cache:
         step(cache, 0, [0, 1])

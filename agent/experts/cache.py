@@ -405,6 +405,19 @@ class ExpertCache:
         """Whether a read the step waits for is still running."""
         return any(load is not None and self._inflight.get(load.key) is load for load in step.loads.values())
 
+    def wait_for_reads(self) -> None:
+        """Wait until every read started so far has finished, those a finishing read starts (a guess) and
+        those whose expert was evicted meanwhile included: a run's final stats() then count the bytes of
+        every read it issued, such as the last step's guess at a next step that never came."""
+        while True:
+            with self._lock:
+                running = [f for f in (*(load.future for load in self._inflight.values()), *self._busy.values())
+                           if not f.done()]
+            if not running:
+                return
+            for future in running:
+                future.exception()  # wait; a failed read was already dropped and logged
+
     def set_prefetch(self, mode: str) -> None:
         """on, off or auto (agent.prefetch_gate); the gate's measurements so far stay."""
         check_mode(mode)
