@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.common import machine, write_results  # noqa: E402
+from bench.processes import started  # noqa: E402
 
 GOAL = 0.01
 WARMUP_S = 5.0
@@ -75,17 +75,12 @@ def readers(tmp: Path):
     for path in (ours, theirs):
         subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", "count=64", "conv=fsync"], check=True,
                        capture_output=True)
-    agent = subprocess.Popen([sys.executable, "-c", STAND_IN_AGENT, str(ours)])
-    neighbour = subprocess.Popen(["sh", "-c", f"while :; do dd if={theirs} of=/dev/null bs=1M iflag=direct "
-                                              f"2>/dev/null; done"], start_new_session=True)
-    pid_file = tmp / "agent.pid"
-    pid_file.write_text(f"{agent.pid}\n")
-    try:
+    with started([sys.executable, "-c", STAND_IN_AGENT, str(ours)]) as agent, \
+            started(["sh", "-c", f"while :; do dd if={theirs} of=/dev/null bs=1M iflag=direct 2>/dev/null; done"],
+                    start_new_session=True):
+        pid_file = tmp / "agent.pid"
+        pid_file.write_text(f"{agent.pid}\n")
         yield pid_file
-    finally:
-        os.killpg(neighbour.pid, signal.SIGKILL)
-        agent.kill()
-        neighbour.wait(), agent.wait()
 
 
 def measure(root: Path, seconds: float, interval: float, pid_file: Path | None) -> dict:
@@ -93,18 +88,14 @@ def measure(root: Path, seconds: float, interval: float, pid_file: Path | None) 
     with tempfile.TemporaryDirectory() as tmp:
         db = Path(tmp) / "flashmoe.db"
         watch = ["--pid-file", str(pid_file)] if pid_file else []
-        proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "collect", "--db", str(db),
-                                 "--interval", str(interval), "--store-path", tmp, *watch],
-                                cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stderr=subprocess.DEVNULL)
-        try:
+        with started([sys.executable, "-m", "agent.cli", "collect", "--db", str(db), "--interval", str(interval),
+                      "--store-path", tmp, *watch], stop_s=30, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                     stderr=subprocess.DEVNULL) as proc:
             time.sleep(WARMUP_S)
             wall0, cpu0 = time.time(), cpu_seconds(proc.pid)
             time.sleep(seconds)
             wall1, cpu1 = time.time(), cpu_seconds(proc.pid)
             rss_bytes = rss(proc.pid)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
         counts = json.loads(subprocess.run([sys.executable, "-c", COUNTS, str(db), str(wall0), str(wall1)], cwd=root,
                                            env={**os.environ, "PYTHONPATH": str(root)}, check=True,
                                            capture_output=True, text=True).stdout)

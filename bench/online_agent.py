@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,8 @@ sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a scr
 from agent.learned.background import cpu_seconds  # noqa: E402
 from bench.common import count, machine, write_results  # noqa: E402
 from bench.memory import interrupt_on_sigterm  # noqa: E402
-from bench.serve import free_port, stopped_on_failure, wait_for_agent  # noqa: E402
+from bench.processes import started  # noqa: E402
+from bench.serve import free_port, wait_for_agent  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
 CAP = "25%"
@@ -68,21 +68,16 @@ def drive(url: str, clients: int, seconds: float, max_tokens: int) -> tuple[list
 
 def run(model: Path, online: bool, args: argparse.Namespace, log_path: Path) -> dict:
     port = free_port()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), "--cache-cap", CAP,
-                                 "--policy", "flashmoe"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    with stopped_on_failure(proc):
+    with log_path.open("w") as log, started([*CLI, "serve", "--model", str(model), "--port", str(port), "--cache-cap",
+                                             CAP, "--policy", "flashmoe"], stdout=log, stderr=subprocess.STDOUT,
+                                            cwd=ROOT) as proc:
         url = wait_for_agent(proc, port, f"see {log_path}")
         httpx.put(url + "/v1/knobs", json={"online_learning": online}, timeout=60).raise_for_status()
         agent_cpu, start = cpu_seconds(proc.pid), time.perf_counter()
-        try:
-            latencies, tokens = drive(url, args.clients, args.minutes * 60, args.max_tokens)
-            wall = time.perf_counter() - start
-            status = httpx.get(url + "/v1/status", timeout=60).json()
-            agent_cpu = cpu_seconds(proc.pid) - agent_cpu
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
+        latencies, tokens = drive(url, args.clients, args.minutes * 60, args.max_tokens)
+        wall = time.perf_counter() - start
+        status = httpx.get(url + "/v1/status", timeout=60).json()
+        agent_cpu = cpu_seconds(proc.pid) - agent_cpu
     learning = status["online_learning"]
     judged = [u for u in learning.get("recent", []) if u["judged_steps"]]
     return {"online": online, "wall_s": wall, "requests": len(latencies), "tokens": tokens,

@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from agent.serve.limits import MAX_PROMPT_BYTES  # noqa: E402
 from bench.common import count, machine, write_results  # noqa: E402
-from bench.serve import CLI, free_port, stopped_on_failure, wait_for_agent  # noqa: E402
+from bench.processes import started  # noqa: E402
+from bench.serve import CLI, free_port, wait_for_agent  # noqa: E402
 
 PROBE_S = 0.05
 GOAL_S = 0.100
@@ -106,17 +107,11 @@ def main() -> int:
             subprocess.run([*CLI, "init-demo", "--out", str(model), "--size", "small"], check=True, capture_output=True)
         context = json.loads((model / "config.json").read_text())["max_position_embeddings"]
         port, log = free_port(), Path(tmp) / "agent.log"
-        with log.open("w") as out:
-            proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), "--policy", "lru"],
-                                    stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-        try:
-            with stopped_on_failure(proc):
-                url = wait_for_agent(proc, port, f"see {log}")
-                rows = {name: run_scenario(url, body, args.seconds, args.clients)
-                        for name, body in scenarios(context).items()}
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        with log.open("w") as out, started([*CLI, "serve", "--model", str(model), "--port", str(port), "--policy",
+                                            "lru"], stop_s=60, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT) as proc:
+            url = wait_for_agent(proc, port, f"see {log}")
+            rows = {name: run_scenario(url, body, args.seconds, args.clients)
+                    for name, body in scenarios(context).items()}
     print(table(rows))
     worst = max(r["p99_s"] for r in rows.values())
     print(f"worst status P99 {worst * 1e3:.1f} ms (goal under {GOAL_S * 1e3:.0f} ms)")

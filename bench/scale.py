@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,6 +64,7 @@ from agent.tokenizer import load_tokenizer  # noqa: E402
 from bench.common import count, machine, results_name, write_results  # noqa: E402
 from bench.loader import host_cache_check, raw_baseline  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory, drop_stores_pages  # noqa: E402
+from bench.processes import started  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
 TRACES = ROOT.parent / "shared" / "traces" / "decode"
@@ -236,15 +236,10 @@ def run_config(store: Path, config: Config, round_: int, cgroup: MemoryCgroup, t
            "--max-new-tokens", str(tokens), "--greedy", "--cache-cap", cap,
            *(["--route-trace", *map(str, traces)] if traces else []), "--json", *config.args(threads), *extra]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
-        try:
+        with started(cmd, stdout=out, stderr=err, cwd=ROOT) as proc:
             cgroup.add(proc.pid)   # before the model loads: its pages and page cache are charged to the limit
             _, status, usage = os.wait4(proc.pid, 0)   # wait4: this child's own peak RSS
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        proc.returncode = os.waitstatus_to_exitcode(status)
+            proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0), err.seek(0)
         if proc.returncode != 0:
             raise SystemExit(f"{config.name}: generate failed ({proc.returncode}): {err.read().strip()[-500:]}")

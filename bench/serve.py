@@ -56,7 +56,6 @@ import contextlib
 import os
 import random
 import shlex
-import signal
 import socket
 import statistics
 import subprocess
@@ -74,6 +73,7 @@ sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a scr
 from agent.model.profile import PHASES  # noqa: E402
 from bench.common import count, machine, results_name, write_results  # noqa: E402
 from bench.memory import MemoryCgroup, device_memory, drop_stores_pages, peak_rss  # noqa: E402
+from bench.processes import started  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
 CAP = "25%"
@@ -167,29 +167,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model: Path, config: Config, cgroup: MemoryCgroup, log_path: Path, serve_args: list[str]
-          ) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), *serve_args,
-                                 *config.args()],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    with stopped_on_failure(proc):
-        cgroup.add(proc.pid)  # before the model loads: every allocation and page-cache page is charged to it
-        return proc, wait_for_agent(proc, port, f"{config.name}: see {log_path}")
-
-
-@contextlib.contextmanager
-def stopped_on_failure(proc: subprocess.Popen):
-    """Kill the agent if the block fails or we are interrupted in it: it is never left running."""
-    try:
-        yield
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-
-
 def wait_for_agent(proc: subprocess.Popen, port: int, where: str, timeout_s: float = 300) -> str:
     """The agent's URL once /v1/status answers; SystemExit (naming `where` to look) if it dies or stalls."""
     url = f"http://127.0.0.1:{port}"
@@ -259,15 +236,10 @@ def disk_neighbour(path: Path | None):
     if path is None:
         yield None
         return
-    proc = subprocess.Popen(["sh", "-c", f"while :; do dd if={shlex.quote(str(path))} of=/dev/null bs=1M "
-                                         "iflag=direct 2>/dev/null || exit 1; done"], start_new_session=True)
-    try:
+    with started(["sh", "-c", f"while :; do dd if={shlex.quote(str(path))} of=/dev/null bs=1M "
+                              "iflag=direct 2>/dev/null || exit 1; done"], start_new_session=True) as proc:
         yield proc
-    finally:
         stopped = proc.poll()
-        if stopped is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait()
     if stopped is not None:
         raise SystemExit(f"the disk neighbour stopped during the run: dd could not read {path} with O_DIRECT "
                          f"(`dd if={shlex.quote(str(path))} of=/dev/null bs=1M iflag=direct` says why)")
@@ -281,16 +253,16 @@ def run_config(model: Path, config: Config, round_: int, mix, cgroup: MemoryCgro
     if cgroup.path is not None:
         cgroup.reset_peak()
     log = logs / f"{config.name[0]}-{config.policy}-{config.backend}-{_round_name(round_)}.log"
-    proc, url = start(model, config, cgroup, log, serve_args)
-    load_start = os.getloadavg()[0]
-    try:
+    port = free_port()
+    with log.open("w") as out, started([*CLI, "serve", "--model", str(model), "--port", str(port), *serve_args,
+                                        *config.args()], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT) as proc:
+        cgroup.add(proc.pid)  # before the model loads: every allocation and page-cache page is charged to it
+        url = wait_for_agent(proc, port, f"{config.name}: see {log}")
+        load_start = os.getloadavg()[0]
         with disk_neighbour(neighbour):
             latencies, tokens, wall = drive(url, mix)
         status = httpx.get(url + "/v1/status", timeout=30).json()
         rss = peak_rss(proc.pid)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
     cache = status["cache"]
     return Result(config.name, round_, len(latencies), tokens, wall, latencies, cache["hit_rate"], cache["bytes_read"],
                   status["model_steps"], rss, cgroup.peak(), (load_start, os.getloadavg()[0]), status["step_profiles"])

@@ -26,8 +26,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -51,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the repo, so `bench` imports when run as a script
 from bench.common import count, machine, write_results  # noqa: E402
 from bench.memory import MemoryCgroup  # noqa: E402
+from bench.processes import started  # noqa: E402
 
 CLI = [sys.executable, "-m", "agent.cli"]
 CAP = 0.25
@@ -74,13 +73,10 @@ def ssd_contention(scratch: Path) -> Iterator[Callable[[int], None]]:
         subprocess.run(["dd", "if=/dev/zero", f"of={scratch}", "bs=4M", f"count={SCRATCH_BYTES >> 22}", "oflag=direct",
                         "status=none"], check=True)
     loop = f"while :; do dd if={scratch} of=/dev/null bs=1M iflag=direct status=none; done"
-    readers = [subprocess.Popen(["sh", "-c", loop], start_new_session=True) for _ in range(READERS)]
-    try:
+    with contextlib.ExitStack() as readers:
+        for _ in range(READERS):
+            readers.enter_context(started(["sh", "-c", loop], start_new_session=True))
         yield lambda pid: None
-    finally:
-        for r in readers:
-            os.killpg(r.pid, signal.SIGKILL)
-            r.wait()
 
 
 @contextlib.contextmanager
@@ -122,13 +118,13 @@ def record(model: Path, routes: list[Path], prompt: str, tokens: int, out: Path,
     cmd = [*CLI, "generate", "--model", str(model), "--prompt", prompt, "--max-new-tokens", str(tokens), "--greedy",
            "--cache-cap", f"{CAP:.0%}", "--policy", "lru", "--backend", "direct", "--no-prefetch",
            "--route-trace", *map(str, routes), "--record-trace", str(out), "--json"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    attach(proc.pid)
-    anon = [0]
-    watcher = threading.Thread(target=_watch_anon, args=(proc, anon), daemon=True)
-    watcher.start()
-    stdout, stderr = proc.communicate()
-    watcher.join()
+    with started(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) as proc:
+        attach(proc.pid)
+        anon = [0]
+        watcher = threading.Thread(target=_watch_anon, args=(proc, anon), daemon=True)
+        watcher.start()
+        stdout, stderr = proc.communicate()
+        watcher.join()
     if proc.returncode != 0:
         raise RuntimeError(f"generate failed ({proc.returncode}): {stderr[-2000:]}")
     return {**json.loads(stdout)["stats"], "peak_anon_bytes": anon[0]}

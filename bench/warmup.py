@@ -12,7 +12,6 @@ Prints a table, writes bench/results/warmup.json.
 from __future__ import annotations
 
 import argparse
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repo, so `bench` imports
 from bench.common import RESULTS_DIR, count, machine, write_results  # noqa: E402
 from bench.memory import drop_page_cache, interrupt_on_sigterm  # noqa: E402
-from bench.serve import CLI, ROOT, free_port, stopped_on_failure, wait_for_agent  # noqa: E402
+from bench.processes import started  # noqa: E402
+from bench.serve import CLI, ROOT, free_port, wait_for_agent  # noqa: E402
 
 WARMUP_FILE = ROOT / "examples" / "benchmark_input.json"
 PROMPTS = ["Describe the failure modes of a flash translation layer.", "Write a limerick about a cache miss.",
@@ -32,18 +32,12 @@ PROMPTS = ["Describe the failure modes of a flash translation layer.", "Write a 
            "Translate to German: the expert cache is warm.", "Sum the numbers from 1 to 100 and explain how."]
 
 
-def start(model: Path, policy: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([*CLI, "serve", "--model", str(model), "--port", str(port), "--cache-cap", "25%",
-                             "--policy", policy], stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
-    with stopped_on_failure(proc):
-        return proc, wait_for_agent(proc, port, f"see {log}")
-
-
 def measure(model: Path, policy: str, requests: int, max_tokens: int, warm: bool, logs: Path) -> dict:
     drop_page_cache(model / "experts.bin")
-    proc, url = start(model, policy, logs / f"warmup-{'warm' if warm else 'cold'}.log")
-    try:
+    log, port = logs / f"warmup-{'warm' if warm else 'cold'}.log", free_port()
+    with log.open("w") as out, started([*CLI, "serve", "--model", str(model), "--port", str(port), "--cache-cap", "25%",
+                                        "--policy", policy], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT) as proc:
+        url = wait_for_agent(proc, port, f"see {log}")
         warmup_s = 0.0
         if warm:
             t = time.perf_counter()
@@ -55,9 +49,6 @@ def measure(model: Path, policy: str, requests: int, max_tokens: int, warm: bool
             r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
                                                           "temperature": 0}, timeout=1800).json()["flashmoe"]
             rows.append(r)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
     hits, misses = sum(r["expert_hits"] for r in rows), sum(r["expert_misses"] for r in rows)
     first = rows[0]["expert_hits"] / (rows[0]["expert_hits"] + rows[0]["expert_misses"])
     return {"config": "warm-up then serve" if warm else "cold start", "requests": len(rows),
