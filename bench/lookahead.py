@@ -5,10 +5,12 @@
 
 Replays each decode trace through the simulator's cache core (agent.residency, the runtime's) per
 layer at capacity 0.25 with the learned policy and with LRU, the lookahead guessing each next layer
-after a layer's step as the runtime does, for three guesses side by side: none; the co-activation
+after a layer's step as the runtime does, for four guesses side by side: none; the co-activation
 counts ranked and cut at as many experts as the layer routed (the guess before agent/model/lookahead.py
-estimated chances, kept here as the baseline); and the shipped CoActivation (every expert whose
-estimated chance is at least GUESS_AT). B > 1 replays bench/batching.py's batched steps (B requests a
+estimated chances, kept here as the baseline); CoActivation at the next layer alone (every expert whose
+estimated chance is at least GUESS_AT); and the shipped pair, that and a second CoActivation at the
+layer after next, whose reads the runtime starts only while the device would idle (counted here as
+made, like every read: a read of it the model waits for is a prefetch hit in both). B > 1 replays bench/batching.py's batched steps (B requests a
 step, 12 tokens each, 16 waves); DeepSeek-V2-Lite's prompts are replayed token by token, as generate
 prefills them. Counted, not timed: a token's demand misses are what decode waits for;
 its prefetch reads cost bandwidth; both are expert reads of the same size.
@@ -46,12 +48,15 @@ class TopCounts(CoActivation):
         return (self.after(layer), guess) if guess else None
 
 
-GUESSES = {"none": None, "top counts": TopCounts, "chances (shipped)": CoActivation}
+GUESSES = {"none": lambda n_layers, n_experts: None,
+           "top counts": lambda n_layers, n_experts: Lookahead(TopCounts(n_layers, n_experts)),
+           "chances, next layer": lambda n_layers, n_experts: Lookahead(CoActivation(n_layers, n_experts)),
+           "chances, two (shipped)": lambda n_layers, n_experts: Lookahead(
+               CoActivation(n_layers, n_experts), later=CoActivation(n_layers, n_experts, ahead=2))}
 
 
-def measure(trace: Trace, policy: str, guess) -> dict:
+def measure(trace: Trace, policy: str, lookahead: Lookahead | None) -> dict:
     residency, _ = cache_for(trace, policy, CAPACITY)
-    lookahead = Lookahead(guess(trace.n_layers, trace.n_experts)) if guess else None
     replay(trace, residency, SystemReplay.synthetic(), lookahead=lookahead)
     stats = residency.stats
     hits, misses = sum(s.hits for s in stats), sum(s.misses for s in stats)
@@ -85,16 +90,16 @@ def main() -> int:
     parser.add_argument("--results", type=results_name, default="lookahead")
     args = parser.parse_args()
     rows = []
-    print(f"{'trace':18s} {'B':>3s} {'policy':9s} {'guess':18s} {'demand/step':>11s} {'prefetch/step':>13s} "
+    print(f"{'trace':18s} {'B':>3s} {'policy':9s} {'guess':22s} {'demand/step':>11s} {'prefetch/step':>13s} "
           f"{'used':>5s} {'reads/step':>10s} {'hit':>6s}")
     for name, batch, trace in replays(args):
         for policy in ("flashmoe", "lru"):
             for label, guess in GUESSES.items():
                 row = {"trace": name, "batch": batch, "policy": policy, "guess": label,
-                       **measure(trace, policy, guess)}
+                       **measure(trace, policy, guess(trace.n_layers, trace.n_experts))}
                 rows.append(row)
                 used = f"{row['prefetch_used']:.2f}" if row["prefetch_used"] is not None else "-"
-                print(f"{name:18s} {batch:3d} {policy:9s} {label:18s} {row['demand_misses_per_step']:11.2f} "
+                print(f"{name:18s} {batch:3d} {policy:9s} {label:22s} {row['demand_misses_per_step']:11.2f} "
                       f"{row['prefetch_reads_per_step']:13.2f} {used:>5s} {row['reads_per_step']:10.2f} "
                       f"{row['hit_rate']:6.4f}", flush=True)
     write_results(args.results, {"machine": machine(), "capacity": CAPACITY, "rows": rows})

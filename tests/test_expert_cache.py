@@ -231,6 +231,37 @@ def test_waiting_for_reads_returns_once_every_started_read_is_done_and_counted(s
         assert not waiter.is_alive() and cache.stats().bytes_read == cache.index.nbytes
 
 
+def test_a_guess_further_ahead_is_read_while_no_other_read_runs_or_when_a_step_wants_it(store):
+    """Its reads are decided with the guess (the simulator's decisions) but start one at a time when the
+    device would idle, so a read the model then waits for shares the device with one at most."""
+    with ExpertCache(store, slots(store, LAYERS * 3)) as cache:
+        gated = GatedReads(cache)
+        cache.prefetch(1, [4])                        # no step running: read at once
+        cache.prefetch(2, [5, 6], idle_only=True)
+        gated.started.wait(10)
+        assert gated.calls == [(1, 4)] and cache.stats().prefetches == 3   # all three decided, one started
+        cache.route(2, [6])                           # a step wants 6: read now, beside the running read
+        wait_until(lambda: len(gated.calls) == 2)
+        assert gated.calls == [(1, 4), (2, 6)]
+        gated.gate.set()
+        cache.get(2, 6)
+        cache.wait_for_reads()                        # 5 starts once the other two are done
+        assert gated.calls == [(1, 4), (2, 6), (2, 5)] and cache.stats().bytes_read == 3 * cache.index.nbytes
+
+
+def test_a_guess_further_ahead_evicted_before_its_read_started_frees_its_slot_unread(store):
+    with ExpertCache(store, slots(store, LAYERS * 2)) as cache:                # two experts a layer
+        gated = GatedReads(cache)
+        cache.prefetch(1, [4])
+        cache.prefetch(2, [5], idle_only=True)
+        gated.started.wait(10)
+        cache.route(2, [1, 2])                        # both misses: 5 is evicted before its read started
+        gated.gate.set()
+        cache.get(2, 1), cache.get(2, 2)
+        cache.wait_for_reads()                        # nothing waits on the read that never started
+        assert sorted(gated.calls) == [(1, 4), (2, 1), (2, 2)] and cache.stats().reads == 3
+
+
 def test_prefetch_never_evicts_the_pinned_experts(store):
     with ExpertCache(store, slots(store, LAYERS * TOP_K)) as cache:
         step(cache, 0, [0, 1])
