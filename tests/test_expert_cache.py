@@ -19,6 +19,7 @@ import torch
 
 from agent.experts import cache as cache_module
 from agent.experts import cap as cap_module
+from agent.experts import reader as reader_module
 from agent.experts import slots as slots_module
 from agent.experts.cache import ExpertCache
 from agent.experts.cap import cap_bounds, memory_limit_bytes, parse_cap
@@ -49,11 +50,11 @@ class GatedReads:
         self.real, self.calls, self.gate, self.started = cache._reader.read, [], threading.Event(), threading.Event()
         cache._reader.read = self.read
 
-    def read(self, block, slot):
+    def read(self, block, slot, pause=None):
         self.calls.append((block.layer, block.expert))
         self.started.set()
         self.gate.wait(10)
-        return self.real(block, slot)
+        return self.real(block, slot, pause)
 
 
 def wait_until(condition, timeout: float = 10.0) -> None:
@@ -260,6 +261,62 @@ def test_a_guess_further_ahead_evicted_before_its_read_started_frees_its_slot_un
         cache.get(2, 1), cache.get(2, 2)
         cache.wait_for_reads()                        # nothing waits on the read that never started
         assert sorted(gated.calls) == [(1, 4), (2, 1), (2, 2)] and cache.stats().reads == 3
+
+
+class PausingRead:
+    """The cache's reads with 4 KiB chunks: (0, 1) held until `demand` opens; the first pause of any other
+    read sets `paused` and holds it until `go` opens, then gives way as the cache's pause says."""
+
+    def __init__(self, cache: ExpertCache, monkeypatch) -> None:
+        monkeypatch.setattr(reader_module, "PAUSE_CHUNK", 4096)
+        self.real, self.demand, self.paused, self.go = cache._reader.read, *(threading.Event() for _ in range(3))
+        cache._reader.read = self.read
+
+    def read(self, block, slot, pause=None):
+        if (block.layer, block.expert) == (0, 1):
+            self.demand.wait(10)
+        return self.real(block, slot, pause and self.hold_first(pause))
+
+    def hold_first(self, pause):
+        def first_held():
+            if not self.paused.is_set():
+                self.paused.set()
+                self.go.wait(10)
+            pause()
+        return first_held
+
+
+def test_a_read_further_ahead_pauses_while_another_read_runs(store, monkeypatch):
+    with ExpertCache(store, slots(store, LAYERS * 3)) as cache:
+        reads = PausingRead(cache, monkeypatch)
+        cache.prefetch(2, [5], idle_only=True)                 # nothing else reading: it starts
+        later = cache._inflight[(2, 5)]
+        assert reads.paused.wait(10)                           # one chunk read
+        cache.route(0, [1])                                    # a read the model waits for begins
+        wait_until(lambda: cache._running == 2)
+        reads.go.set()
+        wait_until(later.future.done, timeout=1)
+        assert not later.future.done()                         # it gives way to the running read
+        reads.demand.set()
+        cache.get(0, 1)
+        later.future.result(10)                                # and goes on once that read is done
+        assert later.paused_s > 0 and cache.stats().reads == 2
+
+
+def test_a_read_further_ahead_that_a_step_wants_stops_giving_way(store, monkeypatch):
+    with ExpertCache(store, slots(store, LAYERS * 3)) as cache:
+        reads = PausingRead(cache, monkeypatch)
+        cache.prefetch(2, [5], idle_only=True)
+        later = cache._inflight[(2, 5)]
+        assert reads.paused.wait(10)
+        cache.route(0, [1])
+        wait_until(lambda: cache._running == 2)
+        reads.go.set()
+        cache.route(2, [5])                                    # wanted now: it reads on beside (0, 1)
+        later.future.result(10)
+        assert not cache._inflight[(0, 1)].future.done()       # (0, 1) still held: 5 did not wait for it
+        reads.demand.set()
+        cache.get(0, 1)
 
 
 def test_prefetch_never_evicts_the_pinned_experts(store):

@@ -8,7 +8,8 @@ taken resident experts first (route() answers the order to ask in), in a window 
 with get(), io_threads reads ahead of the model. A block that two callers want at once is read
 once, because both wait on the same in-flight future, and a block that prefetch already started
 is waited for instead of read again. A guess further ahead is decided with the others but read only
-while no other read runs (or once a step wants it): it fills the device's idle time and nothing else. get() hands an expert to the calling thread until its done(),
+while no other read runs (or once a step wants it), and its read pauses while another runs: it fills
+the device's idle time and nothing else. get() hands an expert to the calling thread until its done(),
 and an expert in use stays pinned: two workers may compute on a step's experts while its window
 slides on (agent/model/routed.py asks in route()'s order). One lock guards all bookkeeping
 (Residency, slot table, in-flight table, counters); reads, CRC checks, a policy's slow work on a
@@ -100,6 +101,8 @@ class _Load:
     slot: int | None
     after: Future | None          # the previous read into this slot, still running
     issued: int = 0               # how many reads the cache had started before this one
+    gives_way: bool = False       # an idle-only read no step wants yet: it pauses while another read runs
+    paused_s: float = 0.0         # how long it paused (not its read's time)
     future: Future = field(default_factory=Future)
 
 
@@ -176,6 +179,7 @@ class ExpertCache:
         self._crc_s = self._policy_s = self._read_s = 0.0
         self._running, self._busy_since, self._io_busy_s = 0, 0.0, 0.0  # reads running, since when, busy time before
         self._busy_lock = threading.Lock()   # guards those three: a read's start need not wait for the cache lock
+        self._fewer_running = threading.Condition(self._busy_lock)  # for a read that gives way (_give_way)
         self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.monitor = monitor or SystemSampler()  # told of every read; asked for a sample at most every second
         self._fed_t = -float("inf")  # the monitoring sample last passed to the policy
@@ -382,6 +386,10 @@ class ExpertCache:
         load = self._inflight.get(key)
         if self._idle_reads.pop(key, None) is not None:
             self._submit(load)  # a guess's read waiting for the device to idle: wanted now
+        elif load is not None and load.gives_way:
+            with self._busy_lock:  # wanted now: it reads on beside the others
+                load.gives_way = False
+                self._fewer_running.notify_all()
         return load
 
     def prefetch(self, layer: int, experts: Sequence[int], idle_only: bool = False) -> None:
@@ -476,7 +484,17 @@ class ExpertCache:
         """Start the likeliest waiting idle-only read if no other read is unfinished: one at a time, so a
         read the model then wants shares the device with one at most."""
         if self._idle_reads and not self._unfinished and not self._closing:
-            self._submit(self._idle_reads.pop(next(iter(self._idle_reads))))
+            load = self._idle_reads.pop(next(iter(self._idle_reads)))
+            load.gives_way = True
+            self._submit(load)
+
+    def _give_way(self, load: _Load) -> None:
+        """Between two chunks of an idle-only read: wait while another read runs, unless a step wants it.
+        A read waiting for this one's slot has not begun, so it is not waited for."""
+        start = time.perf_counter()
+        with self._fewer_running:
+            self._fewer_running.wait_for(lambda: not load.gives_way or self._running == 1)
+        load.paused_s += time.perf_counter() - start
 
     def _forget(self, key: Key) -> None:
         """`key` left Residency: free its slot (after its read, if one is still running)."""
@@ -500,10 +518,11 @@ class ExpertCache:
         try:
             before = self._mmap.resident_bytes(block) if self._mmap is not None else 0
             start = time.perf_counter()
-            data = self._reader.read(block, None if load.slot is None else self._pool.buffer(load.slot))
+            data = self._reader.read(block, None if load.slot is None else self._pool.buffer(load.slot),
+                                     (lambda: self._give_way(load)) if load.gives_way else None)
             read_done = time.perf_counter()
             self._reader.check(block, data)
-            elapsed, crc_s = time.perf_counter() - start, time.perf_counter() - read_done
+            elapsed, crc_s = time.perf_counter() - start - load.paused_s, time.perf_counter() - read_done
             weights = block_views(torch.from_numpy(data), self.index, self.int8_activations)
         except BaseException as exc:
             with self._lock:  # cleanup and failure are seen together: no get() re-reads in between
@@ -548,6 +567,7 @@ class ExpertCache:
             self._running -= 1
             if not self._running:
                 self._io_busy_s += time.perf_counter() - self._busy_since
+            self._fewer_running.notify_all()
 
     def _io_busy(self) -> float:
         """Seconds with at least one read running, the current stretch included."""
