@@ -73,8 +73,8 @@ class RoutingRecorder:
     def done(self, layer: int, expert: int) -> None:
         self.inner.done(layer, expert)
 
-    def prefetch(self, layer: int, experts: list[int], idle_only: bool = False) -> None:
-        self.inner.prefetch(layer, experts, idle_only)
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        self.inner.prefetch(layer, experts)
 
     def end_step(self) -> None:
         self.records.append(self._current)

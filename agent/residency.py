@@ -64,7 +64,7 @@ class Residency:
         self._pinned: set[Key] = set()
         self._ledger = PrefetchLedger()
         self.gate = PrefetchGate(prefetch)
-        self._guessed: dict[int, set[int]] = {}   # layer -> the reads its pending guesses made (or would have)
+        self._guessed: dict[int, set[int]] = {}   # layer -> the reads its pending guess made (or would have)
         self._evicted_by: dict[Key, bool] = {}    # the policy's blocks evicted, not back since -> by a prefetch?
         self._parts = [_Partition(c, policy_factory()) for c in self._split(capacity)]
 
@@ -205,7 +205,7 @@ class Residency:
         protect = {(layer, e) for e in experts}
         room = part.capacity - len(part.resident & (self._pinned | protect))  # what prefetch() would admit
         reads = [(layer, e) for e in experts if (layer, e) not in part.resident][:max(0, room)]
-        self._guessed.setdefault(layer, set()).update(e for _, e in reads)  # guessed once ahead, then again
+        self._guessed[layer] = {e for _, e in reads}
         if not self.gate.issues:
             return []
         admitted = [(key, self.prefetch(key, protect)) for key in reads]

@@ -155,8 +155,8 @@ def _learner(trace: Trace, policy: str, slots: int, scope: str, config: OnlineCo
 def replay(trace: Trace, residency: Residency, system: SystemReplay, tokens: range | None = None,
            ahead: int = IO_THREADS, lookahead: Lookahead | None = None) -> None:
     """Drive `residency` through every step of `trace` (or those of `tokens`), as the runtime would
-    with `ahead` reads in flight, and with `lookahead` (CoActivation predictors: the trace has no
-    residual stream) its prefetch guesses after each layer's step, as the runtime decides them. A trace the
+    with `ahead` reads in flight, and with `lookahead` (a CoActivation predictor: the trace has no
+    residual stream) its prefetch guess at the next layer after each layer's step. A trace the
     runtime recorded with monitoring samples gets those, where its cache fed them, instead of `system`."""
     take = residency.take
     recorded = trace.system
@@ -176,7 +176,7 @@ def replay(trace: Trace, residency: Residency, system: SystemReplay, tokens: ran
         if row in recorded:
             residency.system(recorded[row])
         take(layer, experts, ahead)
-        for guess in lookahead.after_route(layer, experts, None) if lookahead is not None else ():
+        if lookahead is not None and (guess := lookahead.after_route(layer, experts, None)) is not None:
             residency.guess(*guess)
 
 

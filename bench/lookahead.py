@@ -7,10 +7,9 @@ Replays each decode trace through the simulator's cache core (agent.residency, t
 layer at capacity 0.25 with the learned policy and with LRU, the lookahead guessing each next layer
 after a layer's step as the runtime does, for four guesses side by side: none; the co-activation
 counts ranked and cut at as many experts as the layer routed (the guess before agent/model/lookahead.py
-estimated chances, kept here as the baseline); CoActivation at the next layer alone (every expert whose
-estimated chance is at least GUESS_AT); and the shipped pair, that and a second CoActivation at the
-layer after next, whose reads the runtime starts only while the device would idle (counted here as
-made, like every read: a read of it the model waits for is a prefetch hit in both). B > 1 replays bench/batching.py's batched steps (B requests a
+estimated chances, kept here as the baseline); the shipped CoActivation (every expert whose
+estimated chance is at least GUESS_AT); and that with a second guess at the layer after next
+(TwoAhead, not shipped: its reads did not pay in time). B > 1 replays bench/batching.py's batched steps (B requests a
 step, 12 tokens each, 16 waves); DeepSeek-V2-Lite's prompts are replayed token by token, as generate
 prefills them. Counted, not timed: a token's demand misses are what decode waits for;
 its prefetch reads cost bandwidth; both are expert reads of the same size.
@@ -48,16 +47,49 @@ class TopCounts(CoActivation):
         return (self.after(layer), guess) if guess else None
 
 
-GUESSES = {"none": lambda n_layers, n_experts: None,
-           "top counts": lambda n_layers, n_experts: Lookahead(TopCounts(n_layers, n_experts)),
-           "chances, next layer": lambda n_layers, n_experts: Lookahead(CoActivation(n_layers, n_experts)),
-           "chances, two (shipped)": lambda n_layers, n_experts: Lookahead(
-               CoActivation(n_layers, n_experts), later=CoActivation(n_layers, n_experts, ahead=2))}
+class TwoLayersOn(CoActivation):
+    """Co-activation counts two layers apart: a guess at the layer after next."""
+    AHEAD = 2
 
 
-def measure(trace: Trace, policy: str, lookahead: Lookahead | None) -> dict:
+class TwoAhead(CoActivation):
+    """The shipped guess, and a second at the layer after next (TwoLayersOn) decided right after it
+    (`GuessingTwice`): what the cache's counters show when it reads that one too. Tried in the runtime,
+    its reads started only while no other read ran: BENCHMARKS.md, "A second guess, two layers ahead"."""
+
+    def __init__(self, n_layers: int, n_experts: int) -> None:
+        super().__init__(n_layers, n_experts)
+        self.two = TwoLayersOn(n_layers, n_experts)
+        self.later: tuple[int, list[int]] | None = None
+
+    def predict(self, layer: int, routed: list[int], residual) -> tuple[int, list[int]] | None:
+        self.later = self.two.predict(layer, routed, residual)
+        return super().predict(layer, routed, residual)
+
+
+class GuessingTwice:
+    """A Residency that, given a guess, also takes TwoAhead's guess at the layer after."""
+
+    def __init__(self, residency, predictor: TwoAhead) -> None:
+        self._residency, self._predictor = residency, predictor
+
+    def __getattr__(self, name: str):
+        return getattr(self._residency, name)
+
+    def guess(self, layer: int, experts: list[int]) -> None:
+        self._residency.guess(layer, experts)
+        if self._predictor.later is not None:
+            self._residency.guess(*self._predictor.later)
+
+
+GUESSES = {"none": None, "top counts": TopCounts, "chances (shipped)": CoActivation, "chances, two ahead": TwoAhead}
+
+
+def measure(trace: Trace, policy: str, guess) -> dict:
     residency, _ = cache_for(trace, policy, CAPACITY)
-    replay(trace, residency, SystemReplay.synthetic(), lookahead=lookahead)
+    lookahead = Lookahead(guess(trace.n_layers, trace.n_experts)) if guess else None
+    driven = GuessingTwice(residency, lookahead.predictor) if guess is TwoAhead else residency
+    replay(trace, driven, SystemReplay.synthetic(), lookahead=lookahead)
     stats = residency.stats
     hits, misses = sum(s.hits for s in stats), sum(s.misses for s in stats)
     prefetches, used = sum(s.prefetches for s in stats), sum(s.prefetch_hits for s in stats)
@@ -90,16 +122,16 @@ def main() -> int:
     parser.add_argument("--results", type=results_name, default="lookahead")
     args = parser.parse_args()
     rows = []
-    print(f"{'trace':18s} {'B':>3s} {'policy':9s} {'guess':22s} {'demand/step':>11s} {'prefetch/step':>13s} "
+    print(f"{'trace':18s} {'B':>3s} {'policy':9s} {'guess':18s} {'demand/step':>11s} {'prefetch/step':>13s} "
           f"{'used':>5s} {'reads/step':>10s} {'hit':>6s}")
     for name, batch, trace in replays(args):
         for policy in ("flashmoe", "lru"):
             for label, guess in GUESSES.items():
                 row = {"trace": name, "batch": batch, "policy": policy, "guess": label,
-                       **measure(trace, policy, guess(trace.n_layers, trace.n_experts))}
+                       **measure(trace, policy, guess)}
                 rows.append(row)
                 used = f"{row['prefetch_used']:.2f}" if row["prefetch_used"] is not None else "-"
-                print(f"{name:18s} {batch:3d} {policy:9s} {label:22s} {row['demand_misses_per_step']:11.2f} "
+                print(f"{name:18s} {batch:3d} {policy:9s} {label:18s} {row['demand_misses_per_step']:11.2f} "
                       f"{row['prefetch_reads_per_step']:13.2f} {used:>5s} {row['reads_per_step']:10.2f} "
                       f"{row['hit_rate']:6.4f}", flush=True)
     write_results(args.results, {"machine": machine(), "capacity": CAPACITY, "rows": rows})

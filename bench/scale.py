@@ -125,7 +125,7 @@ class OneLayerResident:
     def done(self, layer: int, expert: int) -> None:
         pass
 
-    def prefetch(self, layer: int, experts: list[int], idle_only: bool = False) -> None:
+    def prefetch(self, layer: int, experts: list[int]) -> None:
         pass
 
 

@@ -57,7 +57,7 @@ class HoldsTheFirst:
     def done(self, layer, expert):
         self.inner.done(layer, expert)
 
-    def prefetch(self, layer, experts, idle_only=False):
+    def prefetch(self, layer, experts):
         self.inner.prefetch(layer, experts)
 
 

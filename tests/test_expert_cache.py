@@ -19,7 +19,6 @@ import torch
 
 from agent.experts import cache as cache_module
 from agent.experts import cap as cap_module
-from agent.experts import reader as reader_module
 from agent.experts import slots as slots_module
 from agent.experts.cache import ExpertCache
 from agent.experts.cap import cap_bounds, memory_limit_bytes, parse_cap
@@ -50,11 +49,11 @@ class GatedReads:
         self.real, self.calls, self.gate, self.started = cache._reader.read, [], threading.Event(), threading.Event()
         cache._reader.read = self.read
 
-    def read(self, block, slot, pause=None):
+    def read(self, block, slot):
         self.calls.append((block.layer, block.expert))
         self.started.set()
         self.gate.wait(10)
-        return self.real(block, slot, pause)
+        return self.real(block, slot)
 
 
 def wait_until(condition, timeout: float = 10.0) -> None:
@@ -230,93 +229,6 @@ def test_waiting_for_reads_returns_once_every_started_read_is_done_and_counted(s
         gated.gate.set()
         waiter.join(10)
         assert not waiter.is_alive() and cache.stats().bytes_read == cache.index.nbytes
-
-
-def test_a_guess_further_ahead_is_read_while_no_other_read_runs_or_when_a_step_wants_it(store):
-    """Its reads are decided with the guess (the simulator's decisions) but start one at a time when the
-    device would idle, so a read the model then waits for shares the device with one at most."""
-    with ExpertCache(store, slots(store, LAYERS * 3)) as cache:
-        gated = GatedReads(cache)
-        cache.prefetch(1, [4])                        # no step running: read at once
-        cache.prefetch(2, [5, 6], idle_only=True)
-        gated.started.wait(10)
-        assert gated.calls == [(1, 4)] and cache.stats().prefetches == 3   # all three decided, one started
-        cache.route(2, [6])                           # a step wants 6: read now, beside the running read
-        wait_until(lambda: len(gated.calls) == 2)
-        assert gated.calls == [(1, 4), (2, 6)]
-        gated.gate.set()
-        cache.get(2, 6)
-        cache.wait_for_reads()                        # 5 starts once the other two are done
-        assert gated.calls == [(1, 4), (2, 6), (2, 5)] and cache.stats().bytes_read == 3 * cache.index.nbytes
-
-
-def test_a_guess_further_ahead_evicted_before_its_read_started_frees_its_slot_unread(store):
-    with ExpertCache(store, slots(store, LAYERS * 2)) as cache:                # two experts a layer
-        gated = GatedReads(cache)
-        cache.prefetch(1, [4])
-        cache.prefetch(2, [5], idle_only=True)
-        gated.started.wait(10)
-        cache.route(2, [1, 2])                        # both misses: 5 is evicted before its read started
-        gated.gate.set()
-        cache.get(2, 1), cache.get(2, 2)
-        cache.wait_for_reads()                        # nothing waits on the read that never started
-        assert sorted(gated.calls) == [(1, 4), (2, 1), (2, 2)] and cache.stats().reads == 3
-
-
-class PausingRead:
-    """The cache's reads with 4 KiB chunks: (0, 1) held until `demand` opens; the first pause of any other
-    read sets `paused` and holds it until `go` opens, then gives way as the cache's pause says."""
-
-    def __init__(self, cache: ExpertCache, monkeypatch) -> None:
-        monkeypatch.setattr(reader_module, "PAUSE_CHUNK", 4096)
-        self.real, self.demand, self.paused, self.go = cache._reader.read, *(threading.Event() for _ in range(3))
-        cache._reader.read = self.read
-
-    def read(self, block, slot, pause=None):
-        if (block.layer, block.expert) == (0, 1):
-            self.demand.wait(10)
-        return self.real(block, slot, pause and self.hold_first(pause))
-
-    def hold_first(self, pause):
-        def first_held():
-            if not self.paused.is_set():
-                self.paused.set()
-                self.go.wait(10)
-            pause()
-        return first_held
-
-
-def test_a_read_further_ahead_pauses_while_another_read_runs(store, monkeypatch):
-    with ExpertCache(store, slots(store, LAYERS * 3)) as cache:
-        reads = PausingRead(cache, monkeypatch)
-        cache.prefetch(2, [5], idle_only=True)                 # nothing else reading: it starts
-        later = cache._inflight[(2, 5)]
-        assert reads.paused.wait(10)                           # one chunk read
-        cache.route(0, [1])                                    # a read the model waits for begins
-        wait_until(lambda: cache._running == 2)
-        reads.go.set()
-        wait_until(later.future.done, timeout=1)
-        assert not later.future.done()                         # it gives way to the running read
-        reads.demand.set()
-        cache.get(0, 1)
-        later.future.result(10)                                # and goes on once that read is done
-        assert later.paused_s > 0 and cache.stats().reads == 2
-
-
-def test_a_read_further_ahead_that_a_step_wants_stops_giving_way(store, monkeypatch):
-    with ExpertCache(store, slots(store, LAYERS * 3)) as cache:
-        reads = PausingRead(cache, monkeypatch)
-        cache.prefetch(2, [5], idle_only=True)
-        later = cache._inflight[(2, 5)]
-        assert reads.paused.wait(10)
-        cache.route(0, [1])
-        wait_until(lambda: cache._running == 2)
-        reads.go.set()
-        cache.route(2, [5])                                    # wanted now: it reads on beside (0, 1)
-        later.future.result(10)
-        assert not cache._inflight[(0, 1)].future.done()       # (0, 1) still held: 5 did not wait for it
-        reads.demand.set()
-        cache.get(0, 1)
 
 
 def test_prefetch_never_evicts_the_pinned_experts(store):

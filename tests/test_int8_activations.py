@@ -45,7 +45,7 @@ class Explicit:
     def route(self, layer, experts):
         pass
 
-    def prefetch(self, layer, experts, idle_only=False):
+    def prefetch(self, layer, experts):
         pass
 
     def done(self, layer, expert):

@@ -164,7 +164,7 @@ class Recording:
     def done(self, layer, expert):
         self.inner.done(layer, expert)
 
-    def prefetch(self, layer, experts, idle_only=False):
+    def prefetch(self, layer, experts):
         self.calls.append(("prefetch", layer, list(experts)))
 
 

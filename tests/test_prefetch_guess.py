@@ -20,6 +20,7 @@ from agent.residency import Residency
 from agent.simulator import SystemReplay, cache_for, replay
 from agent.traces import load
 from bench.batching import batched
+from bench.lookahead import TwoLayersOn
 from bench.prefetch_guess import Ascending
 
 TRACES = Path(__file__).parent / "data" / "traces"
@@ -47,12 +48,12 @@ def test_co_activation_guesses_the_experts_likely_enough_to_follow_likeliest_fir
     for following in ([3, 6], [6, 7], [3, 6]):
         look.after_route(0, [1, 2], residual=None)
         look.after_route(1, following, residual=None)
-    assert look.after_route(0, [1, 2], residual=None) == [(1, [6, 3, 7])]  # chances 1, 2/3, 1/3: all >= GUESS_AT
+    assert look.after_route(0, [1, 2], residual=None) == (1, [6, 3, 7])  # chances 1, 2/3, 1/3: all >= GUESS_AT
     look.after_route(1, [6, 5], residual=None)
     look.after_route(0, [1, 2], residual=None)
     look.after_route(1, [6, 4], residual=None)
     # after 1 and 2 five times: 6 five, 3 twice (0.4), 7, 5 and 4 once (0.2, under GUESS_AT = 0.3: not read)
-    assert look.after_route(0, [1, 2], residual=None) == [(1, [6, 3])]
+    assert look.after_route(0, [1, 2], residual=None) == (1, [6, 3])
 
 
 def test_co_activation_averages_over_the_experts_routed_now():
@@ -61,29 +62,18 @@ def test_co_activation_averages_over_the_experts_routed_now():
         look.after_route(0, routed, residual=None)
         look.after_route(1, following, residual=None)
     # 5 always followed 1, 6 always followed 2: each has chance (1 + 0) / 2 given both; 3 never seen: left out
-    assert look.after_route(0, [1, 2, 3], residual=None) == [(1, [5, 6])]
+    assert look.after_route(0, [1, 2, 3], residual=None) == (1, [5, 6])
 
 
-def test_co_activation_two_layers_ahead_counts_what_came_two_layers_later_across_steps():
-    """A route trace's second guess: layer L's routing -> layer L+2's (past the last: the next step's)."""
-    two = CoActivation(n_layers=3, n_experts=8, ahead=2)
+def test_co_activation_two_layers_on_counts_what_came_two_layers_later_across_steps():
+    """bench/lookahead.py's second guess: layer L's routing -> layer L+2's (past the last: the next step's)."""
+    two = TwoLayersOn(n_layers=3, n_experts=8)
     for layer, routed in enumerate(([1], [2], [3], [4], [5])):       # one step's layers 0..2, the next's 0..1
         assert two.predict(layer % 3, routed, residual=None) is None  # nothing seen two layers on yet
     assert two.predict(2, [3], residual=None) == (1, [5])            # 3 at layer 2 -> 5 at the next step's layer 1
     assert two.predict(0, [4], residual=None) == (2, [3])            # 4 at layer 0 -> 3 at layer 2, just now
     assert two.predict(2, [6], residual=None) is None                # 6 never seen at layer 2 before
     assert two.predict(0, [4], residual=None) == (2, [3, 6])         # 4 at 0 -> 3 once, 6 once: chance 1/2 each
-
-
-def test_the_later_guess_comes_second_and_the_accuracy_is_the_next_layer_s():
-    look = Lookahead(CoActivation(n_layers=3, n_experts=8), later=CoActivation(n_layers=3, n_experts=8, ahead=2))
-    for _ in range(2):
-        for layer, routed in enumerate(([1], [2], [3])):
-            guesses = look.after_route(layer, routed, residual=None)
-    assert guesses == [(0, [1]), (1, [2])]                 # after layer 2: the next step's layers 0 and 1
-    assert (look.predicted, look.correct) == (3, 2)        # the next layer's guesses only: 1, 2, 0; two scored, right
-    look.enabled = False
-    assert look.after_route(0, [1], residual=None) == []
 
 
 def batched_replay(name: str, policy: str, ascending: bool = False) -> tuple[int, int, int, int]:

@@ -119,15 +119,15 @@ def test_the_agent_serves_with_a_route_trace_and_says_so(store, tmp_path):
 def test_co_activation_guesses_what_followed_before_and_nothing_it_never_saw():
     from agent.model.lookahead import CoActivation, Lookahead
     look = Lookahead(CoActivation(n_layers=3, n_experts=8))
-    assert look.after_route(0, [1, 2], residual=None) == []             # nothing learned yet: no guess
-    assert look.after_route(1, [3, 4], residual=None) == []
-    assert look.after_route(0, [1, 2], residual=None) == [(1, [3, 4])]  # layer 1 followed [1, 2] with [3, 4]
-    assert look.after_route(1, [3, 5], residual=None) == []             # layer 2 never seen after layer 1
+    assert look.after_route(0, [1, 2], residual=None) is None        # nothing learned yet: no guess
+    assert look.after_route(1, [3, 4], residual=None) is None
+    assert look.after_route(0, [1, 2], residual=None) == (1, [3, 4])  # layer 1 followed [1, 2] with [3, 4]
+    assert look.after_route(1, [3, 5], residual=None) is None         # layer 2 never seen after layer 1
     assert (look.predicted, look.correct) == (2, 1)
-    assert look.after_route(2, [0, 7], residual=None) == []             # the next step's layer 0: never seen after it
+    assert look.after_route(2, [0, 7], residual=None) is None         # the next step's layer 0: never seen after it
     look.after_route(0, [6, 7], residual=None)
-    assert look.after_route(1, [3, 5], residual=None) == [(2, [0, 7])]
-    assert look.after_route(2, [0, 7], residual=None) == [(0, [6, 7])]  # the last layer guesses the next step's first
+    assert look.after_route(1, [3, 5], residual=None) == (2, [0, 7])
+    assert look.after_route(2, [0, 7], residual=None) == (0, [6, 7])  # the last layer guesses the next step's first
     assert (look.predicted, look.correct) == (6, 3)
 
 

@@ -58,7 +58,7 @@ class BothTake:
     def done(self, layer, expert):
         self.inner.done(layer, expert)
 
-    def prefetch(self, layer, experts, idle_only=False):
+    def prefetch(self, layer, experts):
         self.inner.prefetch(layer, experts)
 
 

@@ -7,9 +7,7 @@ concurrently while get() hands out the blocks in turn. A batch's step larger tha
 taken resident experts first (route() answers the order to ask in), in a window that slides on
 with get(), io_threads reads ahead of the model. A block that two callers want at once is read
 once, because both wait on the same in-flight future, and a block that prefetch already started
-is waited for instead of read again. A guess further ahead is decided with the others but read only
-while no other read runs (or once a step wants it), and its read pauses while another runs: it fills
-the device's idle time and nothing else. get() hands an expert to the calling thread until its done(),
+is waited for instead of read again. get() hands an expert to the calling thread until its done(),
 and an expert in use stays pinned: two workers may compute on a step's experts while its window
 slides on (agent/model/routed.py asks in route()'s order). One lock guards all bookkeeping
 (Residency, slot table, in-flight table, counters); reads, CRC checks, a policy's slow work on a
@@ -100,9 +98,7 @@ class _Load:
     key: Key
     slot: int | None
     after: Future | None          # the previous read into this slot, still running
-    issued: int = 0               # how many reads the cache had started before this one
-    gives_way: bool = False       # an idle-only read no step wants yet: it pauses while another read runs
-    paused_s: float = 0.0         # how long it paused (not its read's time)
+    issued: int                   # how many reads the cache had started before this one
     future: Future = field(default_factory=Future)
 
 
@@ -163,9 +159,7 @@ class ExpertCache:
         self._inflight: dict[Key, _Load] = {}
         self._steps: dict[int, _Step] = {}   # per layer: its last route()
         self._current: _Step | None = None   # the last route()'s step
-        self._guesses: list[tuple[int, list[int], bool]] = []  # prefetches not started yet (see _start_guess)
-        self._idle_reads: dict[Key, _Load] = {}  # a guess's reads decided, to start while the device idles
-        self._unfinished = 0                 # reads started and not finished
+        self._guess: tuple[int, list[int]] | None = None  # a prefetch not started yet (see _start_guess)
         self._closing = False                # close() has begun: no guessed read starts (see close)
         self._routed: tuple[int, list[int]] = (0, [])  # the window of experts Residency pins
         self._held: dict[int, Key] = {}      # thread -> the expert get() gave it, until done() (pinned too)
@@ -179,7 +173,6 @@ class ExpertCache:
         self._crc_s = self._policy_s = self._read_s = 0.0
         self._running, self._busy_since, self._io_busy_s = 0, 0.0, 0.0  # reads running, since when, busy time before
         self._busy_lock = threading.Lock()   # guards those three: a read's start need not wait for the cache lock
-        self._fewer_running = threading.Condition(self._busy_lock)  # for a read that gives way (_give_way)
         self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.monitor = monitor or SystemSampler()  # told of every read; asked for a sample at most every second
         self._fed_t = -float("inf")  # the monitoring sample last passed to the policy
@@ -250,7 +243,7 @@ class ExpertCache:
                              residents=sum((layer, e) in self._residency for e in unique))
             self._dropped.append(self._steps.get(layer))  # its reads' futures hold experts since evicted
             self._steps[layer] = self._current = step
-            self._guesses = []  # a guess still waiting is for a step that has begun, or never will
+            self._guess = None  # a guess still waiting is for a step that has begun, or never will
             self._fill(layer, step)
             if fits:  # every expert accessed: the order get() asks in no longer changes what is resident
                 step.order.sort(key=lambda e: _ready_first(step.loads[e]))
@@ -383,39 +376,30 @@ class ExpertCache:
         hit, victim = self._policy(self._residency.access, key)
         if not hit:
             return self._start(key, victim)
-        load = self._inflight.get(key)
-        if self._idle_reads.pop(key, None) is not None:
-            self._submit(load)  # a guess's read waiting for the device to idle: wanted now
-        elif load is not None and load.gives_way:
-            with self._busy_lock:  # wanted now: it reads on beside the others
-                load.gives_way = False
-                self._fewer_running.notify_all()
-        return load
+        return self._inflight.get(key)
 
-    def prefetch(self, layer: int, experts: Sequence[int], idle_only: bool = False) -> None:
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """A guess at `layer`'s next step, most likely first, read once the current step has all its own
-        experts; `idle_only` (a guess further ahead, less likely): each of its reads starts only when no
-        other read is running, or when a step wants its expert."""
+        experts."""
         with self._lock:
-            self._guesses.append((layer, list(experts), idle_only))
+            self._guess = (layer, list(experts))
             self._start_guess()
 
     def _start_guess(self) -> None:
-        """Decide the guesses' reads while room lasts (Residency.guess: the likeliest first, never
-        evicting an expert the guess names), once the current step has all its own experts, and start
-        them: reads running together share the device, so a guessed read beside a read the model waits
-        for makes that wait longer. Started after them, guessed reads keep the device busy while the
-        model computes the rest of the step. Called again as each read finishes. Decided at the same
-        point of the step whatever the reads' timing, so the simulator's replay makes the same decisions."""
-        if not self._guesses or self._closing:
+        """Start the guessed reads while room lasts (Residency.guess: the likeliest first, never
+        evicting an expert the guess names), once the current step has all its own experts: reads
+        running together share the device, so a guessed read beside a read the model waits for makes
+        that wait longer. Started after them, guessed reads keep the device busy while the model
+        computes the rest of the step. Called again as each read finishes."""
+        if self._guess is None or self._closing:
             return
         step = self._current
         if step is not None and (len(step.loads) < len(step.order) or self._reading(step)):
             return
-        guesses, self._guesses = self._guesses, []
-        for layer, experts, idle_only in guesses:
-            for key, victim in self._policy(self._residency.guess, layer, experts):
-                self._start(key, victim, idle_only)
+        layer, experts = self._guess
+        self._guess = None
+        for key, victim in self._policy(self._residency.guess, layer, experts):
+            self._start(key, victim)
 
     def _reading(self, step: _Step) -> bool:
         """Whether a read the step waits for is still running."""
@@ -455,46 +439,19 @@ class ExpertCache:
         return self._start(key, victim) if admitted else None
 
     # -- loading (called under the lock) ---------------------------------------------------------------------
-    def _start(self, key: Key, victim: Key | None, idle_only: bool = False) -> _Load:
-        """`key` was admitted (evicting `victim`): its slot, and its read, now or (`idle_only`) once the
-        device idles."""
+    def _start(self, key: Key, victim: Key | None) -> _Load:
         if victim is not None:
             self._forget(victim)
         slot, after = None, None
         if self._pool is not None:
             slot = self._pool.acquire()
             after = self._busy.pop(slot, None)
-        load = _Load(key, slot, after)
+        load = _Load(key, slot, after, self._issued)
+        self._issued += 1
         self._inflight[key] = load
         self._slot_of[key] = slot
-        if idle_only:
-            self._idle_reads[key] = load
-            self._start_idle_read()
-        else:
-            self._submit(load)
-        return load
-
-    def _submit(self, load: _Load) -> None:
-        load.issued = self._issued
-        self._issued += 1
-        self._unfinished += 1
         self._io.submit(self._run, load)
-
-    def _start_idle_read(self) -> None:
-        """Start the likeliest waiting idle-only read if no other read is unfinished: one at a time, so a
-        read the model then wants shares the device with one at most."""
-        if self._idle_reads and not self._unfinished and not self._closing:
-            load = self._idle_reads.pop(next(iter(self._idle_reads)))
-            load.gives_way = True
-            self._submit(load)
-
-    def _give_way(self, load: _Load) -> None:
-        """Between two chunks of an idle-only read: wait while another read runs, unless a step wants it.
-        A read waiting for this one's slot has not begun, so it is not waited for."""
-        start = time.perf_counter()
-        with self._fewer_running:
-            self._fewer_running.wait_for(lambda: not load.gives_way or self._running == 1)
-        load.paused_s += time.perf_counter() - start
+        return load
 
     def _forget(self, key: Key) -> None:
         """`key` left Residency: free its slot (after its read, if one is still running)."""
@@ -503,11 +460,9 @@ class ExpertCache:
             self._dropped.append(expert)
         slot = self._slot_of.pop(key, None)
         load = self._inflight.pop(key, None)
-        never_started = self._idle_reads.pop(key, None) is not None
         if slot is not None:
-            writing = load.after if never_started else load.future if load is not None else None
-            if writing is not None:  # the slot is free once the read into it ends
-                self._busy[slot] = writing
+            if load is not None:
+                self._busy[slot] = load.future
             self._pool.give_back(slot)
 
     def _run(self, load: _Load) -> None:
@@ -518,17 +473,14 @@ class ExpertCache:
         try:
             before = self._mmap.resident_bytes(block) if self._mmap is not None else 0
             start = time.perf_counter()
-            data = self._reader.read(block, None if load.slot is None else self._pool.buffer(load.slot),
-                                     (lambda: self._give_way(load)) if load.gives_way else None)
+            data = self._reader.read(block, None if load.slot is None else self._pool.buffer(load.slot))
             read_done = time.perf_counter()
             self._reader.check(block, data)
-            elapsed, crc_s = time.perf_counter() - start - load.paused_s, time.perf_counter() - read_done
+            elapsed, crc_s = time.perf_counter() - start, time.perf_counter() - read_done
             weights = block_views(torch.from_numpy(data), self.index, self.int8_activations)
         except BaseException as exc:
             with self._lock:  # cleanup and failure are seen together: no get() re-reads in between
                 self._read_ends()
-                self._unfinished -= 1
-                self._start_idle_read()
                 if isinstance(exc, StoreError):
                     self.damaged[load.key] = str(exc)
                 current = self._inflight.get(load.key) is load
@@ -551,9 +503,7 @@ class ExpertCache:
             if self._inflight.get(load.key) is load:
                 del self._inflight[load.key]
                 self._ready[load.key] = weights
-            self._unfinished -= 1
             self._start_guess()
-            self._start_idle_read()
         load.future.set_result(weights)
 
     def _read_begins(self) -> None:
@@ -567,7 +517,6 @@ class ExpertCache:
             self._running -= 1
             if not self._running:
                 self._io_busy_s += time.perf_counter() - self._busy_since
-            self._fewer_running.notify_all()
 
     def _io_busy(self) -> float:
         """Seconds with at least one read running, the current stretch included."""
@@ -670,8 +619,7 @@ class ExpertCache:
             self._closing = True
         self._io.shutdown(wait=True, cancel_futures=False)
         with self._lock:  # drop every view first, so an mmap backend can unmap at once
-            for table in (self._ready, self._inflight, self._idle_reads, self._steps, self._busy, self._slot_of,
-                          self._dropped):
+            for table in (self._ready, self._inflight, self._steps, self._busy, self._slot_of, self._dropped):
                 table.clear()
             self._reader.close()
             if self._pool is not None:

@@ -37,7 +37,7 @@ class ExpertProvider(Protocol):
     def route(self, layer: int, experts: Sequence[int]) -> Sequence[int] | None: ...
     def get(self, layer: int, expert: int) -> Expert: ...
     def done(self, layer: int, expert: int) -> None: ...   # the calling thread no longer uses what get() gave it
-    def prefetch(self, layer: int, experts: Sequence[int], idle_only: bool = False) -> None: ...
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
 
 
 def block_views(buf: torch.Tensor, index: Index, int8_activations: bool = True) -> Expert:
@@ -73,5 +73,5 @@ class InMemoryExperts:
     def done(self, layer: int, expert: int) -> None:
         pass
 
-    def prefetch(self, layer: int, experts: Sequence[int], idle_only: bool = False) -> None:
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         pass

@@ -16,7 +16,6 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -28,7 +27,6 @@ from agent.experts.slots import SlotPool
 
 BACKENDS = ("direct", "buffered", "mmap")
 IO_THREADS = 8  # reads in flight: the demo's virtio disk gives ~510 MB/s with 4 queued 3 MiB reads, ~730 with 8
-PAUSE_CHUNK = 1 << 20  # a read that may pause (read's `pause`) reads this much between its checks
 
 _STATX_DIOALIGN = 0x2000
 _AT_FDCWD = -100
@@ -68,9 +66,7 @@ class BlockReader:
             raise StoreError(f"expert block layer {block.layer} expert {block.expert} fails its CRC32 check in "
                              f"{self.path}: the file is corrupt; re-run flashmoe-cli convert")
 
-    def read(self, block: Block, slot: memoryview | None, pause: Callable[[], None] | None = None) -> np.ndarray:
-        """The block's bytes (into `slot`, for a backend that uses slots). `pause`, if given, is called
-        between reads of PAUSE_CHUNK bytes and returns when the read may go on."""
+    def read(self, block: Block, slot: memoryview | None) -> np.ndarray:
         raise NotImplementedError
 
     def _short(self, block: Block, got: int) -> StoreError:
@@ -96,13 +92,10 @@ class _PreadReader(BlockReader):
     def _length(self) -> int:
         return self.index.nbytes
 
-    def read(self, block: Block, slot: memoryview | None, pause: Callable[[], None] | None = None) -> np.ndarray:
+    def read(self, block: Block, slot: memoryview | None) -> np.ndarray:
         want, done = self._length(), 0
         while done < self.index.nbytes:
-            if pause is not None and done:
-                pause()
-            end = want if pause is None else min(want, done + PAUSE_CHUNK)
-            n = os.preadv(self.fd, [slot[done:end]], block.offset + done)
+            n = os.preadv(self.fd, [slot[done:want]], block.offset + done)
             done += n
             if n == 0 or n % mmap.PAGESIZE:  # end of file (O_DIRECT cannot go on from an unaligned offset)
                 break
@@ -154,8 +147,8 @@ class MmapReader(BlockReader):
         self._base = self._bytes.ctypes.data
         self._local = threading.local()
 
-    def read(self, block: Block, slot: memoryview | None, pause: Callable[[], None] | None = None) -> np.ndarray:
-        data = self._bytes[block.offset:block.offset + self.index.nbytes]  # faults in at once: nothing to pause
+    def read(self, block: Block, slot: memoryview | None) -> np.ndarray:
+        data = self._bytes[block.offset:block.offset + self.index.nbytes]
         if len(data) < self.index.nbytes:
             raise self._short(block, len(data))
         if not self.verify:

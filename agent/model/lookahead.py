@@ -18,10 +18,6 @@ evicting an expert the guess names, so its order decides which few are read. Two
   guess cut a token's demand misses by 16-36% for 2-7% more reads (bench/lookahead.py). The last
   layer guesses the first layer of the next step the same way, from what followed it before: the
   head, the sampling and the first layer's attention run meanwhile, and the device would idle.
-  A second CoActivation guesses the layer after next from counts two layers apart: the cache reads it
-  only while the device would otherwise idle (agent/experts/cache.py), which it does at every layer's
-  end, between the next layer's guessed reads and its routing. On OLMoE's and Qwen's decode traces it
-  cut a token's demand misses by a further 2-21% for 5-9% more reads (bench/lookahead.py).
 Accuracy: of the experts predicted for a layer, how many its real routing then used.
 """
 from __future__ import annotations
@@ -54,11 +50,12 @@ GUESS_AT = 0.3   # chosen on the validation traces (olmoe_code, qwen_code): fewe
 
 
 class CoActivation:
-    def __init__(self, n_layers: int, n_experts: int, ahead: int = 1) -> None:
-        # [L, e at L, e' at the layer `ahead` after L (past the last layer: the next step's)]
+    AHEAD = 1   # the layer it guesses: the next (bench/lookahead.py tries the one after)
+
+    def __init__(self, n_layers: int, n_experts: int) -> None:
+        # [L, e at L, e' at the layer AHEAD after L (past the last layer: the next step's)]
         self.counts = np.zeros((n_layers, n_experts, n_experts), np.int32)
         self.seen = np.zeros((n_layers, n_experts), np.int32)               # [L, e at L]: times followed
-        self.ahead = ahead                  # 1, the runtime's: the next layer (bench/lookahead.py tries 2)
         self._last: dict[int, list[int]] = {}                               # each layer's latest routing
 
     def predict(self, layer: int, routed: list[int], residual: Tensor) -> tuple[int, list[int]] | None:
@@ -76,12 +73,12 @@ class CoActivation:
         return (self.after(layer), guess) if guess else None
 
     def after(self, layer: int) -> int:
-        """The layer guessed for after `layer`: past the last, one of the next step."""
-        return (layer + self.ahead) % len(self.counts)
+        """The layer guessed after `layer`: the next (AHEAD 1); after the last, the first of the next step."""
+        return (layer + self.AHEAD) % len(self.counts)
 
     def learn(self, layer: int, routed: list[int]) -> None:
-        """Count what followed the routing `ahead` layers before (the first layer's: the last of the step before)."""
-        before = (layer - self.ahead) % len(self.counts)
+        """Count what followed the routing AHEAD layers before (the first layer's: the last of the step before)."""
+        before = (layer - self.AHEAD) % len(self.counts)
         previous = self._last.get(before)
         if previous is not None:
             self.counts[before][np.ix_(previous, routed)] += 1
@@ -93,23 +90,22 @@ class CoActivation:
 class Lookahead:
     predictor: Predictor
     enabled: bool = True                # off: no guesses (a pure demand-access run)
-    later: Predictor | None = None      # a second guess, further ahead (a route trace's: CoActivation, ahead=2)
-    predicted: int = 0                  # the predictor's guesses only: `accuracy` is the next layer's
+    predicted: int = 0
     correct: int = 0
     _pending: dict[int, set[int]] = field(default_factory=dict)
 
-    def after_route(self, layer: int, routed: list[int], residual: Tensor) -> list[tuple[int, list[int]]]:
-        """Layer `layer` has routed: score the guess made for it, and return the guesses from `residual` as
-        (layer, experts), the predictor's then the later one's; none where there is none to make."""
+    def after_route(self, layer: int, routed: list[int], residual: Tensor) -> tuple[int, list[int]] | None:
+        """Layer `layer` has routed: score the guess made for it, and return the guess for the next
+        layer from `residual` as (layer, experts), or None if there is none to make."""
         self.correct += len(self._pending.pop(layer, set()) & set(routed))
         if not self.enabled:
-            return []
+            return None
         guess = self.predictor.predict(layer, routed, residual)
-        later = self.later.predict(layer, routed, residual) if self.later is not None else None
-        if guess is not None:
-            self._pending[guess[0]] = set(guess[1])
-            self.predicted += len(guess[1])
-        return [g for g in (guess, later) if g is not None]
+        if guess is None:
+            return None
+        self._pending[guess[0]] = set(guess[1])
+        self.predicted += len(guess[1])
+        return guess
 
     @property
     def accuracy(self) -> float | None:

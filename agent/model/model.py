@@ -285,7 +285,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         store_layer = {d: i for i, d in enumerate(config.moe_layer_ids)}  # decoder layer -> store layer
-        self.lookahead, self.profile, self.workers = Lookahead(RouterGuess({}), enabled=prefetch), Profile(), Workers(workers)
+        self.lookahead, self.profile, self.workers = Lookahead(RouterGuess({}), prefetch), Profile(), Workers(workers)
         self.experts = RoutedExperts(provider, self.lookahead, self.profile, self.workers)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config, i, store_layer.get(i), self.experts) for i in range(config.n_layers))
@@ -299,9 +299,7 @@ class Transformer(nn.Module):
         """Take every token's experts from `trace` from now on. The router cannot predict imposed
         routing, so the lookahead learns which experts follow which across layers instead."""
         self.route_trace = trace
-        layers, experts = len(self.config.moe_layer_ids), self.config.n_experts
-        self.lookahead.predictor = CoActivation(layers, experts)
-        self.lookahead.later = CoActivation(layers, experts, ahead=2)
+        self.lookahead.predictor = CoActivation(len(self.config.moe_layer_ids), self.config.n_experts)
 
     @property
     def prefetch(self) -> bool:

@@ -65,10 +65,10 @@ class RoutedExperts:
         with self.profile.phase("route"):
             order = self.provider.route(layer, experts) or experts  # a cache may answer the order it wants
         with self.profile.phase("router"):
-            guesses = self.lookahead.after_route(layer, experts, residual)
-        with self.profile.phase("route"):
-            for n, guess in enumerate(guesses):   # one further ahead: read only while the device would idle
-                self.provider.prefetch(*guess, idle_only=n > 0)
+            guess = self.lookahead.after_route(layer, experts, residual)
+        if guess is not None:
+            with self.profile.phase("route"):
+                self.provider.prefetch(*guess)
         return run_experts(h, routing, self.provider, layer, order, self.profile, self.workers)
 
 

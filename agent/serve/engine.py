@@ -68,8 +68,8 @@ class RouteCounter:
     def done(self, layer: int, expert: int) -> None:
         self.inner.done(layer, expert)
 
-    def prefetch(self, layer: int, experts: Sequence[int], idle_only: bool = False) -> None:
-        self.inner.prefetch(layer, experts, idle_only)
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        self.inner.prefetch(layer, experts)
 
     def take(self) -> dict[tuple[int, int], int]:
         """The counts since the last take, and start counting afresh."""
