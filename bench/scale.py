@@ -20,8 +20,8 @@ routing, for a shape no recorded trace fits). Each round measures, interleaved:
 - (a) the learned policy + lookahead prefetch, O_DIRECT; (b) LRU + prefetch, O_DIRECT; (c) mmap of
   the store, the page cache decides, no prefetch; (d) = (a) with --threads torch threads for the
   matmuls (the reads wait in the kernel meanwhile); (e) = (a) without prefetch and (g) = (a) with
-  adaptive prefetch (issued while it pays, agent/prefetch_gate.py; the agent's default); a2, b2, c2,
-  e2, g2: the same on two workers (a token's experts on two threads at once, its large matvecs split
+  adaptive prefetch (issued while it pays, agent/prefetch_gate.py; the agent's default); (s) = (a) with
+  one cache partition for every layer (generate --scope global); a2, b2, c2, e2, g2, s2: the same on two workers (a token's experts on two threads at once, its large matvecs split
   between them; mmap's page faults then come from two threads at once too, as llama.cpp's do): each
   `flashmoe-cli generate` in its own process inside the same cgroup memory limit (cap + dense weights + working memory),
   from a cold page cache.
@@ -82,11 +82,12 @@ class Config:
     more_threads: bool = False    # --threads torch threads instead of one
     workers: int = 1              # generate --workers: threads a decode step computes on (agent/workers.py)
     dense: str = "stored"         # generate --dense: the dense linears as stored or int8 (agent/model/dense_int8.py)
+    scope: str = "layer"          # generate --scope: a cache partition per layer, or one for all
 
     def args(self, threads: int) -> list[str]:
         return ["--policy", self.policy, "--backend", self.backend, "--threads",
-                str(threads if self.more_threads else 1),
-                "--prefetch", self.prefetch, "--dense", self.dense, "--workers", str(self.workers)]
+                str(threads if self.more_threads else 1), "--prefetch", self.prefetch, "--dense", self.dense,
+                "--workers", str(self.workers), "--scope", self.scope]
 
 
 CONFIGS = {"a": Config("a: flashmoe + prefetch, O_DIRECT", "flashmoe", "direct", "on"),
@@ -94,13 +95,15 @@ CONFIGS = {"a": Config("a: flashmoe + prefetch, O_DIRECT", "flashmoe", "direct",
            "c": Config("c: mmap, page cache decides", "lru", "mmap", "off"),
            "d": Config("d: (a) with --threads threads", "flashmoe", "direct", "on", more_threads=True),
            "e": Config("e: (a) without prefetch", "flashmoe", "direct", "off"),
-           "g": Config("g: (a) with adaptive prefetch", "flashmoe", "direct", "auto")}
+           "g": Config("g: (a) with adaptive prefetch", "flashmoe", "direct", "auto"),
+           "s": Config("s: (a) in global scope", "flashmoe", "direct", "on", scope="global")}
 # Each on two workers: the two cores the machine has, used by explicit parallelism rather than torch's threads
 CONFIGS |= {f"{key}2": replace(c, name=f"{key}2: {c.name.split(': ', 1)[1]}, 2 workers", workers=2)
             for key, c in CONFIGS.items() if not c.more_threads}
 # Each with its dense linears in int8 (ai, a2i, c2i, ...); its limit is the compute bound with int8 dense weights
 CONFIGS |= {f"{key}i": replace(c, name=f"{key}i: ({key}) with int8 dense", dense="int8") for key, c in CONFIGS.items()}
-RATIOS = (("a", "c"), ("a", "b"), ("a2", "c2"), ("a2", "c"), ("g", "c"), ("g2", "c2"), ("a2", "a"), ("g2", "g"),
+RATIOS = (("a", "c"), ("a", "b"), ("a2", "c2"), ("a2", "c"), ("g", "c"), ("g2", "c2"), ("s2", "c2"), ("s2", "a2"),
+          ("a2", "a"), ("g2", "g"),
           ("c2", "c"), ("ai", "a"), ("a2i", "a2"), ("ci", "c"), ("c2i", "c2"), ("a2i", "c2i"), ("a2i", "c2"))
 
 
@@ -297,7 +300,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=count, default=32, help="new tokens per run (default 32)")
     ap.add_argument("--rounds", type=count, default=2, help="interleaved rounds; medians are reported")
     ap.add_argument("--threads", type=count, default=2, help="torch intra-op threads of (d) (default 2)")
-    ap.add_argument("--configs", default="a,b,c,d", help="which of a,b,c,d,e,g and a2,b2,c2,e2,g2 (the same on two "
+    ap.add_argument("--configs", default="a,b,c,d", help="which of a,b,c,d,e,g,s and a2,b2,c2,e2,g2,s2 (the same on two "
                     "workers), each also with an i for int8 dense weights (ai, a2i, c2i, ...), in this order within "
                     "every round")
     ap.add_argument("--results", type=results_name, default="scale",

@@ -44,10 +44,11 @@ def test_one_round_of_compute_and_a_configuration(shaped):
     prompt = [5, 6, 7]
     assert scale.compute_bound(store, traces, prompt, tokens=4) > 0
     assert scale.compute_bound(store, traces, prompt, tokens=4, workers=2) > 0
-    assert scale.CONFIGS["c2"].args(1)[-2:] == ["--workers", "2"] and scale.CONFIGS["c2"].backend == "mmap"
+    assert scale.CONFIGS["c2"].args(1)[-4:] == ["--workers", "2", "--scope", "layer"]
+    assert scale.CONFIGS["c2"].backend == "mmap" and scale.CONFIGS["s2"].args(1)[-3:] == ["2", "--scope", "global"]
     assert scale.compute_bound(store, traces, prompt, tokens=4, dense="int8") > 0
     assert scale.CONFIGS["c2i"] == scale.replace(scale.CONFIGS["c2"], name=scale.CONFIGS["c2i"].name, dense="int8")
-    assert ["--dense", "int8"] == scale.CONFIGS["c2i"].args(1)[-4:-2]
+    assert ["--dense", "int8"] == scale.CONFIGS["c2i"].args(1)[-6:-4]
     assert scale.prefill_bound_s(store, traces, prompt * 8) > 0           # one batched step of 24 tokens
     with scale.torch_linears():                                           # the A/B: torch's F.linear throughout
         assert scale.agent.model.model.linear is F.linear and scale.agent.experts.provider.linear is F.linear
