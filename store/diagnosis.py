@@ -203,7 +203,8 @@ def verdict_of(signals: Sequence[Signal]) -> str:
 
 SUMMARIES = {
     "agent thrashing": "the agent's own pages are dropped and read back faster than it works.",
-    "pressure from another process": "the machine is short of memory, but the agent's own fault and refault "
+    "pressure from another process": "pages are dropped and read back on this box (the machine short of memory, "
+                                     "or another process's own limit), but the agent's own fault and refault "
                                      "counters stayed flat: something else is thrashing.",
     "cache thrashing": "memory is calm, but most expert lookups re-read a block the cache held and evicted: "
                        "its cap is below the working set.",
