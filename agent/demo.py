@@ -228,8 +228,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "  flashmoe-cli init-demo --shape olmoe-1b-7b --out /work/models/olmoe-1b-7b --drop-hf\n\n"
                      "default: 8 layers x 64 experts (top-8), 1.5 GiB of float32 experts; small: 3 MiB.\n"
                      "--shape: a random-weight Hugging Face checkpoint with that model's real shapes and tensor\n"
-                     "names in OUT/hf (bfloat16; olmoe-1b-7b 13 GB, qwen3-30b-a3b 1.2 GB per layer,\n"
-                     "deepseek-v2-lite 1.1 GB per MoE layer), converted by flashmoe-cli convert into OUT/store.")
+                     "names in OUT/hf (bfloat16; olmoe-1b-7b 13 GB, qwen1.5-moe-a2.7b 29 GB, qwen3-30b-a3b 1.2 GB per\n"
+                     "layer, deepseek-v2-lite 1.1 GB per MoE layer), converted by flashmoe-cli convert into OUT/store.")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"model directory (default {DEFAULT_OUT})")
     parser.add_argument("--size", choices=list(SIZES), default="default", help="default (1.5 GiB) or small (tests)")
     parser.add_argument("--shape", choices=list(SHAPES), help="a real model's shapes instead of the demo's")

@@ -18,7 +18,9 @@ from agent.experts.provider import InMemoryExperts
 from agent.model.config import MoEConfig
 from agent.model.generation import generate
 from agent.model.loading import load_model
+from agent.model.route_trace import RouteTrace
 from agent.shapes import SHAPES, ShapeError, checkpoint_tensors, init_shape, shape_config, write_checkpoint
+from agent.traces import TraceError
 
 GB = 1e9
 
@@ -34,6 +36,8 @@ def tiny(name: str) -> dict:
                       qk_rope_head_dim=8, v_head_dim=12)
     else:
         small |= dict(num_key_value_heads=4)
+    if "shared_expert_intermediate_size" in SHAPES[name]:  # Qwen2-MoE's always-on expert
+        small |= dict(shared_expert_intermediate_size=48)
     return {**shape_config(name), **small}
 
 
@@ -51,11 +55,24 @@ def test_the_real_shapes_have_the_published_sizes():
         (48, 128, 8, 768, 128, "head")
     assert expert_bytes(shape_config("qwen3-30b-a3b")) / GB == pytest.approx(57.98, abs=0.01)
     assert expert_bytes(shape_config("qwen3-30b-a3b", layers=12)) / GB == pytest.approx(57.98 / 4, abs=0.01)
+    qwen15 = MoEConfig.from_hf(shape_config("qwen1.5-moe-a2.7b"))  # what the qwen_* decode traces recorded
+    assert (qwen15.n_layers, qwen15.n_experts, qwen15.top_k, qwen15.expert_dim, qwen15.shared_expert_dim) == \
+        (24, 60, 4, 1408, 5632)
+    assert expert_bytes(shape_config("qwen1.5-moe-a2.7b")) / GB == pytest.approx(24.92, abs=0.01)  # 1440 x 17.3 MB
     lite = MoEConfig.from_hf(shape_config("deepseek-v2-lite"))
     assert (lite.n_layers, lite.moe_layer_ids[0], lite.n_experts, lite.top_k, lite.expert_dim) == (27, 1, 64, 6, 1408)
     assert (lite.mla.q_lora_rank, lite.mla.kv_lora_rank, lite.k_head_dim, lite.mla.v_dim) == (None, 512, 192, 128)
     assert lite.shared_experts_dim == 2816 and lite.yarn.factor == 40
     assert expert_bytes(shape_config("deepseek-v2-lite")) / GB == pytest.approx(28.79, abs=0.01)  # 26 x 64 x 17.3 MB
+
+
+@pytest.mark.parametrize("name, recorded", [("olmoe-1b-7b", "olmoe"), ("qwen1.5-moe-a2.7b", "qwen")])
+def test_each_shape_takes_the_routing_recorded_from_its_model(name, recorded):
+    traces = sorted((Path(__file__).parent / "data" / "traces").glob(f"{recorded}_*.jsonl"))
+    assert len(traces) == 4
+    assert len(RouteTrace.load(traces, MoEConfig.from_hf(shape_config(name))).routes) == 4
+    with pytest.raises(TraceError, match="use a trace recorded from this model's architecture"):
+        RouteTrace.load(traces, MoEConfig.from_hf(shape_config("qwen3-30b-a3b")))
 
 
 def test_hub_names_and_shapes():
