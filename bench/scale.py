@@ -21,10 +21,11 @@ routing, for a shape no recorded trace fits). Each round measures, interleaved:
   the store, the page cache decides, no prefetch; (d) = (a) with --threads torch threads for the
   matmuls (the reads wait in the kernel meanwhile); (e) = (a) without prefetch and (g) = (a) with
   adaptive prefetch (issued while it pays, agent/prefetch_gate.py; the agent's default); (s) = (a) with
-  one cache partition for every layer (generate --scope global); a2, b2, c2, e2, g2, s2: the same on two workers (a token's experts on two threads at once, its large matvecs split
-  between them; mmap's page faults then come from two threads at once too, as llama.cpp's do): each
-  `flashmoe-cli generate` in its own process inside the same cgroup memory limit (cap + dense weights + working memory),
-  from a cold page cache.
+  one cache partition for every layer (generate --scope global); a2, b2, c2, e2, g2, s2: the same on two
+  workers (a token's experts on two threads at once, its large matvecs split between them; mmap's page
+  faults then come from two threads at once too, as llama.cpp's do): each `flashmoe-cli generate` in its
+  own process inside the same cgroup memory limit (cap + dense weights + working memory), from a cold
+  page cache.
 A configuration's limit is 1 / max(compute s/token, its MB missed per token / raw MB/s): perfect
 overlap of reads and compute. Reported: decode tokens/s, its fraction of the limit, MB read and hit
 rate per decode token, where a token's time went, the share of it with a read running, peak RSS and
@@ -102,8 +103,8 @@ CONFIGS |= {f"{key}2": replace(c, name=f"{key}2: {c.name.split(': ', 1)[1]}, 2 w
             for key, c in CONFIGS.items() if not c.more_threads}
 # Each with its dense linears in int8 (ai, a2i, c2i, ...); its limit is the compute bound with int8 dense weights
 CONFIGS |= {f"{key}i": replace(c, name=f"{key}i: ({key}) with int8 dense", dense="int8") for key, c in CONFIGS.items()}
-RATIOS = (("a", "c"), ("a", "b"), ("a2", "c2"), ("a2", "c"), ("g", "c"), ("g2", "c2"), ("s2", "c2"), ("s2", "a2"),
-          ("a2", "a"), ("g2", "g"),
+RATIOS = (("a", "c"), ("a", "b"), ("a2", "c2"), ("a2", "b2"), ("a2", "c"), ("g", "c"), ("g2", "c2"), ("s2", "c2"),
+          ("s2", "a2"), ("a2", "a"), ("g2", "g"),
           ("c2", "c"), ("ai", "a"), ("a2i", "a2"), ("ci", "c"), ("c2i", "c2"), ("a2i", "c2i"), ("a2i", "c2"))
 
 
