@@ -95,9 +95,28 @@ def fill(disk: Path) -> Path:
 
 def demo_model(tmp_path_factory) -> Path:
     """The small demo model, written once per test session (init-demo is idempotent)."""
-    out = tmp_path_factory.getbasetemp() / "demo-small"
+    return small_demo(tmp_path_factory.getbasetemp() / "demo-small")
+
+
+def small_demo(out: Path) -> Path:
+    """The small demo model written to `out` (a model of a test's own: no other test's agent serves it)."""
     subprocess.run([*CLI, "init-demo", "--out", str(out), "--size", "small"], check=True, capture_output=True)
     return out
+
+
+def agents_serving(under: Path) -> dict[int, str]:
+    """Live `flashmoe-cli serve` processes serving a model under `under`: pid -> its state, parent and command
+    (a failure says whose it is)."""
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            state, parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            continue
+        if b"serve" in argv and any(a.startswith(str(under).encode()) for a in argv) and state != "Z":
+            found[int(proc.name)] = f"state {state}, parent {parent}: {b' '.join(argv).decode(errors='replace')[:300]}"
+    return found
 
 
 @dataclass

@@ -1,12 +1,14 @@
 """Suite-wide settings and fixtures."""
 import http.server
 import os
+import signal
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from agents import agents_serving
 from hypothesis import settings
 
 # No timing assertions in tests: Hypothesis's 200 ms deadline fails property tests on a loaded CI machine.
@@ -51,3 +53,16 @@ def tmpfs(tmp_path) -> Iterator[Callable[..., Path]]:
         return point
     yield mount
     subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_agent_left_running(tmp_path_factory) -> Iterator[None]:
+    """By a module's end every agent its tests started (a `serve` of a model under this run's temporary
+    directory) has stopped: one left running would serve on beside later tests and be counted by those that
+    look for agents. One left is killed, and the module fails with what it was."""
+    yield
+    left = agents_serving(tmp_path_factory.getbasetemp())
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"agents left running by this module's tests (killed): {left}"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agents import ROOT, demo_model
+from agents import ROOT, agents_serving, small_demo
 
 sys.path.insert(0, str(ROOT))
 from bench.serve import WARM_UP, Result, disk_neighbour, results_json, round_ratios, summarize, table  # noqa: E402
@@ -89,40 +89,36 @@ def test_help_runs_without_an_agent():
     assert "--rounds" in done.stdout and "--admit-window-ms" in done.stdout
 
 
-def test_sigterm_stops_the_agent_it_started_and_removes_its_cgroup(tmp_path_factory):
-    model = demo_model(tmp_path_factory)
+def test_sigterm_stops_the_agent_it_started_and_removes_its_cgroup(tmp_path):
+    model = small_demo(tmp_path / "demo")
     bench = subprocess.Popen([sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--rounds", "1",
                               "--configs", "b"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    cgroup_line = bench.stdout.readline()      # the memory limit it set up (or why it could not)
-    assert "warm-up, not measured: b: lru" in bench.stdout.readline()
-    deadline = time.monotonic() + 60
-    while not agents_serving(model) and time.monotonic() < deadline:  # it starts the agent just after; polled
-        time.sleep(0.001)            # tightly, the signal often lands as the agent starts (Popen still returning)
-    assert agents_serving(model), "the bench started no agent"
-    bench.send_signal(signal.SIGTERM)
-    bench.communicate(timeout=180)
-    assert bench.returncode != 0 and not agents_serving(model)
-    if " at /" in cgroup_line:
-        assert not Path(cgroup_line.rsplit(" at ", 1)[1].strip()).exists()
+    try:
+        cgroup_line = bench.stdout.readline()      # the memory limit it set up (or why it could not)
+        assert "warm-up, not measured: b: lru" in bench.stdout.readline()
+        deadline = time.monotonic() + 60
+        while not agents_serving(model) and time.monotonic() < deadline:  # it starts the agent just after; polled
+            time.sleep(0.001)            # tightly, the signal often lands as the agent starts (Popen still returning)
+        assert agents_serving(model), "the bench started no agent"
+        bench.send_signal(signal.SIGTERM)
+        output = bench.communicate(timeout=180)[0]
+        assert bench.returncode != 0 and not agents_serving(model), (agents_serving(model), bench.pid, output)
+        if " at /" in cgroup_line:
+            assert not Path(cgroup_line.rsplit(" at ", 1)[1].strip()).exists()
+    finally:                                     # a failure leaves neither the bench nor its agent running
+        stop_all(bench, model)
 
 
-def agents_serving(model: Path) -> list[int]:
-    """Pids of live `flashmoe-cli serve` processes serving `model`."""
-    pids = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if b"serve" in argv and str(model).encode() in argv and state != "Z":
-            pids.append(int(proc.name))
-    return pids
+def stop_all(bench: subprocess.Popen, model: Path) -> None:
+    for pid in agents_serving(model):
+        os.kill(pid, signal.SIGKILL)
+    bench.kill()
+    bench.wait()
 
 
-def test_sigterm_while_the_clients_wait_ends_the_run_at_once(tmp_path_factory):
+def test_sigterm_while_the_clients_wait_ends_the_run_at_once(tmp_path):
     """It waited for every client's answers (up to the whole run) before stopping the agent."""
-    model = demo_model(tmp_path_factory)
+    model = small_demo(tmp_path / "demo")
     log = ROOT / "bench" / "results" / "serve-logs" / "b-lru-direct-round0.log"
     log.unlink(missing_ok=True)
     bench = subprocess.Popen([sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--rounds", "1",
@@ -134,13 +130,11 @@ def test_sigterm_while_the_clients_wait_ends_the_run_at_once(tmp_path_factory):
             time.sleep(0.2)                      # until the first answer: the clients are driving
         assert bench.poll() is None and "POST /v1/completions" in log.read_text()
         bench.send_signal(signal.SIGTERM)
-        assert bench.wait(60) != 0 and not agents_serving(model)  # 6400 requests would take many minutes
+        assert bench.wait(60) != 0, "6400 requests would take many minutes"
+        assert not agents_serving(model), (agents_serving(model), bench.pid)
         assert log.read_text().count("POST /v1/completions") < 6400
-    finally:                                     # a failure leaves neither the bench nor its agent running
-        for pid in agents_serving(model):
-            os.kill(pid, signal.SIGKILL)
-        bench.kill()
-        bench.wait()
+    finally:
+        stop_all(bench, model)
 
 
 def test_a_disk_neighbour_that_stopped_fails_the_run_and_one_that_ran_is_stopped(tmp_path):
