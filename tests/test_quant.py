@@ -159,12 +159,15 @@ def test_the_store_packs_int4_as_an_avx512_kernel_reads_it_and_the_runtime_knows
     assert int4_kernel_reads_store() == same
 
 
-@pytest.mark.parametrize("kernel", [True, False])  # False: a CPU whose kernel packs otherwise
+# this CPU's own path (the kernel where it packs as the store does: AVX-512), and the dequantized one every
+# other CPU takes; forcing the kernel on an AVX2 CPU, which packs 32 rows, would compute from a wrong layout
+@pytest.mark.parametrize("path", ["this cpu's", "dequantized"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 3, quant.INT4_KERNEL_MAX_TOKENS, quant.INT4_KERNEL_MAX_TOKENS + 1, 100])
 @pytest.mark.parametrize("width", [128, 24, 200])  # padded to whole groups of 64
-def test_int4_linear_is_the_matmul_with_dequantized_weights(monkeypatch, kernel, dtype, tokens, width):
-    monkeypatch.setattr(quant, "int4_kernel_reads_store", lambda: kernel)
+def test_int4_linear_is_the_matmul_with_dequantized_weights(monkeypatch, path, dtype, tokens, width):
+    if path == "dequantized":
+        monkeypatch.setattr(quant, "int4_kernel_reads_store", lambda: False)
     torch.manual_seed(0)
     q, sz = quantize_groups(torch.randn(48, width), torch.float32 if dtype == torch.float16 else dtype)
     packed = pack_int4(q)
