@@ -293,6 +293,15 @@ def limit_tok_s(compute_tok_s: float, mb_per_token: float, raw_mb_s: float) -> t
     return 1 / max(compute_s, io_s), compute_s, io_s
 
 
+def config_list(text: str) -> list[Config]:
+    """--configs: comma-separated keys of CONFIGS."""
+    keys = text.split(",")
+    if unknown := [key for key in keys if key not in CONFIGS]:
+        raise argparse.ArgumentTypeError(f"unknown configuration {', '.join(map(repr, unknown))}; "
+                                         f"known: {', '.join(CONFIGS)}")
+    return [CONFIGS[key] for key in keys]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True, help="an expert store of a real-shaped model")
@@ -301,9 +310,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=count, default=32, help="new tokens per run (default 32)")
     ap.add_argument("--rounds", type=count, default=2, help="interleaved rounds; medians are reported")
     ap.add_argument("--threads", type=count, default=2, help="torch intra-op threads of (d) (default 2)")
-    ap.add_argument("--configs", default="a,b,c,d", help="which of a,b,c,d,e,g,s and a2,b2,c2,e2,g2,s2 (the same on two "
-                    "workers), each also with an i for int8 dense weights (ai, a2i, c2i, ...), in this order within "
-                    "every round")
+    ap.add_argument("--configs", type=config_list, default="a,b,c,d",
+                    help="which of a,b,c,d,e,g,s and a2,b2,c2,e2,g2,s2 (the same on two workers), each also with an "
+                         "i for int8 dense weights (ai, a2i, c2i, ...), in this order within every round")
     ap.add_argument("--results", type=results_name, default="scale",
                     help="bench/results/NAME.json to write (default scale)")
     args = ap.parse_args()
@@ -316,7 +325,7 @@ def main() -> int:
     prompt_ids = load_tokenizer(store).encode(PROMPT)
     facts = {**machine(store), "memory_limit": cgroup.describe(), "model": str(store), "expert_bytes": expert_bytes,
              "config": json.loads((store / "config.json").read_text()), "route_trace": [str(t) for t in traces]}
-    chosen = [CONFIGS[c] for c in args.configs.split(",")]
+    chosen = args.configs
     rounds, reference = [], {}
     int8_workers = sorted({1} | {c.workers for c in chosen if c.dense == "int8"}) if any(
         c.dense == "int8" for c in chosen) else []

@@ -119,6 +119,14 @@ def agents_serving(under: Path) -> dict[int, str]:
     return found
 
 
+def kill_agents_serving(under: Path) -> dict[int, str]:
+    """SIGKILL every agent serving a model under `under`; returns what they were (agents_serving)."""
+    found = agents_serving(under)
+    for pid in found:
+        os.kill(pid, signal.SIGKILL)
+    return found
+
+
 @dataclass
 class Agent:
     proc: subprocess.Popen

@@ -1,14 +1,13 @@
 """Suite-wide settings and fixtures."""
 import http.server
 import os
-import signal
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from agents import agents_serving
+from agents import kill_agents_serving
 from hypothesis import settings
 
 # No timing assertions in tests: Hypothesis's 200 ms deadline fails property tests on a loaded CI machine.
@@ -62,7 +61,5 @@ def no_agent_left_running(tmp_path_factory) -> Iterator[None]:
     directory) has stopped: one left running would serve on beside later tests and be counted by those that
     look for agents. One left is killed, and the module fails with what it was."""
     yield
-    left = agents_serving(tmp_path_factory.getbasetemp())
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = kill_agents_serving(tmp_path_factory.getbasetemp())
     assert not left, f"agents left running by this module's tests (killed): {left}"

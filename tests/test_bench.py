@@ -32,6 +32,7 @@ def test_bench_script_imports_and_parses_its_arguments(script):
     ("warmup", ["--max-tokens", "x"], "expected a whole number, got 'x'"),
     ("serve", ["--rounds", "0"], "--rounds: must be at least 1, got 0"),
     ("scale", ["--threads", "0"], "--threads: must be at least 1, got 0"),
+    ("scale", ["--configs", "a2,zz"], "unknown configuration 'zz'; known: a, b, c"),
     ("quant_scale", ["--tokens", "0"], "--tokens: must be at least 1"),
     ("batching", ["--results", "../../x"], "expected a file name"),
     ("batching", ["--batches", "1,a"], "got 'a'"),

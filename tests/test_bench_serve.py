@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agents import ROOT, agents_serving, small_demo
+from agents import ROOT, agents_serving, kill_agents_serving, small_demo
 
 sys.path.insert(0, str(ROOT))
 from bench.serve import WARM_UP, Result, disk_neighbour, results_json, round_ratios, summarize, table  # noqa: E402
@@ -110,8 +110,7 @@ def test_sigterm_stops_the_agent_it_started_and_removes_its_cgroup(tmp_path):
 
 
 def stop_all(bench: subprocess.Popen, model: Path) -> None:
-    for pid in agents_serving(model):
-        os.kill(pid, signal.SIGKILL)
+    kill_agents_serving(model)
     bench.kill()
     bench.wait()
 
