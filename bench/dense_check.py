@@ -4,8 +4,8 @@
 
 Each round, from a cold page cache (posix_fadvise DONTNEED): the file read raw with O_DIRECT (the
 device's limit, bench/loader.py's best of one and 8 streams), the crc32 pass loading now does
-(agent/model/loading.py), safetensors' load_file right after it (served from the page cache the pass
-filled), and load_file cold, which is what loading cost before the check. The added start-up time is
+(agent/model/loading.py), the tensors read right after it (served from the page cache the pass filled),
+and read cold, which is what loading would cost without the check. The added start-up time is
 crc cold + load after - load cold.
 """
 from __future__ import annotations
@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 from statistics import median
 
-from safetensors.torch import load_file
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repo, so `bench` imports as a script
 
 from agent.experts.layout import DENSE, file_crc32  # noqa: E402
+from agent.model.loading import read_dense  # noqa: E402
 from bench.common import machine, results_name, write_results  # noqa: E402
 from bench.memory import drop_page_cache  # noqa: E402
 
@@ -45,9 +44,9 @@ def one_round(path: Path) -> dict[str, float]:
     raw_s = raw_direct_read(path)
     drop_page_cache(path)
     crc_cold = seconds(lambda: file_crc32(path))
-    load_after = seconds(lambda: load_file(str(path)))
+    load_after = seconds(lambda: read_dense(path))
     drop_page_cache(path)
-    load_cold = seconds(lambda: load_file(str(path)))
+    load_cold = seconds(lambda: read_dense(path))
     return {"raw_direct_s": raw_s, "crc_cold_s": crc_cold, "load_after_crc_s": load_after,
             "load_cold_s": load_cold, "added_s": crc_cold + load_after - load_cold}
 

@@ -3,6 +3,7 @@ bound symmetric int8 allows, the rest of the model exact, the same on one worker
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,6 +117,17 @@ def test_generate_and_serve_load_it_and_refuse_a_mode_they_do_not_know(stores):
         assert rt.status(0)["dense"] == "int8" and isinstance(rt.engine.model.lm_head, Int8Linear)
     finally:
         rt.stop()
+
+
+@pytest.mark.parametrize("dense", ["stored", "int8"])
+def test_the_dense_weights_are_read_into_the_process_not_mapped(stores, dense):
+    """Mapped, the stored matrices' pages would stay charged after int8 replaced them (the embeddings still
+    point into the mapping: +2.1 GB at Qwen1.5-MoE's shape), and as stored they could be dropped under
+    pressure and faulted back in mid-token; the memory rule counts the dense weights whole and resident."""
+    store = stores["qwen2_moe"]
+    model = load_model(store, InMemoryExperts(store), prefetch=False, dense=dense)
+    maps = Path("/proc/self/maps").read_text()
+    assert str(store / "dense.safetensors") not in maps and model.embed_tokens.weight.is_contiguous()
 
 
 def test_one_tokens_matvecs_split_over_two_workers_give_the_one_workers_logits(stores, monkeypatch):

@@ -85,11 +85,17 @@ def dense_state(config: MoEConfig, path: Path, crc: int | None) -> dict[str, Ten
     if crc is not None and file_crc32(path) != crc:
         raise StoreError(f"{path} is damaged: its crc32 differs from the one {INDEX} recorded when the store was "
                          "written; re-run flashmoe-cli convert")
+    return hf_to_state(config, read_dense(path))
+
+
+def read_dense(path: Path) -> dict[str, Tensor]:
+    """The tensors of dense.safetensors read into the process (pread), not mapped: mapped, their pages could be
+    dropped under pressure and faulted back in mid-token, and would stay charged after --dense int8 replaced
+    them (the embeddings still point into the mapping); the memory rule counts the dense weights whole."""
     try:
-        tensors = load_file(str(path))
+        return load_file(str(path), backend="pread")
     except SafetensorError as exc:
         raise StoreError(f"{path} is not a readable safetensors file ({exc}); re-run flashmoe-cli convert") from None
-    return hf_to_state(config, tensors)
 
 
 def hf_to_state(config: MoEConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
