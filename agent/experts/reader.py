@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
-from isal.isal_zlib import crc32 as fast_crc32  # the same CRC-32 as layout.crc32 (zlib), SIMD, GIL released
 
-from agent.experts.layout import ALIGN, EXPERTS, INDEX, Block, Index, StoreError
+from agent.experts.layout import ALIGN, EXPERTS, INDEX, Block, Index, StoreError, crc32
 from agent.experts.slots import SlotPool
 
 BACKENDS = ("direct", "buffered", "mmap")
@@ -62,7 +61,7 @@ class BlockReader:
 
     def check(self, block: Block, data: np.ndarray) -> None:
         """StoreError if verifying and the block's bytes fail its CRC32."""
-        if self.verify and fast_crc32(data) != block.crc32:  # on the miss path: zlib's would halve throughput
+        if self.verify and crc32(data) != block.crc32:
             raise StoreError(f"expert block layer {block.layer} expert {block.expert} fails its CRC32 check in "
                              f"{self.path}: the file is corrupt; re-run flashmoe-cli convert")
 
