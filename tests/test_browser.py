@@ -129,7 +129,7 @@ def open_page(page: Page, product: dict[str, str], key: str) -> None:
 
 
 DRAWN = """n => { const plots = [...document.querySelectorAll('.js-plotly-plot')];
-    return plots.length === n && plots.every(p => p._fullLayout
+    return (n === null || plots.length === n) && plots.every(p => p._fullLayout
         && p.querySelector('.main-svg')?.getBoundingClientRect().width > 0); }"""
 
 
@@ -145,7 +145,8 @@ def picture(page: Page, path: Path) -> None:
     size = page.viewport_size
     page.set_viewport_size({"width": size["width"], "height": max(size["height"], page.evaluate(MAIN_HEIGHT))})
     try:
-        page.wait_for_function(DRAWN, arg=page.locator(".js-plotly-plot").count(), timeout=RENDER_TIMEOUT_MS)
+        # every chart there is at each poll: a count taken once, mid-rerun, may never be seen again
+        page.wait_for_function(DRAWN, arg=None, timeout=RENDER_TIMEOUT_MS)
         page.wait_for_function(NOT_STALE, timeout=RENDER_TIMEOUT_MS)
         page.screenshot(path=str(path), full_page=True)
     finally:
