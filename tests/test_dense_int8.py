@@ -2,9 +2,13 @@
 bound symmetric int8 allows, the rest of the model exact, the same on one worker as on two."""
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -26,6 +30,7 @@ PROMPT = torch.randint(0, 250, (24,), generator=torch.Generator().manual_seed(5)
 # Largest |logit difference| int8 dense may make on these tiny random bf16 models, as a share of the largest
 # logit: measured 8-11% (int8 experts on such models: 8-42%, BENCHMARKS.md; bench/quant_error.py measures both)
 LOGIT_SHARE = 0.2
+LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def bf16_ulp(t: torch.Tensor) -> torch.Tensor:
@@ -119,15 +124,32 @@ def test_generate_and_serve_load_it_and_refuse_a_mode_they_do_not_know(stores):
         rt.stop()
 
 
+def cached_pages(path: Path) -> int:
+    """Pages of the file in the page cache (mincore over a mapping made only to ask)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        vec = ctypes.create_string_buffer(-(-len(m) // mmap.PAGESIZE))
+        view = np.frombuffer(m, dtype=np.uint8)
+        done = LIBC.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(len(m)), vec)
+        del view   # the mapping closes only once nothing exports it
+        assert done == 0, ctypes.get_errno()
+        return sum(b & 1 for b in vec.raw)
+
+
 @pytest.mark.parametrize("dense", ["stored", "int8"])
-def test_the_dense_weights_are_read_into_the_process_not_mapped(stores, dense):
+def test_the_dense_weights_are_read_into_the_process_not_mapped_nor_left_cached(stores, dense):
     """Mapped, the stored matrices' pages would stay charged after int8 replaced them (the embeddings still
     point into the mapping: +2.1 GB at Qwen1.5-MoE's shape), and as stored they could be dropped under
-    pressure and faulted back in mid-token; the memory rule counts the dense weights whole and resident."""
+    pressure and faulted back in mid-token; the memory rule counts the dense weights whole and resident.
+    Nor may the file's pages stay in the page cache once read: they would crowd the agent's cgroup."""
     store = stores["qwen2_moe"]
+    path = store / "dense.safetensors"
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())             # written just now by convert: dirty pages cannot be dropped
+        f.read()
+    assert cached_pages(path) > 0        # the check below can fail
     model = load_model(store, InMemoryExperts(store), prefetch=False, dense=dense)
-    maps = Path("/proc/self/maps").read_text()
-    assert str(store / "dense.safetensors") not in maps and model.embed_tokens.weight.is_contiguous()
+    assert str(path) not in Path("/proc/self/maps").read_text() and model.embed_tokens.weight.is_contiguous()
+    assert cached_pages(path) == 0
 
 
 def test_one_tokens_matvecs_split_over_two_workers_give_the_one_workers_logits(stores, monkeypatch):

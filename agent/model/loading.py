@@ -5,6 +5,7 @@ each other and against the expert index; the routed experts come from a provider
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -91,11 +92,19 @@ def dense_state(config: MoEConfig, path: Path, crc: int | None) -> dict[str, Ten
 def read_dense(path: Path) -> dict[str, Tensor]:
     """The tensors of dense.safetensors read into the process (pread), not mapped: mapped, their pages could be
     dropped under pressure and faulted back in mid-token, and would stay charged after --dense int8 replaced
-    them (the embeddings still point into the mapping); the memory rule counts the dense weights whole."""
+    them (the embeddings still point into the mapping); the memory rule counts the dense weights whole. The
+    file's pages are then dropped from the page cache: read once, they would stay charged to the agent's
+    cgroup beside the copy (3.4 GB at Qwen1.5-MoE's shape, the cgroup at its limit)."""
     try:
-        return load_file(str(path), backend="pread")
+        tensors = load_file(str(path), backend="pread")
     except SafetensorError as exc:
         raise StoreError(f"{path} is not a readable safetensors file ({exc}); re-run flashmoe-cli convert") from None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return tensors
 
 
 def hf_to_state(config: MoEConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
