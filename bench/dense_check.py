@@ -19,10 +19,9 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repo, so `bench` imports as a script
 
-from agent.experts.layout import DENSE, file_crc32  # noqa: E402
+from agent.experts.layout import DENSE, drop_page_cache, file_crc32  # noqa: E402
 from agent.model.loading import read_dense  # noqa: E402
 from bench.common import machine, results_name, write_results  # noqa: E402
-from bench.memory import drop_page_cache  # noqa: E402
 
 CHUNK = 16 * 2**20
 

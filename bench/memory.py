@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 from agent.experts.cap import MAX_MEMORY_SHARE, resident_bytes
-from agent.experts.layout import DENSE, EXPERTS, INDEX, Index
+from agent.experts.layout import DENSE, EXPERTS, INDEX, Index, drop_page_cache
 
 WORKING_MEMORY = 1024 * 2**20   # python, torch, the policy's libraries, activations
 
@@ -105,14 +105,6 @@ def drop_stores_pages(*stores: Path) -> None:
     for store in stores:
         drop_page_cache(store / EXPERTS)
         drop_page_cache(store / DENSE)
-
-
-def drop_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def peak_rss(pid: int) -> int:

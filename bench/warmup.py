@@ -21,7 +21,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repo, so `bench` imports
 from bench.common import RESULTS_DIR, count, machine, write_results  # noqa: E402
-from bench.memory import drop_page_cache, interrupt_on_sigterm  # noqa: E402
+from agent.experts.layout import drop_page_cache  # noqa: E402
+from bench.memory import interrupt_on_sigterm  # noqa: E402
 from bench.processes import started  # noqa: E402
 from bench.serve import CLI, ROOT, free_port, wait_for_agent  # noqa: E402
 

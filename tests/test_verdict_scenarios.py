@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.experts.layout import drop_page_cache
 from agents import CLI, Agent, demo_model, spawn, start_agent, start_collector, stop, wait_for
 from dashboard.agent_client import Agent as AgentClient
 from store import diagnosis, disk_diagnosis, queries
@@ -135,11 +136,7 @@ def uncached_file(path: Path, size: int) -> Path:
     """`size` bytes written, synced and dropped from the page cache: a later read comes from the disk."""
     subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={size // MIB}", "conv=fsync"],
                    check=True, capture_output=True)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_page_cache(path)
     return path
 
 

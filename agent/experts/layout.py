@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -239,3 +240,12 @@ def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
         while data := f.read(chunk):
             crc = crc32(data, crc)
     return crc
+
+
+def drop_page_cache(path: Path) -> None:
+    """Ask the kernel to drop the file's clean pages from the page cache (dirty ones stay until written)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -5,7 +5,6 @@ each other and against the expert index; the routed experts come from a provider
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from agent.experts.layout import CONFIG, DENSE, INDEX, Index, StoreError, file_crc32
+from agent.experts.layout import CONFIG, DENSE, INDEX, Index, StoreError, drop_page_cache, file_crc32
 from agent.experts.provider import ExpertProvider
 from agent.model.config import ConfigError, MoEConfig
 from agent.model.dense_int8 import DENSE_MODES, quantize_dense
@@ -99,11 +98,7 @@ def read_dense(path: Path) -> dict[str, Tensor]:
         tensors = load_file(str(path), backend="pread")
     except SafetensorError as exc:
         raise StoreError(f"{path} is not a readable safetensors file ({exc}); re-run flashmoe-cli convert") from None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_page_cache(path)
     return tensors
 
 
