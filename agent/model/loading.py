@@ -92,8 +92,8 @@ def read_dense(path: Path) -> dict[str, Tensor]:
     """The tensors of dense.safetensors read into the process (pread), not mapped: mapped, their pages could be
     dropped under pressure and faulted back in mid-token, and would stay charged after --dense int8 replaced
     them (the embeddings still point into the mapping); the memory rule counts the dense weights whole. The
-    file's pages are then dropped from the page cache: read once, they would stay charged to the agent's
-    cgroup beside the copy (3.4 GB at Qwen1.5-MoE's shape, the cgroup at its limit)."""
+    file's pages are then dropped from the page cache: read, they would stay charged to the agent's cgroup
+    beside the copy (3.7 GB at Qwen1.5-MoE's shape) until the kernel reclaimed them."""
     try:
         tensors = load_file(str(path), backend="pread")
     except SafetensorError as exc:
