@@ -19,6 +19,7 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repo, so `bench` imports as a script
 
+from agent.argtypes import count  # noqa: E402
 from agent.experts.layout import DENSE, drop_page_cache, file_crc32  # noqa: E402
 from agent.model.loading import read_dense  # noqa: E402
 from bench.common import machine, results_name, write_results  # noqa: E402
@@ -53,10 +54,12 @@ def one_round(path: Path) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True, help="an expert store")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=count, default=3)
     p.add_argument("--results", type=results_name, help="write bench/results/NAME.json")
     args = p.parse_args()
     path = args.model / DENSE
+    if not path.is_file():
+        p.error(f"{path} is not a file: --model must be an expert store (flashmoe-cli convert writes one)")
     rounds = [one_round(path) for _ in range(args.rounds)]
     mb = path.stat().st_size / 1e6
     for r in rounds:

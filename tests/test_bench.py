@@ -39,7 +39,9 @@ def test_bench_script_imports_and_parses_its_arguments(script):
     ("quant_kernels", ["--tokens", "1,x"], "got 'x'"),
     ("quant_kernels", ["--threads", "0"], "--threads: must be at least 1"),
     ("quant_error", ["--tokens", "4", "--prefill", "8"], "--prefill 8 is more than --tokens 4"),
-    ("policies", ["--results", ""], "expected a file name")])
+    ("policies", ["--results", ""], "expected a file name"),
+    ("dense_check", ["--model", "/nonexistent", "--rounds", "2"], "--model must be an expert store"),
+    ("dense_check", ["--model", ".", "--rounds", "0"], "--rounds: must be at least 1, got 0")])
 def test_a_bad_count_is_one_usage_line_not_a_traceback(script, args, says):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
