@@ -1,15 +1,17 @@
-"""The safetensors header reader (agent/convert/safetensors_io.read_header), by hypothesis, against the
-reference library (`safetensors.torch.save` writes, `safetensors.deserialize` reads).
+"""The safetensors readers (agent/convert/safetensors_io.read_header, and read_tensors' one pass), by
+hypothesis, against the reference library (`safetensors.torch.save` writes, `safetensors.deserialize` reads).
 
-Files the reference writes read back exactly. Any damaged file (the header respaced, a dtype swapped for
-another of its size, an entry or field replaced by an arbitrary JSON value, offsets moved or a tensor's
-span shifted whole, a wrong length prefix, a truncation, a flipped header byte) is either read
-consistently or refused with one CheckpointError line, and never refused when the reference reads it.
+Files the reference writes read back exactly, read_tensors' with the crc32 of the whole file. Any damaged
+file (the header respaced, a dtype swapped for another of its size, an entry or field replaced by an
+arbitrary JSON value, offsets moved or a tensor's span shifted whole, a wrong length prefix, a truncation,
+a flipped header byte) is either read consistently or refused with one CheckpointError line, and never
+refused when the reference reads it; read_tensors reads the bytes the header reader names.
 """
 from __future__ import annotations
 
 import json
 import math
+import zlib
 from pathlib import Path
 
 import pytest
@@ -20,15 +22,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from agent.convert.errors import CheckpointError
-from agent.convert.safetensors_io import ITEMSIZES, TensorInfo, read_header
+from agent.convert.safetensors_io import ITEMSIZES, TORCH_DTYPES, TensorInfo, read_header, read_tensors
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 Tensors = dict[str, dict]  # name -> {"dtype": safetensors code, "shape": [int], "data": bytes}
-TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
-                "F8_E4M3": torch.float8_e4m3fn, "I16": torch.int16, "U16": torch.uint16, "I32": torch.int32,
-                "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64}
 
 
 def serialize(tensors: Tensors) -> bytes:
@@ -140,6 +138,41 @@ def test_any_file_is_read_consistently_or_refused_in_one_line(tmp_path, raw):
         for name, info in infos.items():
             assert (info.dtype, list(info.shape)) == (reference[name]["dtype"], reference[name]["shape"])
             assert _bytes(raw, info) == bytes(reference[name]["data"])
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@SETTINGS
+@given(tensors())
+def test_read_tensors_reads_what_the_reference_wrote_and_the_files_crc(tmp_path, written):
+    raw = serialize(written)
+    got, crc = read_tensors(_write(tmp_path, raw))
+    assert crc == zlib.crc32(raw)
+    assert got.keys() == written.keys()
+    for name, want in written.items():
+        assert (got[name].dtype, list(got[name].shape)) == (TORCH_DTYPES[want["dtype"]], want["shape"])
+        assert _tensor_bytes(got[name]) == want["data"]
+
+
+@SETTINGS
+@given(damaged_files())
+def test_read_tensors_reads_what_the_header_reader_reads_or_refuses_in_one_line(tmp_path, raw):
+    """Whatever the header reader takes, the one pass reads the same bytes (gaps included in the crc)."""
+    path = _write(tmp_path, raw)
+    try:
+        infos = read_header(path)
+    except CheckpointError:
+        infos = None
+    try:
+        got, crc = read_tensors(path)
+    except CheckpointError as exc:
+        assert "\n" not in str(exc) and "model.safetensors" in str(exc)
+        assert infos is None or any(i.dtype not in TORCH_DTYPES for i in infos.values()), exc
+        return
+    assert infos is not None and crc == zlib.crc32(raw)
+    assert all(_tensor_bytes(got[name]) == _bytes(raw, info) for name, info in infos.items())
 
 
 def test_overlapping_tensors_are_named(tmp_path):

@@ -1,9 +1,9 @@
-"""Safetensors files streamed both ways, never mapped or loaded whole.
+"""Safetensors files streamed both ways, never mapped.
 
 read_header gives each tensor's dtype, shape and byte range (Span) from the file's header alone;
-write_safetensors writes a file one tensor at a time, copying file-backed tensors in chunks. No
-mmap (whose touched pages would count as resident), so memory stays at one copy chunk whatever the
-checkpoint size.
+read_tensors reads every tensor into the process in one pass and takes the file's crc32 over the same
+bytes; write_safetensors writes a file one tensor at a time, copying file-backed tensors in chunks. No
+mmap (whose touched pages would count as resident, and could be dropped and faulted back in).
 """
 from __future__ import annotations
 
@@ -15,16 +15,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from agent.convert.errors import CheckpointError
+from agent.experts.layout import crc32
 
 # safetensors dtype code -> (torch dtype name, itemsize); the float types experts come in.
 DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2)}
 # Bytes per element of every whole-byte safetensors dtype, to check a tensor's size against its shape.
 ITEMSIZES = {**{code: size for code, (_, size) in DTYPES.items()}, "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1,
              "F8_E4M3": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8}
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
+                "F8_E4M3": torch.float8_e4m3fn, "I16": torch.int16, "U16": torch.uint16, "I32": torch.int32,
+                "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64}
 _NUMPY_CODES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
 _COPY_CHUNK = 8 << 20
+_READ_CHUNK = 16 << 20   # a read of read_tensors: the device's pace, and its pages leave the page cache soon
 
 
 @dataclass(frozen=True)
@@ -43,26 +50,26 @@ class TensorInfo:
     span: Span             # the tensor's data in its file
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
+def read_header(path: Path, remedy: str = "re-download it") -> dict[str, TensorInfo]:
     """The tensors of one safetensors file, from its header only. Checks that every tensor's bytes lie
-    inside the file, match its shape and dtype, and overlap no other tensor's."""
+    inside the file, match its shape and dtype, and overlap no other tensor's; an error ends with `remedy`."""
     size = path.stat().st_size
-    n, header = _raw_header(path, size)
-    tensors = {name: _tensor_info(path, 8 + n, name, meta) for name, meta in header.items()}
+    n, header = _raw_header(path, size, remedy)
+    tensors = {name: _tensor_info(path, 8 + n, name, meta, remedy) for name, meta in header.items()}
     for info in tensors.values():
         end = info.span.offset + info.span.nbytes
         if end > size:
             raise CheckpointError(f"{path} is truncated: tensor {info.name!r} needs bytes up to {end} but the file "
-                                  f"has {size}; re-download it")
+                                  f"has {size}; {remedy}")
         itemsize = ITEMSIZES.get(info.dtype)
         if itemsize is not None and math.prod(info.shape) * itemsize != info.span.nbytes:
             raise CheckpointError(f"{path}: tensor {info.name!r} has {info.span.nbytes} bytes, not what "
-                                  f"shape {list(info.shape)} {info.dtype} needs; the file is corrupt")
-    _check_no_overlap(path, tensors.values())
+                                  f"shape {list(info.shape)} {info.dtype} needs; the file is corrupt, {remedy}")
+    _check_no_overlap(path, tensors.values(), remedy)
     return tensors
 
 
-def _tensor_info(path: Path, data_start: int, name: str, meta: object) -> TensorInfo:
+def _tensor_info(path: Path, data_start: int, name: str, meta: object, remedy: str) -> TensorInfo:
     """One header entry: {"dtype": str, "shape": [int >= 0, ...], "data_offsets": [begin, end]}, begin <= end."""
     try:
         dtype, shape, (begin, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
@@ -70,7 +77,7 @@ def _tensor_info(path: Path, data_start: int, name: str, meta: object) -> Tensor
         dtype = shape = begin = end = None
     if not (isinstance(dtype, str) and isinstance(shape, list) and all(_is_count(d) for d in shape)
             and _is_count(begin) and _is_count(end) and begin <= end):
-        raise CheckpointError(f"{path}: the header entry of {name!r} is malformed; re-download the file")
+        raise CheckpointError(f"{path}: the header entry of {name!r} is malformed; {remedy}")
     return TensorInfo(name, dtype, tuple(shape), Span(path, data_start + begin, end - begin))
 
 
@@ -78,31 +85,76 @@ def _is_count(value: object) -> bool:
     return type(value) is int and value >= 0
 
 
-def _check_no_overlap(path: Path, tensors) -> None:
+def _check_no_overlap(path: Path, tensors, remedy: str) -> None:
     """Two tensors sharing bytes would alias each other's weights once converted."""
     last: TensorInfo | None = None
     for info in sorted((t for t in tensors if t.span.nbytes), key=lambda t: t.span.offset):
         if last is not None and info.span.offset < last.span.offset + last.span.nbytes:
             raise CheckpointError(f"{path}: tensors {last.name!r} and {info.name!r} share bytes (their data_offsets "
-                                  f"overlap); the file is corrupt, re-download it")
+                                  f"overlap); the file is corrupt, {remedy}")
         last = info
 
 
-def _raw_header(path: Path, size: int) -> tuple[int, dict]:
+def _raw_header(path: Path, size: int, remedy: str) -> tuple[int, dict]:
     """(header length, header without __metadata__) of a safetensors file: 8-byte length, then JSON."""
     with open(path, "rb") as f:
         raw = f.read(8)
         n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
         if not 0 < n <= min(size - 8, 100 << 20):
-            raise CheckpointError(f"{path} is not a safetensors file (bad header length); re-download it")
+            raise CheckpointError(f"{path} is not a safetensors file (bad header length); {remedy}")
         try:
             header = json.loads(f.read(n))
         except ValueError as exc:
-            raise CheckpointError(f"{path} has a corrupt safetensors header ({exc}); re-download it") from None
+            raise CheckpointError(f"{path} has a corrupt safetensors header ({exc}); {remedy}") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path} has a safetensors header that is not a JSON object; re-download it")
+        raise CheckpointError(f"{path} has a safetensors header that is not a JSON object; {remedy}")
     header.pop("__metadata__", None)
     return n, header
+
+
+def read_tensors(path: Path, remedy: str = "re-download it") -> tuple[dict[str, torch.Tensor], int]:
+    """(every tensor of a safetensors file, the crc32 of the whole file). One pass in file order: each tensor's
+    bytes are read straight into it and crc'd as they arrive, and each read's pages leave the page cache
+    behind it, so a file of gigabytes is neither read twice nor held in the page cache beside the copy."""
+    infos = read_header(path, remedy)
+    unknown = sorted({i.dtype for i in infos.values()} - TORCH_DTYPES.keys())
+    if unknown:
+        raise CheckpointError(f"{path} holds tensors of dtype {', '.join(unknown)}, which torch cannot hold; {remedy}")
+    tensors = {i.name: torch.empty(i.shape, dtype=TORCH_DTYPES[i.dtype]) for i in infos.values()}
+    with open(path, "rb", buffering=0) as f:
+        crc, at = 0, 0
+        for info in sorted((i for i in infos.values() if i.span.nbytes), key=lambda i: i.span.offset):
+            crc = _crc_between(f, at, info.span.offset, crc)              # the header, and any gap
+            crc = _read_into(f, info.span.offset, tensors[info.name].reshape(-1).view(torch.uint8).numpy(), crc)
+            at = info.span.offset + info.span.nbytes
+        crc = _crc_between(f, at, os.fstat(f.fileno()).st_size, crc)
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)       # the header's pages, any read ahead
+    return tensors, crc
+
+
+def _crc_between(f, begin: int, end: int, crc: int) -> int:
+    """crc32 carried over the file's bytes [begin, end), which no tensor holds."""
+    scratch = np.empty(min(_READ_CHUNK, end - begin), np.uint8)
+    for start in range(begin, end, _READ_CHUNK):
+        crc = _read_into(f, start, scratch[:min(_READ_CHUNK, end - start)], crc)
+    return crc
+
+
+def _read_into(f, offset: int, buf: np.ndarray, crc: int) -> int:
+    """Fill `buf` from the file at `offset` chunk by chunk, each chunk crc'd and its pages dropped once read;
+    the crc carried on."""
+    view = memoryview(buf).cast("B")
+    for start in range(0, len(view), _READ_CHUNK):
+        chunk = view[start:start + _READ_CHUNK]
+        got = 0
+        while got < len(chunk):
+            n = os.preadv(f.fileno(), [chunk[got:]], offset + start + got)
+            if not n:
+                raise CheckpointError(f"{f.name} ended early while being read; was it modified meanwhile?")
+            got += n
+        crc = crc32(chunk, crc)
+        os.posix_fadvise(f.fileno(), offset + start, len(chunk), os.POSIX_FADV_DONTNEED)
+    return crc
 
 
 @dataclass(frozen=True)

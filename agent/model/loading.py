@@ -9,16 +9,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from agent.experts.layout import CONFIG, DENSE, INDEX, Index, StoreError, drop_page_cache, file_crc32
+from agent.convert.errors import CheckpointError
+from agent.convert.safetensors_io import read_tensors
+from agent.experts.layout import CONFIG, DENSE, INDEX, Index, StoreError, file_crc32
 from agent.experts.provider import ExpertProvider
 from agent.model.config import ConfigError, MoEConfig
 from agent.model.dense_int8 import DENSE_MODES, quantize_dense
 from agent.model.model import Transformer
 from agent.model.route_trace import RouteTrace
+
+CONVERT_AGAIN = "re-run flashmoe-cli convert"
 
 
 def load_model(store_dir: Path, provider: ExpertProvider, prefetch: bool = True,
@@ -78,28 +80,28 @@ def check_index(config: MoEConfig, index: Index) -> None:
 
 def dense_state(config: MoEConfig, path: Path, crc: int | None) -> dict[str, Tensor]:
     """dense.safetensors (transformers' save_pretrained names) renamed to this module's parameter names,
-    checked against the index's crc32 first: the dense weights take part in every token, so a flipped bit
-    would quietly change every answer (the experts' blocks are checked as they are read)."""
-    if not path.exists():
-        raise StoreError(f"{path} is missing; re-run flashmoe-cli convert")
-    if crc is not None and file_crc32(path) != crc:
-        raise StoreError(f"{path} is damaged: its crc32 differs from the one {INDEX} recorded when the store was "
-                         "written; re-run flashmoe-cli convert")
-    return hf_to_state(config, read_dense(path))
-
-
-def read_dense(path: Path) -> dict[str, Tensor]:
-    """The tensors of dense.safetensors read into the process (pread), not mapped: mapped, their pages could be
-    dropped under pressure and faulted back in mid-token, and would stay charged after --dense int8 replaced
-    them (the embeddings still point into the mapping); the memory rule counts the dense weights whole. The
-    file's pages are then dropped from the page cache: read, they would stay charged to the agent's cgroup
-    beside the copy (3.7 GB at Qwen1.5-MoE's shape) until the kernel reclaimed them."""
+    checked against the index's crc32 as it is read: the dense weights take part in every token, so a flipped
+    bit would quietly change every answer (the experts' blocks are checked as they are read). They are read
+    into the process, not mapped: mapped, their pages could be dropped under pressure and faulted back in
+    mid-token, and would stay charged after --dense int8 replaced them; the memory rule counts them whole."""
     try:
-        tensors = load_file(str(path), backend="pread")
-    except SafetensorError as exc:
-        raise StoreError(f"{path} is not a readable safetensors file ({exc}); re-run flashmoe-cli convert") from None
-    drop_page_cache(path)
-    return tensors
+        tensors, found = read_tensors(path, remedy=CONVERT_AGAIN)
+    except FileNotFoundError:
+        raise StoreError(f"{path} is missing; {CONVERT_AGAIN}") from None
+    except OSError as exc:
+        raise StoreError(f"{path} cannot be read: {exc.strerror}") from None
+    except CheckpointError as exc:
+        if crc is not None and file_crc32(path) != crc:
+            raise damaged(path) from None     # what makes it unreadable is the damage the crc names
+        raise StoreError(str(exc)) from None
+    if crc is not None and found != crc:
+        raise damaged(path)
+    return hf_to_state(config, tensors)
+
+
+def damaged(path: Path) -> StoreError:
+    return StoreError(f"{path} is damaged: its crc32 differs from the one {INDEX} recorded when the store was "
+                      f"written; {CONVERT_AGAIN}")
 
 
 def hf_to_state(config: MoEConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
