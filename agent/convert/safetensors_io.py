@@ -22,13 +22,12 @@ from agent.experts.layout import crc32
 
 # safetensors dtype code -> (torch dtype name, itemsize); the float types experts come in.
 DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2)}
-# Bytes per element of every whole-byte safetensors dtype, to check a tensor's size against its shape.
-ITEMSIZES = {**{code: size for code, (_, size) in DTYPES.items()}, "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1,
-             "F8_E4M3": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8}
+# Every whole-byte safetensors dtype as torch's; its itemsize checks a tensor's size against its shape.
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                 "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
                 "F8_E4M3": torch.float8_e4m3fn, "I16": torch.int16, "U16": torch.uint16, "I32": torch.int32,
                 "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64}
+ITEMSIZES = {code: dtype.itemsize for code, dtype in TORCH_DTYPES.items()}
 _NUMPY_CODES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
 _COPY_CHUNK = 8 << 20
 _READ_CHUNK = 16 << 20   # a read of read_tensors: the device's pace, and its pages leave the page cache soon
