@@ -133,6 +133,15 @@ def test_a_body_nested_too_deeply_is_refused_before_it_is_parsed_naming_the_limi
     assert_clean_4xx(r, 400, f"nests arrays and objects more than {MAX_JSON_DEPTH} levels deep")
 
 
+def test_an_unclosed_string_of_escaped_quotes_at_the_body_limit_is_refused_as_json(agent):
+    """The nesting check's regular expression took time quadratic in such a string, on the event loop before
+    the token check: one such body from anyone held every request for most of an hour."""
+    quotes = (body_limit(MAX_PROMPT_BYTES) - 2 * MAX_JSON_DEPTH - 1) // 2
+    r = post(agent, "/v1/completions", "[" * MAX_JSON_DEPTH + '"' + '\\"' * quotes + "[" * MAX_JSON_DEPTH)
+    assert_clean_4xx(r, 422, "not valid JSON")
+    assert agent.get("/v1/status").status_code == 200
+
+
 def test_brackets_in_the_text_are_no_nesting(agent):
     assert agent.complete(prompt="[{" * 3 * MAX_JSON_DEPTH + '\\"]', max_tokens=1)["choices"]
     assert_clean_4xx(post(agent, "/v1/cache/preload", '{"experts": ' + "[" * (MAX_JSON_DEPTH - 1) + "]" *

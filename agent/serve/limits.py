@@ -9,8 +9,6 @@ which FastAPI answered "There was an error parsing the body".
 """
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 MAX_PROMPT_BYTES = 64 * 1024
@@ -23,16 +21,22 @@ def body_limit(max_prompt_bytes: int) -> int:
 
 
 MAX_JSON_DEPTH = 32    # this API's requests nest 3 deep (preload's {"experts": [[layer, expert]]})
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)   # a JSON string, escapes and all
 _STEP = np.zeros(256, np.int32)   # what each byte does to the depth outside strings
 _STEP[list(b"[{")], _STEP[list(b"]}")] = 1, -1
 
 
 def nests_deeper(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     """Whether the JSON text `body` nests arrays and objects more than `limit` deep (brackets inside
-    strings do not count). It runs on the event loop, so in C: ~10 ms for a body at the limit here (a Python
-    loop took 50); a body with fewer opening brackets than `limit` is not scanned."""
+    strings do not count). It runs on the event loop, before the token is checked, so in linear time and in
+    C (numpy): a string is what lies between two quotes that no odd run of backslashes escapes. (A regular
+    expression for JSON strings took time quadratic in an unclosed string of escaped quotes: 6 s for 32 KB.)
+    A body with fewer opening brackets than `limit` is not scanned."""
     if body.count(b"[") + body.count(b"{") <= limit:
         return False
-    steps = _STEP[np.frombuffer(_STRING.sub(b'""', body), np.uint8)]
-    return bool(np.cumsum(steps).max() > limit)
+    b = np.frombuffer(body, np.uint8)
+    at = np.arange(len(b))
+    last_plain = np.maximum.accumulate(np.where(b != ord("\\"), at, -1))   # the last byte at or before i not a \
+    backslashes_before = np.concatenate(([0], at[:-1] - last_plain[:-1]))    # the run of \ just before each byte
+    quotes = (b == ord('"')) & (backslashes_before % 2 == 0)
+    outside = np.cumsum(quotes) % 2 == 0                   # after an even number of quotes: not in a string
+    return bool(np.cumsum(_STEP[b] * outside).max() > limit)
