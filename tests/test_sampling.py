@@ -15,6 +15,7 @@ def draws(top_p: float, n: int = 300, seed: int = 7) -> list[int]:
 
 def test_a_small_top_p_always_draws_the_argmax():
     assert set(draws(0.01)) == {1}
+    assert set(draws(1e-46)) == set(draws(5e-324)) == {1}  # below float32's least: no token was kept (a 500)
     assert set(draws(0.3)) == {1}  # the argmax alone reaches it
 
 

@@ -60,7 +60,8 @@ def sample(logits: Tensor, greedy: bool, temperature: float = 1.0, generator: to
     probs = torch.softmax(scaled, dim=-1)
     if top_p < 1.0:
         ranked, order = probs.sort(descending=True)
-        kept = ranked.cumsum(-1) - ranked < top_p  # the mass before each token is under top_p: the first is kept
+        kept = ranked.cumsum(-1) - ranked < top_p  # the mass before each token is under top_p
+        kept[0] = True   # the first always: a top_p below float32's least (1e-46) compared 0 < 0
         probs = torch.zeros_like(probs).scatter(-1, order[kept], ranked[kept])
     return int(torch.multinomial(probs, 1, generator=generator))
 
