@@ -181,6 +181,10 @@ CATALOGUE: tuple[SeriesSpec, ...] = (
     _agent("batch_size", "requests", 1.0, "requests in the current batch"),
     _agent("batch_limit", "requests", 1.0, "most requests stepped together (the knob max_batch_size)"),
     _agent("queue_depth", "requests", 1.0, "requests waiting"),
+    _agent("requests_failed", "requests", 1.0, "requests that failed in the second: an error in their step "
+           "(answered 500)"),
+    _agent("requests_refused", "requests", 1.0, "requests refused in the second: the queue full (429) or the agent "
+           "stopping (503)"),
     _agent("cache_bytes", "B", 4096.0, "bytes held in the expert cache"),
     _agent("cache_cap_bytes", "B", 4096.0, "expert cache cap", "cap_bytes"),
     _agent("cache_cap_min_bytes", "B", 1.0, "smallest cache cap the agent accepts now", "cap_min_bytes"),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "agent.cli"]
@@ -143,6 +144,11 @@ class Agent:
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.url + path, timeout=60)
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """The /metrics sample `name` with these labels (besides the device_name every sample has), or None."""
+        return next((s.value for f in text_string_to_metric_families(self.get("/metrics").text) for s in f.samples
+                     if s.name == name and {k: v for k, v in s.labels.items() if k != "device_name"} == labels), None)
 
     def complete(self, **body) -> dict:
         r = httpx.post(self.url + "/v1/completions", json=body, timeout=120)

@@ -7,9 +7,8 @@ import concurrent.futures
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from agents import Agent, demo_model, start_agent, wait_for
+from agents import demo_model, start_agent, wait_for
 
 CLIENTS = 4
 PROMPTS = ["Tell me about the printing press.", "Write a short poem about the sea.",
@@ -34,12 +33,9 @@ def test_a_serving_agent_learns_online_from_batched_steps_and_swaps_the_weights(
         assert slots_per_layer < CLIENTS * 8  # 4 requests' top-8 unions can exceed a layer's slots
         assert learning["worker_failures"] == 0, agent.log.read_text()[-3000:]
         assert learning["updates"] >= 1 and all(u["decisions"] > 0 for u in learning["recent"])
-        wait_for(lambda: exported(agent) >= 1, what="the update in /metrics")  # counted at the next tick
+        wait_for(lambda: agent.metric("flashmoe_online_updates_total") >= 1,   # counted at the next tick
+                 what="the update in /metrics")
     finally:
         assert agent.stop() == 0
 
 
-def exported(agent: Agent) -> float:
-    """flashmoe_online_updates_total: the updates swapped in (the learner counts one at each swap)."""
-    return next(s.value for f in text_string_to_metric_families(agent.get("/metrics").text) for s in f.samples
-                if s.name == "flashmoe_online_updates_total")

@@ -20,13 +20,15 @@ def test_every_series_names_the_reading_that_produces_it():
 
 def test_the_fields_of_block_rates_and_of_the_agents_tick_are_attributes_there():
     assert set(fields_of("block")) == {f.name for f in dataclasses.fields(BlockRates)}
-    tick = Tick(t=10.0, interval_s=2.0, layers=[], bytes_read=4096, read_latencies=[0.001, 0.003], batch_size=3,
-                batch_limit=8, queue_depth=1, tokens=20, cache_bytes=1 << 20, cap_bytes=2 << 20, activations={})
+    tick = Tick(t=10.0, interval_s=2.0, layers=[], bytes_read=4096, reads=2, read_s=0.004, batch_size=3,
+                batch_limit=8, queue_depth=1, tokens=20, cache_bytes=1 << 20, cap_bytes=2 << 20, activations={},
+                unserved={"failed": 0, "refused": 1})
     values = {name: getattr(tick, name) for name in fields_of("tick")}
     assert series_of("tick", values) == {
         "agent.tokens_per_s": 10.0, "agent.batch_size": 3, "agent.batch_limit": 8, "agent.queue_depth": 1,
         "agent.cache_bytes": 1 << 20, "agent.cache_cap_bytes": 2 << 20, "agent.read_latency_s": 0.002,
-        "agent.read_bytes_per_s": 2048.0}          # no hit rate in a tick without accesses: not written
+        "agent.read_bytes_per_s": 2048.0, "agent.requests_failed": 0, "agent.requests_refused": 1}
+    # no hit rate in a tick without accesses: not written
     smart = {f.name for f in dataclasses.fields(SmartLog)} | {
         name for name, v in vars(SmartLog).items() if isinstance(v, property)} | {"temp_sensor{n}_c"}
     assert set(fields_of("smart")) <= smart

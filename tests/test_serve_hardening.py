@@ -230,7 +230,11 @@ def test_a_request_that_hits_a_damaged_block_fails_alone(model, tmp_path):
         assert answers[0].status_code == 500 and "CRC32" in answers[0].json()["error"]["message"]
         assert [a.status_code for a in answers[1:]] == [200, 200, 200], [a.text for a in answers]
         assert "decode step failed for 4 requests" in agent.log.read_text()  # they did share the failed step
-        store = agent.get("/v1/status").json()["store"]
+        status = agent.get("/v1/status").json()
+        assert status["requests_unserved"] == {"failed": 1, "refused": 0}     # counted, not only logged
+        wait_for(lambda: agent.metric("flashmoe_requests_unserved_total", reason="failed") == 1, 10,
+                 "the failure in /metrics (a tick a second)")
+        store = status["store"]
         assert store["damaged"] == 1 and store["damaged_blocks"][0]["layer"] == layer
         assert store["damaged_blocks"][0]["expert"] == damaged and "CRC32" in store["damaged_blocks"][0]["reason"]
     finally:
@@ -363,5 +367,8 @@ def test_requests_beyond_the_waiting_bound_get_429_and_the_rest_are_served(model
             assert running.result(300)["usage"]["completion_tokens"] == 2000
             assert waiting.result(300)["usage"]["completion_tokens"] >= 1
         assert agent.complete(prompt="room again", max_tokens=2)["usage"]["completion_tokens"] >= 1
+        assert status()["requests_unserved"] == {"failed": 0, "refused": 1}   # the 429 is counted
+        wait_for(lambda: agent.metric("flashmoe_requests_unserved_total", reason="refused") == 1, 10,
+                 "the refusal in /metrics (a tick a second)")
     finally:
         assert agent.stop() == 0

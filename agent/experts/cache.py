@@ -18,12 +18,12 @@ page faults for seconds (RELIABILITY.md has the figures).
 """
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import mmap
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from copy import copy
@@ -47,7 +47,9 @@ from agent.residency import LayerStats, Residency, step_window
 log = logging.getLogger(__name__)
 SLOW_RESIZE_S = 5.0  # a resize taking longer is logged with where its time went
 
-LATENCY_SAMPLES = 4096        # recent read latencies kept for stats()
+# Upper bounds (s) of the read-latency histogram the cache counts into: cumulative counts, exact however many
+# reads come between two looks (the agent's /metrics exports them as flashmoe_expert_read_latency_seconds).
+READ_LATENCY_BOUNDS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
 SYSTEM_SAMPLE_INTERVAL_S = 1.0  # how often a monitoring sample (agent.monitor) is passed to the policy
 
 
@@ -69,7 +71,7 @@ class CacheStats:
     policy: str
     scope: str
     layers: list[LayerStats] = field(default_factory=list)
-    read_latency_s: list[float] = field(default_factory=list)  # the most recent LATENCY_SAMPLES reads
+    read_latency_counts: list[int] = field(default_factory=lambda: [0] * (len(READ_LATENCY_BOUNDS) + 1))  # by bucket
     crc_s: float = 0.0           # spent checking CRC32s, on the I/O threads
     io_busy_s: float = 0.0       # wall time with at least one block being read or checked: the rest the device idled
     read_s: float = 0.0          # each read's read and check, summed: / io_busy_s = reads in flight while busy
@@ -173,7 +175,7 @@ class ExpertCache:
         self._crc_s = self._policy_s = self._read_s = 0.0
         self._running, self._busy_since, self._io_busy_s = 0, 0.0, 0.0  # reads running, since when, busy time before
         self._busy_lock = threading.Lock()   # guards those three: a read's start need not wait for the cache lock
-        self._latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self._latency_counts = [0] * (len(READ_LATENCY_BOUNDS) + 1)
         self.monitor = monitor or SystemSampler()  # told of every read; asked for a sample at most every second
         self._fed_t = -float("inf")  # the monitoring sample last passed to the policy
         self.system_fed: tuple[int, dict[str, float]] = (0, {})  # samples passed to the policy so far, the last
@@ -498,7 +500,7 @@ class ExpertCache:
             self._crc_s += crc_s
             self._read_s += elapsed
             self._bytes_read += self.index.nbytes - min(before, self.index.nbytes)
-            self._latency.append(elapsed)
+            self._latency_counts[bisect.bisect_left(READ_LATENCY_BOUNDS, elapsed)] += 1   # Prometheus' le: <=
             self.monitor.read_done(elapsed)
             if self._inflight.get(load.key) is load:
                 del self._inflight[load.key]
@@ -610,7 +612,8 @@ class ExpertCache:
                 prefetch_hits=sum(s.prefetch_hits for s in layers), bytes_read=self._bytes_read, reads=self._reads,
                 resident=len(self._residency), capacity=self._residency.capacity, cap_bytes=self.cap_bytes,
                 slot_bytes=self.index.slot_bytes, backend=self.backend, policy=self.policy_name,
-                scope=self._residency.scope, layers=layers, read_latency_s=list(self._latency),
+                scope=self._residency.scope, layers=layers,
+                read_latency_counts=list(self._latency_counts),
                 crc_s=self._crc_s, policy_s=self._policy_s,
                 io_busy_s=self._io_busy(), read_s=self._read_s, prefetch=self._residency.gate.state())
 

@@ -9,20 +9,21 @@ requests go through `Metrics.request` the same way. Registry passed in: tests us
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
-from agent.experts.cache import CacheStats
+from agent.experts.cache import READ_LATENCY_BOUNDS, CacheStats
 from agent.residency import LayerStats
-from agent.serve.scheduler import RequestStats
+from agent.serve.scheduler import UNSERVED, RequestStats
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8)
-READ_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
 RECENT_TICKS = 30  # window of "recent" hit rate: the last 30 one-second ticks
 DEVICE_LABEL = "device_name"  # not "device": node_exporter and smartctl_exporter use that for a disk
 
@@ -46,7 +47,8 @@ class Tick:
     interval_s: float
     layers: list[LayerDelta]
     bytes_read: int
-    read_latencies: list[float]
+    reads: int                # expert block reads completed in the interval
+    read_s: float             # their latencies, summed
     batch_size: int
     batch_limit: int
     queue_depth: int
@@ -57,6 +59,15 @@ class Tick:
     cap_min_bytes: int | None = None   # the cap's bounds now (they follow the memory limit)
     cap_max_bytes: int | None = None
     phase_s: dict[str, float] = field(default_factory=dict)  # seconds of the interval's steps by phase (model, cache)
+    unserved: dict[str, int] = field(default_factory=dict)   # requests that ended unanswered, by reason (UNSERVED)
+
+    @property
+    def requests_failed(self) -> int:
+        return self.unserved.get("failed", 0)
+
+    @property
+    def requests_refused(self) -> int:
+        return self.unserved.get("refused", 0)
 
     @property
     def token_ms(self) -> dict[str, float]:
@@ -101,7 +112,7 @@ class Tick:
     @property
     def read_latency_s(self) -> float | None:
         """Mean of the interval's expert reads."""
-        return sum(self.read_latencies) / len(self.read_latencies) if self.read_latencies else None
+        return self.read_s / self.reads if self.reads else None
 
 
 @dataclass
@@ -110,8 +121,10 @@ class _Previous:
     layers: list[LayerStats]
     bytes_read: int = 0
     reads: int = 0
+    read_s: float = 0.0
     tokens: int = 0
     phases: Mapping[str, float] = field(default_factory=dict)
+    unserved: Mapping[str, int] = field(default_factory=dict)
 
 
 class Metrics:
@@ -128,8 +141,7 @@ class Metrics:
         self.rereads = Counter("flashmoe_expert_cache_rereads", "misses on experts the cache held and "
                                "evicted (not first reads)", layer, registry=registry)
         self.bytes_read = Counter("flashmoe_expert_read_bytes", "expert bytes read from the SSD", registry=registry)
-        self.read_latency = Histogram("flashmoe_expert_read_latency_seconds", "latency of one expert block read",
-                                      buckets=READ_BUCKETS, registry=registry)
+        self.read_latency = ReadLatency(registry)
         self.ttft = Histogram("flashmoe_request_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS,
                               registry=registry)
         self.tpot = Histogram("flashmoe_request_tpot_seconds", "mean time per output token after the first",
@@ -137,6 +149,9 @@ class Metrics:
         self.latency = Histogram("flashmoe_request_latency_seconds", "request latency, arrival to last token",
                                  buckets=LATENCY_BUCKETS, registry=registry)
         self.requests = Counter("flashmoe_requests", "finished requests", registry=registry)
+        self.unserved = Counter("flashmoe_requests_unserved", "requests that ended without an answer: failed (an "
+                                "error in their step, answered 500) or refused (the queue full, 429; the agent "
+                                "stopping, 503)", ["reason"], registry=registry)
         self.tokens = Counter("flashmoe_generated_tokens", "generated tokens", registry=registry)
         self.batch_size = Gauge("flashmoe_batch_size", "requests in the running batch", registry=registry)
         self.batch_limit = Gauge("flashmoe_batch_limit", "most requests stepped together (the knob max_batch_size)",
@@ -163,6 +178,8 @@ class Metrics:
         self.phase_seconds = Counter("flashmoe_step_phase_seconds", "time the model's steps spent in each phase "
                                      "(attention, router, route, wait, experts, head; the cache's crc, policy)",
                                      ["phase"], registry=registry)
+        for reason in UNSERVED:
+            self.unserved.labels(reason=reason)
         for i in range(n_layers):  # export every layer from the start, so rate() has a zero to start from
             for counter in (self.hits, self.misses, self.evictions, self.prefetch_hits, self.prefetches, self.rereads):
                 counter.labels(layer=str(i))
@@ -190,12 +207,13 @@ class Metrics:
     # -- the one-second tick --------------------------------------------------------------------------
     def tick(self, t: float, cache: CacheStats, batch_size: int, queue_depth: int, batch_limit: int,
              tokens_total: int, activations: dict[tuple[int, int], int],
-             cap_bounds: tuple[int, int] | None = None, profile: Mapping[str, float] | None = None) -> Tick:
-        """`profile`: the model's cumulative seconds by phase (agent/model/profile.py), if it keeps one."""
+             cap_bounds: tuple[int, int] | None = None, profile: Mapping[str, float] | None = None,
+             unserved: Mapping[str, int] | None = None) -> Tick:
+        """`profile`: the model's cumulative seconds by phase (agent/model/profile.py), if it keeps one;
+        `unserved`: the scheduler's cumulative count of requests that ended unanswered, by reason."""
         prev = self._prev or _Previous(t, [LayerStats() for _ in cache.layers])
-        new_reads = cache.reads - prev.reads
-        latencies = cache.read_latency_s[-new_reads:] if new_reads > 0 else []
-        mean_latency = sum(latencies) / len(latencies) if latencies else None
+        new_reads, read_s = cache.reads - prev.reads, cache.read_s - prev.read_s
+        mean_latency = read_s / new_reads if new_reads > 0 else None
         bytes_read = cache.bytes_read - prev.bytes_read
         loads = [(c.misses - p.misses) + (c.prefetches - p.prefetches) for c, p in zip(cache.layers, prev.layers)]
         total_loads = sum(loads) or 1
@@ -204,12 +222,16 @@ class Metrics:
                              bytes_read * n // total_loads, mean_latency, c.rereads - p.rereads)
                   for i, (c, p, n) in enumerate(zip(cache.layers, prev.layers, loads))]
         phases = {**(profile or {}), "crc": cache.crc_s, "policy": cache.policy_s}
-        tick = Tick(t, t - prev.t, layers, bytes_read, latencies, batch_size, batch_limit, queue_depth,
+        unserved = dict(unserved or {})
+        tick = Tick(t, t - prev.t, layers, bytes_read, new_reads, read_s, batch_size, batch_limit, queue_depth,
                     tokens_total - prev.tokens, cache.resident * cache.slot_bytes, cache.cap_bytes, activations,
-                    *(cap_bounds or (None, None)), {p: s - prev.phases.get(p, 0.0) for p, s in phases.items()})
+                    *(cap_bounds or (None, None)), {p: s - prev.phases.get(p, 0.0) for p, s in phases.items()},
+                    {r: n - prev.unserved.get(r, 0) for r, n in unserved.items()})
         self._export(tick)
         self._export_prefetch(cache.prefetch)
-        self._prev = _Previous(t, cache.layers, cache.bytes_read, cache.reads, tokens_total, phases)
+        self.read_latency.latest = (cache.read_latency_counts, cache.read_s)
+        self._prev = _Previous(t, cache.layers, cache.bytes_read, cache.reads, cache.read_s, tokens_total, phases,
+                               unserved)
         return tick
 
     def _export(self, tick: Tick) -> None:
@@ -224,9 +246,9 @@ class Metrics:
         self.bytes_read.inc(tick.bytes_read)
         for phase, seconds in tick.phase_s.items():
             self.phase_seconds.labels(phase=phase).inc(max(seconds, 0.0))
-        for s in tick.read_latencies:
-            self.read_latency.observe(s)
         self.tokens.inc(tick.tokens)
+        for reason, n in tick.unserved.items():
+            self.unserved.labels(reason=reason).inc(n)
         self.batch_size.set(tick.batch_size)
         self.batch_limit.set(tick.batch_limit)
         self.queue_depth.set(tick.queue_depth)
@@ -253,6 +275,26 @@ class Metrics:
         hits = sum(h for h, _ in self._recent)
         total = hits + sum(m for _, m in self._recent)
         return hits / total if total else None
+
+
+class ReadLatency:
+    """flashmoe_expert_read_latency_seconds, a histogram of the cache's own cumulative counts by bucket
+    (agent/experts/cache.py): exact however many reads come between two ticks, where observing a bounded
+    sample of the latest ones lost the rest."""
+    NAME, HELP = "flashmoe_expert_read_latency_seconds", "latency of one expert block read"
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.latest: tuple[list[int], float] = ([0] * (len(READ_LATENCY_BOUNDS) + 1), 0.0)  # counts, sum of s
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self.NAME, self.HELP)
+
+    def collect(self) -> Iterator[Metric]:
+        counts, sum_s = self.latest     # one assignment: a scrape sees the counts and the sum of one tick
+        bounds = [floatToGoString(b) for b in READ_LATENCY_BOUNDS] + ["+Inf"]
+        yield HistogramMetricFamily(self.NAME, self.HELP, buckets=list(zip(bounds, itertools.accumulate(counts))),
+                                    sum_value=sum_s)
 
 
 class DeviceLabelled:

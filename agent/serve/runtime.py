@@ -256,6 +256,7 @@ class Runtime:
             "batch_size": self.scheduler.batch_size, "batch_limit": self.scheduler.max_batch,
             "queue_depth": len(self.scheduler.waiting), "kv_positions": self.scheduler.kv_positions,
             "kv_budget": self.scheduler.kv_budget, "tokens_generated": self.scheduler.tokens_total,
+            "requests_unserved": dict(self.scheduler.unserved),
             "model_steps": self.scheduler.steps,
             "ssd_util": self.monitor.last.ssd_util, "ssd_util_source": self.monitor.last.sources.get("ssd_util"),
             "store": self.store_health(), "online_learning": self.online.status(),
@@ -289,7 +290,7 @@ class Runtime:
         sched = self.scheduler
         tick = self.metrics.tick(time.time(), self.cache.stats(), sched.batch_size, len(sched.waiting), sched.max_batch,
                                  sched.tokens_total, self.engine.routes.take(), self._follow_memory_limit(),
-                                 dict(self.engine.model.profile.seconds))
+                                 dict(self.engine.model.profile.seconds), dict(sched.unserved))
         if self.recorder is not None:
             self.recorder.write(tick, self.metrics.drain_requests())
         else:

@@ -121,6 +121,11 @@ class SchedulerBusy(TimeoutError):
     """A control call waited too long for the running step to end and was withdrawn."""
 
 
+# Why a request ended without an answer: an error in its step (e.g. a damaged expert block; a 500), or it was
+# refused at the door (the queue full, a 429; or the agent stopping, a 503). Counted, not to vanish unseen.
+UNSERVED = ("failed", "refused")
+
+
 class Overloaded(Exception):
     """As many requests wait for a place in the batch as the agent queues: the caller should retry later."""
 
@@ -136,6 +141,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.tokens_total = 0       # generated tokens since start (for tokens/s)
+        self.unserved = dict.fromkeys(UNSERVED, 0)   # requests since start that ended without an answer, by why
         self.steps = 0              # model steps since start: fewer than tokens when requests share steps
         self._calls: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
         self._wake = threading.Condition()
@@ -165,8 +171,10 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         with self._wake:
             if self._stop:
+                self.unserved["refused"] += 1
                 raise RuntimeError("the agent is shutting down; retry against a running agent")
             if len(self.waiting) >= self.max_waiting:
+                self.unserved["refused"] += 1
                 raise Overloaded(f"{len(self.waiting)} requests already wait for the model, as many as this agent "
                                  "queues (serve --max-waiting); retry later")
             if not (self.running or self.waiting):
@@ -275,6 +283,7 @@ class Scheduler:
 
     def _fail(self, r: Request, exc: Exception) -> list[Request]:
         log.error("request %s failed: %s", r.id, exc)
+        self.unserved["failed"] += 1
         self.engine.end(r)
         r.sink(Event("error", error=str(exc)))
         return []
