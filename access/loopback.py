@@ -9,7 +9,11 @@ open only to requests addressed to a loopback host.
 from __future__ import annotations
 
 import ipaddress
-from urllib.parse import urlsplit
+import re
+
+# RFC 9110's Host: uri-host [":" port], the host a bracketed IPv6 literal or a name or IPv4 address; nothing else
+# (no userinfo, path or query, which a URL parser would skip over to find a host in "evil.example@127.0.0.1").
+_HOST = re.compile(r"(?:\[(?P<literal>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._~%!$&'()*+,;=-]+))(?::[0-9]*)?")
 
 
 def is_loopback(host: str | None) -> bool:
@@ -24,8 +28,5 @@ def is_loopback(host: str | None) -> bool:
 
 def addressed_to_loopback(host_header: str) -> bool:
     """Whether an HTTP Host header ("127.0.0.1:8600", "[::1]:8600", "localhost") names a loopback host."""
-    try:
-        host = urlsplit(f"//{host_header}").hostname
-    except ValueError:   # e.g. "[::1" : not a host at all
-        return False
-    return host is not None and is_loopback(host)
+    match = _HOST.fullmatch(host_header)
+    return match is not None and is_loopback((match["literal"] or match["name"]).lower())

@@ -319,7 +319,12 @@ def test_a_request_that_arrives_once_the_shutdown_began_is_503_with_retry_after(
 
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1:8600", True), ("localhost", True), ("[::1]:8600", True),
                                              ("127.9.9.9", True), ("evil.example:8600", False), ("[::1", False),
-                                             ("", False), ("127.0.0.1.evil.example", False), ("0.0.0.0:8600", False)])
+                                             ("", False), ("127.0.0.1.evil.example", False), ("0.0.0.0:8600", False),
+                                             ("LOCALHOST", True), ("127.0.0.1:", True),   # RFC 9110: port = *DIGIT
+                                             # a URL parser finds 127.0.0.1 in these; no Host names it so
+                                             ("evil.example@127.0.0.1", False), ("127.0.0.1/evil", False),
+                                             ("127.0.0.1?x", False), ("[::1]extra", False),
+                                             ("localhost:8792:1", False), ("127.0.0.1:abc", False)])
 def test_a_host_header_is_loopback_only_when_it_names_a_loopback_host(host, loopback):
     assert addressed_to_loopback(host) is loopback
 
