@@ -232,6 +232,7 @@ def test_sigterm_stops_cleanly_and_knobs_are_restored_on_restart(model, tmp_path
                                                        for h in queries.knob_history(second.db)}
         denied = httpx.put(second.url + "/v1/knobs", json={"auto_shrink": True})
         assert denied.status_code == 401 and "Bearer" in denied.text
+        assert denied.headers["www-authenticate"] == 'Bearer realm="flashmoe-agent"'   # RFC 9110 wants the scheme
         schemeless = httpx.put(second.url + "/v1/knobs", json={"auto_shrink": True},
                                headers={"Authorization": "s3cret-of-sixteen"})
         assert schemeless.status_code == 401, schemeless.text       # the token alone was accepted

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5   # a 503's: an agent restarted by its process manager is back in about this long
 CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
+BEARER_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="flashmoe-agent"'}   # RFC 9110: a 401 names its scheme
 
 
 # OpenAI's fields that this agent does not implement, and the values that ask for nothing (clients send them)
@@ -170,7 +171,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
         scheme, _, given = (authorization or "").strip().partition(" ")
         if authorization and scheme.lower() != "bearer":     # RFC 7235: the scheme is case-insensitive
             raise HTTPException(401, "the Authorization header is without the Bearer scheme: send "
-                                     "'Authorization: Bearer <token>'")
+                                     "'Authorization: Bearer <token>'", headers=BEARER_CHALLENGE)
         if secrets.compare_digest(given.strip().encode(), token.encode()):
             guesses.right(client)
             return
@@ -180,7 +181,8 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
                         "one it sent before: no new guess" if wrong.repeated else f"{wrong.in_a_row} in a row",
                         f"; locked out for {wrong.lock_s:.0f} s" if wrong.lock_s else "")
         raise HTTPException(401, "this control call needs the agent's token: send 'Authorization: Bearer <token>' "
-                                 "(the one the agent was started with: FLASHMOE_TOKEN, --token-file or --token)")
+                                 "(the one the agent was started with: FLASHMOE_TOKEN, --token-file or --token)",
+                            headers=BEARER_CHALLENGE)
 
     def source(x_flashmoe_source: str = Header("api")) -> str:
         if x_flashmoe_source not in CLIENT_SOURCES:
