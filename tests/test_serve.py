@@ -191,11 +191,21 @@ def unlabelled_samples(text: str) -> dict[str, float]:
             if set(s.labels) == {"device_name"}}
 
 
-def test_head_metrics_answers_as_get_without_a_body(agent):
-    """curl -I and uptime checks send HEAD; the route took GET only (405)."""
-    head = httpx.head(agent.url + "/metrics", timeout=30)
+@pytest.mark.parametrize("path", ["/metrics", "/v1/status", "/v1/knobs", "/v1/models"])
+def test_head_answers_as_get_without_a_body(agent, path):
+    """curl -I and uptime checks send HEAD; the routes took GET only (405), /metrics aside."""
+    head = httpx.head(agent.url + path, timeout=30)
     assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 0
-    assert head.headers["content-type"] == agent.get("/metrics").headers["content-type"]
+    assert head.headers["content-type"] == agent.get(path).headers["content-type"]
+
+
+@pytest.mark.parametrize("method, path, allow", [("DELETE", "/v1/knobs", "GET, HEAD, PUT"),
+                                                 ("PUT", "/v1/status", "GET, HEAD"),
+                                                 ("GET", "/v1/completions", "POST")])
+def test_a_method_a_path_does_not_take_is_405_naming_every_one_it_does(agent, method, path, allow):
+    """Starlette's Allow named the first route's methods alone: GET for /v1/knobs, which takes PUT too."""
+    r = httpx.request(method, agent.url + path, timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == allow and r.json()["error"]["message"]
 
 
 def test_metrics_and_store_get_the_same_counts(agent):

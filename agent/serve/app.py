@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from access.guesses import GuessLimit, lockout_message
 from access.loopback import addressed_to_loopback
@@ -140,6 +141,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
     app.add_exception_handler(StarletteHTTPException, _http_error)  # ours, and FastAPI's own (a body not JSON)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(BodyLimit, limit=body_limit(max_prompt_bytes))
+    app.add_middleware(HeadAsGet)
     # one tokenizing thread: a burst of long prompts queues for one core and leaves the other to the event loop
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
     model_name = runtime.opts.model_dir.name
@@ -230,7 +232,6 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
         return {"requested": len(body.experts), "loaded": loaded, "status": runtime.status(0)["cache"]}
 
     @app.get("/metrics")
-    @app.head("/metrics", include_in_schema=False)  # curl -I and uptime checks; in the schema once, one operation id
     def metrics() -> Response:
         return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
@@ -298,7 +299,16 @@ async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:
         exc = StarletteHTTPException(400, _unparsed(exc.__cause__))
     response = _error_body(exc.status_code, str(exc.detail), exc.detail)
     response.headers.update(exc.headers or {})
+    if exc.status_code == 405:   # Starlette names the methods of the first route at the path alone
+        response.headers["Allow"] = ", ".join(_methods_at(request))
     return response
+
+
+def _methods_at(request: Request) -> list[str]:
+    """Every method some route takes at the request's path, HEAD wherever GET is (HeadAsGet)."""
+    methods = {m for route in request.app.router.routes if route.matches(request.scope)[0] is not Match.NONE
+               for m in getattr(route, "methods", None) or ()}
+    return sorted(methods | ({"HEAD"} if "GET" in methods else set()))
 
 
 def _why(error: dict) -> str:
@@ -329,6 +339,19 @@ async def _validation_error(request, exc: RequestValidationError) -> JSONRespons
         # FastAPI reads such a body as bytes, not JSON: "body: Input should be a valid dictionary" of a dictionary
         message = f"the body is read as JSON only with Content-Type: application/json, not {media}; {message}"
     return _error_body(422, message, jsonable_encoder(errors))
+
+
+class HeadAsGet:
+    """ASGI middleware: HEAD is answered wherever GET is, as RFC 9110 asks (curl -I, uptime checks): routed as GET;
+    the server sends the head alone, as the request it holds is a HEAD."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:
