@@ -26,6 +26,17 @@ class TokenizerError(ValueError):
     """The model directory has no usable tokenizer; the message says what to add."""
 
 
+def check_text(text: str) -> str:
+    """`text` if it is Unicode a tokenizer can encode, else ValueError naming where it is not: a lone surrogate
+    (JSON's \\ud800, or bytes that are not UTF-8 on the command line, which Python keeps as \\udcXX)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text has a lone surrogate {text[exc.start]!r} at character {exc.start} (not valid "
+                         f"Unicode, or bytes that are not UTF-8); send valid UTF-8 text") from None
+    return text
+
+
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
@@ -36,7 +47,7 @@ class ByteTokenizer:
     """Token id b is byte b of the UTF-8 text."""
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(check_text(text).encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < N_BYTES).decode("utf-8", errors="replace")
@@ -56,7 +67,7 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         # encode_batch releases the GIL (encode does not), so a long prompt tokenized on a worker
         # thread leaves the agent's event loop free to answer other requests.
-        return self._tok.encode_batch([text])[0].ids
+        return self._tok.encode_batch([check_text(text)])[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -126,6 +126,8 @@ def test_text_prompt_goes_through_the_tokenizer(store, capsys):
 @pytest.mark.parametrize("args, words", [
     (["--prompt-ids", "5,999"], "outside the vocabulary"),
     (["--prompt-ids", "5", "--policy", "nope"], "unknown policy 'nope'"),
+    (["--prompt-ids", "5", "--policy", "belady"], "policy 'belady' needs the future of a whole trace"),  # a TypeError
+    (["--prompt", "caf\udce9"], "lone surrogate '\\udce9' at character 3"),   # argv bytes not UTF-8: a TypeError
     (["--prompt-ids", "5", "--cache-cap", "1"], "outside the allowed range"),
     (["--prompt-ids", "5", "--cache-cap", "lots"], "is not understood"),
     (["--prompt-ids", "5", "--max-new-tokens", "0"], "max_new_tokens must be at least 1"),

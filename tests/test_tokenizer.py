@@ -79,3 +79,12 @@ def test_malformed_tokenizer_json_is_a_clear_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="not a valid tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("text, at", [("\ud800", 0), ("caf\udce9 au lait", 3)])
+def test_both_tokenizers_refuse_a_lone_surrogate_by_where_it_is(byte_json_dir, text, at):
+    """The command line keeps bytes that are not UTF-8 as lone surrogates: encoding them was a TypeError
+    (tokenizers) or a UnicodeEncodeError traceback (the fallback) in generate and warmup."""
+    for tokenizer in (ByteTokenizer(), HFTokenizer(byte_json_dir / "tokenizer.json")):
+        with pytest.raises(ValueError, match=f"lone surrogate .* at character {at} "):
+            tokenizer.encode(text)

@@ -40,7 +40,7 @@ from agent.experts.quant import slow_path, warm_dequantize
 from agent.experts.reader import IO_THREADS, MmapReader, open_reader
 from agent.experts.slots import SlotPool
 from agent.monitor import SystemSampler
-from agent.policies import Key, policy_factory
+from agent.policies import Key, check_live, policy_factory
 from agent.prefetch_gate import check_mode
 from agent.residency import LayerStats, Residency, step_window
 
@@ -138,6 +138,7 @@ class ExpertCache:
                         "for this machine", reason)
         self.min_per_layer = min_per_layer or _top_k(self.store_dir)
         self.reserved_bytes = resident_bytes(self.store_dir, self.index, kv_positions)  # dense weights, KV
+        check_live(policy)
         self.policy_name, self.scope, self.int8_activations = policy, scope, int8_activations
         self._check_cap(cap_bytes)
         self.cap_bytes = cap_bytes

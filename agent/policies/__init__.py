@@ -56,5 +56,14 @@ def live_policies() -> tuple[str, ...]:
     return tuple(name for name in policy_names() if buildable(REGISTRY[name]))
 
 
-__all__ = ["DEFAULT_POLICY", "Key", "Policy", "live_policies", "policy_factory", "policy_knobs", "policy_names",
-           "policy_options"]
+def check_live(name: str) -> None:
+    """ValueError unless a running cache can use policy `name`, naming the ones it can."""
+    live = live_policies()
+    if name not in live:
+        what = (f"policy {name!r} needs the future of a whole trace, so only flashmoe-cli simulate runs it"
+                if name in REGISTRY else f"unknown policy {name!r}")
+        raise ValueError(f"{what}; choose one of {', '.join(live)}")
+
+
+__all__ = ["DEFAULT_POLICY", "Key", "Policy", "check_live", "live_policies", "policy_factory", "policy_knobs",
+           "policy_names", "policy_options"]

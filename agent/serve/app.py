@@ -50,6 +50,7 @@ from agent.serve.runtime import Runtime
 from agent.serve.scheduler import Event, Overloaded
 from agent.serve.scheduler import Request as Job
 from agent.serve.stops import MAX_STOP_CHARS, MAX_STOPS, CompletionText
+from agent.tokenizer import check_text
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +121,7 @@ class CompletionRequest(BaseModel):
     @classmethod
     def _valid_unicode(cls, prompt: str | list[int]) -> str | list[int]:
         """JSON may carry a lone surrogate (\ud800) that no tokenizer can encode."""
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(f"the text has a lone surrogate {prompt[exc.start]!r} at character {exc.start}; "
-                                 f"send valid Unicode") from None
-        return prompt
+        return check_text(prompt) if isinstance(prompt, str) else prompt
 
 
 class PreloadRequest(BaseModel):
