@@ -42,6 +42,7 @@ from store.schema import DEFAULT_RETENTION_DAYS
 
 log = logging.getLogger(__name__)
 COMPACT_EVERY_S = 3600.0
+MIN_INTERVAL_S = 0.01   # 1e-300 overflowed the tick grid (ceil(now / interval)) into a traceback
 
 
 @dataclass
@@ -237,12 +238,22 @@ def start_export(collector: Collector, device_name: str, pid_file: Path | None,
     return server
 
 
+def interval(text: str) -> float:
+    """--interval: a positive finite number of seconds, no shorter than MIN_INTERVAL_S."""
+    seconds = positive(text)
+    if seconds < MIN_INTERVAL_S:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_INTERVAL_S} s, not {text}: ticks are kept to the "
+                                         f"millisecond, and a tick's reading of /proc and /sys takes longer")
+    return seconds
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("example:\n  flashmoe-cli collect --db data/flashmoe.db --pid-file data/agent.pid "
                      "--store-path data/demo --duration 60\n"
                      "  flashmoe-cli collect --db data/flashmoe.db --device-name edge-01 --listen 0.0.0.0:9600")
     parser.add_argument("--db", required=True, type=Path, help="the store file (created if missing)")
-    parser.add_argument("--interval", type=positive, default=1.0, help="seconds between samples (default 1)")
+    parser.add_argument("--interval", type=interval, default=1.0,
+                        help=f"seconds between samples, at least {MIN_INTERVAL_S} (default 1)")
     parser.add_argument("--duration", type=positive, default=None, help="stop after this many seconds "
                         "(default: run until SIGTERM)")
     parser.add_argument("--pid-file", type=Path, default=None, help="the agent's pid file, for its memory")

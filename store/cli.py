@@ -102,7 +102,11 @@ def run(args: argparse.Namespace) -> int:
             else:
                 _print_stats(report)
         elif args.store_command == "export":
-            sys.stdout.writelines(queries.export(args.db, args.series, args.since, args.until, args.csv))
+            try:
+                sys.stdout.writelines(queries.export(args.db, args.series, args.since, args.until, args.csv))
+            except ValueError as e:   # a window that ends before it starts (store.queries checks it)
+                log.error("--since/--until: %s", e)
+                return 2
         else:
             with Store(args.db, autoflush_s=0, create=False) as store:
                 report = store.compact(args.retention_days)

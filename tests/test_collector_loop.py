@@ -253,6 +253,15 @@ def test_collect_refuses_a_number_that_is_not_positive_and_finite(tmp_path, flag
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("value", ["1e-300", "0.001"])
+def test_collect_refuses_an_interval_shorter_than_its_ticks_can_be(tmp_path, value):
+    """1e-300 overflowed the tick grid (ceil(now / interval)): an OverflowError traceback."""
+    result = subprocess.run(CLI + ["collect", "--db", str(tmp_path / "x.db"), f"--interval={value}"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--interval: must be at least 0.01 s" in result.stderr, result.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def collected_beside(tmp_path: Path, neighbour: list[str]) -> tuple[Path, str, int]:
     """Eight collector ticks of a stand-in agent reading its 64 MiB file with O_DIRECT while `neighbour`
     (a command in its own session, output to a log on the same disk) runs; the store, the disk and the

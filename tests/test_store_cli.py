@@ -60,6 +60,8 @@ def test_errors_name_the_problem(db, tmp_path, caplog):
     assert "there is no store at" in caplog.text
     with pytest.raises(SystemExit):
         main(["store", "export", "--db", str(db), "--series", "x", "--since", "yesterday"])
+    assert main(["store", "export", "--db", str(db), "--series", "block.vda.util", "--since", "5", "--until", "1"]) == 2
+    assert "--since/--until: until (1.0) is before since (5.0)" in caplog.text     # was a ValueError traceback
 
 
 @pytest.mark.parametrize("args", [["stats"], ["export", "--series", "x"], ["compact"]])
