@@ -64,13 +64,17 @@ def is_busy(error: sqlite3.Error) -> bool:
     return "locked" in text or "busy" in text
 
 
-def advice_for(error: sqlite3.Error, path: Path) -> str:
-    """What an operator should do about a write error (shared by the writer and the CLI)."""
+def advice_for(error: sqlite3.Error, path: Path, new: bool = False) -> str:
+    """What an operator should do about a write error (shared by the writer and the CLI); `new`: the error
+    came while creating the store, which then holds nothing to compact."""
     text = str(error).lower()
     if is_busy(error):
         return (f"another connection holds the write lock on {path} beyond the busy timeout; "
                 f"find it with `fuser {path}` and end its long transaction")
-    if "full" in text or ("disk i/o error" in text and no_room(path)):
+    full = "full" in text or ("disk i/o error" in text and no_room(path))
+    if full and new:
+        return f"the disk holding {path} is full: free space on it, or pass a --db on another disk"
+    if full:
         return (f"the disk holding {path} is full: make room in the store with `flashmoe-cli store compact --db {path} "
                 f"--retention-days N` (N under the collector's --retention-days, 7 by default), which deletes older "
                 f"data a little at a time in {COMPACT_ROOM_BYTES >> 10} KiB of free space plus the size of the store's "
@@ -106,6 +110,7 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
     a box whose RAM is for experts."""
     if not create and not path.exists():
         raise StoreError(f"there is no store at {path}; check --db")
+    new = not path.exists()
     problem = place_problem(path)
     if problem is not None:
         raise StoreError(f"cannot write the store {path}: {problem}")
@@ -132,8 +137,11 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
             log.warning("upgraded %s to store schema version %d: %s", path, version, done)
     except sqlite3.DatabaseError as e:
         conn.close()
-        raise StoreError(f"cannot open {path} as a FlashMoE store: {e}; "
-                         f"{advice_for(e, path)}") from e
+        if new:   # not left behind as an empty file: the next writer would take it for a store
+            for leftover in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+                leftover.unlink(missing_ok=True)
+        raise StoreError(f"cannot {'create' if new else 'open'} {path} as a FlashMoE store: {e}; "
+                         f"{advice_for(e, path, new)}") from e
     except StoreError:
         conn.close()
         raise

@@ -19,6 +19,8 @@ from store.database import APPLICATION_ID, COMPACT_ROOM_BYTES, WAL_LIMIT_BYTES
 from store.db import Store
 from store.errors import StoreError
 
+TRACE = str(ROOT / "tests" / "data" / "traces" / "olmoe_math.jsonl")  # a small real trace
+
 T0 = 1_700_000_000.0
 SERIES = [f"block.d{k}.reads_per_s" for k in range(30)]   # a collector's worth of series
 
@@ -277,6 +279,17 @@ def test_an_empty_file_becomes_a_store(tmp_path):
     Store(db, autoflush_s=0).close()
     assert queries.stats(db)["points"] == 0
 
+
+
+@pytest.mark.parametrize("command", [["collect", "--duration", "1"], ["simulate", "--trace", TRACE, "--policy", "lru"]])
+def test_a_store_that_cannot_be_created_on_a_full_disk_is_not_left_behind_and_the_advice_fits(tmpfs, command):
+    """A 0-byte file stayed, and the advice was to compact it, which gave the same advice again."""
+    disk = tmpfs("4m")
+    filler = fill(disk)
+    code, lines = cli_error(*command[:1], "--db", str(disk / "new.db"), *command[1:])
+    assert code != 0 and len(lines) == 1 and "Traceback" not in lines[0], lines
+    assert f"cannot create {disk / 'new.db'}" in lines[0] and "pass a --db on another disk" in lines[0], lines
+    assert "compact" not in lines[0] and sorted(p.name for p in disk.iterdir()) == [filler.name]
 
 
 def test_a_store_opened_on_a_full_disk_leaves_sqlites_empty_log_and_index_and_opens_once_there_is_room(tmpfs):
