@@ -3,8 +3,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from agent.learned.model import RetentionNet, save
+from agent.learned.model import load as load_weights
 from agent.policies import policy_factory, policy_names
 from agent.policies.flashmoe import DEFAULT_WEIGHTS, FlashMoE
 from agent.residency import Residency
@@ -217,6 +219,12 @@ def test_missing_or_corrupt_weights_are_clear_errors(tmp_path):
     truncated.write_bytes(DEFAULT_WEIGHTS.read_bytes()[:1000])
     with pytest.raises(ValueError, match="not a valid weights file"):
         policy_factory("flashmoe", model_path=truncated)()
+    net = load_weights(DEFAULT_WEIGHTS)
+    with torch.no_grad():
+        next(net.parameters()).fill_(float("nan"))   # the policy ran on such weights, below LRU's hit rate
+    save(net, tmp_path / "nan.safetensors", {})
+    with pytest.raises(ValueError, match="not a valid weights file .*NaN or infinite"):
+        policy_factory("flashmoe", model_path=tmp_path / "nan.safetensors")()
 
 
 def test_experts_admitted_before_their_layer_routed_can_be_evicted():

@@ -110,7 +110,10 @@ def load(path: Path) -> RetentionNet:
             meta = f.metadata() or {}
         config = NetConfig(**json.loads(meta["config"]))
         net = RetentionNet(config)
-        net.load_state_dict(load_file(str(path)))
+        weights = load_file(str(path))
+        net.load_state_dict(weights)
+        if bad := sorted(name for name, t in weights.items() if not torch.isfinite(t).all()):
+            raise ValueError(f"{', '.join(bad)} hold NaN or infinite values")  # it would score every block alike
     except (SafetensorError, OSError, KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"FlashMoE policy weights {path} are not a valid weights file ({e}); {hint}") from None
     return net.eval()
