@@ -121,6 +121,11 @@ def missed_samples(db: str, since: float, until: float) -> int:
 
 
 @st.cache_data(ttl=TTL, show_spinner=False)
+def unserved(db: str, since: float, until: float) -> dict[str, int]:
+    return queries.unserved(db, since, until)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
 def simulations(db: str) -> list[dict[str, Any]]:
     return queries.simulations(db)
 

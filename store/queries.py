@@ -340,10 +340,21 @@ def lost(db: Db) -> dict[str, int]:
     return {"points": rows.get("lost_points", 0), "rows": rows.get("lost_rows", 0)}
 
 
+def total(db: Db, name: str, since: float | None = None, until: float | None = None) -> int:
+    """The sum of a series of counts over [since, until]."""
+    return int(points(db, name, since, until)[1].sum())
+
+
 def missed_samples(db: Db, since: float | None = None, until: float | None = None) -> int:
     """Ticks the collector was too late for in [since, until] (collector.missed_samples): each is a
     sample of every collector series that was never taken."""
-    return int(points(db, "collector.missed_samples", since, until)[1].sum())
+    return total(db, "collector.missed_samples", since, until)
+
+
+def unserved(db: Db, since: float | None = None, until: float | None = None) -> dict[str, int]:
+    """Requests that ended unanswered in [since, until] by reason: "failed" (an error in their step) and
+    "refused" (the queue full, or the agent stopping), from agent.requests_failed and agent.requests_refused."""
+    return {reason: total(db, f"agent.requests_{reason}", since, until) for reason in ("failed", "refused")}
 
 
 def knob_history(db: Db, limit: int = 100) -> list[dict[str, Any]]:

@@ -363,6 +363,17 @@ def test_overview_says_how_much_telemetry_was_lost(monkeypatch, offline, db, tmp
     assert "Telemetry lost to store write failures: 1,234 points and 5 rows" in warnings
 
 
+def test_overview_says_how_many_requests_went_unanswered(monkeypatch, offline, db, tmp_path):
+    assert "unanswered" not in texts(open_page(monkeypatch, db).warning)
+    failing = fill(tmp_path / "failing.db")
+    with Store(failing, autoflush_s=0) as store:   # as the agent's ticks write them, a count a second
+        for k, (failed, refused) in enumerate([(1, 0), (0, 3), (0, 0), (1, 2)]):
+            store.append("agent.requests_failed", NOW - 40 + k, failed)
+            store.append("agent.requests_refused", NOW - 40 + k, refused)
+    assert "Requests unanswered in this range: 2 failed" in texts(open_page(monkeypatch, failing).warning)
+    assert "and 5 refused" in texts(open_page(monkeypatch, failing).warning)
+
+
 def test_overview_and_memory_page_say_how_many_samples_the_collector_missed(monkeypatch, offline, db, tmp_path):
     assert "missed" not in texts(open_page(monkeypatch, db).warning)
     late = fill(tmp_path / "late.db")

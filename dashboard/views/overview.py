@@ -49,6 +49,11 @@ def live() -> None:
     if not components.store_ready(db):
         return
     components.lost_notice(db, since, until)
+    unserved = data.unserved(db, since, until)
+    if unserved["failed"] or unserved["refused"]:
+        st.warning(f"Requests unanswered in this range: {unserved['failed']:,} failed (an error in their step, "
+                   f"e.g. a damaged expert block: the agent's log names it) and {unserved['refused']:,} refused "
+                   f"(the queue full: raise serve --max-waiting, or add capacity)", icon=":material/report:")
     rows = data.requests(db, since, until)
     quantiles = data.latency_quantiles(db, since, until, TIME_BUCKETS)
     whole = data.latency_quantiles(db, since, until, 1)     # one bucket: the range's own quantiles
