@@ -315,14 +315,43 @@ def test_missing_config(tmp_path):
 def test_non_empty_destination_needs_overwrite(tmp_path):
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
     dst = tmp_path / "store"
-    dst.mkdir()
-    (dst / "notes.txt").write_text("mine")
+    convert(ckpt.path, dst, quantize="int8")
     with pytest.raises(CheckpointError, match="--overwrite"):
-        convert(ckpt.path, dst)
-    assert (dst / "notes.txt").read_text() == "mine"
-    convert(ckpt.path, dst, overwrite=True)
-    assert not (dst / "notes.txt").exists()
+        convert(ckpt.path, dst, quantize=None)
+    assert Index.load(dst / INDEX).quant == "int8"
+    convert(ckpt.path, dst, overwrite=True, quantize=None)
     _assert_store_matches(dst, ckpt)
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_overwrite_replaces_an_expert_store_and_nothing_else(tmp_path, inside):
+    """--overwrite emptied any directory: a user's notes, or a store they had put notes into, went without a word."""
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    dst = tmp_path / "store"
+    if inside:
+        convert(ckpt.path, dst)
+    else:
+        dst.mkdir()
+    (dst / "notes.txt").write_text("mine")
+    before = sorted(p.name for p in dst.iterdir())
+    with pytest.raises(CheckpointError) as err:
+        convert(ckpt.path, dst, overwrite=True)
+    assert f"{dst} is not an expert store (it holds notes.txt); --overwrite replaces only" in str(err.value)
+    assert sorted(p.name for p in dst.iterdir()) == before and (dst / "notes.txt").read_text() == "mine"
+
+
+def test_a_destination_that_holds_the_checkpoint_or_is_inside_it_is_refused(tmp_path):
+    """`convert par/hf par --overwrite` replaced par, and the checkpoint in it went with it (exit 0)."""
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "par" / "hf")
+    (tmp_path / "par" / "notes.txt").write_text("mine")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    bad = subprocess.run(CLI + ["convert", str(ckpt.path), str(tmp_path / "par"), "--overwrite"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert f"the destination {tmp_path / 'par'} holds the checkpoint {ckpt.path}" in bad.stderr
+    with pytest.raises(CheckpointError, match="is inside the checkpoint"):
+        convert(ckpt.path, ckpt.path / "store", overwrite=True)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 def test_an_empty_destination_directory_is_fine(tmp_path):

@@ -36,7 +36,7 @@ import torch
 from agent.convert.checkpoint import plan
 from agent.convert.errors import CheckpointError
 from agent.convert.safetensors_io import Span, payload_bytes
-from agent.convert.store_writer import StoreShape, StoreWriter
+from agent.convert.store_writer import StoreShape, StoreWriter, check_replaceable
 from agent.experts.layout import QUANTS, Index
 from agent.experts.quant import INT8_KERNEL_K_MULTIPLE, QuantError, quantize_block
 
@@ -55,8 +55,9 @@ def convert(src: Path, dst: Path, overwrite: bool = False, progress: Progress | 
     scale and zero per group of weights along a row (agent/experts/quant.py), None in the checkpoint's
     dtype, and "auto" (the default) int8 for bf16 experts the int8 kernel takes (widths multiples of
     INT8_KERNEL_K_MULTIPLE), as stored otherwise.
-    Raises CheckpointError, before writing anything, if the checkpoint is unusable or `dst` is a
-    non-empty directory and `overwrite` is false. `progress(done, total)` is called after each block.
+    Raises CheckpointError, before writing anything, if the checkpoint is unusable, `dst` holds or is inside
+    `src`, or `dst` is a non-empty directory and `overwrite` is false (or is true and `dst` is no expert store).
+    `progress(done, total)` is called after each block.
     """
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     if quantize not in (None, AUTO, *QUANTS):
@@ -85,13 +86,18 @@ def _chosen_quant(shape: StoreShape) -> str | None:
 
 
 def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
-    if dst.resolve() == src.resolve():
-        raise CheckpointError(f"the destination {dst} is the checkpoint itself; choose another directory")
+    source, target = src.resolve(), dst.resolve()
+    if target == source or target in source.parents:   # replacing dst would delete the checkpoint with it
+        raise CheckpointError(f"the destination {dst} holds the checkpoint {src}; choose a directory outside it")
+    if source in target.parents:
+        raise CheckpointError(f"the destination {dst} is inside the checkpoint {src}; choose a directory outside it")
     if dst.exists() and not dst.is_dir():
         raise CheckpointError(f"the destination {dst} exists and is not a directory; choose another path")
-    if dst.exists() and any(dst.iterdir()) and not overwrite:
-        raise CheckpointError(f"the destination {dst} already exists and is not empty; choose another directory "
-                              f"or pass --overwrite to replace it")
+    if dst.exists() and any(dst.iterdir()):
+        if not overwrite:
+            raise CheckpointError(f"the destination {dst} already exists and is not empty; choose another directory "
+                                  f"or pass --overwrite to replace it")
+        check_replaceable(dst, "--overwrite")
 
 
 class _Readers:
@@ -145,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "model.safetensors.index.json).")
     parser.add_argument("src", metavar="SRC_DIR", type=Path, help="Hugging Face checkpoint directory")
     parser.add_argument("dst", metavar="DST_DIR", type=Path, help="where to write the expert store")
-    parser.add_argument("--overwrite", action="store_true", help="replace DST_DIR if it already holds files")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST_DIR if it already holds an expert store")
     parser.add_argument("--quantize", choices=(AUTO, *QUANTS, "none"), default=AUTO,
                         help="int8: the experts as int8 with a scale per output channel, half the bytes of bf16 "
                         "per block (the model's answers change slightly); int4: 4 bits a weight with a scale and "

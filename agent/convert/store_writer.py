@@ -18,8 +18,11 @@ from pathlib import Path
 from agent.convert.errors import CheckpointError
 from agent.convert.safetensors_io import DenseSource, write_safetensors
 from agent.experts.layout import ALIGN, CONFIG, DENSE, EXPERTS, INDEX, Block, Index, crc32, file_crc32, partial_prefix
+from agent.tokenizer import TOKENIZER_JSON
 
 log = logging.getLogger(__name__)
+
+STORE_FILES = frozenset({CONFIG, DENSE, EXPERTS, INDEX, TOKENIZER_JSON})   # all a store writer puts in a store
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,26 @@ class StoreWriter:
             os.close(self._fd)
             self._fd = -1
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def check_replaceable(dst: Path, flag: str) -> None:
+    """`dst` may be replaced only if it is an expert store (its index and only the files a store holds): what
+    `flag` deletes must never be a directory of the user's given by mistake."""
+    others = foreign_names(dst, STORE_FILES.__contains__)
+    if others or not (dst / INDEX).is_file():
+        raise CheckpointError(f"{dst} is not an expert store (it holds {listed(others or foreign_names(dst))}); "
+                              f"{flag} replaces only an expert store: choose another directory or remove it yourself")
+
+
+def foreign_names(directory: Path, ours: Callable[[str], bool] = lambda name: False) -> list[str]:
+    """What in `directory` is not a file named as `ours` takes (a directory is named with a trailing /)."""
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir()
+                  if not (p.is_file() and ours(p.name)))
+
+
+def listed(names: Sequence[str], most: int = 3) -> str:
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def _remove_stale_partials(dst: Path) -> None:
