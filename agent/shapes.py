@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from agent.convert.safetensors_io import Lazy, write_safetensors
+from agent.convert.store_writer import STORE_FILES, foreign_names, listed
 from agent.experts.layout import CONFIG, INDEX, Index, StoreError
 from agent.model.config import MoEConfig
 
@@ -65,10 +68,13 @@ SEED = 0
 STD = 0.02                 # transformers' initializer_range
 POOL_VALUES = 1 << 24      # 32 MiB of bfloat16 normals, sliced for every tensor
 LAYERS_PER_SHARD = 4
+CHECKPOINT_FILES = re.compile(r"config\.json|model\.safetensors\.index\.json|model-\d{5}-of-\d{5}\.safetensors")
+DEPTH = ("num_hidden_layers", "flashmoe_cut")   # what --layers changes in a shape's config.json
 
 
 class ShapeError(ValueError):
-    """An unknown shape name or a layer count the model does not have; the message lists what is allowed."""
+    """An unknown shape name, a layer count the model does not have, or an --out holding what init-demo --shape
+    did not write; the message says what is allowed."""
 
 
 def shape_config(name: str, layers: int | None = None) -> dict[str, Any]:
@@ -134,6 +140,7 @@ def write_checkpoint(config_json: dict[str, Any], out: Path) -> Path:
     config = MoEConfig.from_hf(config_json)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config_json, indent=2))  # first: names even a partial one ours
     pool = _Pool(np.random.default_rng(SEED))
     tensors = [(hub, pool.tensor(shape, hub), layer) for hub, shape, layer in checkpoint_tensors(config)]
     n_shards = -(-config.n_layers // LAYERS_PER_SHARD)
@@ -147,7 +154,6 @@ def write_checkpoint(config_json: dict[str, Any], out: Path) -> Path:
         log.info("wrote %s (%d tensors)", out / file, len(mine))
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    (out / "config.json").write_text(json.dumps(config_json, indent=2))
     return out
 
 
@@ -162,12 +168,42 @@ def init_shape(config: dict[str, Any], out: Path, drop_hf: bool = False) -> Path
     if _converted(store, config):
         log.info("%s already holds this model; nothing to do", store)
         return store
+    _check_ours(hf, CHECKPOINT_FILES.fullmatch, config)
+    _check_ours(store, STORE_FILES.__contains__, config)
     write_checkpoint(config, hf)
     convert(hf, store, overwrite=True, quantize=None)   # as published: the seed-scale benches convert the int8 twin
     if drop_hf:
         log.info("checked %d blocks of %s; deleting %s", check_blocks(store), store, hf)
         shutil.rmtree(hf)
     return store
+
+
+def _check_ours(directory: Path, ours: Callable[[str], object], config: dict[str, Any]) -> None:
+    """init-demo --shape rewrites (and --drop-hf deletes) only what it wrote: files it names so, under a
+    config.json of a shape. A user's checkpoint or store, or their files beside ours, are never lost."""
+    if not directory.is_dir() or not any(directory.iterdir()):
+        return
+    others = foreign_names(directory, ours)
+    if others:
+        raise ShapeError(f"{directory} holds {listed(others)}, which init-demo --shape did not write; "
+                         f"choose another --out or remove it yourself")
+    if not _a_shape(directory / CONFIG, config):
+        raise ShapeError(f"{directory} holds a model init-demo --shape did not write (its config.json is no "
+                         f"shape's); choose another --out or remove it yourself")
+
+
+def _a_shape(config_json: Path, config: dict[str, Any]) -> bool:
+    """The config.json of `config` or of a shape, at any depth."""
+    try:
+        found = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return False
+    shapes = [config] + [shape_config(name) for name in SHAPES]
+    return isinstance(found, dict) and _depthless(found) in map(_depthless, shapes)
+
+
+def _depthless(config: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in config.items() if key not in DEPTH}
 
 
 def _converted(store: Path, config: dict[str, Any]) -> bool:

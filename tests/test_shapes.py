@@ -129,6 +129,27 @@ def test_init_shape_converts_once_and_drops_the_checkpoint_only_when_asked(tmp_p
     assert Index.load(store / INDEX).n_layers == 1 and not (tmp_path / "m" / "hf").exists()
 
 
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("theirs", ["notes in hf", "notes in store", "a checkpoint in hf", "a store in store"])
+def test_init_shape_replaces_and_drops_only_what_it_wrote(tmp_path, theirs):
+    """init-demo --shape --drop-hf replaced OUT/store and deleted OUT/hf whatever they held, a user's files too."""
+    config, out = tiny("olmoe-1b-7b"), tmp_path / "m"
+    init_shape(config, out)
+    if theirs.startswith("notes"):
+        (out / theirs.split()[-1] / "notes.txt").write_text("mine")
+    else:   # a model of the user's: its config.json is no shape's
+        where = out / theirs.split()[-1] / "config.json"
+        where.write_text(json.dumps({**json.loads(where.read_text()), "_name_or_path": "allenai/OLMoE-1B-7B-0924"}))
+    before = _tree(out)
+    with pytest.raises(ShapeError) as err:
+        init_shape({**config, "num_hidden_layers": 1}, out, drop_hf=True)
+    assert str(out / theirs.split()[-1]) in str(err.value) and "init-demo --shape did not write" in str(err.value)
+    assert _tree(out) == before
+
+
 def test_cli_refuses_shape_options_without_a_shape(tmp_path, caplog):
     assert cli(["init-demo", "--out", str(tmp_path / "d"), "--layers", "2"]) == 1
     assert "only with --shape" in caplog.text
