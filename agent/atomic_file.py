@@ -13,9 +13,13 @@ from pathlib import Path
 
 
 def write_atomically(path: Path, write: Callable[[Path], object], what: str, flag: str,
-                     errors: tuple[type[Exception], ...] = (), keep: bool = True) -> None:
+                     errors: tuple[type[Exception], ...] = (), keep: bool = True,
+                     ours: Callable[[Path], bool] | None = None) -> None:
     """`write(tmp)` then rename tmp to `path`; any OSError (or one of `errors`) is a ValueError that names
-    `what` and `path` and asks for another `flag`, with nothing left behind."""
+    `what` and `path` and asks for another `flag`, with nothing left behind. With `ours`, a file `path` already
+    holds is replaced only if `ours(path)` (see check_replaceable)."""
+    if ours is not None:
+        check_replaceable(path, ours, what, flag)
     tmp = path.with_name(path.name + ".tmp")
     missing = [d for d in path.absolute().parents if not d.exists()]  # deepest first
     try:
@@ -34,10 +38,19 @@ def write_atomically(path: Path, write: Callable[[Path], object], what: str, fla
         _remove(missing)
 
 
-def check_writable(path: Path, what: str, flag: str, size: int = 0) -> None:
+def check_writable(path: Path, what: str, flag: str, size: int = 0,
+                   ours: Callable[[Path], bool] | None = None) -> None:
     """Fail now, with the reason, if `write_atomically` could not write `path` of `size` bytes (written and
-    removed: a full disk takes an empty file). Leaves nothing behind."""
-    write_atomically(path, lambda tmp: tmp.write_bytes(bytes(size)), what, flag, keep=False)
+    removed: a full disk takes an empty file), or, with `ours`, would not replace it. Leaves nothing behind."""
+    write_atomically(path, lambda tmp: tmp.write_bytes(bytes(size)), what, flag, keep=False, ours=ours)
+
+
+def check_replaceable(path: Path, ours: Callable[[Path], bool], what: str, flag: str) -> None:
+    """A file already at `path` is overwritten only if it is empty or `ours(path)` finds it is `what`: a mistyped
+    path (a model's experts.bin, the SQLite store) must not be destroyed by an output written over it."""
+    if path.is_file() and path.stat().st_size and not ours(path):
+        raise ValueError(f"{flag} {path} exists and holds something other than {what} (it would be overwritten, "
+                         f"so it is left as it is); pass another {flag}")
 
 
 def _remove(directories: list[Path]) -> None:

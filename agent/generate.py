@@ -39,6 +39,7 @@ from agent.policies import DEFAULT_POLICY
 from agent.prefetch_gate import check_mode
 from agent.serve.scrub import truncated
 from agent.tokenizer import load_tokenizer
+from agent.traces import is_decode_jsonl
 from agent.workers import DEFAULT_WORKERS
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ def run_generate(model: Path, prompt: str | None = None, prompt_ids: list[int] |
         raise ValueError(f"--model {model} is not a directory; give an expert store written by "
                          "flashmoe-cli convert or flashmoe-cli init-demo")
     if record_trace is not None:     # before the model runs, not after
-        check_writable(Path(record_trace), *TRACE)
+        check_writable(Path(record_trace), *TRACE, ours=is_decode_jsonl)
     if prefill not in PREFILL_MODES:
         raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
     tokenizer = load_tokenizer(model)
@@ -204,7 +205,7 @@ def write_trace(path: Path, meta: dict[str, Any], records: list[dict[str, list[i
     steps = [{"step": step, "routed": routed, **({"system": fed} if fed else {})}
              for step, (routed, fed) in enumerate(zip(records, samples))]
     lines = [json.dumps({"meta": meta})] + [json.dumps(step) for step in steps]
-    write_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"), *TRACE)
+    write_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"), *TRACE, ours=is_decode_jsonl)
 
 
 # -- command line ----------------------------------------------------------------------------------------

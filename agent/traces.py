@@ -213,6 +213,17 @@ def _meta(path: Path, line: str) -> dict:
     return meta
 
 
+
+def is_decode_jsonl(path: Path) -> bool:
+    """Whether `path` opens with a decode JSONL trace's meta line (nothing further is read: it may be gigabytes
+    of something else)."""
+    try:
+        with open(path, "rb") as f:
+            _meta(path, f.readline(1 << 20).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, TraceError):
+        return False
+    return True
+
 def _record(path: Path, number: int, line: str, expected: list[str]) -> dict:
     where = f"{path}:{number}"
     try:

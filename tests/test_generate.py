@@ -143,6 +143,24 @@ def test_bad_input_is_a_clear_error_and_writes_no_trace(store, tmp_path, caplog,
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("content", [b"SQLite format 3\0" + bytes(100), b'{"step": 0}\n', b"\xff\xfe"])
+def test_a_trace_file_that_holds_something_else_is_left_as_it_is(store, tmp_path, caplog, content):
+    """--record-trace MODEL/experts.bin destroyed the store, --record-trace data/flashmoe.db the SQLite store."""
+    taken = tmp_path / "flashmoe.db"
+    taken.write_bytes(content)
+    assert cli(["generate", "--model", str(store), "--greedy", "--prompt-ids", "5", "--record-trace", str(taken)]) == 2
+    assert f"--record-trace {taken} exists and holds something other than the routing trace" in caplog.text
+    assert taken.read_bytes() == content and sorted(p.name for p in tmp_path.iterdir()) == ["flashmoe.db"]
+
+
+def test_a_routing_trace_is_recorded_over_an_earlier_one(store, tmp_path, caplog):
+    trace = tmp_path / "run.jsonl"
+    for tokens in ("2", "3"):
+        assert cli(["generate", "--model", str(store), "--greedy", "--prompt-ids", "5", "--max-new-tokens", tokens,
+                    "--record-trace", str(trace)]) == 0
+    assert read_jsonl(trace).n_tokens == 3
+
+
 def test_a_full_disk_keeps_the_generated_text_and_says_its_trace_is_not_written(store, tmpfs, capsys, caplog):
     """The trace's size is known only at the end: the generation was lost with it, without a word of it."""
     disk = tmpfs("1m")

@@ -192,6 +192,24 @@ def test_an_unwritable_out_fails_before_training_and_leaves_nothing(tiny_trace, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no .tmp left
 
 
+@pytest.mark.parametrize("content", [b"SQLite format 3\0" + bytes(100), b"precious notes\n"])
+def test_an_out_that_holds_something_else_is_left_as_it_is(tiny_trace, tmp_path, capsys, content):
+    """train-policy --out overwrote any file it was given (a mistyped store, the experts of a model)."""
+    taken = tmp_path / "flashmoe.db"
+    taken.write_bytes(content)
+    assert main(["train-policy", "--trace", str(tiny_trace), "--out", str(taken), "--max-decisions", "50"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {taken} exists and holds something other than the policy weights" in err
+    assert "decisions" not in err and taken.read_bytes() == content  # refused before training
+
+
+def test_policy_weights_are_written_over_earlier_ones(tmp_path):
+    out = tmp_path / "w.safetensors"
+    for epochs in (1, 2):
+        save(RetentionNet(), out, {"epochs": epochs})
+    assert training_info(out) == {"epochs": 2}
+
+
 def test_a_full_disk_fails_before_training_and_leaves_nothing(tiny_trace, tmpfs, capsys):
     """A full disk takes the empty file the write check made: training ran, then the weights were lost."""
     disk = tmpfs("1m")

@@ -88,14 +88,28 @@ def save(net: RetentionNet, path: Path, training: dict) -> None:
     meta = {"config": json.dumps(asdict(net.config)), "training": json.dumps(training)}
     state = {k: v.contiguous() for k, v in net.state_dict().items()}
     write_atomically(Path(path), lambda tmp: save_file(state, str(tmp), metadata=meta), *WEIGHTS,
-                     errors=(SafetensorError,))
+                     errors=(SafetensorError,), ours=is_weights)
 
 
 def check_writable(path: Path, config: NetConfig = NetConfig()) -> None:
     """Fail now, with the reason, if `save` could not write `path` (before hours of training, not after),
     nor find room for the weights (their tensors and a header's worth more)."""
     size = sum(t.numel() * t.element_size() for t in RetentionNet(config).state_dict().values()) + HEADER_ROOM
-    atomic_file.check_writable(Path(path), *WEIGHTS, size=size)
+    atomic_file.check_writable(Path(path), *WEIGHTS, size=size, ours=is_weights)
+
+
+def is_weights(path: Path) -> bool:
+    """Whether `path` is a weights file `save` wrote (its header alone is read)."""
+    try:
+        _config(path)
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _config(path: Path) -> NetConfig:
+    with safe_open(str(path), "pt") as f:
+        return NetConfig(**json.loads((f.metadata() or {})["config"]))
 
 
 def load(path: Path) -> RetentionNet:
@@ -106,10 +120,7 @@ def load(path: Path) -> RetentionNet:
     if not path.is_file():
         raise ValueError(f"FlashMoE policy weights {path} do not exist; {hint}")
     try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        config = NetConfig(**json.loads(meta["config"]))
-        net = RetentionNet(config)
+        net = RetentionNet(_config(path))
         weights = load_file(str(path))
         net.load_state_dict(weights)
         if bad := sorted(name for name, t in weights.items() if not torch.isfinite(t).all()):
