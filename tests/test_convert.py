@@ -16,6 +16,7 @@ from agent.convert import CheckpointError, convert
 from agent.experts.layout import ALIGN, CONFIG, DENSE, EXPERTS, INDEX, Index, StoreError
 from agent.experts.provider import InMemoryExperts
 from agent.model.loading import load_model
+from agent.tokenizer import byte_level_tokenizer_json
 from hf_models import ARCHS, expert_weights, saved_dense_names, tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,9 +152,17 @@ def test_fused_layout_is_one_transformers_loads(tmp_path):
 
 def test_tokenizer_json_is_copied(tmp_path):
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
-    (ckpt.path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "WordLevel"}}')
+    (ckpt.path / "tokenizer.json").write_text(byte_level_tokenizer_json())
     convert(ckpt.path, tmp_path / "store")
     assert (tmp_path / "store" / "tokenizer.json").read_bytes() == (ckpt.path / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize("text", ['{"version":"1.0","model":{"type":"BPE"', '{"version": "1.0"}', "\u00e9t\u00e9"])
+def test_a_tokenizer_json_that_does_not_load_is_refused_before_anything_is_written(tmp_path, text):
+    """It was copied into the store and convert said it wrote a store; generate then failed on it."""
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    (ckpt.path / "tokenizer.json").write_text(text)
+    _convert_fails(ckpt.path, tmp_path / "store", f"{ckpt.path / 'tokenizer.json'} is not a valid tokenizer.json")
 
 
 # ---------------------------------------------------------------- bad input: clear errors, nothing written

@@ -17,8 +17,8 @@ from agent.convert.safetensors_io import DTYPES, Span, TensorInfo, read_header
 from agent.convert.store_writer import StoreShape
 from agent.experts.layout import CONFIG
 from agent.model.config import ConfigError, MoEConfig
+from agent.tokenizer import TOKENIZER_JSON, HFTokenizer, TokenizerError
 
-TOKENIZER = "tokenizer.json"
 SHARD_INDEX = "model.safetensors.index.json"
 
 
@@ -74,8 +74,20 @@ def plan(src: Path) -> Plan:
     _check_dense_shapes(dict(dense), config, arch)
     torch_dtype, itemsize = DTYPES[dtypes.pop()]
     shape = StoreShape(shape.n_layers, shape.n_experts, shape.hidden, shape.intermediate, torch_dtype, itemsize)
-    files = [src / CONFIG] + ([src / TOKENIZER] if (src / TOKENIZER).exists() else [])
-    return Plan(shape, blocks, [(_saved_name(n, arch), t) for n, t in dense], files)
+    return Plan(shape, blocks, [(_saved_name(n, arch), t) for n, t in dense], [src / CONFIG] + _tokenizer(src))
+
+
+def _tokenizer(src: Path) -> list[Path]:
+    """tokenizer.json, if there is one, loaded as generate will load it: a broken one is refused now, not copied
+    into a store that then fails to generate."""
+    path = src / TOKENIZER_JSON
+    if not path.exists():
+        return []
+    try:
+        HFTokenizer(path)
+    except TokenizerError as exc:
+        raise CheckpointError(str(exc)) from None
+    return [path]
 
 
 def _read_config(src: Path) -> MoEConfig:
