@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Mapping
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from agent.policies.base import Key
+
+T = TypeVar("T")
 
 
 class TraceError(ValueError):
@@ -190,12 +195,17 @@ def _samples(path: Path, number: int, samples, n_layers: int) -> list[dict[str, 
 
 
 def _open_text(path: Path) -> str:
+    return _read(path, lambda p: p.read_text(encoding="utf-8"), "as UTF-8 text")
+
+
+def _read(path: Path, read: Callable[[Path], T], what: str) -> T:
+    """read(path), its failures as a TraceError naming the file; `what` says how it was read."""
     try:
-        return path.read_text(encoding="utf-8")
+        return read(path)
     except FileNotFoundError:
         raise TraceError(f"{path}: no such trace file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise TraceError(f"{path}: cannot read as UTF-8 text ({e})") from None
+        raise TraceError(f"{path}: cannot read {what} ({e})") from None
 
 
 def _meta(path: Path, line: str) -> dict:
@@ -276,17 +286,10 @@ def read_npz(path: str | Path, prompts: range | None = None, n_experts: int | No
 
 
 def _npz_arrays(path: Path) -> dict:
-    try:
-        z = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise TraceError(f"{path}: no such trace file") from None
-    except (OSError, ValueError) as e:
-        raise TraceError(f"{path}: not a readable NPZ archive ({e})") from None
-    with z:
-        missing = {"expert_ids", "prompt_offsets", "prompt_numbers", "layers", "meta"} - set(z.files)
-        if missing:
-            raise TraceError(f"{path}: missing array(s) {sorted(missing)} (prefill NPZ layout)")
-        arrays = {name: z[name] for name in z.files}
+    arrays = _npz_members(path)
+    missing = {"expert_ids", "prompt_offsets", "prompt_numbers", "layers", "meta"} - set(arrays)
+    if missing:
+        raise TraceError(f"{path}: missing array(s) {sorted(missing)} (prefill NPZ layout)")
     ids, offsets, numbers = arrays["expert_ids"], arrays["prompt_offsets"], arrays["prompt_numbers"]
     if ids.ndim != 3 or ids.dtype.kind not in "ui" or 0 in ids.shape:
         raise TraceError(f"{path}: array expert_ids must be a non-empty integer [tokens, layers, k] array, "
@@ -302,6 +305,30 @@ def _npz_arrays(path: Path) -> dict:
     except json.JSONDecodeError as e:
         raise TraceError(f"{path}: array meta is not a JSON string ({e.msg})") from None
     return arrays
+
+ZIP_MAGIC = b"PK\x03\x04"  # an NPZ is a zip archive of .npy members; np.load takes anything else for a pickle
+# what numpy and zipfile raise on a damaged archive: cut short, a bad central directory, a member whose
+# compressed data or CRC is wrong, or whose .npy header is not one
+DAMAGED_NPZ = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+def _head(path: Path) -> bytes:
+    with path.open("rb") as f:
+        return f.read(len(ZIP_MAGIC))
+
+
+def _npz_members(path: Path) -> dict[str, np.ndarray]:
+    """Every array of the archive at `path`, read whole: a damaged member fails here, not mid-replay."""
+    head = _read(path, _head, "as an NPZ archive")
+    if head != ZIP_MAGIC:
+        raise TraceError(f"{path}: not an NPZ archive: " + ("the file is empty" if not head else
+                                                           "it does not begin as a zip archive does"))
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {name: z[name] for name in z.files}
+    except DAMAGED_NPZ as e:
+        raise TraceError(f"{path}: not a readable NPZ archive, it is damaged or cut short "
+                         f"({type(e).__name__}: {e})") from None
 
 
 # -- any layout --------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Hypothesis: the trace readers round-trip any valid routing, and answer any damaged file (a line
-replaced by arbitrary JSON or text, arbitrary NPZ arrays) with a Trace or a TraceError naming the
-file, never another exception."""
+replaced by arbitrary JSON or text, arbitrary NPZ arrays, an NPZ archive cut short or overwritten)
+with a Trace or a TraceError naming the file, never another exception."""
 from __future__ import annotations
 
 import contextlib
@@ -87,3 +87,33 @@ def test_arbitrary_npz_arrays_are_a_trace_or_a_trace_error(contents):
             assert str(path) in str(err)
             return
     assert trace.n_tokens >= 1 and trace.experts.min() >= 0
+
+
+def npz_bytes(compressed: bool) -> bytes:
+    """A small valid prefill archive (the published one is compressed)."""
+    buffer = io.BytesIO()
+    (np.savez_compressed if compressed else np.savez)(
+        buffer, expert_ids=np.array([[[1, 2]], [[0, 3]]], np.uint8), prompt_offsets=np.array([0, 1, 2]),
+        prompt_numbers=np.array([1, 2]), layers=np.array([1]), meta=np.array(json.dumps({"n_experts": 4})))
+    return buffer.getvalue()
+
+
+@st.composite
+def damaged_archives(draw) -> bytes:
+    """A valid archive cut short, or with a span overwritten, or arbitrary bytes that may begin as a zip does."""
+    whole = npz_bytes(draw(st.booleans()))
+    at = draw(st.integers(0, len(whole) - 1))
+    return draw(st.sampled_from([
+        whole[:at],
+        whole[:at] + draw(st.binary(min_size=1, max_size=8)) + whole[at + 8:],
+        draw(st.sampled_from([b"", b"PK\x03\x04"])) + draw(st.binary(max_size=64)),
+    ]))
+
+
+@given(damaged_archives())
+def test_a_damaged_npz_archive_is_a_trace_or_a_trace_error(content):
+    with written("trace.npz", content) as path:
+        try:
+            read_npz(path)
+        except TraceError as err:
+            assert str(path) in str(err)

@@ -126,11 +126,31 @@ def test_malformed_npz_names_the_array(tmp_path, over, message):
         read_npz(write_npz(tmp_path / "p.npz", **over))
 
 
-def test_not_an_npz(tmp_path):
+def flipped(whole: bytes) -> bytes:
+    """`whole` with one byte of its first member's compressed data flipped."""
+    return whole[:100] + bytes([whole[100] ^ 0xFF]) + whole[101:]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda whole: b"not a zip", "not an NPZ archive: it does not begin as a zip archive does"),
+    (lambda whole: b"", "not an NPZ archive: the file is empty"),                           # was EOFError
+    (lambda whole: np.lib.format.magic(1, 0), "not an NPZ archive: it does not begin as a"),  # a .npy
+    (lambda whole: whole[:len(whole) // 2], r"not a readable NPZ archive, it is damaged or cut short "
+                                              r"\(BadZipFile"),                             # was BadZipFile
+    (flipped, "not a readable NPZ archive, it is damaged or cut short"),                    # was zlib.error
+])
+def test_not_an_npz(tmp_path, damage, message):
+    np.savez_compressed(tmp_path / "c.npz", **np.load(write_npz(tmp_path / "w.npz")))  # as published
     p = tmp_path / "x.npz"
-    p.write_bytes(b"not a zip")
-    with pytest.raises(TraceError, match="not a readable NPZ archive"):
+    p.write_bytes(damage((tmp_path / "c.npz").read_bytes()))
+    with pytest.raises(TraceError, match=rf"x\.npz: {message}"):
         read_npz(p)
+
+
+def test_a_directory_named_npz_is_not_read(tmp_path):
+    (tmp_path / "d.npz").mkdir()
+    with pytest.raises(TraceError, match=r"d\.npz: cannot read as an NPZ archive .*Is a directory"):
+        read_npz(tmp_path / "d.npz")
 
 
 def test_prompt_range_syntax():
