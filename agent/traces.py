@@ -177,7 +177,7 @@ def read_jsonl(path: str | Path, n_experts: int | None = None) -> Trace:
         for sample in _samples(path, number, record.get("system", []), n_layers):
             system[len(sets) * n_layers + int(sample.pop("layer"))] = sample
         sets.append([_expert_set(path, number, layer, record["routed"][layer], limit) for layer in expected])
-    trace = _from_sets(path.stem, str(meta.get("model") or "unknown"), sets, n_layers, top_k, limit, starts,
+    trace = _from_sets(path.stem, meta.get("model") or "unknown", sets, n_layers, top_k, limit, starts,
                        tuple(range(n_layers)), str(path))
     return dataclasses.replace(trace, system=system) if system else trace
 
@@ -214,14 +214,33 @@ def _meta(path: Path, line: str) -> dict:
         meta = json.loads(line)["meta"]
     except (json.JSONDecodeError, KeyError, TypeError):
         raise TraceError(f'{where}: the first line must be {{"meta": {{...}}}} (decode JSONL layout)') from None
-    for field in ("layers", "top_k"):
-        if not isinstance(meta.get(field), int) or isinstance(meta.get(field), bool) or meta[field] < 1:
-            raise TraceError(f"{where}: meta.{field} must be a positive integer, got {meta.get(field)!r}")
-    n = meta.get("n_experts")
-    if n is not None and (not isinstance(n, int) or n < 1):
-        raise TraceError(f"{where}: meta.n_experts must be a positive integer or null, got {n!r}")
+    return _checked_meta(where, meta, required=("layers", "top_k"))
+
+
+MAX_EXPERTS = 2**31 - 1  # a Trace holds expert ids as int32
+MAX_LAYERS = 1 << 16     # far above any model's; the JSONL reader builds a key per layer before reading a line
+
+
+def _checked_meta(where: str, meta: object, required: tuple[str, ...] = ()) -> dict:
+    """`meta` as the readers use it: an object whose counts (those `required` never null) are positive
+    integers in range, top_k at most n_experts, and model a string or null."""
+    if not isinstance(meta, dict):
+        raise TraceError(f"{where}: meta must be a JSON object {{...}}, got {json.dumps(meta)[:40]}")
+    for field, most in (("layers", MAX_LAYERS), ("top_k", MAX_EXPERTS), ("n_experts", MAX_EXPERTS)):
+        value = meta.get(field)
+        if (value is not None or field in required) and not _count(value, most):
+            nullable = "" if field in required else " or null"
+            raise TraceError(f"{where}: meta.{field} must be a positive integer{nullable} (at most {most}), "
+                             f"got {value!r:.40}")
+    if meta.get("top_k") is not None and meta.get("n_experts") is not None and meta["top_k"] > meta["n_experts"]:
+        raise TraceError(f"{where}: meta.top_k={meta['top_k']} exceeds meta.n_experts={meta['n_experts']}")
+    if not isinstance(meta.get("model"), (str, type(None))):
+        raise TraceError(f"{where}: meta.model must be a string or null, got {meta['model']!r:.40}")
     return meta
 
+
+def _count(value: object, most: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most
 
 
 def is_decode_jsonl(path: Path) -> bool:
@@ -233,6 +252,7 @@ def is_decode_jsonl(path: Path) -> bool:
     except (OSError, UnicodeDecodeError, TraceError):
         return False
     return True
+
 
 def _record(path: Path, number: int, line: str, expected: list[str]) -> dict:
     where = f"{path}:{number}"
@@ -279,7 +299,7 @@ def read_npz(path: str | Path, prompts: range | None = None, n_experts: int | No
     tokens, n_layers, k = sel.shape
     meta = arrays["meta"]
     name = path.stem if prompts is None else f"{path.stem}[{prompts.start}..{prompts.stop - 1}]"
-    return _finish(name, str(meta.get("model", "unknown")), np.arange(0, tokens * n_layers * k + 1, k),
+    return _finish(name, meta.get("model") or "unknown", np.arange(0, tokens * n_layers * k + 1, k),
                    sel.reshape(-1).astype(np.int64), n_layers, k,
                    n_experts if n_experts is not None else meta.get("n_experts"), starts,
                    tuple(int(x) for x in arrays["layers"]), str(path))
@@ -301,9 +321,10 @@ def _npz_arrays(path: Path) -> dict:
     if arrays["layers"].shape != (ids.shape[1],):
         raise TraceError(f"{path}: array layers has shape {arrays['layers'].shape}, expected ({ids.shape[1]},)")
     try:
-        arrays["meta"] = json.loads(str(arrays["meta"]))
+        meta = json.loads(str(arrays["meta"]))
     except json.JSONDecodeError as e:
         raise TraceError(f"{path}: array meta is not a JSON string ({e.msg})") from None
+    arrays["meta"] = _checked_meta(str(path), meta)
     return arrays
 
 ZIP_MAGIC = b"PK\x03\x04"  # an NPZ is a zip archive of .npy members; np.load takes anything else for a pickle

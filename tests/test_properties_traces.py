@@ -34,6 +34,14 @@ def routings(draw) -> tuple[dict, list[dict]]:
     return {"model": "fuzz", "layers": n_layers, "top_k": top_k, "n_experts": n_experts}, records
 
 
+def metas(valid: dict) -> st.SearchStrategy:
+    """A meta of any JSON type, or `valid` with one field of any JSON value (a list, a string, a huge count)."""
+    count = json_values | st.integers(-2, 70_000)  # past the reader's layer limit, yet small enough to build
+    fields = {"model": json_values, "layers": count, "top_k": count | st.just(2**31),
+              "n_experts": count | st.just(2**31)}
+    return json_values | st.one_of(*(v.map(lambda v, f=f: {**valid, f: v}) for f, v in fields.items()))
+
+
 @contextlib.contextmanager
 def written(name: str, content: str | bytes) -> Iterator[Path]:
     """`content` in a fresh file (hypothesis runs many examples per test: no function-scoped tmp_path)."""
@@ -69,6 +77,20 @@ def test_a_damaged_jsonl_line_is_a_trace_error_naming_the_file(routing, data):
             read_jsonl(path)
         except TraceError as err:
             assert str(path) in str(err)
+
+
+@given(routings(), st.data())
+def test_any_meta_is_a_trace_or_a_trace_error_naming_the_file(routing, data):
+    meta, records = routing
+    drawn = data.draw(metas(meta))
+    with written("trace.jsonl", jsonl([json.dumps({"meta": drawn}), *map(json.dumps, records)])) as path:
+        try:
+            trace = read_jsonl(path)
+        except TraceError as err:
+            assert str(path) in str(err)
+            return
+    assert isinstance(drawn, dict) and isinstance(trace.model, str) and trace.top_k >= 1
+    assert drawn.get("n_experts") is None or trace.top_k <= trace.n_experts == drawn["n_experts"]
 
 
 arrays = hnp.arrays(st.sampled_from([np.int8, np.int32, np.int64, np.float32, np.uint16]),
@@ -117,3 +139,33 @@ def test_a_damaged_npz_archive_is_a_trace_or_a_trace_error(content):
             read_npz(path)
         except TraceError as err:
             assert str(path) in str(err)
+
+
+@st.composite
+def prefills(draw, meta: st.SearchStrategy) -> dict[str, np.ndarray]:
+    """A prefill-layout archive's arrays with a valid routing (distinct experts per set) and `meta`."""
+    tokens, n_layers, k = draw(st.integers(1, 6)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    ids = [draw(st.permutations(range(8)))[:k] for _ in range(tokens * n_layers)]
+    cuts = sorted(draw(st.lists(st.integers(0, tokens), max_size=3)))
+    return dict(expert_ids=np.array(ids, np.uint8).reshape(tokens, n_layers, k),
+                prompt_offsets=np.array([0, *cuts, tokens]), prompt_numbers=np.arange(1, len(cuts) + 2),
+                layers=np.arange(1, n_layers + 1), meta=np.array(json.dumps(draw(meta))))
+
+
+def npz_of(arrays: dict[str, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+@given(prefills(metas({"model": "m", "n_experts": 8})))
+def test_an_npz_with_any_meta_is_a_trace_or_a_trace_error(arrays):
+    with written("trace.npz", npz_of(arrays)) as path:
+        try:
+            trace = read_npz(path)
+        except TraceError as err:
+            assert str(path) in str(err)
+            return
+    meta = json.loads(str(arrays["meta"]))
+    assert isinstance(meta, dict) and isinstance(trace.model, str) and trace.n_experts >= trace.experts.max() + 1
+    assert meta.get("n_experts") in (None, trace.n_experts)

@@ -74,6 +74,13 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, line, message):
     (json.dumps({"meta": meta(layers=0)}), r"t\.jsonl:1: meta.layers must be a positive integer"),
     (json.dumps({"meta": meta(top_k="8")}), r"meta.top_k must be a positive integer"),
     (json.dumps({"meta": meta(n_experts=-1)}), r"meta.n_experts must be a positive integer or null"),
+    (json.dumps({"meta": None}), r"t\.jsonl:1: meta must be a JSON object \{...\}, got null"),  # AttributeError
+    (json.dumps({"meta": [1]}), r"t\.jsonl:1: meta must be a JSON object \{...\}, got \[1\]"),
+    (json.dumps({"meta": "x"}), r't\.jsonl:1: meta must be a JSON object \{...\}, got "x"'),
+    (json.dumps({"meta": meta(n_experts=True)}), r"meta.n_experts must be a positive integer or null"),
+    (json.dumps({"meta": meta(layers=65537)}), r"meta.layers must be a positive integer \(at most 65536\)"),
+    (json.dumps({"meta": meta(top_k=9)}), r"meta.top_k=9 exceeds meta.n_experts=8"),
+    (json.dumps({"meta": meta(model=["m"])}), r"meta.model must be a string or null, got \['m'\]"),
 ])
 def test_bad_meta_line(tmp_path, first, message):
     p = tmp_path / "t.jsonl"
@@ -120,6 +127,10 @@ def test_npz_prompts_are_sessions_and_ranges_select_them(tmp_path):
     ({"expert_ids": np.zeros((3, 2), np.uint8)}, "array expert_ids must be"),
     ({"layers": np.array([1, 2, 3], np.int16)}, "array layers has shape"),
     ({"meta": np.array("{oops")}, "array meta is not a JSON string"),
+    ({"meta": np.array("[1]")}, r"p\.npz: meta must be a JSON object \{...\}, got \[1\]"),  # was AttributeError
+    ({"meta": np.array('{"n_experts": "abc"}')}, "p\\.npz: meta.n_experts must be a positive integer or null"
+                                                 " \\(at most 2147483647\\), got 'abc'"),  # was TypeError
+    ({"meta": np.array('{"n_experts": 8, "model": 5}')}, "meta.model must be a string or null, got 5"),
 ])
 def test_malformed_npz_names_the_array(tmp_path, over, message):
     with pytest.raises(TraceError, match=message):
