@@ -30,7 +30,8 @@ from agent.policies.belady import BeladyOracle
 from agent.policies.lfu import DEFAULT_WINDOW
 from agent.experts.reader import IO_THREADS
 from agent.residency import SCOPES, Residency
-from agent.traces import Trace, TraceError, access_sequence, load, parse_prompts, walk
+from agent.traces import (Trace, TraceError, access_sequence, checked_signals, is_count, load, parse_json,
+                          parse_prompts, read_text, walk)
 
 if TYPE_CHECKING:
     from agent.learned.online import OnlineConfig, OnlineLearner
@@ -56,18 +57,13 @@ class SystemReplay:
     @classmethod
     def load(cls, path: str | Path) -> SystemReplay:
         """Read {"every": N, "samples": [{"read_latency_s": ..., "mem_pressure": ...}, ...]}."""
-        try:
-            doc = json.loads(Path(path).read_text())
-            samples = tuple({k: float(v) for k, v in s.items()} for s in doc["samples"])
-            every = int(doc.get("every", 32))
-        except FileNotFoundError:
-            raise ValueError(f"{path}: no such system series file") from None
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f'{path}: expected {{"every": N, "samples": [{{"read_latency_s": x, '
-                             f'"mem_pressure": y}}, ...]}} ({e})') from None
-        if not samples or every < 1:
-            raise ValueError(f"{path}: a system series needs at least one sample and every >= 1")
-        return cls(samples, every)
+        path = Path(path)
+        doc = parse_json(str(path), read_text(path, "system series file"))
+        samples, every = (doc.get("samples"), doc.get("every", 32)) if isinstance(doc, dict) else (None, None)
+        if not isinstance(samples, list) or not samples or not is_count(every):
+            raise ValueError(f'{path}: expected {{"every": N, "samples": [{{"read_latency_s": x, "mem_pressure": y}}, '
+                             f'...]}} with at least one sample and N a positive integer')
+        return cls(tuple(checked_signals(f"{path}: sample {i}", s) for i, s in enumerate(samples)), every)
 
     def at(self, token: int) -> dict[str, float] | None:
         if token % self.every:

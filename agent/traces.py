@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -158,7 +159,7 @@ def _finish(name: str, model: str, offsets: np.ndarray, flat: np.ndarray, n_laye
 def read_jsonl(path: str | Path, n_experts: int | None = None) -> Trace:
     """Read a decode-layout JSONL trace; `n_experts` overrides (or supplies a null) meta value."""
     path = Path(path)
-    lines = _open_text(path).splitlines()
+    lines = read_text(path).splitlines()
     meta = _meta(path, lines[0] if lines else "")
     n_layers, top_k = meta["layers"], meta["top_k"]
     expected = [str(i) for i in range(n_layers)]
@@ -184,36 +185,53 @@ def read_jsonl(path: str | Path, n_experts: int | None = None) -> Trace:
 
 def _samples(path: Path, number: int, samples, n_layers: int) -> list[dict[str, float]]:
     """A record's "system" list: [{"layer": L, "read_latency_s": x, ...}], each layer at most once."""
-    def valid(s) -> bool:
-        return (isinstance(s, dict) and isinstance(s.get("layer"), int) and 0 <= s["layer"] < n_layers
-                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in s.values()))
-    if not isinstance(samples, list) or not all(map(valid, samples)) or \
-            len({s["layer"] for s in samples}) != len(samples):
+    layers = [s.get("layer") if isinstance(s, dict) else None for s in samples] if isinstance(samples, list) else [None]
+    if not all(type(layer) is int and 0 <= layer < n_layers for layer in layers) or len(set(layers)) != len(layers):
         raise TraceError(f'{path}:{number}: "system" must be a list of {{"layer": L (0..{n_layers - 1}, '
-                         f'each once), "read_latency_s": x, ...}} with numeric values')
-    return [{k: float(v) if k != "layer" else v for k, v in s.items()} for s in samples]
+                         f'each once), "read_latency_s": x, ...}}')
+    return [{"layer": s["layer"], **checked_signals(f'{path}:{number}: "system" layer {s["layer"]}',
+                                                    {k: v for k, v in s.items() if k != "layer"})} for s in samples]
 
 
-def _open_text(path: Path) -> str:
-    return _read(path, lambda p: p.read_text(encoding="utf-8"), "as UTF-8 text")
+def checked_signals(where: str, sample: object) -> dict[str, float]:
+    """A monitoring sample as a policy is fed it (agent.monitor's policy_inputs): at least one signal, each a
+    finite number >= 0; a latency, a share or a rate is never negative, and NaN or infinity poisons the
+    learned policy's input."""
+    if not isinstance(sample, dict) or not sample or not all(map(_signal, sample.values())):
+        raise TraceError(f'{where}: a monitoring sample must be {{"read_latency_s": x, "mem_pressure": y, ...}} '
+                         f'with at least one value, each a finite number >= 0; got {json.dumps(sample)[:60]}')
+    return {k: float(v) for k, v in sample.items()}
 
 
-def _read(path: Path, read: Callable[[Path], T], what: str) -> T:
+def _signal(value: object) -> bool:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value)) and value >= 0
+    except OverflowError:  # an integer past 1e308 has no float
+        return False
+
+
+def read_text(path: Path, kind: str = "trace file") -> str:
+    return _read(path, lambda p: p.read_text(encoding="utf-8"), "as UTF-8 text", kind)
+
+
+def _read(path: Path, read: Callable[[Path], T], what: str, kind: str = "trace file") -> T:
     """read(path), its failures as a TraceError naming the file; `what` says how it was read."""
     try:
         return read(path)
     except FileNotFoundError:
-        raise TraceError(f"{path}: no such trace file") from None
+        raise TraceError(f"{path}: no such {kind}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise TraceError(f"{path}: cannot read {what} ({e})") from None
 
 
 def _meta(path: Path, line: str) -> dict:
     where = f"{path}:1"
-    try:
-        meta = json.loads(line)["meta"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise TraceError(f'{where}: the first line must be {{"meta": {{...}}}} (decode JSONL layout)') from None
+    first = parse_json(where, line) if line.strip() else None
+    if not isinstance(first, dict) or "meta" not in first:
+        raise TraceError(f'{where}: the first line must be {{"meta": {{...}}}} (decode JSONL layout)')
+    meta = first["meta"]
     return _checked_meta(where, meta, required=("layers", "top_k"))
 
 
@@ -228,7 +246,7 @@ def _checked_meta(where: str, meta: object, required: tuple[str, ...] = ()) -> d
         raise TraceError(f"{where}: meta must be a JSON object {{...}}, got {json.dumps(meta)[:40]}")
     for field, most in (("layers", MAX_LAYERS), ("top_k", MAX_EXPERTS), ("n_experts", MAX_EXPERTS)):
         value = meta.get(field)
-        if (value is not None or field in required) and not _count(value, most):
+        if (value is not None or field in required) and not is_count(value, most):
             nullable = "" if field in required else " or null"
             raise TraceError(f"{where}: meta.{field} must be a positive integer{nullable} (at most {most}), "
                              f"got {value!r:.40}")
@@ -239,7 +257,8 @@ def _checked_meta(where: str, meta: object, required: tuple[str, ...] = ()) -> d
     return meta
 
 
-def _count(value: object, most: int) -> bool:
+def is_count(value: object, most: float = math.inf) -> bool:
+    """A positive JSON integer up to `most` (a boolean is not one)."""
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most
 
 
@@ -254,12 +273,20 @@ def is_decode_jsonl(path: Path) -> bool:
     return True
 
 
-def _record(path: Path, number: int, line: str, expected: list[str]) -> dict:
-    where = f"{path}:{number}"
+def parse_json(where: str, text: str) -> object:
+    """`text` as JSON; what Python's parser gives up on (nesting past its recursion limit, an integer of more
+    than 4,300 digits) is a TraceError naming `where` like any other bad JSON."""
     try:
-        record = json.loads(line)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except (ValueError, RecursionError) as e:
+        raise TraceError(f"{where}: not JSON this reader takes ({type(e).__name__}: {str(e)[:80]})") from None
+
+
+def _record(path: Path, number: int, line: str, expected: list[str]) -> dict:
+    where = f"{path}:{number}"
+    record = parse_json(where, line)
     routed = record.get("routed") if isinstance(record, dict) else None
     if not isinstance(routed, dict):
         raise TraceError(f'{where}: expected {{"step": s, "routed": {{"0": [ids], ...}}}}')
@@ -320,11 +347,7 @@ def _npz_arrays(path: Path) -> dict:
                          f"than prompt_numbers, both 1-d (shapes {offsets.shape} and {numbers.shape})")
     if arrays["layers"].shape != (ids.shape[1],):
         raise TraceError(f"{path}: array layers has shape {arrays['layers'].shape}, expected ({ids.shape[1]},)")
-    try:
-        meta = json.loads(str(arrays["meta"]))
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{path}: array meta is not a JSON string ({e.msg})") from None
-    arrays["meta"] = _checked_meta(str(path), meta)
+    arrays["meta"] = _checked_meta(str(path), parse_json(f"{path}: array meta", str(arrays["meta"])))
     return arrays
 
 ZIP_MAGIC = b"PK\x03\x04"  # an NPZ is a zip archive of .npy members; np.load takes anything else for a pickle

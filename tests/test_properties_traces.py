@@ -15,8 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from agent.simulator import SystemReplay
 from agent.traces import TraceError, read_jsonl, read_npz
 
+# numbers no monitoring sample may hold (1e400 parses to infinity; a 400-digit integer has no float), among any
+numbers = st.floats() | st.integers() | st.sampled_from([10**400, -10**400, 1e400, -1.0, float("nan")])
+samples = st.dictionaries(st.sampled_from(["read_latency_s", "mem_pressure", "ssd_util"]),
+                          st.floats(0, 1) | numbers | st.text(max_size=3), max_size=3)
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
                                                                                        max_size=4), max_leaves=12)
@@ -169,3 +174,32 @@ def test_an_npz_with_any_meta_is_a_trace_or_a_trace_error(arrays):
     meta = json.loads(str(arrays["meta"]))
     assert isinstance(meta, dict) and isinstance(trace.model, str) and trace.n_experts >= trace.experts.max() + 1
     assert meta.get("n_experts") in (None, trace.n_experts)
+
+
+def fed(sample: dict[str, float]) -> bool:
+    """What a policy may be fed: at least one signal, each a finite float >= 0."""
+    return bool(sample) and all(isinstance(v, float) and np.isfinite(v) and v >= 0 for v in sample.values())
+
+
+@given(routings(), samples)
+def test_a_recorded_system_sample_is_refused_or_finite(routing, sample):
+    meta, records = routing
+    records[0] = {**records[0], "system": [{"layer": 0, **sample}]}
+    with written("trace.jsonl", jsonl([json.dumps({"meta": meta}), *map(json.dumps, records)])) as path:
+        try:
+            trace = read_jsonl(path)
+        except TraceError as err:
+            assert str(path) in str(err)
+            return
+    assert fed(trace.system[0])
+
+
+@given(st.fixed_dictionaries({}, optional={"every": numbers | json_values, "samples": st.lists(samples, max_size=3)}))
+def test_a_system_series_is_refused_or_finite(doc):
+    with written("series.json", json.dumps(doc)) as path:
+        try:
+            series = SystemReplay.load(path)
+        except ValueError as err:
+            assert str(path) in str(err)
+            return
+    assert series.samples and all(map(fed, series.samples)) and type(series.every) is int and series.every >= 1

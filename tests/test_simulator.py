@@ -110,6 +110,41 @@ def test_system_series_file(tmp_path):
     assert SystemReplay.synthetic().at(0) == SystemReplay.synthetic().at(0)  # deterministic
 
 
+BIG = "9" * 400  # a JSON integer with no float: float() raised OverflowError
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"every": 1e400, "samples": [{"read_latency_s": 1e-4}]}', "N a positive integer"),   # was OverflowError
+    ('{"every": 0, "samples": [{"read_latency_s": 1e-4}]}', "N a positive integer"),
+    ('{"every": 4.5, "samples": [{"read_latency_s": 1e-4}]}', "N a positive integer"),  # was taken as 4
+    ('{"samples": []}', "at least one sample"),
+    ('{"samples": [{}]}', r"sample 0: a monitoring sample must be .* with at least one value.*; got \{\}"),
+    ('{"samples": [{"read_latency_s": NaN}]}', r"sample 0: .*each a finite number >= 0; got .*NaN"),
+    ('{"samples": [{"read_latency_s": Infinity}]}', "sample 0: .*each a finite number >= 0"),
+    ('{"samples": [{"read_latency_s": 1e-4}, {"mem_pressure": 1e400}]}', "sample 1: .*got .*Infinity"),
+    ('{"samples": [{"read_latency_s": -1}]}', "sample 0: .*each a finite number >= 0"),
+    ('{"samples": [{"read_latency_s": %s}]}' % BIG, "sample 0: .*each a finite number >= 0"),  # was OverflowError
+    ('{"samples": [{"read_latency_s": "1e-4"}]}', "sample 0: .*each a finite number >= 0"),
+    ("[" * 100_000, r"not JSON this reader takes \(RecursionError"),                               # was RecursionError
+    ('{"samples": [{"read_latency_s": %s}]}' % ("9" * 5000), r"not JSON this reader takes \(ValueError"),
+])
+def test_a_system_series_of_bad_values_is_refused_naming_the_file(tmp_path, text, message):
+    """Each of these replayed silently (NaN reached the learned policy's input) or ended in a traceback."""
+    path = tmp_path / "s.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"s\.json: (.* )?{message}"):
+        SystemReplay.load(path)
+
+
+def test_a_system_series_that_is_not_a_file_is_one_line(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"series: cannot read as UTF-8 text \(.*Is a directory"):
+        SystemReplay.load((tmp_path / "series").mkdir() or tmp_path / "series")   # was IsADirectoryError
+    with pytest.raises(ValueError, match=r"absent\.json: no such system series file"):
+        SystemReplay.load(tmp_path / "absent.json")
+    assert main(["simulate", "--trace", str(OLMOE), "--policy", "lru", "--system-series", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
 def test_gap_closed():
     assert gap_closed(0.6, 0.5, 0.7) == pytest.approx(0.5)
     assert gap_closed(0.5, 0.5, 0.5) is None

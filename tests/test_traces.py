@@ -89,6 +89,32 @@ def test_bad_meta_line(tmp_path, first, message):
         read_jsonl(p)
 
 
+@pytest.mark.parametrize("sample, message", [
+    ('{"layer": 0, "read_latency_s": %s}' % ("9" * 400), "layer 0: a monitoring sample must be"),  # OverflowError
+    ('{"layer": 0, "read_latency_s": NaN}', r"layer 0: .*each a finite number >= 0; got .*NaN"),  # all 4 were read
+    ('{"layer": 1, "read_latency_s": Infinity}', "layer 1: .*each a finite number >= 0"),
+    ('{"layer": 0, "mem_pressure": 1e400}', "layer 0: .*got .*Infinity"),
+    ('{"layer": 0, "read_latency_s": -0.5}', "layer 0: .*each a finite number >= 0"),
+    ('{"layer": 0}', r"layer 0: a monitoring sample must be .* with at least one value.*; got \{\}"),
+    ('{}', r'"system" must be a list of \{"layer": L \(0\.\.1, each once\)'),
+    ('{"layer": true, "read_latency_s": 0.1}', r'"system" must be a list of'),
+])
+def test_bad_system_samples_name_file_line_and_layer(tmp_path, sample, message):
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"meta": meta()}) + '\n{"step": 0, "routed": {"0": [1, 2], "1": [3, 4]}, "system": ['
+                 + sample + "]}\n")
+    with pytest.raises(TraceError, match=rf"t\.jsonl:2: (\"system\" )?{message}"):
+        read_jsonl(p)
+
+
+def test_json_the_parser_gives_up_on_names_the_file_and_line(tmp_path):
+    p = tmp_path / "t.jsonl"
+    for line, error in [("[" * 100_000, "RecursionError"), ('{"step": %s}' % ("9" * 5000), "ValueError")]:
+        p.write_text(json.dumps({"meta": meta()}) + "\n" + line + "\n")
+        with pytest.raises(TraceError, match=rf"t\.jsonl:2: not JSON this reader takes \({error}"):
+            read_jsonl(p)
+
+
 def test_missing_file_unknown_layout_and_header_only(tmp_path):
     for absent in ("absent.jsonl", "absent.npz", "absent"):   # "absent" was an "unknown trace layout"
         with pytest.raises(TraceError, match=f"{absent}: no such trace file"):
@@ -126,7 +152,7 @@ def test_npz_prompts_are_sessions_and_ranges_select_them(tmp_path):
     ({"prompt_numbers": np.array(5)}, r"both 1-d \(shapes \(3,\) and \(\)\)"),
     ({"expert_ids": np.zeros((3, 2), np.uint8)}, "array expert_ids must be"),
     ({"layers": np.array([1, 2, 3], np.int16)}, "array layers has shape"),
-    ({"meta": np.array("{oops")}, "array meta is not a JSON string"),
+    ({"meta": np.array("{oops")}, "array meta: not valid JSON"),
     ({"meta": np.array("[1]")}, r"p\.npz: meta must be a JSON object \{...\}, got \[1\]"),  # was AttributeError
     ({"meta": np.array('{"n_experts": "abc"}')}, "p\\.npz: meta.n_experts must be a positive integer or null"
                                                  " \\(at most 2147483647\\), got 'abc'"),  # was TypeError
