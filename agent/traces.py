@@ -302,11 +302,16 @@ def _expert_set(path: Path, number: int, layer: str, ids: object, limit: int | N
         raise TraceError(f"{path}:{number}: layer {layer} must be a non-empty list of expert ids "
                          f"(non-negative integers), got {ids!r}")
     if len(set(ids)) != len(ids):
-        raise TraceError(f"{path}:{number}: layer {layer} lists an expert twice: {ids}")
+        raise _listed_twice(f"{path}:{number}", layer, ids)
     if limit is not None and max(ids) >= limit:
         raise TraceError(f"{path}:{number}: layer {layer} expert id {max(ids)} is out of range for "
                          f"n_experts={limit}; pass the model's expert count (--experts) or fix the file")
     return ids
+
+
+def _listed_twice(where: str, layer: object, ids: list[int]) -> TraceError:
+    """A set that names an expert twice: the runtime routes a token to distinct experts (both layouts)."""
+    return TraceError(f"{where}: layer {layer} lists an expert twice: {ids}")
 
 
 # -- prefill NPZ -------------------------------------------------------------------------------
@@ -347,6 +352,10 @@ def _npz_arrays(path: Path) -> dict:
                          f"than prompt_numbers, both 1-d (shapes {offsets.shape} and {numbers.shape})")
     if arrays["layers"].shape != (ids.shape[1],):
         raise TraceError(f"{path}: array layers has shape {arrays['layers'].shape}, expected ({ids.shape[1]},)")
+    twice = np.argwhere(np.any(np.diff(np.sort(ids, axis=2), axis=2) == 0, axis=2))
+    if len(twice):
+        token, layer = twice[0]
+        raise _listed_twice(f"{path}: expert_ids[{token}]", layer, ids[token, layer].tolist())
     arrays["meta"] = _checked_meta(str(path), parse_json(f"{path}: array meta", str(arrays["meta"])))
     return arrays
 

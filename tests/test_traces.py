@@ -151,6 +151,8 @@ def test_npz_prompts_are_sessions_and_ranges_select_them(tmp_path):
     ({"prompt_offsets": np.array([0, 2, 5])}, "array prompt_offsets must rise from 0 to 3"),
     ({"prompt_numbers": np.array(5)}, r"both 1-d \(shapes \(3,\) and \(\)\)"),
     ({"expert_ids": np.zeros((3, 2), np.uint8)}, "array expert_ids must be"),
+    ({"expert_ids": np.array([[[1, 2], [3, 4]], [[2, 5], [0, 4]], [[6, 1], [3, 3]]], np.uint8)},
+     r"p\.npz: expert_ids\[2\]: layer 1 lists an expert twice: \[3, 3\]"),  # was replayed (exit 0)
     ({"layers": np.array([1, 2, 3], np.int16)}, "array layers has shape"),
     ({"meta": np.array("{oops")}, "array meta: not valid JSON"),
     ({"meta": np.array("[1]")}, r"p\.npz: meta must be a JSON object \{...\}, got \[1\]"),  # was AttributeError
