@@ -7,8 +7,9 @@ import contextlib
 import io
 import json
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from hypothesis import given
@@ -17,6 +18,8 @@ from hypothesis.extra import numpy as hnp
 
 from agent.simulator import SystemReplay
 from agent.traces import TraceError, read_jsonl, read_npz
+
+T = TypeVar("T")
 
 # numbers no monitoring sample may hold (1e400 parses to infinity; a 400-digit integer has no float), among any
 numbers = st.floats() | st.integers() | st.sampled_from([10**400, -10**400, 1e400, -1.0, float("nan")])
@@ -56,6 +59,16 @@ def written(name: str, content: str | bytes) -> Iterator[Path]:
         yield path
 
 
+def read_or_refused(name: str, content: str | bytes, reader: Callable[[Path], T], refusal=TraceError) -> T | None:
+    """reader's result for `content` written to a file `name`, or None when it refused it naming the file."""
+    with written(name, content) as path:
+        try:
+            return reader(path)
+        except refusal as err:
+            assert str(path) in str(err)
+            return None
+
+
 def jsonl(lines: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
@@ -88,14 +101,9 @@ def test_a_damaged_jsonl_line_is_a_trace_error_naming_the_file(routing, data):
 def test_any_meta_is_a_trace_or_a_trace_error_naming_the_file(routing, data):
     meta, records = routing
     drawn = data.draw(metas(meta))
-    with written("trace.jsonl", jsonl([json.dumps({"meta": drawn}), *map(json.dumps, records)])) as path:
-        try:
-            trace = read_jsonl(path)
-        except TraceError as err:
-            assert str(path) in str(err)
-            return
-    assert isinstance(drawn, dict) and isinstance(trace.model, str) and trace.top_k >= 1
-    assert drawn.get("n_experts") is None or trace.top_k <= trace.n_experts == drawn["n_experts"]
+    trace = read_or_refused("trace.jsonl", jsonl([json.dumps({"meta": drawn}), *map(json.dumps, records)]), read_jsonl)
+    assert trace is None or isinstance(drawn, dict) and isinstance(trace.model, str) and trace.top_k >= 1
+    assert trace is None or drawn.get("n_experts") is None or trace.top_k <= trace.n_experts == drawn["n_experts"]
 
 
 arrays = hnp.arrays(st.sampled_from([np.int8, np.int32, np.int64, np.float32, np.uint16]),
@@ -139,11 +147,7 @@ def damaged_archives(draw) -> bytes:
 
 @given(damaged_archives())
 def test_a_damaged_npz_archive_is_a_trace_or_a_trace_error(content):
-    with written("trace.npz", content) as path:
-        try:
-            read_npz(path)
-        except TraceError as err:
-            assert str(path) in str(err)
+    read_or_refused("trace.npz", content, read_npz)
 
 
 @st.composite
@@ -168,12 +172,9 @@ def npz_of(arrays: dict[str, np.ndarray]) -> bytes:
 
 @given(prefills(metas({"model": "m", "n_experts": 8})))
 def test_an_npz_with_any_meta_or_a_set_naming_an_expert_twice_is_a_trace_or_a_trace_error(arrays):
-    with written("trace.npz", npz_of(arrays)) as path:
-        try:
-            trace = read_npz(path)
-        except TraceError as err:
-            assert str(path) in str(err)
-            return
+    trace = read_or_refused("trace.npz", npz_of(arrays), read_npz)
+    if trace is None:
+        return
     meta = json.loads(str(arrays["meta"]))
     assert isinstance(meta, dict) and isinstance(trace.model, str) and trace.n_experts >= trace.experts.max() + 1
     assert meta.get("n_experts") in (None, trace.n_experts)
@@ -189,21 +190,12 @@ def fed(sample: dict[str, float]) -> bool:
 def test_a_recorded_system_sample_is_refused_or_finite(routing, sample):
     meta, records = routing
     records[0] = {**records[0], "system": [{"layer": 0, **sample}]}
-    with written("trace.jsonl", jsonl([json.dumps({"meta": meta}), *map(json.dumps, records)])) as path:
-        try:
-            trace = read_jsonl(path)
-        except TraceError as err:
-            assert str(path) in str(err)
-            return
-    assert fed(trace.system[0])
+    trace = read_or_refused("trace.jsonl", jsonl([json.dumps({"meta": meta}), *map(json.dumps, records)]), read_jsonl)
+    assert trace is None or fed(trace.system[0])
 
 
 @given(st.fixed_dictionaries({}, optional={"every": numbers | json_values, "samples": st.lists(samples, max_size=3)}))
 def test_a_system_series_is_refused_or_finite(doc):
-    with written("series.json", json.dumps(doc)) as path:
-        try:
-            series = SystemReplay.load(path)
-        except ValueError as err:
-            assert str(path) in str(err)
-            return
-    assert series.samples and all(map(fed, series.samples)) and type(series.every) is int and series.every >= 1
+    series = read_or_refused("series.json", json.dumps(doc), SystemReplay.load, ValueError)
+    assert series is None or (series.samples and all(map(fed, series.samples))
+                              and type(series.every) is int and series.every >= 1)
