@@ -359,6 +359,7 @@ def _npz_arrays(path: Path) -> dict:
     arrays["meta"] = _checked_meta(str(path), parse_json(f"{path}: array meta", str(arrays["meta"])))
     return arrays
 
+
 ZIP_MAGIC = b"PK\x03\x04"  # an NPZ is a zip archive of .npy members; np.load takes anything else for a pickle
 # what numpy and zipfile raise on a damaged archive: cut short, a bad central directory, a member whose
 # compressed data or CRC is wrong, or whose .npy header is not one
