@@ -2,9 +2,12 @@
 
 Every operation gets schema-valid and schema-violating inputs (schemathesis' positive and negative
 generation, hypothesis underneath) against a real agent on loopback without a token, so control
-calls reach validation. For each: no 5xx, an answer within HANG_S, and every 4xx says what was
-wrong. Afterwards the agent still answers a known greedy completion exactly as before: nothing the
-fuzzer sent (knob changes included) changed what the model computes. A second agent, started with a
+calls reach validation. For each: no 5xx, an answer within HANG_S, every 4xx says what was wrong,
+and the answer is what /openapi.json says (schemathesis' conformance checks: a documented status,
+content type, headers and body), a schema-violating input is refused and a schema-valid one accepted,
+so the schema is the agent's contract and not a sketch of it. Afterwards the agent still answers a
+known greedy completion exactly as before: nothing the fuzzer sent (knob changes included) changed
+what the model computes. A second agent, started with a
 token, gets the control calls' inputs as drawn, without a token and with a wrong one, and the first
 agent gets them addressed to another host (DNS rebinding): none is answered 2xx, and the agent's
 knobs, cache and knob history are as they were.
@@ -22,6 +25,7 @@ from pathlib import Path
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from schemathesis import checks
 
 from agents import demo_model, start_agent
 from store import queries
@@ -32,19 +36,22 @@ CHEAP_TOKENS = 16      # see cheap()
 CHEAP_PROMPT = 256
 CONTEXT = 4096         # the demo model's; max_tokens beyond it are refused at once and kept as drawn
 KNOWN = {"prompt": "The expert cache keeps", "max_tokens": 12, "temperature": 0}
+CONFORMANCE = [checks.status_code_conformance, checks.content_type_conformance, checks.response_headers_conformance,
+               checks.response_schema_conformance, checks.negative_data_rejection, checks.positive_data_acceptance]
 
 seen: collections.Counter[str] = collections.Counter()
 
 
 def cheap(case) -> None:
     """Valid but long work is lowered, as it is work and not a hang: max_tokens above CHEAP_TOKENS,
-    prompts longer than CHEAP_PROMPT within the context. Values beyond the context are sent as drawn."""
+    prompts longer than CHEAP_PROMPT, within the context (which holds the prompt and a token at least).
+    Values beyond it are sent as drawn."""
     if case.path != "/v1/completions" or not isinstance(case.body, dict):
         return
     tokens, prompt = _number(case.body.get("max_tokens")), case.body.get("prompt")
-    if tokens is not None and CHEAP_TOKENS < tokens <= CONTEXT:  # 4000.0 and "4000" are 4000 to the agent
+    if tokens is not None and CHEAP_TOKENS < tokens < CONTEXT:  # 4000.0 and "4000" are 4000 to the agent
         case.body["max_tokens"] = CHEAP_TOKENS
-    if isinstance(prompt, (str, list)) and CHEAP_PROMPT < len(prompt) <= CONTEXT:
+    if isinstance(prompt, (str, list)) and CHEAP_PROMPT < len(prompt) < CONTEXT:
         case.body["prompt"] = prompt[:CHEAP_PROMPT]
 
 
@@ -86,7 +93,7 @@ def test_no_input_is_a_5xx_a_hang_or_a_4xx_without_a_message(api):
 
 def fuzz(operation, mode, headers: dict[str, str] | None = None, refused: bool = False) -> None:
     """Drawn cases of `operation` (sent with `headers` over the drawn ones): no 5xx, no hang, a 4xx
-    says why; with `refused`, nothing is accepted either."""
+    says why, the answer conforms to the schema; with `refused`, nothing is accepted either."""
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
               database=None)
@@ -102,6 +109,7 @@ def fuzz(operation, mode, headers: dict[str, str] | None = None, refused: bool =
         if response.status_code >= 400:
             error = response.json()["error"]
             assert isinstance(error["message"], str) and error["message"].strip(), response.text[:300]
+        case.validate_response(response, checks=CONFORMANCE)
         assert not (refused and response.status_code < 400), f"{case.method} {case.path} {case.body!r:.300} accepted"
 
     check()
@@ -133,6 +141,28 @@ def test_no_control_call_without_the_token_changes_the_agent(guarded, headers):
     assert guarded.get("/v1/knobs").json() == knobs
     assert guarded.get("/v1/status").json()["cache"]["resident_experts"] == cache["resident_experts"]
     assert [h for h in queries.knob_history(guarded.db) if h["source"] != "restore"] == []
+
+
+def test_control_calls_declare_the_token_where_the_agent_has_one(agent, guarded):
+    for served, schemes, refusals in ((agent, {}, {"403"}), (guarded, {"token"}, {"401", "429"})):
+        schema = served.get("/openapi.json").json()
+        assert set(schema["components"].get("securitySchemes", {})) == set(schemes)
+        for path, method in (("/v1/knobs", "put"), ("/v1/cache/preload", "post")):
+            operation = schema["paths"][path][method]
+            assert operation.get("security", []) == ([{"token": []}] if schemes else [])
+            assert set(operation["responses"]) >= refusals | {"200", "400", "413", "422", "503"}
+
+
+def test_the_knobs_schema_is_what_the_agent_lists(agent):
+    """The bounds PUT /v1/knobs is drawn from are the live ones GET /v1/knobs shows (they depend on the machine)."""
+    described = agent.get("/openapi.json").json()["components"]["schemas"]["KnobChanges"]["properties"]
+    knobs = agent.get("/v1/knobs").json()
+    assert described.keys() == knobs.keys()
+    for name, knob in knobs.items():
+        drawn = described[name]
+        assert {"bool": "boolean", "str": "string", "int": "integer", "float": "number"}[knob["type"]] == drawn["type"]
+        assert (drawn.get("minimum"), drawn.get("maximum"), drawn.get("enum")) == (
+            knob.get("min"), knob.get("max"), knob.get("choices")), name
 
 
 def test_no_control_call_addressed_to_another_host_changes_a_token_less_agent(agent, before):

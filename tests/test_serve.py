@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from access.loopback import addressed_to_loopback
 from agent.policies import DEFAULT_POLICY
-from agent.serve.app import CompletionRequest, _prompt_ids
+from agent.serve.app import _prompt_ids
+from agent.serve.requests import CompletionRequest
 from agents import CLI, demo_model, free_port, start_agent, stop, wait_for
 from store import queries
 

@@ -31,108 +31,42 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi import Body, Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi import Body, Depends, FastAPI, Header, HTTPException, Query, Request, Security
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from access.guesses import GuessLimit, lockout_message
 from access.loopback import addressed_to_loopback
+from agent.serve.api_schema import METRICS, STREAMED, describe, errors
 from agent.serve.engine import STEP_PROFILES
 from agent.serve.knobs import SOURCES, KnobError
 from agent.serve.limits import MAX_JSON_DEPTH, MAX_PROMPT_BYTES, body_limit, nests_deeper
 from agent.serve.metrics import DeviceLabelled
+from agent.serve.requests import CompletionRequest, PreloadRequest
 from agent.serve.runtime import Runtime
 from agent.serve.scheduler import Event, Overloaded
 from agent.serve.scheduler import Request as Job
-from agent.serve.stops import MAX_STOP_CHARS, MAX_STOPS, CompletionText
-from agent.tokenizer import check_text
+from agent.serve.stops import CompletionText
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5   # a 503's: an agent restarted by its process manager is back in about this long
 CLIENT_SOURCES = SOURCES[:2]  # "guard", "restore" and "cli" are the agent's own
 BEARER_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="flashmoe-agent"'}   # RFC 9110: a 401 names its scheme
-
-
-# OpenAI's fields that this agent does not implement, and the values that ask for nothing (clients send them)
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None,), "echo": (None, False), "suffix": (None,), "best_of": (None, 1), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}
 UNPARSED = "There was an error parsing the body"   # FastAPI's answer to a body its JSON parser raised on
-NULL_IS_DEFAULT = ("max_tokens", "temperature", "top_p", "stream", "n")  # OpenAI's: null asks for the default
-
-
-class CompletionRequest(BaseModel):
-    # fields that change nothing in the answer pass (e.g. user); NaN and Infinity are no sampling settings;
-    # strict: true, "3" and 3.5 are no integers (lax reads them as 1, 3 and a refusal), nor 1 a boolean
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
-    model: str | None = Field(None, description="the served model's id (GET /v1/models); null or left out: that model")
-    prompt: str | list[int] = Field(description="text, or token ids")
-    max_tokens: int = Field(16, ge=1, le=2**31 - 1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: draw from the most likely tokens "
-                                                          "whose probabilities add up to top_p")
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
-    stop: str | list[str] | None = Field(None, validate_default=True, description=(
-        f"up to {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters: the text ends before the first generated"))
-    logprobs: int | None = Field(None, description="not supported: null only")
-    echo: bool | None = Field(False, description="not supported: false only")
-    suffix: str | None = Field(None, description="not supported: null only")
-    best_of: int | None = Field(None, description="not supported: 1 only")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: empty only")
-    presence_penalty: float | None = Field(0.0, description="not supported: 0 only")
-    frequency_penalty: float | None = Field(0.0, description="not supported: 0 only")
-    seed: int | None = Field(None, ge=-2**63, le=2**64 - 1, description=(
-        "the same seed and request give the same completion, whatever runs beside it; null: unrepeatable"))
-
-    @field_validator(*NULL_IS_DEFAULT, mode="before")
-    @classmethod
-    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
-        """Clients send null for a setting left unset (the openai client, for an explicit None)."""
-        return cls.model_fields[info.field_name].default if value is None else value
-
-    @field_validator(*UNSUPPORTED)
-    @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        """A value asking for what this agent does not do is refused, not ignored: the answer would be wrong."""
-        allowed = UNSUPPORTED[info.field_name]
-        if value not in allowed:
-            raise ValueError(f"{info.field_name} is not supported by this agent; leave it out or send "
-                             f"{' or '.join(json.dumps(a) for a in allowed)}")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
-        stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > MAX_STOPS or not all(0 < len(s) <= MAX_STOP_CHARS for s in stops):
-            lengths = ", ".join(str(len(s)) for s in stops)
-            raise ValueError(f"stop takes a string or a list of at most {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} "
-                             f"characters; got {len(stops)} of {lengths or 'none'}")
-        return stops
-
-    @field_validator("prompt")
-    @classmethod
-    def _valid_unicode(cls, prompt: str | list[int]) -> str | list[int]:
-        """JSON may carry a lone surrogate (\ud800) that no tokenizer can encode."""
-        return check_text(prompt) if isinstance(prompt, str) else prompt
-
-
-class PreloadRequest(BaseModel):
-    experts: list[tuple[StrictInt, StrictInt]] = Field(description="[[layer, expert], ...] to bring into the cache")
 
 
 def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None = None,
                max_prompt_bytes: int = MAX_PROMPT_BYTES) -> FastAPI:
     # no /docs nor /redoc: their pages load Swagger UI and ReDoc from a CDN, blank on an offline edge box
     app = FastAPI(title="FlashMoE agent", version="0.1.0", docs_url=None, redoc_url=None,
-                  description="MoE inference with experts on the SSD behind a learned RAM cache.")
+                  description="MoE inference with experts on the SSD behind a learned RAM cache.",
+                  responses=errors(400, 413))   # any body: BodyLimit's, and FastAPI's for one not JSON
     app.add_exception_handler(StarletteHTTPException, _http_error)  # ours, and FastAPI's own (a body not JSON)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(BodyLimit, limit=body_limit(max_prompt_bytes))
@@ -153,7 +87,8 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
 
     app.state.stop_serving = stop_serving
 
-    def control(request: Request, authorization: str | None = Header(None)) -> None:
+    def control(request: Request) -> None:
+        authorization = request.headers.get("authorization")
         if token is None:
             host = request.headers.get("host", "")
             if not addressed_to_loopback(host):
@@ -181,7 +116,14 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
                                  "(the one the agent was started with: FLASHMOE_TOKEN, --token-file or --token)",
                             headers=BEARER_CHALLENGE)
 
-    def source(x_flashmoe_source: str = Header("api")) -> str:
+    # control calls' statuses, and their scheme in /openapi.json (control() reads the header itself, to say
+    # what is wrong with one that is not a bearer token)
+    bearer = HTTPBearer(auto_error=False, scheme_name="token",
+                        description="the agent's token: serve --token, --token-file or FLASHMOE_TOKEN")
+    controlled = [Depends(control), *([Security(bearer)] if token else [])]
+    control_errors = errors(401, 429, 422, 503) if token else errors(403, 422, 503)
+
+    def source(x_flashmoe_source: str = Header("api", json_schema_extra={"enum": list(CLIENT_SOURCES)})) -> str:
         if x_flashmoe_source not in CLIENT_SOURCES:
             raise HTTPException(400, f"X-FlashMoE-Source must be one of {', '.join(CLIENT_SOURCES)}; "
                                      f"got {x_flashmoe_source!r}")
@@ -199,7 +141,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(runtime.started),
                                             "owned_by": "flashmoe"}]}
 
-    @app.get("/v1/status")
+    @app.get("/v1/status", responses=errors(422))
     def status(step_profiles: int = Query(STEP_PROFILES, ge=0, le=STEP_PROFILES, description=(
             f"how many of the most recent model steps' profiles to list, 0 to {STEP_PROFILES}: a poller that "
             f"shows none asks for 0 (all {STEP_PROFILES} are ~80 KB of JSON)"))) -> dict[str, Any]:
@@ -209,29 +151,20 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
     def get_knobs() -> dict[str, Any]:
         return runtime.knobs.describe()
 
-    @app.put("/v1/knobs", dependencies=[Depends(control)])
+    @app.put("/v1/knobs", dependencies=controlled, responses=control_errors)
     def put_knobs(changes: dict[str, Any] = Body(...), who: str = Depends(source)) -> dict[str, Any]:
-        try:
-            return runtime.set_knobs(changes, who)
-        except KnobError as exc:
-            raise HTTPException(400, str(exc)) from None
-        except TimeoutError as exc:  # the running step did not end in time: nothing changed
-            raise HTTPException(503, str(exc)) from None
+        return _controlled(lambda: runtime.set_knobs(changes, who))
 
-    @app.post("/v1/cache/preload", dependencies=[Depends(control)])
+    @app.post("/v1/cache/preload", dependencies=controlled, responses=control_errors)
     def preload(body: PreloadRequest) -> dict[str, Any]:
-        try:
-            loaded = runtime.preload([tuple(k) for k in body.experts])
-        except KnobError as exc:
-            raise HTTPException(400, str(exc)) from None
+        loaded = _controlled(lambda: runtime.preload([tuple(k) for k in body.experts]))
         return {"requested": len(body.experts), "loaded": loaded, "status": runtime.status(0)["cache"]}
 
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: METRICS})
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions", responses={404: {"description": "model_not_found: `model` names another model"},
-                                             429: {"description": "as many requests wait as serve --max-waiting"}})
+    @app.post("/v1/completions", responses={**errors(404, 422, 429, 500, 503), 200: STREAMED})
     async def completions(body: CompletionRequest, request: Request) -> Any:
         if body.model is not None and body.model != model_name:  # another model's answer would be a wrong one
             message = (f"the model {reprlib.repr(body.model)} is not served here: this agent serves {model_name!r} "
@@ -267,14 +200,19 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
         finally:
             watcher.cancel()
 
-    _name_the_served_model(app, model_name)
+    describe(app, model_name, config.vocab_size, min(config.max_seq_len, kv_budget),
+             (runtime.cache.index.n_layers, runtime.cache.index.n_experts), lambda: runtime.knobs.specs.values())
     return app
 
 
-def _name_the_served_model(app: FastAPI, name: str) -> None:
-    """/openapi.json gives `model` as the one id it may be (or null): what clients and the fuzzer draw from."""
-    field = app.openapi()["components"]["schemas"]["CompletionRequest"]["properties"]["model"]
-    field["anyOf"] = [{"type": "string", "enum": [name]}, {"type": "null"}]
+def _controlled(change: Callable[[], Any]) -> Any:
+    """A control call's change, or the HTTP error that says why it was refused: nothing changed either way."""
+    try:
+        return change()
+    except KnobError as exc:
+        raise HTTPException(400, str(exc)) from None
+    except TimeoutError as exc:  # the running step did not end in time (SchedulerBusy)
+        raise HTTPException(503, str(exc)) from None
 
 
 def _error_body(status: int, message: str, detail: Any, code: int | str | None = None,

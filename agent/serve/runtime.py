@@ -161,7 +161,9 @@ class Runtime:
             locked = time.monotonic()
             if partial:
                 changes = self._fitting(changes)
-            validated = self.knobs.validate(changes) if changes else {}
+                if not changes:     # nothing stored fits any more
+                    return self.knobs.describe()
+            validated = self.knobs.validate(changes)   # an empty change is refused: a client's mistake
             diff = self.knobs.diff(validated)
             self._check_policy({k: new for k, (_, new) in diff.items()})
             if diff:

@@ -1,0 +1,116 @@
+"""What /openapi.json says beyond what FastAPI derives from the routes, so that it is what the agent answers.
+
+FastAPI documents a route's 200 and, for a route with inputs, a 422 in its own body shape. The agent also
+answers errors of its own (every one in `ErrorBody`: FastAPI's "detail" beside OpenAI's "error"), control
+calls need a bearer token or a loopback Host, and the bounds of many inputs depend on the served model and
+the machine: the model's id, its vocabulary and context, its layers and experts, and the knobs' ranges,
+which change while the agent runs (a new memory limit). `errors` declares the statuses a route answers;
+`describe` makes /openapi.json fill in those bounds each time it is asked.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, Field
+
+from agent.knob import Knob
+
+
+class ErrorInfo(BaseModel):
+    message: str = Field(description="what was wrong, and what to send instead")
+    type: Literal["invalid_request_error", "server_error"]
+    param: str | None = Field(description="the field at fault, where one is")
+    code: int | str = Field(description="OpenAI's code where it has one (model_not_found), else the status")
+
+
+class Issue(BaseModel):
+    type: str
+    loc: list[str | int] = Field(description="where: body, query or header, then the field")
+    msg: str
+
+
+class ErrorBody(BaseModel):
+    detail: str | list[Issue] = Field(description="FastAPI's: the message, or a 422's issues")
+    error: ErrorInfo = Field(description="OpenAI's, which its clients raise")
+
+
+RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "required": True,
+                               "schema": {"type": "integer", "minimum": 0}}}
+WHY: dict[int, dict[str, Any]] = {
+    400: {"description": "the body is not UTF-8 JSON or nests too deep, or it asks for what is not there "
+                         "(the message says which)"},
+    401: {"description": "a control call without the agent's bearer token, or with another one",
+          "headers": {"WWW-Authenticate": {"description": "the scheme: Bearer", "required": True,
+                                           "schema": {"type": "string"}}}},
+    403: {"description": "a control call to a token-less agent, addressed to a host other than loopback "
+                         "(DNS rebinding)"},
+    404: {"description": "model_not_found: `model` names a model this agent does not serve"},
+    413: {"description": "the body, or a text prompt, is over this agent's limit (serve --max-prompt-bytes)"},
+    422: {"description": "an input fails validation: each issue names it and why"},
+    429: {"description": "as many requests wait as serve --max-waiting (completions), or this client sent wrong "
+                         "tokens too often (control calls)", "headers": RETRY_AFTER},
+    500: {"description": "generation failed (the message says why)"},
+    503: {"description": "the agent is shutting down, or the model's running step did not end in time; nothing "
+                         "changed", "headers": RETRY_AFTER},
+}
+
+
+# 200s besides FastAPI's JSON: a completion's stream (OpenAPI 3.1's schema of one event), and /metrics
+STREAMED = {"description": "the completion; with stream: true, its server-sent events",
+            "content": {"text/event-stream": {"schema": {
+                "type": "object", "required": ["data"],
+                "properties": {"data": {"type": "string", "description": "a chunk as JSON; the last: [DONE]"}}}}}}
+METRICS = {"description": "Prometheus' text exposition format",
+           "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The `responses` of a route that may answer these error statuses, each with ErrorBody."""
+    return {status: {"model": ErrorBody, **WHY[status]} for status in statuses}
+
+
+def knob_schema(knob: Knob) -> dict[str, Any]:
+    """A knob's values as JSON Schema: what Knob.check accepts (3.0 is an integer to both)."""
+    if knob.kind is bool:
+        kind: dict[str, Any] = {"type": "boolean"}
+    elif knob.kind is str:
+        kind = {"type": "string", "enum": list(knob.choices)}
+    else:
+        bounds = {"minimum": knob.lo, "maximum": knob.hi}
+        kind = {"type": "integer" if knob.kind is int else "number",
+                **{k: v for k, v in bounds.items() if v is not None}}
+    return {**kind, "description": knob.help} if knob.help else kind
+
+
+def describe(app: FastAPI, model_name: str, vocab_size: int, max_positions: int, experts: tuple[int, int],
+             knobs: Callable[[], Iterable[Knob]]) -> None:
+    """/openapi.json with the served model's bounds: `model` is its id or null; a prompt is non-empty, of
+    ids in the vocabulary; max_tokens leaves a position for the prompt; a preloaded expert is
+    [layer, expert] of the store's (`experts`: layers, experts a layer); a knobs change is a non-empty
+    object of the knobs as they are bounded when asked."""
+    built = app.openapi  # FastAPI's: derives the schema once, then returns it
+
+    def openapi() -> dict[str, Any]:
+        schema = built()
+        parts = schema["components"]["schemas"]
+        completion = parts["CompletionRequest"]["properties"]
+        completion["model"]["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
+        ids = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+        completion["prompt"]["anyOf"] = [{"type": "string", "minLength": 1},
+                                         {"type": "array", "items": ids, "minItems": 1, "maxItems": max_positions - 1}]
+        completion["max_tokens"]["maximum"] = max_positions - 1
+        layers, per_layer = experts
+        parts["PreloadRequest"]["properties"]["experts"]["items"]["prefixItems"] = [
+            {"type": "integer", "minimum": 0, "maximum": layers - 1},
+            {"type": "integer", "minimum": 0, "maximum": per_layer - 1}]
+        parts["KnobChanges"] = {"type": "object", "minProperties": 1, "additionalProperties": False,
+                                "properties": {k.name: knob_schema(k) for k in knobs()},
+                                "description": "the knobs to change (GET /v1/knobs lists them): all or none"}
+        body = schema["paths"]["/v1/knobs"]["put"]["requestBody"]["content"]["application/json"]
+        body["schema"] = {"$ref": "#/components/schemas/KnobChanges"}
+        return schema
+
+    app.openapi = openapi
