@@ -4,8 +4,8 @@ FastAPI documents a route's 200 and, for a route with inputs, a 422 in its own b
 answers errors of its own (every one in `ErrorBody`: FastAPI's "detail" beside OpenAI's "error"), control
 calls need a bearer token or a loopback Host, and the bounds of many inputs depend on the served model and
 the machine: the model's id, its vocabulary and context, its layers and experts, and the knobs' ranges,
-which change while the agent runs (a new memory limit). `errors` declares the statuses a route answers;
-`describe` makes /openapi.json fill in those bounds each time it is asked.
+which change while the agent runs (a new memory limit). `answers` gives a route's 200 its shape, `errors`
+the other statuses it answers; `describe` makes /openapi.json fill in those bounds each time it is asked.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from agent.knob import Knob
 
@@ -35,6 +35,101 @@ class Issue(BaseModel):
 class ErrorBody(BaseModel):
     detail: str | list[Issue] = Field(description="FastAPI's: the message, or a 422's issues")
     error: ErrorInfo = Field(description="OpenAI's, which its clients raise")
+
+
+class Choice(BaseModel):
+    text: str
+    index: int
+    logprobs: None
+    finish_reason: Literal["stop", "length"] | None = Field(description="null in a stream's chunks but the last")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class RequestCost(BaseModel):
+    """The request's timings and its share of its steps' expert traffic (an extension; OpenAI clients ignore it)."""
+    ttft_s: float
+    tpot_s: float
+    latency_s: float
+    expert_hits: float
+    expert_misses: float
+    bytes_read: float
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[Choice] = Field(min_length=1, max_length=1)
+    usage: Usage
+    flashmoe: RequestCost
+
+
+class ServedModel(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ServedModel]
+
+
+class KnobState(BaseModel):
+    value: bool | int | float | str
+    default: bool | int | float | str
+    type: Literal["bool", "int", "float", "str"]
+    min: int | float | None = None
+    max: int | float | None = None
+    choices: list[str] | None = None
+    help: str | None = None
+
+
+Knobs = RootModel[dict[str, KnobState]]
+
+
+class CacheState(BaseModel):
+    resident_experts: int
+    capacity_experts: int
+    cache_bytes: int
+    cap_bytes: int
+    occupancy: float
+    expert_bytes: int
+    hits: int
+    misses: int
+    hit_rate: float
+    bytes_read: int
+    prefetch_accuracy: float
+    prefetch: dict[str, Any] = Field(description="the adaptive prefetch's state")
+
+
+class Status(BaseModel):
+    """The fields a client relies on; the rest (profiles, store health, online learning) as the answer has them."""
+    model_config = ConfigDict(extra="allow")
+    model: str
+    uptime_s: float
+    policy: str
+    cache: CacheState
+    batch_size: int
+    batch_limit: int
+    queue_depth: int
+    tokens_generated: int
+    model_steps: int
+    requests_unserved: dict[str, int]
+    step_profiles: list[dict[str, Any]]
+
+
+class Preloaded(BaseModel):
+    requested: int
+    loaded: int
+    status: CacheState
 
 
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "required": True,
@@ -58,13 +153,19 @@ WHY: dict[int, dict[str, Any]] = {
 }
 
 
-# 200s besides FastAPI's JSON: a completion's stream (OpenAPI 3.1's schema of one event), and /metrics
-STREAMED = {"description": "the completion; with stream: true, its server-sent events",
+# 200s the routes' return types do not say: a completion and its stream (OpenAPI 3.1's schema of one event),
+# and /metrics
+STREAMED = {"model": Completion, "description": "the completion; with stream: true, its server-sent events",
             "content": {"text/event-stream": {"schema": {
                 "type": "object", "required": ["data"],
                 "properties": {"data": {"type": "string", "description": "a chunk as JSON; the last: [DONE]"}}}}}}
 METRICS = {"description": "Prometheus' text exposition format",
            "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}
+
+
+def answers(answer: type[BaseModel], responses: dict[int | str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A route's arguments that document its 200 as `answer` besides `responses`, without checking it at run time."""
+    return {"response_model": None, "responses": {200: {"model": answer}, **(responses or {})}}
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

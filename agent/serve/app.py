@@ -42,7 +42,7 @@ from starlette.routing import Match
 
 from access.guesses import GuessLimit, lockout_message
 from access.loopback import addressed_to_loopback
-from agent.serve.api_schema import METRICS, STREAMED, describe, errors
+from agent.serve.api_schema import METRICS, STREAMED, Knobs, ModelList, Preloaded, Status, answers, describe, errors
 from agent.serve.engine import STEP_PROFILES
 from agent.serve.knobs import SOURCES, KnobError
 from agent.serve.limits import MAX_JSON_DEPTH, MAX_PROMPT_BYTES, body_limit, nests_deeper
@@ -136,26 +136,28 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
                    "its API is described at /openapi.json: open that in any OpenAPI viewer")
         return _error_body(404, message, message)
 
-    @app.get("/v1/models")
+    # answers(X): the answer's shape in /openapi.json, unchecked at run time (a slip would be a 500 to a client);
+    # the fuzz test checks every answer against it
+    @app.get("/v1/models", **answers(ModelList))
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(runtime.started),
                                             "owned_by": "flashmoe"}]}
 
-    @app.get("/v1/status", responses=errors(422))
+    @app.get("/v1/status", **answers(Status, errors(422)))
     def status(step_profiles: int = Query(STEP_PROFILES, ge=0, le=STEP_PROFILES, description=(
             f"how many of the most recent model steps' profiles to list, 0 to {STEP_PROFILES}: a poller that "
             f"shows none asks for 0 (all {STEP_PROFILES} are ~80 KB of JSON)"))) -> dict[str, Any]:
         return runtime.status(step_profiles)
 
-    @app.get("/v1/knobs")
+    @app.get("/v1/knobs", **answers(Knobs))
     def get_knobs() -> dict[str, Any]:
         return runtime.knobs.describe()
 
-    @app.put("/v1/knobs", dependencies=controlled, responses=control_errors)
+    @app.put("/v1/knobs", dependencies=controlled, **answers(Knobs, control_errors))
     def put_knobs(changes: dict[str, Any] = Body(...), who: str = Depends(source)) -> dict[str, Any]:
         return _controlled(lambda: runtime.set_knobs(changes, who))
 
-    @app.post("/v1/cache/preload", dependencies=controlled, responses=control_errors)
+    @app.post("/v1/cache/preload", dependencies=controlled, **answers(Preloaded, control_errors))
     def preload(body: PreloadRequest) -> dict[str, Any]:
         loaded = _controlled(lambda: runtime.preload([tuple(k) for k in body.experts]))
         return {"requested": len(body.experts), "loaded": loaded, "status": runtime.status(0)["cache"]}
