@@ -103,7 +103,8 @@ def short_of_room(path: Path, room: int) -> bool:
 def open_database(path: Path, busy_timeout_s: float, create: bool = True,
                   device_name: str | None = None) -> sqlite3.Connection:
     """Open (or, with `create`, create) the store file in WAL mode with the schema in place; a writer
-    that names its device claims the store for it (claim_device).
+    that names its device claims the store for it (claim_device). Without `create`, a file that holds
+    no store (missing, empty, or no tables) is refused and left as it is.
 
     Plain sqlite3, not sqlite-utils: importing sqlite-utils imports pandas when it is installed
     (streamlit brings it), which cost the always-on collector 1.7 s at start and ~80 MB of RSS on
@@ -121,6 +122,9 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
         raise StoreError(f"cannot create the store {path}: {e}") from e
     try:
         _refuse_foreign(conn, path)          # before WAL mode, which rewrites the file's header
+        if not create and not table_names(conn):   # as readers see it (store.queries.connect_ro): no store yet
+            what = "the file is empty" if path.stat().st_size == 0 else "the SQLite file holds no tables"
+            raise StoreError(f"there is no store at {path}: {what} (left as it is); check --db")
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
             log.warning("%s stays in %s journal mode (WAL refused, e.g. a network filesystem): "
@@ -148,11 +152,16 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
     return conn
 
 
+def table_names(conn: sqlite3.Connection) -> set[str]:
+    """The tables of the SQLite file: none in a file that is no store yet (empty, or a writer is creating it)."""
+    return {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
 def foreign(conn: sqlite3.Connection) -> str | None:
     """What makes this SQLite file another application's, or None if it is a FlashMoE store (marked,
     or from before the mark) or holds no tables yet."""
     (app_id,) = conn.execute("PRAGMA application_id").fetchone()
-    tables = sorted(name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
+    tables = sorted(table_names(conn))
     if app_id == APPLICATION_ID or not tables or (app_id == 0 and {"meta", "chunks"} <= set(tables)):
         return None
     mark = f"application_id {app_id:#x}" if app_id else "no FlashMoE mark"

@@ -25,7 +25,7 @@ import numpy as np
 
 from store import codec, rollup
 from store.database import (advice_for, foreign, is_busy, no_room, not_a_file, place_problem,
-                            stored_schema_version)
+                            stored_schema_version, table_names)
 from store.errors import StoreError
 from store.schema import ACTIVATIONS_ROLLUP, CACHE_STATS_ROLLUP, ROW_TABLES, SCHEMA_VERSION
 
@@ -44,7 +44,7 @@ def connect_ro(path: str | Path, setting: str = "--db") -> sqlite3.Connection | 
         raise StoreError(f"{path} is {not_a_file(path)}, not a store file; {advice}")
     try:
         conn = _open_ro(path)
-        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        tables = table_names(conn)
         problem = foreign(conn)
     except sqlite3.DatabaseError as e:
         # a writer creating the file, descheduled under load; a full disk, where SQLite cannot make the log's

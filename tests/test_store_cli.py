@@ -2,8 +2,10 @@
 import csv
 import io
 import json
+import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,6 +73,26 @@ def test_a_directory_is_named_as_one_before_any_sqlite_word(tmp_path, caplog, ar
     assert record.getMessage().startswith(f"{tmp_path} is a directory") or "it is a directory" in record.getMessage()
     assert "disk I/O" not in caplog.text
     assert list(tmp_path.iterdir()) == []
+
+
+def _no_tables(path):
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA user_version = 7")   # written to the header: an SQLite file, with no table
+
+
+@pytest.mark.parametrize("make, what", [(Path.touch, "the file is empty"),
+                                        (_no_tables, "the SQLite file holds no tables")])
+def test_compact_refuses_a_file_that_stats_finds_no_store_in_and_leaves_it_as_it_was(tmp_path, caplog, make, what):
+    """`touch x.db; store compact --db x.db` made a store of the empty file, in which `store stats` found none."""
+    db = tmp_path / "x.db"
+    make(db)
+    before = db.read_bytes()
+    assert main(["store", "stats", "--db", str(db)]) == 1 and "there is no store at" in caplog.text
+    caplog.clear()
+    assert main(["store", "compact", "--db", str(db)]) == 1
+    (record,) = caplog.records
+    assert record.getMessage() == f"there is no store at {db}: {what} (left as it is); check --db"
+    assert db.read_bytes() == before and list(tmp_path.iterdir()) == [db]
 
 
 @pytest.mark.parametrize("args", [["compact", "--retention-days", "-1"], ["compact", "--retention-days", "nan"],
