@@ -9,7 +9,8 @@ Layouts (see ../shared/traces/README.md):
   optional `"system": [{"layer": L, "read_latency_s": x, ...}]`: the monitoring samples the cache
   fed its policy at the start of that layer's route, which replay feeds at the same point.
 - prefill NPZ: `expert_ids` [tokens, layers, k], `prompt_offsets`, `prompt_numbers`, `layers`,
-  `meta`; each prompt read row by row is one session.
+  `meta` (its layers and top_k, where given, are those of expert_ids); each prompt read row by row
+  is one session.
 
 A trace is walked token by token, layer by layer, experts in stored order; `walk()` is that order
 and the simulator and `access_sequence()` (Belady's future) both use it.
@@ -356,7 +357,12 @@ def _npz_arrays(path: Path) -> dict:
     if len(twice):
         token, layer = twice[0]
         raise _listed_twice(f"{path}: expert_ids[{token}]", layer, ids[token, layer].tolist())
-    arrays["meta"] = _checked_meta(str(path), parse_json(f"{path}: array meta", str(arrays["meta"])))
+    meta = _checked_meta(str(path), parse_json(f"{path}: array meta", str(arrays["meta"])))
+    for field, axis, what in (("layers", 1, "layers"), ("top_k", 2, "experts per set (k)")):
+        if meta.get(field) not in (None, ids.shape[axis]):   # the array is the routing, not what meta says
+            raise TraceError(f"{path}: meta.{field}={meta[field]} but array expert_ids [tokens, layers, k] has "
+                             f"{ids.shape[axis]} {what} (shape {ids.shape})")
+    arrays["meta"] = meta
     return arrays
 
 

@@ -151,17 +151,18 @@ def test_a_damaged_npz_archive_is_a_trace_or_a_trace_error(content):
 
 
 @st.composite
-def prefills(draw, meta: st.SearchStrategy) -> dict[str, np.ndarray]:
-    """A prefill-layout archive's arrays with `meta` and a routing whose sets are distinct experts, but for
-    some that name one twice (which the JSONL reader refuses, and the NPZ reader took)."""
+def prefills(draw, meta: Callable[[dict], st.SearchStrategy]) -> dict[str, np.ndarray]:
+    """A prefill-layout archive's arrays with a meta drawn from `meta(the valid one)` and a routing whose sets are
+    distinct experts, but for some that name one twice (which the JSONL reader refuses, and the NPZ reader took)."""
     tokens, n_layers, k = draw(st.integers(1, 6)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    valid = {"model": "m", "layers": n_layers, "top_k": k, "n_experts": 8}
     ids = [draw(st.permutations(range(8)))[:k] for _ in range(tokens * n_layers)]
     for row in draw(st.lists(st.integers(0, len(ids) - 1), max_size=2)) if k > 1 else []:
         ids[row][-1] = ids[row][0]
     cuts = sorted(draw(st.lists(st.integers(0, tokens), max_size=3)))
     return dict(expert_ids=np.array(ids, np.uint8).reshape(tokens, n_layers, k),
                 prompt_offsets=np.array([0, *cuts, tokens]), prompt_numbers=np.arange(1, len(cuts) + 2),
-                layers=np.arange(1, n_layers + 1), meta=np.array(json.dumps(draw(meta))))
+                layers=np.arange(1, n_layers + 1), meta=np.array(json.dumps(draw(meta(valid)))))
 
 
 def npz_of(arrays: dict[str, np.ndarray]) -> bytes:
@@ -170,7 +171,7 @@ def npz_of(arrays: dict[str, np.ndarray]) -> bytes:
     return buffer.getvalue()
 
 
-@given(prefills(metas({"model": "m", "n_experts": 8})))
+@given(prefills(metas))
 def test_an_npz_with_any_meta_or_a_set_naming_an_expert_twice_is_a_trace_or_a_trace_error(arrays):
     trace = read_or_refused("trace.npz", npz_of(arrays), read_npz)
     if trace is None:
@@ -178,6 +179,7 @@ def test_an_npz_with_any_meta_or_a_set_naming_an_expert_twice_is_a_trace_or_a_tr
     meta = json.loads(str(arrays["meta"]))
     assert isinstance(meta, dict) and isinstance(trace.model, str) and trace.n_experts >= trace.experts.max() + 1
     assert meta.get("n_experts") in (None, trace.n_experts)
+    assert meta.get("layers") in (None, trace.n_layers) and meta.get("top_k") in (None, trace.top_k)
     assert all(len(set(row)) == len(row) for row in trace.rows())
 
 

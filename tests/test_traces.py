@@ -129,7 +129,8 @@ def test_missing_file_unknown_layout_and_header_only(tmp_path):
 def write_npz(path, **over):
     ids = np.array([[[1, 2], [3, 4]], [[2, 5], [0, 4]], [[6, 1], [2, 3]]], dtype=np.uint8)  # [3 tokens, 2, 2]
     arrays = dict(expert_ids=ids, prompt_offsets=np.array([0, 2, 3]), prompt_numbers=np.array([4, 9], np.int32),
-                  layers=np.array([1, 2], np.int16), meta=np.array(json.dumps({"model": "m", "n_experts": 8})))
+                  layers=np.array([1, 2], np.int16),
+                  meta=np.array(json.dumps({"model": "m", "layers": 2, "top_k": 2, "n_experts": 8})))
     arrays.update(over)
     np.savez(path, **{k: v for k, v in arrays.items() if v is not None})
     return path
@@ -159,6 +160,10 @@ def test_npz_prompts_are_sessions_and_ranges_select_them(tmp_path):
     ({"meta": np.array('{"n_experts": "abc"}')}, "p\\.npz: meta.n_experts must be a positive integer or null"
                                                  " \\(at most 2147483647\\), got 'abc'"),  # was TypeError
     ({"meta": np.array('{"n_experts": 8, "model": 5}')}, "meta.model must be a string or null, got 5"),
+    ({"meta": np.array('{"n_experts": 8, "layers": 4}')},   # was read as the array's 2 layers (exit 0)
+     r"p\.npz: meta\.layers=4 but array expert_ids \[tokens, layers, k\] has 2 layers \(shape \(3, 2, 2\)\)"),
+    ({"meta": np.array('{"n_experts": 8, "layers": 2, "top_k": 6}')},
+     r"p\.npz: meta\.top_k=6 but array expert_ids \[tokens, layers, k\] has 2 experts per set \(k\) \(shape"),
 ])
 def test_malformed_npz_names_the_array(tmp_path, over, message):
     with pytest.raises(TraceError, match=message):
