@@ -21,7 +21,7 @@ def write_atomically(path: Path, write: Callable[[Path], object], what: str, fla
     if ours is not None:
         check_replaceable(path, ours, what, flag)
     tmp = path.with_name(path.name + ".tmp")
-    missing = [d for d in path.absolute().parents if not d.exists()]  # deepest first
+    missing = missing_parents(path)
     try:
         if path.is_dir():
             raise IsADirectoryError(21, "it is a directory")
@@ -31,11 +31,11 @@ def write_atomically(path: Path, write: Callable[[Path], object], what: str, fla
     except (OSError, *errors) as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        _remove(missing)
+        remove_empty(missing)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else e
         raise ValueError(f"cannot write {what} {path}: {reason}; pass another {flag}") from None
     if not keep:
-        _remove(missing)
+        remove_empty(missing)
 
 
 def check_writable(path: Path, what: str, flag: str, size: int = 0,
@@ -53,7 +53,12 @@ def check_replaceable(path: Path, ours: Callable[[Path], bool], what: str, flag:
                          f"so it is left as it is); pass another {flag}")
 
 
-def _remove(directories: list[Path]) -> None:
+def missing_parents(path: Path) -> list[Path]:
+    """The directories above `path` that do not exist yet, deepest first: what writing `path` makes."""
+    return [d for d in path.absolute().parents if not d.exists()]
+
+
+def remove_empty(directories: list[Path]) -> None:
     """Remove the directories a write made (deepest first), each only if it is still empty."""
     for d in directories:
         with contextlib.suppress(OSError):

@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from agent.convert.errors import CheckpointError
-from agent.convert.store_writer import StoreShape, StoreWriter
+from agent.convert.safetensors_io import payload_bytes
+from agent.convert.store_writer import StoreShape, StoreWriter, filled_up
 from agent.experts.layout import CONFIG, DENSE, EXPERTS, INDEX, Index, StoreError
 from agent.shapes import SHAPES, ShapeError, init_shape, shape_config
 from agent.tokenizer import TOKENIZER_JSON, byte_level_tokenizer_json
@@ -140,10 +141,12 @@ def write_demo(out: Path, config: dict) -> None:
     s = SIZES[config["flashmoe_demo"]["size"]]
     shape = StoreShape(s.n_layers, N_EXPERTS, s.hidden, s.intermediate, "float32", 4)
     dense_rng, expert_rng = (np.random.default_rng([SEED, stream]) for stream in (0, 1))
+    dense, tokenizer = dense_tensors(dense_rng, s), byte_level_tokenizer_json()
     with StoreWriter(out, shape, replace=True) as writer:
+        writer.check_room(payload_bytes(dense) + len(tokenizer.encode()), "--out")
         writer.write_config(config)
-        writer.write_text(TOKENIZER_JSON, byte_level_tokenizer_json())
-        writer.write_dense(dense_tensors(dense_rng, s))
+        writer.write_text(TOKENIZER_JSON, tokenizer)
+        writer.write_dense(dense)
         for _ in range(writer.n_blocks):
             writer.add_block(lambda payload: _expert_block(expert_rng, s, payload))
 
@@ -246,7 +249,10 @@ def run(args: argparse.Namespace) -> int:
             raise DemoError("--layers and --drop-hf apply only with --shape")
         else:
             init_demo(args.out, args.size)
-    except (DemoError, ShapeError, CheckpointError, StoreError, OSError) as exc:
+    except (DemoError, ShapeError, CheckpointError, StoreError) as exc:
         log.error("init-demo failed: %s", exc)
+        return 1
+    except OSError as exc:
+        log.error("init-demo failed: %s", filled_up(exc, args.out, "--out") or exc)
         return 1
     return 0

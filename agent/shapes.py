@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from agent.atomic_file import missing_parents, remove_empty
 from agent.convert.safetensors_io import Lazy, write_safetensors
-from agent.convert.store_writer import STORE_FILES, foreign_names, listed
+from agent.convert.store_writer import STORE_FILES, check_room, foreign_names, listed
 from agent.experts.layout import CONFIG, INDEX, Index, StoreError
 from agent.model.config import MoEConfig
 
@@ -170,12 +171,27 @@ def init_shape(config: dict[str, Any], out: Path, drop_hf: bool = False) -> Path
         return store
     _check_ours(hf, CHECKPOINT_FILES.fullmatch, config)
     _check_ours(store, STORE_FILES.__contains__, config)
-    write_checkpoint(config, hf)
-    convert(hf, store, overwrite=True, quantize=None)   # as published: the seed-scale benches convert the int8 twin
+    check_room(out, _least_room(config, hf), "--out", "the checkpoint with its store")
+    made = missing_parents(hf)
+    try:
+        write_checkpoint(config, hf)
+        convert(hf, store, overwrite=True, quantize=None)   # as published: the seed-scale benches convert the int8 twin
+    except OSError:   # a full disk, mostly: a rerun writes the checkpoint again, so none is kept half-written or unused
+        shutil.rmtree(hf, ignore_errors=True)
+        remove_empty(made)
+        raise
     if drop_hf:
         log.info("checked %d blocks of %s; deleting %s", check_blocks(store), store, hf)
         shutil.rmtree(hf)
     return store
+
+
+def _least_room(config: dict[str, Any], hf: Path) -> int:
+    """The least room writing the checkpoint of `config` and converting it takes: its tensors twice (the store
+    holds them in the same dtype), less what an earlier checkpoint in `hf`, written over, takes already."""
+    tensors = checkpoint_tensors(MoEConfig.from_hf(config))
+    earlier = sum(f.stat().st_size for f in hf.iterdir() if f.is_file()) if hf.is_dir() else 0
+    return 2 * sum(int(np.prod(shape)) * 2 for _, shape, _ in tensors) - earlier
 
 
 def _check_ours(directory: Path, ours: Callable[[str], object], config: dict[str, Any]) -> None:

@@ -175,6 +175,58 @@ def test_cli_init_demo_then_generate(tmp_path):
     assert result["text"] == bytes(result["token_ids"]).decode()
 
 
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+def test_init_demo_onto_a_disk_without_room_fails_at_once_and_writes_nothing(tmpfs):
+    """It ended in a bare "[Errno 28] No space left on device" where convert says what it needs."""
+    disk = tmpfs("2m")
+    out = disk / "models" / "demo"
+    proc = subprocess.run(CLI + ["init-demo", "--out", str(out), "--size", "small"], cwd=REPO, capture_output=True,
+                          text=True)
+    line = _one_error_line(proc)
+    assert f"init-demo failed: the store needs 3.4 MB and the disk of {out} has 2.1 MB free; " in line
+    assert line.endswith("free space there or choose another --out") and list(disk.iterdir()) == []
+
+
+_FILL_SCRIPT = """
+import sys
+from pathlib import Path
+import agent.demo
+from agent.cli import main
+from agents import fill
+block, blocks = agent.demo._expert_block, []
+def fill_midway(*args):  # as another writer on the disk would, once the start has found room
+    blocks.append(1)
+    if len(blocks) == 64:
+        fill(Path(sys.argv[1]).parents[1])
+    block(*args)
+agent.demo._expert_block = fill_midway
+sys.exit(main(["init-demo", "--out", sys.argv[1], "--size", "small"]))
+"""
+
+
+def test_a_disk_that_fills_midway_ends_init_demo_in_one_line_and_leaves_nothing(tmpfs, demo):
+    """The start finds room; another writer takes it midway: a real ENOSPC from the kernel, not a mock."""
+    disk = tmpfs("8m")
+    out = disk / "models" / "demo"
+    proc = subprocess.run([sys.executable, "-c", _FILL_SCRIPT, str(out)], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
+    line = _one_error_line(proc)
+    assert line.endswith(f"init-demo failed: the disk of {out} filled up while writing (No space left on device); "
+                         f"nothing was written to {out}: free space there or choose another --out")
+    assert [p.name for p in disk.iterdir()] == ["filler"]     # no demo, no partial directory, no models/
+    (disk / "filler").unlink()
+    again = subprocess.run(CLI + ["init-demo", "--out", str(out), "--size", "small"], cwd=REPO, capture_output=True,
+                           text=True)
+    assert again.returncode == 0, again.stderr
+    assert _files(out) == _files(demo)
+
+
 def test_cli_rejects_an_unknown_size(tmp_path):
     bad = subprocess.run(CLI + ["init-demo", "--out", str(tmp_path / "d"), "--size", "huge"], cwd=REPO,
                          capture_output=True, text=True)

@@ -3,15 +3,19 @@ transformers and by our converter. The 13 GB models are benches; here each shape
 a few kilobytes of weights and run through the same code."""
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from agents import fill
 from test_model_parity import one_torch_thread  # noqa: F401  (autouse fixture)
 
+from agent import shapes
 from agent.cli import main as cli
 from agent.convert import convert
+from agent.convert.errors import CheckpointError
 from agent.experts.cache import ExpertCache
 from agent.experts.layout import INDEX, Index
 from agent.experts.provider import InMemoryExperts
@@ -148,6 +152,28 @@ def test_init_shape_replaces_and_drops_only_what_it_wrote(tmp_path, theirs):
         init_shape({**config, "num_hidden_layers": 1}, out, drop_hf=True)
     assert str(out / theirs.split()[-1]) in str(err.value) and "init-demo --shape did not write" in str(err.value)
     assert _tree(out) == before
+
+
+def test_init_shape_onto_a_disk_without_room_fails_at_once_and_writes_nothing(tmpfs):
+    disk = tmpfs("1m")
+    with pytest.raises(CheckpointError, match=r"the checkpoint with its store needs 1\.\d MB and the disk of "
+                                              r".*/disk/m has 1\.0 MB free; free space there or choose another --out"):
+        init_shape(tiny("olmoe-1b-7b"), disk / "m")
+    assert list(disk.iterdir()) == []
+
+
+def test_a_disk_that_fills_while_init_shape_writes_the_checkpoint_leaves_nothing(tmpfs, monkeypatch):
+    """The start finds room; another writer takes it: the half-written checkpoint is removed, and OUT with it."""
+    disk = tmpfs("4m")
+    write = shapes.write_safetensors
+
+    def fill_first(*args) -> None:
+        fill(disk)
+        write(*args)
+    monkeypatch.setattr(shapes, "write_safetensors", fill_first)
+    with pytest.raises(OSError) as err:
+        init_shape(tiny("olmoe-1b-7b"), disk / "m")
+    assert err.value.errno == errno.ENOSPC and [p.name for p in disk.iterdir()] == ["filler"]
 
 
 def test_cli_refuses_shape_options_without_a_shape(tmp_path, caplog):

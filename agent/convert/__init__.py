@@ -23,7 +23,6 @@ errors.py holds CheckpointError. This module runs them and holds the CLI.
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
 import time
@@ -36,7 +35,7 @@ import torch
 from agent.convert.checkpoint import plan
 from agent.convert.errors import CheckpointError
 from agent.convert.safetensors_io import Span, payload_bytes
-from agent.convert.store_writer import StoreShape, StoreWriter, check_replaceable
+from agent.convert.store_writer import StoreShape, StoreWriter, check_replaceable, filled_up
 from agent.experts.layout import QUANTS, Index
 from agent.experts.quant import INT8_KERNEL_K_MULTIPLE, QuantError, quantize_block
 
@@ -66,7 +65,7 @@ def convert(src: Path, dst: Path, overwrite: bool = False, progress: Progress | 
     quantize = _chosen_quant(p.shape) if quantize == AUTO else quantize
     _check_destination(src, dst, overwrite)
     with _Readers() as readers, StoreWriter(dst, replace(p.shape, quant=quantize), replace=overwrite) as writer:
-        writer.check_room(sum(file.stat().st_size for file in p.files) + payload_bytes(p.dense))
+        writer.check_room(sum(file.stat().st_size for file in p.files) + payload_bytes(p.dense), "DST_DIR")
         for file in p.files:
             writer.copy_file(file, file.name)
         writer.write_dense(p.dense)
@@ -168,11 +167,9 @@ def run(args: argparse.Namespace) -> int:
         log.error("convert failed: %s", exc)
         return 1
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):   # something else took the room the start found
-            log.error("convert failed: the disk of %s filled up while writing (%s); nothing was written to %s: "
-                      "free space there or choose another DST_DIR", args.dst, exc.strerror, args.dst)
-        else:
-            log.error("convert failed: %s; nothing was written to %s", exc, args.dst)
+        # a full disk (filled_up): something else took the room the start found
+        log.error("convert failed: %s", filled_up(exc, args.dst, "DST_DIR")
+                  or f"{exc}; nothing was written to {args.dst}")
         return 1
     log.info("wrote %s: %d layers x %d experts, %s blocks of %.2f MB (%.1f GB) in %.1f s", args.dst,
              index.n_layers, index.n_experts, index.quant or index.dtype, index.nbytes / 1e6,

@@ -6,6 +6,7 @@ that looks like a store. convert and init-demo both write through it.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.atomic_file import missing_parents, remove_empty
 from agent.convert.errors import CheckpointError
 from agent.convert.safetensors_io import DenseSource, write_safetensors
 from agent.experts.layout import ALIGN, CONFIG, DENSE, EXPERTS, INDEX, Block, Index, crc32, file_crc32, partial_prefix
@@ -49,6 +51,7 @@ class StoreWriter:
         self.replace = replace
         self.index = Index(shape.n_layers, shape.n_experts, shape.hidden, shape.intermediate, shape.dtype,
                            shape.itemsize, alignment=ALIGN, blocks=[], quant=shape.quant)
+        self._made = missing_parents(self.dst)   # removed again if the write fails
         self.dst.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_partials(self.dst)
         self.tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(self.dst), dir=self.dst.parent))
@@ -59,15 +62,12 @@ class StoreWriter:
     def n_blocks(self) -> int:
         return self.index.n_layers * self.index.n_experts
 
-    def check_room(self, other_bytes: int) -> None:
-        """Fail now, not hours into the write, if the disk of `dst` lacks room for the blocks and `other_bytes`."""
-        need = self.n_blocks * self.index.slot_bytes + other_bytes
-        disk = os.statvfs(self.tmp)
-        free = disk.f_bavail * disk.f_frsize
-        if need > free:
-            kept = " (--overwrite keeps the old store until the new one is whole)" if self.replace else ""
-            raise CheckpointError(f"the store needs {need / 1e6:,.1f} MB and the disk of {self.dst} has "
-                                  f"{free / 1e6:,.1f} MB free{kept}; free space there or choose another DST_DIR")
+    def check_room(self, other_bytes: int, flag: str) -> None:
+        """Fail now, not hours into the write, if the disk of `dst` lacks room for the blocks and `other_bytes`;
+        `flag` is the option that chose `dst`."""
+        replacing = self.replace and self.dst.is_dir() and any(self.dst.iterdir())
+        check_room(self.dst, self.n_blocks * self.index.slot_bytes + other_bytes, flag,
+                   note=" (the store it replaces is kept until the new one is whole)" if replacing else "")
 
     def write_config(self, config: dict) -> None:
         self.write_text(CONFIG, json.dumps(config, indent=2) + "\n")
@@ -137,6 +137,26 @@ class StoreWriter:
             os.close(self._fd)
             self._fd = -1
         shutil.rmtree(self.tmp, ignore_errors=True)
+        remove_empty(self._made)
+
+
+def check_room(dst: Path, need: int, flag: str, what: str = "the store", note: str = "") -> None:
+    """Fail now, not hours into the write, if the disk that holds (or is to hold) `dst` has less than `need`
+    bytes free; the error names `what` needs them and the option, `flag`, that chose `dst`."""
+    disk = os.statvfs(next(p for p in (dst, *dst.absolute().parents) if p.exists()))
+    free = disk.f_bavail * disk.f_frsize
+    if need > free:
+        raise CheckpointError(f"{what} needs {need / 1e6:,.1f} MB and the disk of {dst} has {free / 1e6:,.1f} MB "
+                              f"free{note}; free space there or choose another {flag}")
+
+
+def filled_up(exc: OSError, dst: Path, flag: str) -> str | None:
+    """What to say when writing `dst` failed for want of room after check_room found it (another writer took
+    it), or None for any other error; a StoreWriter leaves nothing of its write behind."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    return (f"the disk of {dst} filled up while writing ({exc.strerror}); nothing was written to {dst}: "
+            f"free space there or choose another {flag}")
 
 
 def check_replaceable(dst: Path, flag: str) -> None:
