@@ -26,9 +26,9 @@ SMALL = OnlineConfig(window=32, every=16, warmup=4, decisions=100, epochs=1)
 def runtime(tmp_path_factory, tmp_path):
     store = Store(tmp_path / "flashmoe.db", autoflush_s=0)
     rt = Runtime(ServeOptions(demo_model(tmp_path_factory), cache_cap="30%", policy="flashmoe"),
-                 CollectorRegistry(), store)
+                 CollectorRegistry())
     rt.online.config = SMALL
-    rt.start()
+    rt.start(store)
     yield rt
     rt.stop()
     store.close()

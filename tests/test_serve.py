@@ -22,6 +22,7 @@ from agent.serve.app import _prompt_ids
 from agent.serve.requests import CompletionRequest
 from agents import CLI, demo_model, free_port, start_agent, stop, wait_for
 from store import queries
+from store.db import Store
 
 
 @pytest.fixture(scope="module")
@@ -383,6 +384,43 @@ def test_refuses_a_cache_cap_out_of_bounds(model, tmp_path):
                         "--pid-file", str(tmp_path / "agent.pid")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "outside the allowed range" in r.stderr
     assert not (tmp_path / "agent.pid").exists()  # nothing left behind
+
+
+def _one_error_line(r: subprocess.CompletedProcess) -> str:
+    errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("option, says", [
+    (["--policy", "belady"], "policy 'belady' needs the future of a whole trace"),
+    (["--cache-cap", "5000%"], "a percentage must be in (0, 100]"),
+    (["--max-batch-size", "0"], "max_batch_size must be between 1 and 256"),
+    (["--model", "{tmp}/not-a-model"], "is not an expert store")])
+def test_an_agent_that_cannot_start_leaves_no_new_store_and_an_existing_one_as_it_was(model, tmp_path, option, says):
+    """Each of these made the --db store before the error ended the agent: a new file no one asked for."""
+    (tmp_path / "not-a-model").mkdir()
+    args = ["--model", str(model), "--port", "0", *(word.format(tmp=tmp_path) for word in option)]  # the last wins
+    r = subprocess.run([*CLI, "serve", *args, "--db", str(tmp_path / "new.db")], capture_output=True, text=True,
+                       timeout=120)
+    assert "cannot start the agent: " in _one_error_line(r) and says in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-model"]
+    existing = tmp_path / "flashmoe.db"
+    with Store(existing, autoflush_s=0) as store:
+        store.append("block.vda.util", 1_700_000_000.0, 0.5)
+    before = existing.read_bytes()
+    r = subprocess.run([*CLI, "serve", *args, "--db", str(existing)], capture_output=True, text=True, timeout=120)
+    assert says in _one_error_line(r)
+    assert existing.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["flashmoe.db",
+                                                                                                "not-a-model"]
+
+
+def test_a_store_it_cannot_open_ends_the_loaded_agent_in_one_line(model, tmp_path):
+    """The store is opened once the model has loaded (above): the agent built by then stops without serving."""
+    r = subprocess.run([*CLI, "serve", "--model", str(model), "--port", "0", "--db", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert f"cannot write the store {tmp_path}: it is a directory" in _one_error_line(r)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("flag, value", [("--port", "-1"), ("--port", "65536"), ("--port", "x"),

@@ -18,9 +18,8 @@ from test_serve import demo_model
 @pytest.fixture
 def runtime(tmp_path_factory, tmp_path):
     store = Store(tmp_path / "flashmoe.db", autoflush_s=0)
-    rt = Runtime(ServeOptions(demo_model(tmp_path_factory), cache_cap="50%"),
-                 CollectorRegistry(), store)
-    rt.start()
+    rt = Runtime(ServeOptions(demo_model(tmp_path_factory), cache_cap="50%"), CollectorRegistry())
+    rt.start(store)
     yield rt
     rt.stop()
     store.close()

@@ -42,8 +42,8 @@ def test_a_tick_gives_ms_per_token_by_phase_from_the_interval_alone():
 
 def test_a_real_agent_records_its_token_profile(tmp_path_factory, tmp_path):
     store = Store(tmp_path / "flashmoe.db", autoflush_s=0)
-    rt = Runtime(ServeOptions(demo_model(tmp_path_factory), cache_cap="50%"), CollectorRegistry(), store)
-    rt.start()
+    rt = Runtime(ServeOptions(demo_model(tmp_path_factory), cache_cap="50%"), CollectorRegistry())
+    rt.start(store)
     try:
         rt.tick()
         done = []

@@ -73,10 +73,12 @@ class ServeOptions:
 
 
 class Runtime:
-    def __init__(self, opts: ServeOptions, registry: CollectorRegistry, store=None) -> None:
+    """Built from the options, which it checks whole (model, cap, policy, knobs); `start(store)` then serves."""
+
+    def __init__(self, opts: ServeOptions, registry: CollectorRegistry) -> None:
         self.opts, self.started = opts, time.time()
-        self.recorder = Recorder(store) if store is not None else None
-        self.monitor = SystemSampler.for_experts(opts.model_dir, store.path if store is not None else None)
+        self.recorder: Recorder | None = None   # start() connects the store: none is made for an agent that fails here
+        self.monitor = SystemSampler.for_experts(opts.model_dir)
         self.cache = ExpertCache(opts.model_dir, _first_cap(opts), policy=opts.policy or DEFAULT_POLICY,
                                  backend=opts.backend, io_threads=opts.io_threads, monitor=self.monitor,
                                  int8_activations=opts.int8_activations, kv_positions=opts.kv_budget)
@@ -105,10 +107,14 @@ class Runtime:
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="ticker", daemon=True)
         self._last_tick: Tick | None = None
+        self._cli_knobs = self._command_line_knobs()
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Bring knobs to their stored and command-line values, then start serving."""
+    def start(self, store=None) -> None:
+        """Record into `store` (if given) and read the collector's series from it, bring knobs to their stored
+        and command-line values, then start serving."""
+        if store is not None:
+            self.recorder, self.monitor.telemetry = Recorder(store), store.path
         self.scheduler.start()
         if self.recorder is not None:    # what its read latency measures, so no other reads' baseline judges it
             store = str(Path(self.opts.model_dir).resolve())
@@ -129,20 +135,26 @@ class Runtime:
         self.online.close()
         self.cache.close()
 
-    def _initial_knobs(self) -> None:
-        """What the command line says (source "cli"), and the store's last value (source "restore") of
-        every other knob: a flag given at start wins over history."""
+    def _command_line_knobs(self) -> dict[str, Any]:
+        """The knobs the command line sets, checked now (KnobError): a bad one fails before start() opens a store."""
         cap = self.opts.cache_cap
         cli = {"cache_cap_bytes": parse_cap(cap, self.cache.expert_bytes) if cap else None,
                "policy": self.opts.policy, "max_batch_size": self.opts.max_batch_size}
         cli = {k: v for k, v in cli.items() if v is not None}
         if self.opts.prefetch is not None:
             cli |= knobs_of(self.opts.prefetch)
-        stored = {k: v for k, v in self._stored_knobs().items() if k not in cli}
+        if cli:
+            self.knobs.validate(cli)
+        return cli
+
+    def _initial_knobs(self) -> None:
+        """What the command line says (source "cli"), and the store's last value (source "restore") of
+        every other knob: a flag given at start wins over history."""
+        stored = {k: v for k, v in self._stored_knobs().items() if k not in self._cli_knobs}
         if stored:
             self.set_knobs(stored, "restore", partial=True)
-        if cli:
-            self.set_knobs(cli, "cli")
+        if self._cli_knobs:
+            self.set_knobs(self._cli_knobs, "cli")
 
     def _stored_knobs(self) -> dict[str, Any]:
         """The store's last value of each knob this agent has (values come back typed, from JSON)."""

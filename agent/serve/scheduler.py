@@ -157,7 +157,8 @@ class Scheduler:
         with self._wake:
             self._stop = True
             self._wake.notify()
-        self._thread.join(timeout)
+        if self._thread.is_alive():   # never started: an agent that stopped before it served
+            self._thread.join(timeout)
 
     def close(self) -> None:
         """Refuse new requests and end the accepted ones before their next step ("cancelled"): the agent

@@ -13,10 +13,12 @@ control calls (PUT /v1/knobs, POST /v1/cache/preload) must then send `Authorizat
 out of control calls (HTTP 429) for twice as long as the last, up to 60 s.
 /metrics labels every series device_name=NAME (--device-name, default this host's name), so a
 fleet's Prometheus tells devices apart by name. The port is bound before the model loads, so a busy
-port fails at once. SIGTERM or Ctrl-C stops within a step: open streams end with an error event saying so
-(OpenAI's clients raise it) and [DONE], other open completions with HTTP 503 and Retry-After, the last
-statistics are written, the pid file is removed, and the process exits at once (a process manager
-such as honcho kills it 5 s after its SIGTERM).
+port fails at once; the --db store is opened (made, if new) only once the model has loaded and every
+option has been checked, so an agent that cannot start leaves no new store behind. SIGTERM or Ctrl-C
+stops within a step: open streams end with an error event saying so (OpenAI's clients raise it) and
+[DONE], other open completions with HTTP 503 and Retry-After, the last statistics are written, the pid
+file is removed, and the process exits at once (a process manager such as honcho kills it 5 s after
+its SIGTERM).
 """
 from __future__ import annotations
 
@@ -186,6 +188,16 @@ def release_pid_file(path: Path) -> None:
         pass  # not ours, gone, or never written (claim_pid_file failed)
 
 
+def open_store(path: Path, device_name: str):
+    """The telemetry store at `path`, created if there is none; its errors are ServeErrors."""
+    from store.db import Store
+    from store.errors import StoreError
+    try:
+        return Store(path, device_name=device_name)
+    except StoreError as exc:
+        raise ServeError(str(exc)) from None
+
+
 def _server_class():
     import uvicorn
 
@@ -255,23 +267,18 @@ def serve(args: argparse.Namespace) -> None:
     try:
         if args.pid_file:
             claim_pid_file(args.pid_file)
-        if args.db:
-            from store.db import Store
-            from store.errors import StoreError as DbError
-            try:
-                store = Store(args.db, device_name=args.device_name)
-            except DbError as exc:
-                raise ServeError(str(exc)) from None
         try:
             opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
                                 args.max_batch_size, args.threads, args.io_threads, args.admit_window_ms / 1000,
                                 args.verify, tuple(args.route_trace), args.prefill_threads, args.int8_activations,
                                 args.max_waiting, args.kv_budget, args.dense, args.workers)
-            runtime = Runtime(opts, CollectorRegistry(), store)
-            runtime.start()
+            runtime = Runtime(opts, CollectorRegistry())
+            tokenizer = load_tokenizer(args.model)
+            store = open_store(args.db, args.device_name) if args.db else None   # last: no store for a failed start
+            runtime.start(store)
         except (ValueError, OSError, ExpertStoreError) as exc:
             raise ServeError(f"cannot start the agent: {exc}") from None
-        app = create_app(runtime, load_tokenizer(args.model), args.device_name, token, args.max_prompt_bytes)
+        app = create_app(runtime, tokenizer, args.device_name, token, args.max_prompt_bytes)
         host, port = sock.getsockname()[:2]
         log.info("agent %s serving %s on http://%s:%d (token %s)", args.device_name, args.model, host, port,
                  "required" if token else "off")
