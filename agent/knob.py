@@ -38,6 +38,18 @@ class Knob:
             return {"type": "str", "choices": list(self.choices)}
         return {"type": self.kind.__name__, "min": self.lo, "max": self.hi}
 
+    def json_schema(self) -> dict[str, Any]:
+        """The values `check` accepts, as JSON Schema (/openapi.json's knobs body): 3.0 is an integer to both."""
+        if self.kind is bool:
+            kind: dict[str, Any] = {"type": "boolean"}
+        elif self.kind is str:
+            kind = {"type": "string", "enum": list(self.choices)}
+        else:
+            bounds = {"minimum": self.lo, "maximum": self.hi}
+            kind = {"type": "integer" if self.kind is int else "number",
+                    **{k: v for k, v in bounds.items() if v is not None}}
+        return {**kind, "description": self.help} if self.help else kind
+
     def check(self, value: Any) -> Any:
         """The value converted to the knob's type, or KnobError naming the knob and its range."""
         if self.kind is bool:

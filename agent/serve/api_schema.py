@@ -173,19 +173,6 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorBody, **WHY[status]} for status in statuses}
 
 
-def knob_schema(knob: Knob) -> dict[str, Any]:
-    """A knob's values as JSON Schema: what Knob.check accepts (3.0 is an integer to both)."""
-    if knob.kind is bool:
-        kind: dict[str, Any] = {"type": "boolean"}
-    elif knob.kind is str:
-        kind = {"type": "string", "enum": list(knob.choices)}
-    else:
-        bounds = {"minimum": knob.lo, "maximum": knob.hi}
-        kind = {"type": "integer" if knob.kind is int else "number",
-                **{k: v for k, v in bounds.items() if v is not None}}
-    return {**kind, "description": knob.help} if knob.help else kind
-
-
 def describe(app: FastAPI, model_name: str, vocab_size: int, max_positions: int, experts: tuple[int, int],
              knobs: Callable[[], Iterable[Knob]]) -> None:
     """/openapi.json with the served model's bounds: `model` is its id or null; a prompt is non-empty, of
@@ -208,7 +195,7 @@ def describe(app: FastAPI, model_name: str, vocab_size: int, max_positions: int,
             {"type": "integer", "minimum": 0, "maximum": layers - 1},
             {"type": "integer", "minimum": 0, "maximum": per_layer - 1}]
         parts["KnobChanges"] = {"type": "object", "minProperties": 1, "additionalProperties": False,
-                                "properties": {k.name: knob_schema(k) for k in knobs()},
+                                "properties": {k.name: k.json_schema() for k in knobs()},
                                 "description": "the knobs to change (GET /v1/knobs lists them): all or none"}
         body = schema["paths"]["/v1/knobs"]["put"]["requestBody"]["content"]["application/json"]
         body["schema"] = {"$ref": "#/components/schemas/KnobChanges"}
