@@ -41,14 +41,16 @@ def html_server() -> Iterator[str]:
 
 @pytest.fixture
 def tmpfs(tmp_path) -> Iterator[Callable[..., Path]]:
-    """mount(size) mounts a tmpfs of that size (a small real disk) and returns its directory; unmounted afterwards."""
+    """mount(size, inodes) mounts a tmpfs of that size (a small real disk; with `inodes`, that many files and
+    directories, its root included) and returns its directory; unmounted afterwards."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     point = tmp_path / "disk"
     point.mkdir()
 
-    def mount(size: str = "4m") -> Path:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], check=True)
+    def mount(size: str = "4m", inodes: int | None = None) -> Path:
+        options = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], check=True)
         return point
     yield mount
     subprocess.run(["umount", "-l", str(point)], capture_output=True)

@@ -575,6 +575,18 @@ def test_a_disk_that_fills_midway_ends_convert_in_one_line_and_leaves_no_store(t
     assert len(Index.load(dst / INDEX).blocks) == 4 * 64
 
 
+@pytest.mark.parametrize("inodes", [3, 4])   # room for OUT's two parents; and for the temporary directory too
+def test_a_disk_out_of_inodes_ends_convert_in_one_line_and_leaves_nothing(tmp_path, tmpfs, inodes):
+    """The directories convert made before it failed to make its temporary directory (or its first file) were
+    left, under a message that said nothing was written."""
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    disk = tmpfs("4m", inodes)
+    proc = subprocess.run(CLI + ["convert", str(ckpt.path), str(disk / "a" / "b" / "store")], cwd=REPO,
+                          capture_output=True, text=True)
+    assert "filled up while writing (No space left on device); nothing was written" in _one_error_line(proc)
+    assert list(disk.iterdir()) == []
+
+
 _KILL_IN_REMOVAL_SCRIPT = """
 import os, shutil, signal, sys
 from agent.cli import main

@@ -52,10 +52,16 @@ class StoreWriter:
         self.index = Index(shape.n_layers, shape.n_experts, shape.hidden, shape.intermediate, shape.dtype,
                            shape.itemsize, alignment=ALIGN, blocks=[], quant=shape.quant)
         self._made = missing_parents(self.dst)   # removed again if the write fails
-        self.dst.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_partials(self.dst)
-        self.tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(self.dst), dir=self.dst.parent))
-        self._fd = os.open(self.tmp / EXPERTS, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.tmp: Path | None = None
+        self._fd = -1
+        try:   # even this can fail (a disk out of inodes): nothing made is left
+            self.dst.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_partials(self.dst)
+            self.tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(self.dst), dir=self.dst.parent))
+            self._fd = os.open(self.tmp / EXPERTS, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except BaseException:
+            self._abort()
+            raise
         self._slot = bytearray(self.index.slot_bytes)  # the padding after the payload stays zero
 
     @property
@@ -136,7 +142,8 @@ class StoreWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
         remove_empty(self._made)
 
 
