@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from agent.atomic_file import missing_parents, remove_empty
+from agent.convert.checkpoint import SHARD_INDEX
 from agent.convert.safetensors_io import Lazy, write_safetensors
 from agent.convert.store_writer import STORE_FILES, check_room, foreign_names, listed
 from agent.experts.layout import CONFIG, INDEX, Index, StoreError
@@ -141,6 +142,7 @@ def write_checkpoint(config_json: dict[str, Any], out: Path) -> Path:
     config = MoEConfig.from_hf(config_json)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / SHARD_INDEX).unlink(missing_ok=True)   # written last: only a whole checkpoint has one (_written)
     (out / "config.json").write_text(json.dumps(config_json, indent=2))  # first: names even a partial one ours
     pool = _Pool(np.random.default_rng(SEED))
     tensors = [(hub, pool.tensor(shape, hub), layer) for hub, shape, layer in checkpoint_tensors(config)]
@@ -153,7 +155,7 @@ def write_checkpoint(config_json: dict[str, Any], out: Path) -> Path:
         weight_map |= {hub: file for hub, _ in mine}
         total += sum(int(np.prod(t.shape)) * 2 for _, t in mine)
         log.info("wrote %s (%d tensors)", out / file, len(mine))
-    (out / "model.safetensors.index.json").write_text(
+    (out / SHARD_INDEX).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return out
 
@@ -161,7 +163,8 @@ def write_checkpoint(config_json: dict[str, Any], out: Path) -> Path:
 def init_shape(config: dict[str, Any], out: Path, drop_hf: bool = False) -> Path:
     """Write a checkpoint of `config` (e.g. shape_config(name)) to out/hf and convert it with the real
     converter into out/store; returns the store. With `drop_hf` the checkpoint is deleted once every
-    block of the store passed its CRC check. A store converted from the same config.json is left alone."""
+    block of the store passed its CRC check. A store converted from the same config.json is left alone, and a
+    whole checkpoint whose conversion failed (a full disk) is kept for the rerun to convert."""
     from agent.convert import convert
     from agent.experts.reader import check_blocks
     out = Path(out)
@@ -172,18 +175,29 @@ def init_shape(config: dict[str, Any], out: Path, drop_hf: bool = False) -> Path
     _check_ours(hf, CHECKPOINT_FILES.fullmatch, config)
     _check_ours(store, STORE_FILES.__contains__, config)
     check_room(out, _least_room(config, hf), "--out", "the checkpoint with its store")
-    made = missing_parents(hf)
-    try:
-        write_checkpoint(config, hf)
-        convert(hf, store, overwrite=True, quantize=None)   # as published: the seed-scale benches convert the int8 twin
-    except OSError:   # a full disk, mostly: a rerun writes the checkpoint again, so none is kept half-written or unused
-        shutil.rmtree(hf, ignore_errors=True)
-        remove_empty(made)
-        raise
+    if _written(hf, config):
+        log.info("%s already holds this checkpoint; converting it", hf)
+    else:
+        made = missing_parents(hf)
+        try:
+            write_checkpoint(config, hf)
+        except OSError:   # a full disk, mostly: a half-written checkpoint is of no use, a rerun writes it again
+            shutil.rmtree(hf, ignore_errors=True)
+            remove_empty(made)
+            raise
+    convert(hf, store, overwrite=True, quantize=None)   # as published: the seed-scale benches convert the int8 twin
     if drop_hf:
         log.info("checked %d blocks of %s; deleting %s", check_blocks(store), store, hf)
         shutil.rmtree(hf)
     return store
+
+
+def _written(hf: Path, config: dict[str, Any]) -> bool:
+    """Whether `hf` holds the whole checkpoint of `config`, kept by a run whose conversion failed."""
+    try:
+        return (hf / SHARD_INDEX).is_file() and json.loads((hf / CONFIG).read_text()) == config
+    except (OSError, ValueError):
+        return False
 
 
 def _least_room(config: dict[str, Any], hf: Path) -> int:

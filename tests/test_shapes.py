@@ -16,6 +16,7 @@ from agent import shapes
 from agent.cli import main as cli
 from agent.convert import convert
 from agent.convert.errors import CheckpointError
+from agent.convert.store_writer import StoreWriter
 from agent.experts.cache import ExpertCache
 from agent.experts.layout import INDEX, Index
 from agent.experts.provider import InMemoryExperts
@@ -174,6 +175,39 @@ def test_a_disk_that_fills_while_init_shape_writes_the_checkpoint_leaves_nothing
     with pytest.raises(OSError) as err:
         init_shape(tiny("olmoe-1b-7b"), disk / "m")
     assert err.value.errno == errno.ENOSPC and [p.name for p in disk.iterdir()] == ["filler"]
+
+
+def test_a_disk_that_fills_while_converting_keeps_the_whole_checkpoint_for_the_rerun(tmpfs, monkeypatch):
+    """The checkpoint was deleted with the half-written store, so a rerun wrote its gigabytes again."""
+    disk, add_block = tmpfs("4m"), StoreWriter.add_block
+
+    def fill_midway(writer, *args):   # as another writer would, once convert found room
+        if len(writer.index.blocks) == writer.n_blocks // 2:
+            fill(disk)
+        return add_block(writer, *args)
+    with monkeypatch.context() as m:
+        m.setattr(StoreWriter, "add_block", fill_midway)
+        with pytest.raises(OSError) as err:
+            init_shape(tiny("olmoe-1b-7b"), disk / "m")
+    hf = disk / "m" / "hf"
+    assert err.value.errno == errno.ENOSPC and sorted(p.name for p in (disk / "m").iterdir()) == ["hf"]
+    written = _tree(hf)
+    (disk / "filler").unlink()
+    monkeypatch.setattr(shapes, "write_checkpoint", lambda *a: pytest.fail("the whole checkpoint was written again"))
+    store = init_shape(tiny("olmoe-1b-7b"), disk / "m")
+    assert Index.load(store / INDEX).n_layers == 2 and _tree(hf) == written
+
+
+def test_a_checkpoint_cut_short_is_written_again(tmp_path):
+    """Its index is written last, and removed first by a rewrite: a checkpoint without one is not taken whole."""
+    config, hf = tiny("olmoe-1b-7b"), tmp_path / "m" / "hf"
+    write_checkpoint(config, hf)
+    shard = next(hf.glob("model-*.safetensors"))
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:100])
+    (hf / "model.safetensors.index.json").unlink()
+    init_shape(config, tmp_path / "m")
+    assert shard.read_bytes() == whole
 
 
 def test_cli_refuses_shape_options_without_a_shape(tmp_path, caplog):
