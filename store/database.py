@@ -49,6 +49,13 @@ def place_problem(path: Path) -> str | None:
     return None
 
 
+def check_place(path: Path) -> None:
+    """A StoreError if place_problem finds one: a writer checks before it starts work that takes long."""
+    problem = place_problem(path)
+    if problem is not None:
+        raise StoreError(f"cannot write the store {path}: {problem}")
+
+
 def not_a_file(path: Path) -> str:
     """What an existing `path` that is no regular file is (a device, a named pipe: SQLite calls the one a
     "disk I/O error" and waits for a writer on the other)."""
@@ -112,9 +119,7 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
     if not create and not path.exists():
         raise StoreError(f"there is no store at {path}; check --db")
     new = not path.exists()
-    problem = place_problem(path)
-    if problem is not None:
-        raise StoreError(f"cannot write the store {path}: {problem}")
+    check_place(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)

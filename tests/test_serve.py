@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -417,10 +418,22 @@ def test_an_agent_that_cannot_start_leaves_no_new_store_and_an_existing_one_as_i
 
 def test_a_store_it_cannot_open_ends_the_loaded_agent_in_one_line(model, tmp_path):
     """The store is opened once the model has loaded (above): the agent built by then stops without serving."""
+    theirs = tmp_path / "theirs.db"
+    with sqlite3.connect(theirs) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    before = theirs.read_bytes()
+    r = subprocess.run([*CLI, "serve", "--model", str(model), "--port", "0", "--db", str(theirs)],
+                       capture_output=True, text=True, timeout=120)
+    assert "it is an SQLite database of another application" in _one_error_line(r) and "expert cache:" in r.stderr
+    assert theirs.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["theirs.db"]
+
+
+def test_a_place_no_store_can_be_written_is_refused_before_the_model_loads(model, tmp_path):
+    """--db a directory was said only once the model had loaded, seconds (for a real model, a minute) later."""
     r = subprocess.run([*CLI, "serve", "--model", str(model), "--port", "0", "--db", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert f"cannot write the store {tmp_path}: it is a directory" in _one_error_line(r)
-    assert list(tmp_path.iterdir()) == []
+    assert "expert cache:" not in r.stderr and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("flag, value", [("--port", "-1"), ("--port", "65536"), ("--port", "x"),

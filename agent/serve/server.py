@@ -31,6 +31,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -188,14 +189,21 @@ def release_pid_file(path: Path) -> None:
         pass  # not ours, gone, or never written (claim_pid_file failed)
 
 
-def open_store(path: Path, device_name: str):
-    """The telemetry store at `path`, created if there is none; its errors are ServeErrors."""
-    from store.db import Store
+@contextlib.contextmanager
+def store_errors() -> Iterator[None]:
+    """The telemetry store's errors, said as the agent's."""
     from store.errors import StoreError
     try:
-        return Store(path, device_name=device_name)
+        yield
     except StoreError as exc:
         raise ServeError(str(exc)) from None
+
+
+def open_store(path: Path, device_name: str):
+    """The telemetry store at `path`, created if there is none."""
+    from store.db import Store
+    with store_errors():
+        return Store(path, device_name=device_name)
 
 
 def _server_class():
@@ -262,6 +270,10 @@ def serve(args: argparse.Namespace) -> None:
     check_token(args.host, token)
     if not args.model.is_dir():
         raise ServeError(f"--model {args.model} is not a directory; create one with flashmoe-cli init-demo or convert")
+    if args.db:   # now, not after the model loaded (the store itself is opened last)
+        from store.database import check_place
+        with store_errors():
+            check_place(args.db)
     sock = bind(args.host, args.port)
     store = runtime = None
     try:
