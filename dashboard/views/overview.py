@@ -36,6 +36,8 @@ def live() -> None:
                           icon=":material/check_circle:")
     elif status.busy:
         agent_col.warning(f"Agent busy: {status}", icon=":material/hourglass_top:")
+    elif status.misaddressed:
+        agent_col.error(f"Agent address wrong: {status}", icon=":material/link_off:")
     else:
         agent_col.error(f"Agent down: {status}", icon=":material/cancel:")
     seen = heartbeat[0] if heartbeat else None
