@@ -361,6 +361,14 @@ def test_a_mistyped_agent_or_prometheus_address_is_said_on_every_page(monkeypatc
     assert f"FLASHMOE_PROMETHEUS_URL {url!r} is not a Prometheus server's address" in texts(at.error)
 
 
+def test_a_damaged_chunk_is_named_on_the_page_that_reads_it(monkeypatch, offline, db):
+    """A chunk whose bytes the codec refuses was an exception box (CodecError) on the Memory page."""
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE chunks SET data = X'00'")
+    shown = [texts(at.error) for at in walk(monkeypatch, db)]          # walk asserts no page raised
+    assert any(f"{db} holds a damaged chunk of " in s and "DELETE FROM chunks WHERE id =" in s for s in shown)
+
+
 def test_empty_database_renders_every_page_without_charts(monkeypatch, offline, tmp_path):
     path = tmp_path / "empty.db"
     Store(path, autoflush_s=0).close()

@@ -21,7 +21,7 @@ def now_metric(column, label: str, point: tuple[float, float] | None, now: float
     column.metric(label, human(live, unit), note, delta_color="off", delta_arrow="off", help=help_)
 
 
-@st.fragment(run_every=components.refresh_every())
+@components.live
 def live() -> None:
     since, until = components.page_range()
     db, url = settings.db_path(), settings.agent_url()
