@@ -18,13 +18,15 @@ report of it). Anything else is a death: a crash, another status, SIGKILL (kill 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
+import os
 import shlex
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from agent.argtypes import count
 
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 FIRST_DELAY_S = 1.0
 MAX_DELAY_S = 30.0
+PR_SET_PDEATHSIG = 1   # prctl(2): the signal a process gets when the thread that forked it ends
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,6 +80,17 @@ def delay_after(fast_runs: int) -> float:
     return min(FIRST_DELAY_S * 2 ** max(fast_runs - 1, 0), MAX_DELAY_S)
 
 
+def _end_with(supervisor: int) -> Callable[[], None]:
+    """For the child, before exec: SIGTERM when the supervisor dies, however it dies. A supervisor killed by
+    SIGKILL (kill -9, the OOM killer) sends nothing, and the agent ran on unwatched, holding its port and pid
+    file, so that the next supervisor's agent could not start; SIGTERM is the agent's own clean stop."""
+    def arm() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != supervisor:        # it died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
+
+
 def supervise(command: Sequence[str], give_up_after: int, fast_s: float) -> int:
     """Run `command` until asked to stop (SIGTERM, SIGINT), starting it again each time it dies; returns
     1 after `give_up_after` runs in a row each shorter than `fast_s`, else how the last run ended."""
@@ -95,7 +109,7 @@ def supervise(command: Sequence[str], give_up_after: int, fast_s: float) -> int:
     while True:
         started = time.monotonic()
         try:
-            child = subprocess.Popen(command)
+            child = subprocess.Popen(command, preexec_fn=_end_with(os.getpid()))  # no threads here to fork with
         except OSError as exc:                   # no such program, not executable: no use trying again
             log.error("cannot start %s: %s", shown, exc.strerror)
             return 2

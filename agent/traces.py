@@ -321,7 +321,9 @@ def read_npz(path: str | Path, prompts: range | None = None, n_experts: int | No
     path = Path(path)
     arrays = _npz_arrays(path)
     ids, offsets, numbers = arrays["expert_ids"], arrays["prompt_offsets"], arrays["prompt_numbers"]
-    chosen = np.arange(len(numbers)) if prompts is None else np.nonzero(np.isin(numbers, list(prompts)))[0]
+    # by its bounds: a range such as 1..10**11 is never listed
+    chosen = (np.arange(len(numbers)) if prompts is None
+              else np.nonzero((numbers >= prompts.start) & (numbers < prompts.stop))[0])
     if len(chosen) == 0:
         raise TraceError(f"{path}: no prompt numbered {prompts.start}..{prompts.stop - 1} in prompt_numbers "
                          f"(it holds {numbers.min()}..{numbers.max()})")

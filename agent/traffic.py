@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from agent.argtypes import count
-from agent.warmup import DEFAULT_AGENT_URL, WarmupError, load_prompts
+from agent.warmup import DEFAULT_AGENT_URL, WarmupError, check_agent_url, load_prompts
 
 log = logging.getLogger(__name__)
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "examples" / "benchmark_input.json"
@@ -75,10 +75,8 @@ def run(args: argparse.Namespace) -> int:
         log.error("--requests must be >= 0 and --pause a finite number of seconds >= 0, got %d and %s",
                   args.requests, args.pause)
         return 2
-    if not args.agent_url.startswith(("http://", "https://")):
-        log.error("--agent-url %r is not an http:// or https:// URL, e.g. %s", args.agent_url, DEFAULT_AGENT_URL)
-        return 2
     try:
+        check_agent_url(args.agent_url)
         prompts = load_prompts(args.prompts)
     except WarmupError as exc:
         log.error("%s", exc)

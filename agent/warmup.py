@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from access.address import url_problem
 from agent.token_option import TokenError, add_token_arguments, token_from
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,13 @@ def _agent(method: str, url: str, token: str | None, **kwargs: Any) -> dict[str,
                           f"({media}); pass the agent's address as --agent-url (default {DEFAULT_AGENT_URL})") from None
 
 
+def check_agent_url(url: str) -> None:
+    """A WarmupError if --agent-url is no address an agent could answer at (httpx raised InvalidURL for some)."""
+    if problem := url_problem(url):
+        raise WarmupError(f"--agent-url {url!r} is not an agent's address: {problem}; pass the address "
+                          f"`flashmoe-cli serve` listens on (default {DEFAULT_AGENT_URL})")
+
+
 def agent_status(agent_url: str) -> dict[str, Any]:
     return _agent("GET", f"{agent_url}/v1/status", None, params={"step_profiles": 0})
 
@@ -192,6 +200,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     agent_url = None if args.model else (args.agent_url or DEFAULT_AGENT_URL).rstrip("/")
     try:
+        if agent_url:
+            check_agent_url(agent_url)
         report = warmup(args.file, agent_url, args.model, args.per_layer, token_from(args))
     except (WarmupError, TokenError) as exc:
         log.error("%s", exc)

@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from access.address import url_problem
+
 SOURCE_HEADER = {"X-FlashMoE-Source": "dashboard"}
 TOKEN_ENV = "FLASHMOE_TOKEN"
 TIMEOUT_S = 3.0
@@ -23,6 +25,10 @@ COMPLETION_TIMEOUT_S = 120.0
 
 class AgentError(RuntimeError):
     """The agent answered with a failure the dashboard cannot act on."""
+
+
+class AgentMisaddressed(AgentError):
+    """The agent's address is no URL it could answer at (FLASHMOE_AGENT_URL mistyped)."""
 
 
 class AgentOffline(AgentError):
@@ -50,10 +56,15 @@ class Agent:
 
     def __init__(self, base_url: str, token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self._misaddressed = url_problem(self.base_url)
         self._http = httpx.Client(headers=SOURCE_HEADER, timeout=TIMEOUT_S)
         self._control = {"Authorization": f"Bearer {token}"} if token else {}
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        if self._misaddressed:
+            raise AgentMisaddressed(f"{self.base_url!r} is not an agent's address: {self._misaddressed}; set "
+                                    f"FLASHMOE_AGENT_URL to the address `flashmoe-cli serve` listens on (default "
+                                    f"http://127.0.0.1:8600)")
         try:
             return self._http.request(method, f"{self.base_url}{path}", **kwargs)
         except (httpx.ReadTimeout, httpx.WriteTimeout) as err:

@@ -2,7 +2,8 @@
 (zoom shared across the page, knob changes marked), the agent-offline notice and knob inputs."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -10,6 +11,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from dashboard import data, figures, settings, timerange, transforms
+from store.errors import StoreError
 
 HIT_RATE_NOW = f"Hit rate (last {data.HIT_RATE_NOW_S // 60} min)"
 HIT_RATE_NOW_HELP = ("expert-cache hits over lookups in the last minute, from the agent's cache statistics; a hit "
@@ -25,6 +27,18 @@ def store_ready(db: str) -> bool:
     if problem:
         st.info(problem, icon=":material/database:")
     return problem is None
+
+
+def live(section: Callable[..., None]) -> Callable[..., None]:
+    """A page section re-run at the refresh rate (st.fragment). A store it cannot read, found only as the
+    section reads it (a damaged chunk of one series), is said there in one line: it was an exception box."""
+    @functools.wraps(section)
+    def guarded(*args: Any, **kwargs: Any) -> None:
+        try:
+            section(*args, **kwargs)
+        except StoreError as err:
+            st.error(str(err), icon=":material/database:")
+    return st.fragment(run_every=refresh_every())(guarded)
 
 
 # -- time range and refresh ----------------------------------------------------------------------------

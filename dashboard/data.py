@@ -143,12 +143,14 @@ def agent(url: str, token: str | None) -> agent_client.Agent:
 
 class Unanswered(str):
     """Why the agent's answer is missing, as the text pages show; `busy`: the agent runs but did not
-    answer in time (agent_client.AgentBusy)."""
+    answer in time (agent_client.AgentBusy); `misaddressed`: FLASHMOE_AGENT_URL is no address at all."""
     busy: bool
+    misaddressed: bool
 
     def __new__(cls, err: agent_client.AgentError) -> "Unanswered":
         reason = super().__new__(cls, str(err))
         reason.busy = isinstance(err, agent_client.AgentBusy)
+        reason.misaddressed = isinstance(err, agent_client.AgentMisaddressed)
         return reason
 
 

@@ -27,6 +27,7 @@ import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from urllib3.util.retry import Retry
 
+from access.address import url_problem
 from dashboard.agent_client import TOKEN_ENV, Agent
 from dashboard.transforms import clock
 from store.units import MISSING
@@ -109,6 +110,9 @@ class Prometheus:
     """Reads a Snapshot from the Prometheus server at `url`; no retries, so a down server fails fast."""
 
     def __init__(self, url: str) -> None:
+        if problem := url_problem(url):
+            raise FleetError(f"{PROMETHEUS_ENV} {url!r} is not a Prometheus server's address: {problem}; set it to "
+                             f"one such as http://prometheus.lan:9090")
         self.url = url.rstrip("/")
         self._session = requests.Session()
         self._api = PrometheusConnect(self.url, retry=Retry(total=0), timeout=TIMEOUT_S, session=self._session)

@@ -54,12 +54,15 @@ def parse_proc_stat(text: str, t: float) -> Faults:
 
 
 def read_pid_file(path: Path) -> int | None:
-    """The pid in the file if that process is alive, else None (no file, garbage, or gone)."""
+    """The pid in the file if that process is alive and was running when the file was written, else None
+    (no file, garbage, gone, or a later process given the pid: after a reboot or a SIGKILL the file
+    stays, and the pid it names may be any process's by now)."""
     try:
+        written = path.stat().st_mtime
         pid = int(path.read_text().strip())
     except (OSError, ValueError):
         return None
-    return pid if pid > 0 and alive(pid) else None
+    return pid if pid > 0 and alive(pid) and not started_after(pid, written) else None
 
 
 def alive(pid: int) -> bool:
@@ -72,3 +75,17 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True          # exists, owned by someone else
     return state[state.rindex(")") + 2] != "Z"
+
+
+def started_after(pid: int, t: float) -> bool:
+    """Whether process `pid` started after wall-clock time `t` (false if that cannot be read). Its start is
+    field 22 of /proc/<pid>/stat, in clock ticks after boot; /proc/stat's btime is the boot in whole
+    seconds, so a second's slack."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, StopIteration):
+        return False
+    ticks = int(stat[stat.rindex(")") + 2:].split()[22 - 3])
+    return boot + ticks / os.sysconf("SC_CLK_TCK") > t + 1.0

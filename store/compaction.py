@@ -40,6 +40,7 @@ class Compaction:
     rows_deleted: int = 0
     chunks_merged: int = 0
     chunks_written: int = 0
+    chunks_damaged: int = 0     # left as they are: their bytes do not decode (the readers name each)
 
 
 def compact(conn: sqlite3.Connection, cutoff: float, merge_before: float,
@@ -106,8 +107,12 @@ def _retain(conn: sqlite3.Connection, cutoff: float, sealed_before: float, repor
     straddling = conn.execute("SELECT id, series_id, precision, data, n_points FROM chunks "
                               "WHERE t_start < ? AND t_end >= ? AND t_end < ?",
                               (cutoff, cutoff, sealed_before)).fetchall()
-    trimmed = [(chunk_id, n_points, series_id, _recent(data, precision, cutoff))  # keep only the recent points
-               for chunk_id, series_id, precision, data, n_points in straddling]
+    trimmed = []
+    for chunk_id, series_id, precision, data, n_points in straddling:
+        try:
+            trimmed.append((chunk_id, n_points, series_id, _recent(data, precision, cutoff)))  # the recent points
+        except codec.CodecError:
+            report.chunks_damaged += 1               # kept whole: deleted once all of it is past the cutoff
     report.chunks_deleted = _delete_in_batches(conn, "chunks", "t_end < ?", (cutoff,))
     try:
         with transaction(conn):
@@ -138,10 +143,13 @@ def _merge_series(conn: sqlite3.Connection, series_id: int, before: float, targe
         "SELECT id, precision, data, n_points FROM chunks WHERE series_id = ? AND t_end < ? "
         "AND n_points < ? ORDER BY t_start, id", (series_id, before, target_points)).fetchall()
     for run in _runs_to_merge(rows, target_points):
-        merged = _merged(run, target_points)
+        merged, taken = _merged(run, target_points)
+        report.chunks_damaged += len(run) - len(taken)
+        if len(taken) < 2:
+            continue
         try:
             with transaction(conn):
-                if conn.executemany(_DELETE_AS_READ, [(r[0], r[3]) for r in run]).rowcount != len(run):
+                if conn.executemany(_DELETE_AS_READ, [(r[0], r[3]) for r in taken]).rowcount != len(taken):
                     raise _Moved
                 for chunk in merged:
                     write_chunk(conn, series_id, chunk)
@@ -149,19 +157,24 @@ def _merge_series(conn: sqlite3.Connection, series_id: int, before: float, targe
             continue                                             # rolled back: merged already
         _make_room(conn)
         report.chunks_written += len(merged)
-        report.chunks_merged += len(run)
+        report.chunks_merged += len(taken)
 
 
-def _merged(run: list[ChunkRow], target_points: int) -> list[EncodedChunk]:
-    """A run's points in time order, in chunks of up to `target_points`."""
-    t_ms, q = [], []
-    for _, _, data, _ in run:
-        decoded = codec.decode(data)
+def _merged(run: list[ChunkRow], target_points: int) -> tuple[list[EncodedChunk], list[ChunkRow]]:
+    """A run's points in time order, in chunks of up to `target_points`, and the chunks they came from: a
+    chunk that does not decode is left out, to stay as it is (it ended the collector in a CodecError)."""
+    t_ms, q, taken = [], [], []
+    for row in run:
+        try:
+            decoded = codec.decode(row[2])
+        except codec.CodecError:
+            continue
+        taken.append(row)
         t_ms.extend(decoded.t_ms.tolist())
         q.extend(decoded.q.tolist())
     order = sorted(range(len(t_ms)), key=t_ms.__getitem__)
     return [EncodedChunk.of(codec.ChunkEncoder.of([t_ms[i] for i in part], [q[i] for i in part]), run[0][1])
-            for part in (order[start:start + target_points] for start in range(0, len(order), target_points))]
+            for part in (order[start:start + target_points] for start in range(0, len(order), target_points))], taken
 
 
 def _runs_to_merge(rows: list[ChunkRow], target_points: int) -> list[list[ChunkRow]]:

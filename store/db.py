@@ -295,6 +295,10 @@ class Store:
             except sqlite3.Error as e:
                 raise StoreError(f"compacting {self.path} failed: {e}; {advice_for(e, self.path)}") from e
         log.info("compacted %s: %s", self.path, report)
+        if report.chunks_damaged:
+            log.warning("compaction left %d chunk(s) of %s as they were: their bytes do not decode (damaged); "
+                        "`flashmoe-cli store export` of their series names each and how to delete it",
+                        report.chunks_damaged, self.path)
         return report
 
     # --- lifecycle ----------------------------------------------------------------------

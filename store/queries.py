@@ -96,14 +96,40 @@ def _reader(db: Db) -> Iterator[sqlite3.Connection | None]:
     conn = db if isinstance(db, sqlite3.Connection) else connect_ro(db)
     try:
         yield conn
+    except _DamagedChunk as e:
+        path = _path(conn)
+        raise StoreError(f"{path} holds a damaged chunk of {e.series} (chunk id {e.id}, {e.n_points} points: "
+                         f"{e.problem}); the series reads again once it is gone (its points are lost either way): "
+                         f"`sqlite3 {path} 'DELETE FROM chunks WHERE id = {e.id}'`") from None
     except sqlite3.DatabaseError as e:
-        path = next(file for _, name, file in conn.execute("PRAGMA database_list") if name == "main")
+        path = _path(conn)
         if is_busy(e):
             raise StoreError(f"cannot read {path} yet ({e}): {advice_for(e, Path(path))}") from e
         raise damaged(path, str(e)) from e
     finally:
         if conn is not None and conn is not db:
             conn.close()
+
+
+def _path(conn: sqlite3.Connection) -> str:
+    return next(file for _, name, file in conn.execute("PRAGMA database_list") if name == "main")
+
+
+class _DamagedChunk(Exception):
+    """A chunk whose bytes the codec refuses (SQLite checks its pages' structure, not a blob's bytes)."""
+
+    def __init__(self, chunk_id: int, series: str, n_points: int, problem: str) -> None:
+        super().__init__(problem)
+        self.id, self.series, self.n_points, self.problem = chunk_id, series, n_points, problem
+
+
+def _decode(chunk_id: int, series: str, n_points: int, data: bytes) -> codec.Decoded:
+    """A chunk's points, read inside `_reader`, which names the damaged one and how to remove it (the codec's
+    error, a ValueError, was a traceback on the dashboard's pages and "--since/--until: …" in `store export`)."""
+    try:
+        return codec.decode(data)
+    except codec.CodecError as e:
+        raise _DamagedChunk(chunk_id, series, n_points, str(e)) from None
 
 
 def damaged(path: str | Path, problem: str) -> StoreError:
@@ -171,12 +197,12 @@ def points(db: Db, name: str, since: float | None = None,
         if conn is None:
             return np.empty(0), np.empty(0)
         chunks = conn.execute(
-            "SELECT c.precision, c.data FROM chunks c JOIN series s ON s.id = c.series_id "
+            "SELECT c.id, c.n_points, c.precision, c.data FROM chunks c JOIN series s ON s.id = c.series_id "
             "WHERE s.name = ? AND c.t_end >= ? AND c.t_start <= ? ORDER BY c.t_start",
             (name, lo, hi)).fetchall()
+        decoded = [(_decode(chunk_id, name, n, data), precision) for chunk_id, n, precision, data in chunks]
     if not chunks:
         return np.empty(0), np.empty(0)
-    decoded = [(codec.decode(data), precision) for precision, data in chunks]
     t = np.concatenate([d.t_ms for d, _ in decoded]) / 1000.0
     v = np.concatenate([fixed_to_values(d.q, p) for d, p in decoded])
     keep = (t >= lo) & (t <= hi)
@@ -222,13 +248,13 @@ def latest(db: Db, name: str) -> tuple[float, float] | None:
         if conn is None:
             return None
         row = conn.execute(
-            "SELECT c.precision, c.data FROM chunks c JOIN series s ON s.id = c.series_id "
+            "SELECT c.id, c.n_points, c.precision, c.data FROM chunks c JOIN series s ON s.id = c.series_id "
             "WHERE s.name = ? ORDER BY c.t_end DESC LIMIT 1", (name,)).fetchone()
-    if row is None:
-        return None
-    decoded = codec.decode(row[1])
+        if row is None:
+            return None
+        decoded = _decode(row[0], name, row[1], row[3])
     i = int(np.argmax(decoded.t_ms))
-    return float(decoded.t_ms[i]) / 1000.0, float(fixed_to_values(decoded.q[i:i + 1], row[0])[0])
+    return float(decoded.t_ms[i]) / 1000.0, float(fixed_to_values(decoded.q[i:i + 1], row[2])[0])
 
 
 # --- rows ---------------------------------------------------------------------------------

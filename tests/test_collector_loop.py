@@ -44,6 +44,18 @@ def _points(db, name):
         return 0
 
 
+def test_a_pid_file_older_than_the_process_it_names_is_not_the_agent(tmp_path, agent):
+    """A stale pid file (the agent killed, the box rebooted) whose pid a later process took: the collector
+    sampled that process's memory as the agent's."""
+    proc, pid_file = agent
+    os.utime(pid_file, (time.time() - 3600, time.time() - 3600))
+    db = tmp_path / "flashmoe.db"
+    with Store(db, autoflush_s=0) as store:
+        tick(Collector(store, pid_file), 0)
+        assert "mem.agent.rss_bytes" not in queries.series_names(db)
+        assert any("agent is not running" in e["message"] for e in queries.events(db))
+
+
 def tick(collector, k):
     return collector.tick(1_700_000_000.0 + k, time.monotonic())
 

@@ -345,6 +345,30 @@ def test_a_store_that_cannot_be_read_names_the_dashboards_setting_not_the_clis(m
         queries.connect_ro(path)
 
 
+@pytest.mark.parametrize("url", ["http://[::1", "http://127.0.0.1:abc", "notaurl", "http://127.0.0.1:99999"])
+def test_a_mistyped_agent_or_prometheus_address_is_said_on_every_page(monkeypatch, db, url):
+    """FLASHMOE_AGENT_URL that httpx cannot parse was a traceback on every page (and the Fleet page's
+    FLASHMOE_PROMETHEUS_URL likewise); one it could, e.g. a port over 65535, read as the agent down."""
+    monkeypatch.setenv("FLASHMOE_AGENT_URL", url)
+    monkeypatch.setenv("FLASHMOE_PROMETHEUS_URL", url)
+    said = []
+    for at in walk(monkeypatch, db):
+        said.append(texts([*at.error, *at.warning]))
+    assert f"Agent address wrong: {url!r} is not an agent's address" in said[0]
+    assert all("set FLASHMOE_AGENT_URL to the address" in s for s in said if "Agent" in s), said
+    at.switch_page(pages.page("fleet").path).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert f"FLASHMOE_PROMETHEUS_URL {url!r} is not a Prometheus server's address" in texts(at.error)
+
+
+def test_a_damaged_chunk_is_named_on_the_page_that_reads_it(monkeypatch, offline, db):
+    """A chunk whose bytes the codec refuses was an exception box (CodecError) on the Memory page."""
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE chunks SET data = X'00'")
+    shown = [texts(at.error) for at in walk(monkeypatch, db)]          # walk asserts no page raised
+    assert any(f"{db} holds a damaged chunk of " in s and "DELETE FROM chunks WHERE id =" in s for s in shown)
+
+
 def test_empty_database_renders_every_page_without_charts(monkeypatch, offline, tmp_path):
     path = tmp_path / "empty.db"
     Store(path, autoflush_s=0).close()

@@ -1,11 +1,15 @@
 """The learned FlashMoE policy inside the cache core: contract, event-driven rescoring, knobs, weights."""
+import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from agent.learned.model import RetentionNet, save
+from safetensors.torch import load_file, safe_open, save_file
+
+from agent.learned.model import NetConfig, RetentionNet, save
 from agent.learned.model import load as load_weights
 from agent.policies import policy_factory, policy_names
 from agent.policies.flashmoe import DEFAULT_WEIGHTS, FlashMoE
@@ -225,6 +229,31 @@ def test_missing_or_corrupt_weights_are_clear_errors(tmp_path):
     save(net, tmp_path / "nan.safetensors", {})
     with pytest.raises(ValueError, match="not a valid weights file .*NaN or infinite"):
         policy_factory("flashmoe", model_path=tmp_path / "nan.safetensors")()
+
+
+def test_weights_trained_on_other_inputs_are_refused_by_name(tmp_path):
+    """Weights from before a feature was added (15 features, before successor_4) loaded, and the compiled
+    scorer read past their first layer's rows: silently wrong scores; other system inputs: a traceback."""
+    for config, said in ((NetConfig(n_features=15), "expert features 15 (this version computes 16)"),
+                         (NetConfig(signature_bits=8), "signature bits 8 (this version computes 32)"),
+                         (NetConfig(system_inputs=3), "system inputs 3 (this version computes 2)")):
+        save(RetentionNet(config), tmp_path / "other.safetensors", {})
+        with pytest.raises(ValueError, match=re.escape(f"trained on other inputs: {said}")):
+            policy_factory("flashmoe", model_path=tmp_path / "other.safetensors")()
+
+
+def test_weights_whose_metadata_claims_a_huge_network_are_refused_without_building_it(tmp_path):
+    """The network was built (allocated and initialised) at the size the metadata claims, before its tensors
+    were read: 40 GB for a hidden width of 10**5."""
+    path = tmp_path / "claims.safetensors"
+    save(RetentionNet(), path, {})
+    state = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    save_file(state, str(path), metadata={**meta, "config": json.dumps({**json.loads(meta["config"]),
+                                                                          "hidden": 10 ** 5})})
+    with pytest.raises(ValueError, match=r"\(expert\.mlp\.0\.bias is \[64\] where its config makes it \[100000\]\);"):
+        load_weights(path)
 
 
 def test_experts_admitted_before_their_layer_routed_can_be_evicted():

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,21 @@ def test_pid_file_finds_a_live_process_only(tmp_path):
     child.wait()
     pid_file.write_text(str(child.pid))
     assert memory.read_pid_file(pid_file) is None                    # exited and reaped
+
+
+def test_a_pid_file_older_than_the_process_it_names_names_no_agent(tmp_path):
+    """A pid file left by a killed agent, or from before a reboot, named whichever process had the pid since:
+    the collector sampled it as the agent and serve refused to start ("another agent is up")."""
+    pid_file = tmp_path / "agent.pid"
+    with subprocess.Popen(["sleep", "60"]) as later:
+        pid_file.write_text(f"{later.pid}\n")
+        os.utime(pid_file, (time.time() - 3600, time.time() - 3600))  # written an hour before `later` started
+        assert memory.read_pid_file(pid_file) is None
+        assert memory.started_after(later.pid, time.time() - 3600)
+        os.utime(pid_file)                                              # written now, by a process that runs
+        assert memory.read_pid_file(pid_file) == later.pid
+        assert not memory.started_after(later.pid, time.time())
+        later.kill()
 
 
 PSI = "some avg10=1.50 avg60=0.75 avg300=0.10 total=123456\nfull avg10=0.25 avg60=0.00 avg300=0.00 total=789\n"

@@ -9,6 +9,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -453,6 +454,20 @@ def test_a_pid_file_that_holds_something_else_is_left_as_it_is(model, tmp_path, 
     assert r.returncode == 2 and f"--pid-file {taken} exists and is not a pid file" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and taken.read_bytes() == content
     assert sorted(p.name for p in tmp_path.iterdir()) == ["flashmoe.db"]
+
+
+def test_a_pid_file_whose_pid_another_process_took_since_is_taken_over(model, tmp_path):
+    """An agent killed (SIGKILL, a reboot) leaves its pid file; a process started since with that pid made
+    the next agent refuse to start: "… names a running process (…): another agent is up"."""
+    with subprocess.Popen(["sleep", "120"]) as other:
+        (tmp_path / "agent.pid").write_text(f"{other.pid}\n")
+        os.utime(tmp_path / "agent.pid", (time.time() - 3600, time.time() - 3600))
+        agent = start_agent(model, tmp_path)
+        try:
+            assert int(agent.pid_file.read_text()) == agent.proc.pid
+        finally:
+            assert agent.stop() == 0 and not agent.pid_file.exists()
+            other.kill()
 
 
 @pytest.mark.parametrize("where", ["a directory", "under a file"])

@@ -90,7 +90,7 @@ def test_compaction_on_a_full_disk_runs_in_a_little_room_and_the_store_writes_in
     os.truncate(filler, filler.stat().st_size - COMPACT_ROOM_BYTES)
     code, lines = cli_error("store", "compact", "--db", str(db), "--retention-days", "7")
     assert code == 0 and json.loads(lines[0]) == {"chunks_deleted": 300, "rows_deleted": 6000, "chunks_merged": 0,
-                                                  "chunks_written": 0}, lines
+                                                  "chunks_written": 0, "chunks_damaged": 0}, lines
     os.truncate(filler, filler.stat().st_size - WAL_LIMIT_BYTES)    # the new writer's log
     with Store(db, autoflush_s=0) as store:                          # the room it freed takes new data
         for tick in range(3000):
@@ -225,6 +225,33 @@ def test_a_damaged_store_is_one_line_for_its_readers(table, tmp_path):
         code, lines = cli_error(*command, "--db", str(db))
         assert code == 1 and len(lines) == 1, lines
         assert f"{db} is damaged ({problem}" in lines[0] and f"): `sqlite3 {db} .recover" in lines[0], lines
+
+
+def test_a_damaged_chunk_is_left_by_compaction_and_named_by_its_readers(tmp_path):
+    """SQLite checks its pages, not a blob's bytes: a chunk the codec refuses ended the collector at start (its
+    compaction merged it: a CodecError traceback, exit 1, and honcho then stops the rest), `store compact` the
+    same, and `store export` blamed --since/--until."""
+    db, start = tmp_path / "flashmoe.db", time.time() - 3 * 3600       # old enough to merge
+    with Store(db, chunk_points=10, autoflush_s=0) as store:
+        for i in range(100):
+            store.append("agent.read_latency_s", start + i, 1e-3 * (i + 1))
+    with sqlite3.connect(db) as conn:
+        (damaged,) = conn.execute("SELECT MIN(id) + 3 FROM chunks").fetchone()
+        conn.execute("UPDATE chunks SET data = X'04FFFF' WHERE id = ?", (damaged,))
+    done = subprocess.run([*CLI, "collect", "--db", str(db), "--duration", "1"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert "compaction left 1 chunk(s) of" in done.stderr and "chunks_merged=9" in done.stderr, done.stderr
+    done = subprocess.run([*CLI, "store", "compact", "--db", str(db)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["chunks_damaged"] == 1, done.stderr
+    code, lines = cli_error("store", "export", "--db", str(db), "--series", "agent.read_latency_s")
+    assert code == 1 and len(lines) == 1, lines
+    assert (f"{db} holds a damaged chunk of agent.read_latency_s (chunk id {damaged}, 10 points: chunk truncated "
+            f"inside a varint)" in lines[0] and "--since" not in lines[0]), lines
+    subprocess.run(lines[0].split("`")[1], shell=True, check=True)    # the command it names (the collector
+                                                                      # writes no agent series)
+    assert len(queries.points(db, "agent.read_latency_s")[0]) == 90
 
 
 def test_a_store_on_a_read_only_mount_can_still_be_read(tmpfs):

@@ -113,6 +113,20 @@ def test_a_signal_to_the_supervisor_stops_its_command_and_then_itself(sig, tmp_p
         stop(proc)
 
 
+def test_a_supervisor_killed_with_sigkill_takes_its_command_with_it(tmp_path):
+    """The command outlived a supervisor killed by SIGKILL (kill -9, the OOM killer): an agent nobody watched,
+    holding its port and pid file, so that the next supervisor's agent could not start."""
+    child_pid, log = tmp_path / "child.pid", tmp_path / "supervise.log"
+    proc = spawn([*CLI, "supervise", "--", "sh", "-c", f"echo $$ > {child_pid}; exec sleep 600"], log)
+    try:
+        pid = int(wait_for(lambda: child_pid.exists() and child_pid.read_text().strip(), 30, "the command's pid"))
+        proc.kill()
+        proc.wait(30)
+        wait_for(lambda: not alive(pid), 10, "the command to end with its supervisor")
+    finally:
+        stop(proc)
+
+
 def test_under_honcho_the_others_outlive_a_killed_agent_and_honchos_stop_ends_everything(tmp_path):
     child_pid, other_pid, log = tmp_path / "child.pid", tmp_path / "other.pid", tmp_path / "honcho.log"
     cli = " ".join(CLI)

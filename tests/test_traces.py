@@ -147,6 +147,15 @@ def test_npz_prompts_are_sessions_and_ranges_select_them(tmp_path):
         read_npz(p, range(10, 13))
 
 
+def test_a_prompt_range_of_any_width_selects_by_its_bounds(tmp_path):
+    """`--prompts 1..99999999999` listed every number of the range: a MemoryError traceback."""
+    p = write_npz(tmp_path / "p.npz")
+    assert load(p, prompts=parse_prompts("1..99999999999")).n_tokens == 3
+    assert load(p, prompts=parse_prompts("9..99999999999999999999999")).dense().tolist() == [[[6, 1], [2, 3]]]
+    with pytest.raises(TraceError, match=r"no prompt numbered 10\.\.99999999999 "):
+        read_npz(p, parse_prompts("10..99999999999"))
+
+
 @pytest.mark.parametrize("over, message", [
     ({"prompt_offsets": None}, r"missing array\(s\) \['prompt_offsets'\]"),
     ({"prompt_offsets": np.array([0, 2, 5])}, "array prompt_offsets must rise from 0 to 3"),

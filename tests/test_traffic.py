@@ -47,6 +47,9 @@ def test_a_bad_prompt_file_is_a_clear_error(tmp_path):
     (["--pause", "nan"], "--pause a finite number"), (["--pause", "inf"], "--pause a finite number"),
     (["--requests", "-1"], "--requests must be >= 0"), (["--clients", "0"], "--clients: must be at least 1"),
     (["--max-tokens", "0"], "--max-tokens: must be at least 1"), (["--agent-url", "notaurl"], "is not an http://"),
+    # httpx.InvalidURL in every client thread (tracebacks, then exit 0), or a port that was retried for ever
+    (["--agent-url", "http://[::1"], "--agent-url 'http://[::1' is not an agent's address: it does not parse"),
+    (["--agent-url", "http://127.0.0.1:99999"], "(Port out of range 0-65535)"),
 ])
 def test_bad_arguments_are_refused_before_any_request(args, words):
     done = subprocess.run([*CLI, "traffic", "--agent-url", "http://127.0.0.1:9", "--requests", "1", *args],

@@ -126,6 +126,14 @@ def test_an_absent_agent_is_a_clear_error():
     assert r.returncode == 2 and "did not answer" in r.stderr and "--model" in r.stderr
 
 
+@pytest.mark.parametrize("url", ["http://[::1", "http://127.0.0.1:abc", "http://"])
+def test_an_agent_url_that_is_no_address_is_one_line(url):
+    """httpx raised InvalidURL, which is no transport error: a traceback."""
+    r = subprocess.run([*CLI, "warmup", str(EXAMPLE), "--agent-url", url], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "is not an agent's address" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_an_address_that_is_not_the_agent_is_a_clear_error(html_server):
     """The dashboard's port answers every path with its page: warm-up ended in a JSONDecodeError traceback."""
     r = subprocess.run([*CLI, "warmup", str(EXAMPLE), "--agent-url", html_server],

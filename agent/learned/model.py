@@ -120,14 +120,41 @@ def load(path: Path) -> RetentionNet:
     if not path.is_file():
         raise ValueError(f"FlashMoE policy weights {path} do not exist; {hint}")
     try:
-        net = RetentionNet(_config(path))
+        config = _config(path)
+        if wrong := [f"{name} {got} (this version computes {want})" for name, got, want in _inputs(config)
+                     if got != want]:
+            raise ValueError(f"they were trained on other inputs: {', '.join(wrong)}")
+        with torch.device("meta"):  # no memory for the shapes the metadata claims: the file's tensors are taken
+            net = RetentionNet(config)
         weights = load_file(str(path))
-        net.load_state_dict(weights)
+        _check_shapes(net, weights)
+        net.load_state_dict(weights, assign=True)
         if bad := sorted(name for name, t in weights.items() if not torch.isfinite(t).all()):
             raise ValueError(f"{', '.join(bad)} hold NaN or infinite values")  # it would score every block alike
     except (SafetensorError, OSError, KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"FlashMoE policy weights {path} are not a valid weights file ({e}); {hint}") from None
     return net.eval()
+
+
+def _check_shapes(net: RetentionNet, weights: dict[str, torch.Tensor]) -> None:
+    """One line for the first tensor the file lacks, has too many of, or holds in another shape than its
+    config makes (load_state_dict lists every one, a line each)."""
+    want = {name: list(t.shape) for name, t in net.state_dict().items()}
+    for name in sorted(want.keys() | weights.keys()):
+        if name not in weights:
+            raise ValueError(f"it lacks the tensor {name}")
+        if name not in want:
+            raise ValueError(f"it holds a tensor {name} that the network has not")
+        if list(weights[name].shape) != want[name]:
+            raise ValueError(f"{name} is {list(weights[name].shape)} where its config makes it {want[name]}")
+
+
+def _inputs(config: NetConfig) -> tuple[tuple[str, int, int], ...]:
+    """What a network reads, as the weights say and as this code computes it: the scorer's compiled loop
+    trusts them to agree (fewer features in the weights would read past the first layer's rows)."""
+    return (("expert features", config.n_features, len(FEATURES)),
+            ("signature bits", config.signature_bits, HISTORY_BITS),
+            ("system inputs", config.system_inputs, SYSTEM_INPUTS))
 
 
 def training_info(path: Path) -> dict:

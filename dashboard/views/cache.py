@@ -12,7 +12,7 @@ TIME_BUCKETS = 60
 db, url, token = settings.db_path(), settings.agent_url(), settings.agent_token()
 
 
-@st.fragment(run_every=components.refresh_every())
+@components.live
 def live() -> None:
     since, until = components.page_range()
     if not components.store_ready(db):
@@ -71,7 +71,7 @@ def live() -> None:
             st.caption("**Evictions**: no cache statistics in this range.")
 
 
-@st.fragment(run_every=components.refresh_every())
+@components.live
 def online_learning() -> None:
     st.subheader("Online learning")
     status = data.agent_status(url, token)
@@ -97,7 +97,7 @@ def online_learning() -> None:
                      placeholder=MISSING)
 
 
-@st.fragment(run_every=components.refresh_every())
+@components.live
 def policies() -> None:
     st.subheader("Policy comparison (simulator)")
     rows = data.simulations(db) if data.store_problem(db) is None else []
@@ -108,7 +108,7 @@ def policies() -> None:
                    "(Store.record_simulation) compare the policies on recorded traces.")
 
 
-@st.fragment(run_every=components.refresh_every())
+@components.live
 def cap_sweep() -> None:
     st.subheader("Tokens/s against cache cap")
     runner = data.sweep_runner()

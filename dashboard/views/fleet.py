@@ -47,7 +47,7 @@ ALERT_COLUMNS = {
 }
 
 
-@st.fragment(run_every=components.refresh_every())
+@components.live
 def overview(url: str) -> None:
     try:
         rows = fleet.devices(snapshot(url))

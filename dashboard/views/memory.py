@@ -39,7 +39,7 @@ DASHED = {"peak RSS": "dash",        # drawn first and dashed, so RSS (solid, on
 db, url, token = settings.db_path(), settings.agent_url(), settings.agent_token()
 
 
-@st.fragment(run_every=components.refresh_every())
+@components.live
 def live() -> None:
     since, until = components.page_range()
     if not components.store_ready(db):

@@ -21,7 +21,7 @@ def now_metric(column, label: str, point: tuple[float, float] | None, now: float
     column.metric(label, human(live, unit), note, delta_color="off", delta_arrow="off", help=help_)
 
 
-@st.fragment(run_every=components.refresh_every())
+@components.live
 def live() -> None:
     since, until = components.page_range()
     db, url = settings.db_path(), settings.agent_url()
@@ -36,6 +36,8 @@ def live() -> None:
                           icon=":material/check_circle:")
     elif status.busy:
         agent_col.warning(f"Agent busy: {status}", icon=":material/hourglass_top:")
+    elif status.misaddressed:
+        agent_col.error(f"Agent address wrong: {status}", icon=":material/link_off:")
     else:
         agent_col.error(f"Agent down: {status}", icon=":material/cancel:")
     seen = heartbeat[0] if heartbeat else None

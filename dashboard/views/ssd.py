@@ -18,7 +18,7 @@ SMART_FIELDS = {          # series suffix -> (label, unit)
 db = settings.db_path()
 
 
-@st.fragment(run_every=components.refresh_every())
+@components.live
 def live() -> None:
     since, until = components.page_range()
     if not components.store_ready(db):

@@ -38,7 +38,7 @@ def knob_form(knobs: dict[str, dict[str, Any]], expert_bytes: int | None) -> Non
             st.rerun()
 
 
-@st.fragment(run_every=components.refresh_every())
+@components.live
 def current() -> None:
     components.page_range()
     knobs, offline = data.knob_state(url, token, db)
@@ -53,7 +53,7 @@ def current() -> None:
         st.info("No knob values known: the agent is offline and the store holds no knob changes.")
 
 
-@st.fragment(run_every=components.refresh_every())
+@components.live
 def history() -> None:
     st.subheader("History of changes")
     if not components.store_ready(db):
