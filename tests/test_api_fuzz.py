@@ -194,6 +194,39 @@ def test_a_method_no_route_takes_is_a_405_that_names_the_ones_it_takes(trusted):
     assert undeclared.keys() == paths.keys()
 
 
+def test_a_knobs_change_is_what_they_list_until_the_next_one(trusted):
+    """Stateful: schemathesis follows /openapi.json's link from PUT /v1/knobs to GET /v1/knobs, in sequences
+    of changes (some refused: drawn invalid, or without the token) and listings. An accepted change answers
+    the values it was sent; a listing shows the last accepted change's values: a refused one changed nothing."""
+    api = schemathesis.openapi.from_url(trusted.url + "/openapi.json").include(path="/v1/knobs")
+    steps: collections.Counter[str] = collections.Counter()
+
+    class KnobChanges(api.as_state_machine()):
+        def setup(self) -> None:
+            self.knobs = _values(trusted.get("/v1/knobs").json())
+
+        def get_call_kwargs(self, case) -> dict:
+            return {"headers": WITH_TOKEN, "timeout": HANG_S}
+
+        def validate_response(self, response, case, **kwargs) -> None:
+            steps[f"{case.method} {response.status_code}"] += 1
+            case.validate_response(response, checks=CHECKS, headers=WITH_TOKEN)
+            if case.method == "PUT" and response.status_code == 200:
+                knobs = _values(response.json())
+                assert {name: knobs[name] for name in case.body} == case.body
+                self.knobs = knobs
+            elif case.method == "GET":
+                assert _values(response.json()) == self.knobs
+
+    KnobChanges.run(settings=settings(max_examples=EXAMPLES, stateful_step_count=8, deadline=None, database=None,
+                                      suppress_health_check=list(HealthCheck), derandomize=True))
+    assert steps["PUT 200"] and steps["GET 200"], steps
+
+
+def _values(knobs: dict) -> dict:
+    return {name: knob["value"] for name, knob in knobs.items()}
+
+
 def test_control_calls_declare_the_token_where_the_agent_has_one(agent, guarded):
     for served, schemes, refusals in ((agent, {}, {"403"}), (guarded, {"token"}, {"401", "429"})):
         schema = served.get("/openapi.json").json()

@@ -163,9 +163,17 @@ METRICS = {"description": "Prometheus' text exposition format",
            "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}
 
 
-def answers(answer: type[BaseModel], responses: dict[int | str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """A route's arguments that document its 200 as `answer` besides `responses`, without checking it at run time."""
-    return {"response_model": None, "responses": {200: {"model": answer}, **(responses or {})}}
+# OpenAPI links: the call that reads what a 200 left (schemathesis' stateful test follows them)
+KNOBS_AS_SET = {"GetKnobs": {"operationRef": "#/paths/~1v1~1knobs/get",
+                             "description": "GET /v1/knobs lists the values this change left, until the next one"}}
+
+
+def answers(answer: type[BaseModel], responses: dict[int | str, dict[str, Any]] | None = None,
+            links: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A route's arguments that document its 200 as `answer` (and its `links`) besides `responses`, without
+    checking it at run time."""
+    ok = {"model": answer, **({"links": links} if links else {})}
+    return {"response_model": None, "responses": {200: ok, **(responses or {})}}
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

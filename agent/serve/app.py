@@ -42,7 +42,8 @@ from starlette.routing import Match
 
 from access.guesses import GuessLimit, lockout_message
 from access.loopback import addressed_to_loopback
-from agent.serve.api_schema import METRICS, STREAMED, Knobs, ModelList, Preloaded, Status, answers, describe, errors
+from agent.serve.api_schema import (KNOBS_AS_SET, METRICS, STREAMED, Knobs, ModelList, Preloaded, Status, answers,
+                                    describe, errors)
 from agent.serve.engine import STEP_PROFILES
 from agent.serve.knobs import SOURCES, KnobError
 from agent.serve.limits import MAX_JSON_DEPTH, MAX_PROMPT_BYTES, body_limit, nests_deeper
@@ -153,7 +154,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
     def get_knobs() -> dict[str, Any]:
         return runtime.knobs.describe()
 
-    @app.put("/v1/knobs", dependencies=controlled, **answers(Knobs, control_errors))
+    @app.put("/v1/knobs", dependencies=controlled, **answers(Knobs, control_errors, KNOBS_AS_SET))
     def put_knobs(changes: dict[str, Any] = Body(...), who: str = Depends(source)) -> dict[str, Any]:
         return _controlled(lambda: runtime.set_knobs(changes, who))
 
