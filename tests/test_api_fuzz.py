@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from schemathesis import checks
+from schemathesis import checks, engine
+from schemathesis.engine import Status, events
 
 from agents import demo_model, start_agent
 from store import queries
@@ -38,6 +39,8 @@ CONTEXT = 4096         # the demo model's; max_tokens beyond it are refused at o
 KNOWN = {"prompt": "The expert cache keeps", "max_tokens": 12, "temperature": 0}
 CONFORMANCE = [checks.status_code_conformance, checks.content_type_conformance, checks.response_headers_conformance,
                checks.response_schema_conformance, checks.negative_data_rejection, checks.positive_data_acceptance]
+# a call accepted with the token is sent again without it and with a wrong one: either must be refused (401 or 403)
+CHECKS = [*CONFORMANCE, checks.ignored_auth]
 
 seen: collections.Counter[str] = collections.Counter()
 
@@ -91,9 +94,12 @@ def test_no_input_is_a_5xx_a_hang_or_a_4xx_without_a_message(api):
                 fuzz(operation, mode)
 
 
-def fuzz(operation, mode, headers: dict[str, str] | None = None, refused: bool = False) -> None:
+def fuzz(operation, mode, headers: dict[str, str] | None = None, refused: bool = False) -> collections.Counter[int]:
     """Drawn cases of `operation` (sent with `headers` over the drawn ones): no 5xx, no hang, a 4xx
-    says why, the answer conforms to the schema; with `refused`, nothing is accepted either."""
+    says why, the answer conforms to the schema and a call accepted with the token needed it; with
+    `refused`, nothing is accepted either. Returns the statuses answered."""
+    statuses: collections.Counter[int] = collections.Counter()
+
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
               database=None)
@@ -105,18 +111,21 @@ def fuzz(operation, mode, headers: dict[str, str] | None = None, refused: bool =
         response = case.call(timeout=HANG_S)  # a slower answer raises: a hang fails the test
         seen["inputs"] += 1
         seen[f"{response.status_code // 100}xx"] += 1
+        statuses[response.status_code] += 1
         assert response.status_code < 500, f"{case.method} {case.path} {case.body!r:.300}: {response.text[:300]}"
         if response.status_code >= 400:
             error = response.json()["error"]
             assert isinstance(error["message"], str) and error["message"].strip(), response.text[:300]
-        case.validate_response(response, checks=CONFORMANCE)
+        case.validate_response(response, checks=CHECKS, headers=headers)   # headers: what ignored_auth takes away
         assert not (refused and response.status_code < 400), f"{case.method} {case.path} {case.body!r:.300} accepted"
 
     check()
+    return statuses
 
 
 CONTROL = {"PUT /v1/knobs", "POST /v1/cache/preload"}
 TOKEN = "fuzz-control-token"
+WITH_TOKEN = {"Authorization": "Bearer " + TOKEN}
 WITHOUT_TOKEN = {"as drawn": None, "none": {}, "its prefix": {"Authorization": "Bearer " + TOKEN[:-1]},
                  "latin-1": {"Authorization": "Bearer " + TOKEN + "é"}}
 
@@ -141,6 +150,81 @@ def test_no_control_call_without_the_token_changes_the_agent(guarded, headers):
     assert guarded.get("/v1/knobs").json() == knobs
     assert guarded.get("/v1/status").json()["cache"]["resident_experts"] == cache["resident_experts"]
     assert [h for h in queries.knob_history(guarded.db) if h["source"] != "restore"] == []
+
+
+@pytest.fixture(scope="module")
+def trusted(tmp_path_factory):
+    """An agent with a token, sent it: not `guarded`, which the wrong tokens above lock this box out of for a while."""
+    a = start_agent(demo_model(tmp_path_factory), tmp_path_factory.mktemp("trusted"), "--token", TOKEN)
+    yield a
+    a.stop()
+
+
+def test_every_control_call_accepted_with_the_token_is_refused_without_it(trusted):
+    """schemathesis' ignored_auth: each control call the agent accepts with its token is sent again without it
+    and with a wrong one; both must be refused. It bites only where calls are accepted, so some must be."""
+    api = schemathesis.openapi.from_url(trusted.url + "/openapi.json")
+    control = [op for op in (r.ok() for r in api.get_all_operations()) if op.label in CONTROL]
+    assert {op.label for op in control} == CONTROL
+    for operation in control:
+        accepted = sum(fuzz(operation, mode, WITH_TOKEN)[200] for mode in schemathesis.GenerationMode)
+        assert accepted, f"{operation.label}: no call accepted with the token, so ignored_auth checked nothing"
+
+
+def test_a_method_no_route_takes_is_a_405_that_names_the_ones_it_takes(trusted):
+    """schemathesis' unsupported_method: its coverage phase sends every path each method the schema does not list
+    there (with the token: a control path's too), and each must be a 405 with Allow. Only that phase sends them."""
+    api = schemathesis.openapi.from_url(trusted.url + "/openapi.json")
+    api.config.update(headers=WITH_TOKEN, request_timeout=HANG_S)
+    api.config.phases.update(phases=["coverage"])
+    api.config.generation.update(modes=[schemathesis.GenerationMode.NEGATIVE])  # the undeclared methods' mode
+    api.config.checks.update(included_check_names=["unsupported_method"])
+    paths = api.raw_schema["paths"]
+    undeclared: collections.Counter[str] = collections.Counter()
+    failures = []
+    for event in engine.from_schema(api).execute():
+        if isinstance(event, (events.NonFatalError, events.FatalError)):
+            failures.append(f"{event.label}: {event.value!r}")
+        elif isinstance(event, events.ScenarioFinished):
+            sent = [node.value for node in event.recorder.cases.values()]
+            undeclared.update(case.path for case in sent if case.method.lower() not in paths[case.path])
+            failures += [f"{check.name}: {check.failure_info.failure.title}" for node in event.recorder.checks.values()
+                         for check in node if check.status is Status.FAILURE]
+    assert failures == []
+    assert undeclared.keys() == paths.keys()
+
+
+def test_a_knobs_change_is_what_they_list_until_the_next_one(trusted):
+    """Stateful: schemathesis follows /openapi.json's link from PUT /v1/knobs to GET /v1/knobs, in sequences
+    of changes (some refused: drawn invalid, or without the token) and listings. An accepted change answers
+    the values it was sent; a listing shows the last accepted change's values: a refused one changed nothing."""
+    api = schemathesis.openapi.from_url(trusted.url + "/openapi.json").include(path="/v1/knobs")
+    steps: collections.Counter[str] = collections.Counter()
+
+    class KnobChanges(api.as_state_machine()):
+        def setup(self) -> None:
+            self.knobs = _values(trusted.get("/v1/knobs").json())
+
+        def get_call_kwargs(self, case) -> dict:
+            return {"headers": WITH_TOKEN, "timeout": HANG_S}
+
+        def validate_response(self, response, case, **kwargs) -> None:
+            steps[f"{case.method} {response.status_code}"] += 1
+            case.validate_response(response, checks=CHECKS, headers=WITH_TOKEN)
+            if case.method == "PUT" and response.status_code == 200:
+                knobs = _values(response.json())
+                assert {name: knobs[name] for name in case.body} == case.body
+                self.knobs = knobs
+            elif case.method == "GET":
+                assert _values(response.json()) == self.knobs
+
+    KnobChanges.run(settings=settings(max_examples=EXAMPLES, stateful_step_count=8, deadline=None, database=None,
+                                      suppress_health_check=list(HealthCheck), derandomize=True))
+    assert steps["PUT 200"] and steps["GET 200"], steps
+
+
+def _values(knobs: dict) -> dict:
+    return {name: knob["value"] for name, knob in knobs.items()}
 
 
 def test_control_calls_declare_the_token_where_the_agent_has_one(agent, guarded):

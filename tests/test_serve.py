@@ -11,7 +11,6 @@ import sqlite3
 import subprocess
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from access.loopback import addressed_to_loopback
 from agent.policies import DEFAULT_POLICY
-from agent.serve.app import _prompt_ids
+from agent.serve.app import _positions, _prompt_ids
 from agent.serve.requests import CompletionRequest
 from agents import CLI, demo_model, free_port, start_agent, stop, wait_for
 from store import queries
@@ -113,7 +112,7 @@ def test_a_prompt_past_both_limits_is_refused_naming_the_smaller(context, kv_bud
     one a shorter request would still have hit."""
     body = CompletionRequest(prompt=[1, 2, 3], max_tokens=5000)
     with pytest.raises(HTTPException) as refused:
-        _prompt_ids(body, None, SimpleNamespace(vocab_size=10, max_seq_len=context), kv_budget)
+        _prompt_ids(body, None, 10, _positions(context, kv_budget))
     assert refused.value.detail == f"prompt (3 tokens) + max_tokens (5000) exceeds {named}; shorten one of them"
 
 

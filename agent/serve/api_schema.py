@@ -16,7 +16,12 @@ from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
+from agent.experts.layout import QUANTS
 from agent.knob import Knob
+from agent.model.dense_int8 import DENSE_MODES
+from agent.prefetch_gate import MODES as PREFETCH_MODES
+from agent.residency import SCOPES
+from agent.serve.engine import StepProfile
 
 
 class ErrorInfo(BaseModel):
@@ -95,7 +100,22 @@ class KnobState(BaseModel):
 Knobs = RootModel[dict[str, KnobState]]
 
 
-class CacheState(BaseModel):
+class Exact(BaseModel):
+    """An object of the answer with these fields and no others (additionalProperties false): a field the agent adds
+    to its answer without typing it here fails the fuzz test's schema check."""
+    model_config = ConfigDict(extra="forbid")
+
+
+class PrefetchState(Exact):
+    """The adaptive prefetch (agent/prefetch_gate.py)."""
+    mode: Literal[PREFETCH_MODES]
+    issuing: bool = Field(description="whether the guessed reads are issued now")
+    accuracy: float | None = Field(description="of the last `scored` guessed reads; null before any")
+    scored: int
+    break_even: float = Field(description="the accuracy below which the guessed reads do not pay")
+
+
+class CacheState(Exact):
     resident_experts: int
     capacity_experts: int
     cache_bytes: int
@@ -107,23 +127,95 @@ class CacheState(BaseModel):
     hit_rate: float
     bytes_read: int
     prefetch_accuracy: float
-    prefetch: dict[str, Any] = Field(description="the adaptive prefetch's state")
+    prefetch: PrefetchState
 
 
-class Status(BaseModel):
-    """The fields a client relies on; the rest (profiles, store health, online learning) as the answer has them."""
-    model_config = ConfigDict(extra="allow")
-    model: str
+class ExpertsCompute(Exact):
+    """What the store's experts hold and how they are computed."""
+    quant: Literal[QUANTS] | None = Field(description="null: the checkpoint's dtype")
+    dtype: str = Field(description="the checkpoint's torch dtype, which the model computes in")
+    int8_activations: bool | None = Field(description="whether int8 experts quantize bf16 activations too; null where "
+                                                      "it does not apply (not int8, or not a bf16 model)")
+
+
+class DamagedBlock(Exact):
+    layer: int
+    expert: int
+    reason: str
+
+
+class Verify(Exact):
+    """serve --verify's check of every block's CRC32 while the agent is idle."""
+    state: Literal["running", "done", "stopped"]
+    checked_blocks: int
+    started: float = Field(description="Unix time; 0 before it starts")
+    finished: float | None
+
+
+class StoreHealth(Exact):
+    """Damaged blocks found by the size check at start, by reads while serving and by serve --verify."""
+    blocks: int
+    damaged: int
+    damaged_blocks: list[DamagedBlock]
+    verify: Verify | None = Field(description="null without serve --verify")
+
+
+class OnlineUpdate(Exact):
+    """An update swapped in, and how the one before it did in hindsight (null before it is judged)."""
+    number: int
+    time: float
+    step: int
+    decisions: int
+    cpu_s: float
+    judged_steps: int | None
+    old_hit_rate: float | None
+    new_hit_rate: float | None
+    rolled_back: bool | None
+
+
+class OnlineOff(Exact):
+    enabled: Literal[False]
+
+
+class OnlineOn(Exact):
+    """The learned policy learning online (its online_learning knob)."""
+    enabled: Literal[True]
+    steps_seen: int
+    cpu_s: float
+    cpu_share_limit: float
+    worker_failures: int
+    updates: int
+    rollbacks: int
+    not_taken: int
+    decisions: int
+    recent: list[OnlineUpdate] = Field(description="the most recent updates, oldest first")
+
+
+class Status(Exact):
+    """What GET /v1/status answers (agent/serve/runtime.py, Runtime.status)."""
+    model: str = Field(description="the model directory")
     uptime_s: float
+    routing: str = Field(description="the model's router, or the routing trace that decides (serve --route-trace)")
     policy: str
+    backend: str
+    scope: Literal[SCOPES]
+    experts: ExpertsCompute
+    dense: Literal[DENSE_MODES]
     cache: CacheState
+    recent_hit_rate: float | None = Field(description="of the last 30 s's lookups; null without any")
     batch_size: int
     batch_limit: int
     queue_depth: int
+    kv_positions: int
+    kv_budget: int
     tokens_generated: int
-    model_steps: int
     requests_unserved: dict[str, int]
-    step_profiles: list[dict[str, Any]]
+    model_steps: int
+    ssd_util: float | None = Field(description="0 to 1: the share of time the disk had reads in flight")
+    ssd_util_source: str | None
+    store: StoreHealth
+    online_learning: OnlineOff | OnlineOn
+    step_profiles: list[StepProfile]
 
 
 class Preloaded(BaseModel):
@@ -163,9 +255,17 @@ METRICS = {"description": "Prometheus' text exposition format",
            "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}
 
 
-def answers(answer: type[BaseModel], responses: dict[int | str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """A route's arguments that document its 200 as `answer` besides `responses`, without checking it at run time."""
-    return {"response_model": None, "responses": {200: {"model": answer}, **(responses or {})}}
+# OpenAPI links: the call that reads what a 200 left (schemathesis' stateful test follows them)
+KNOBS_AS_SET = {"GetKnobs": {"operationRef": "#/paths/~1v1~1knobs/get",
+                             "description": "GET /v1/knobs lists the values this change left, until the next one"}}
+
+
+def answers(answer: type[BaseModel], responses: dict[int | str, dict[str, Any]] | None = None,
+            links: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A route's arguments that document its 200 as `answer` (and its `links`) besides `responses`, without
+    checking it at run time."""
+    ok = {"model": answer, **({"links": links} if links else {})}
+    return {"response_model": None, "responses": {200: ok, **(responses or {})}}
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -42,7 +42,8 @@ from starlette.routing import Match
 
 from access.guesses import GuessLimit, lockout_message
 from access.loopback import addressed_to_loopback
-from agent.serve.api_schema import METRICS, STREAMED, Knobs, ModelList, Preloaded, Status, answers, describe, errors
+from agent.serve.api_schema import (KNOBS_AS_SET, METRICS, STREAMED, Knobs, ModelList, Preloaded, Status, answers,
+                                    describe, errors)
 from agent.serve.engine import STEP_PROFILES
 from agent.serve.knobs import SOURCES, KnobError
 from agent.serve.limits import MAX_JSON_DEPTH, MAX_PROMPT_BYTES, body_limit, nests_deeper
@@ -74,7 +75,8 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
     # one tokenizing thread: a burst of long prompts queues for one core and leaves the other to the event loop
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
     model_name = runtime.opts.model_dir.name
-    config, kv_budget = runtime.engine.config, runtime.opts.kv_budget
+    config = runtime.engine.config
+    positions = _positions(config.max_seq_len, runtime.opts.kv_budget)
     stop_ids = frozenset([] if config.eos_token_id is None else [config.eos_token_id])
     exposed = DeviceLabelled(runtime.metrics.registry, device_name)
     guesses = GuessLimit()
@@ -153,7 +155,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
     def get_knobs() -> dict[str, Any]:
         return runtime.knobs.describe()
 
-    @app.put("/v1/knobs", dependencies=controlled, **answers(Knobs, control_errors))
+    @app.put("/v1/knobs", dependencies=controlled, **answers(Knobs, control_errors, KNOBS_AS_SET))
     def put_knobs(changes: dict[str, Any] = Body(...), who: str = Depends(source)) -> dict[str, Any]:
         return _controlled(lambda: runtime.set_knobs(changes, who))
 
@@ -177,7 +179,8 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
             raise HTTPException(413, f"prompt is {size} bytes; this agent takes at most {max_prompt_bytes} "
                                      f"(serve --max-prompt-bytes)")
         loop = asyncio.get_running_loop()
-        prompt_ids = await loop.run_in_executor(tokenizing, _prompt_ids, body, tokenizer, config, kv_budget)
+        prompt_ids = await loop.run_in_executor(tokenizing, _prompt_ids, body, tokenizer, config.vocab_size,
+                                                positions)
         queue: asyncio.Queue[Piece] = asyncio.Queue()
         completion = CompletionText(tokenizer.decode, body.stop)
         job = Job(id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=prompt_ids, max_tokens=body.max_tokens,
@@ -202,7 +205,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
         finally:
             watcher.cancel()
 
-    describe(app, model_name, config.vocab_size, min(config.max_seq_len, kv_budget),
+    describe(app, model_name, config.vocab_size, positions[0],
              (runtime.cache.index.n_layers, runtime.cache.index.n_experts), lambda: runtime.knobs.specs.values())
     return app
 
@@ -345,19 +348,24 @@ async def _cancel_on_disconnect(receive: Callable[[], Awaitable[dict]], job: Job
     job.cancelled = True
 
 
-def _prompt_ids(body: CompletionRequest, tokenizer, config, kv_budget: int) -> list[int]:
-    """The prompt as token ids, checked against the vocabulary, the context and the KV budget (runs off the
-    event loop)."""
+def _positions(context: int, kv_budget: int) -> tuple[int, str]:
+    """The positions a request may take, its prompt and max_tokens together, and which limit that is: the smaller
+    of the model's context and this agent's KV budget (the context on a tie)."""
+    return min((context, f"the model's context of {context} tokens"),
+               (kv_budget, f"this agent's KV budget of {kv_budget} positions (serve --kv-budget)"),
+               key=lambda pair: pair[0])
+
+
+def _prompt_ids(body: CompletionRequest, tokenizer, vocab_size: int, positions: tuple[int, str]) -> list[int]:
+    """The prompt as token ids, checked against the vocabulary and the `positions` a request may take (runs off
+    the event loop)."""
     ids = list(tokenizer.encode(body.prompt)) if isinstance(body.prompt, str) else list(body.prompt)
     if not ids:
         raise HTTPException(400, "prompt is empty: give text or at least one token id")
-    bad = [t for t in ids if not 0 <= t < config.vocab_size]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise HTTPException(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
-    # the smaller limit is the one hit (the context on a tie)
-    limit, named = min((config.max_seq_len, f"the model's context of {config.max_seq_len} tokens"),
-                       (kv_budget, f"this agent's KV budget of {kv_budget} positions (serve --kv-budget)"),
-                       key=lambda pair: pair[0])
+        raise HTTPException(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    limit, named = positions
     if len(ids) + body.max_tokens > limit:
         raise HTTPException(400, f"prompt ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds {named}; "
                                  f"shorten one of them")
