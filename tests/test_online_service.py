@@ -53,6 +53,7 @@ def test_the_knob_starts_learning_and_every_update_is_swapped_in_exported_and_re
     status = runtime.status()["online_learning"]
     assert status["enabled"] and status["updates"] >= 1 and status["recent"][0]["decisions"] > 0
     assert 0 < status["cpu_s"] and status["worker_failures"] == 0
+    assert status["updates_cpu_s"] < status["cpu_s"]   # the worker's start-up is not in its jobs' CPU
     assert runtime.metrics.registry.get_sample_value("flashmoe_online_updates_total") == status["updates"]
     assert runtime.metrics.registry.get_sample_value("flashmoe_online_enabled") == 1
     runtime.recorder.store.flush()

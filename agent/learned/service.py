@@ -83,9 +83,11 @@ class OnlineLearning:
         learner = self.learner
         if learner is None:
             return {"enabled": False}
+        totals = dict(learner.summary())
+        totals["updates_cpu_s"] = totals.pop("cpu_s")   # the jobs' CPU alone; cpu_s is the worker's, start-up included
         return {"enabled": True, "steps_seen": learner.steps, "cpu_s": learner.executor.cpu_used(),
                 "cpu_share_limit": self.cpu_share, "worker_failures": learner.executor.failures,
-                **learner.summary(), "recent": [update_row(u) for u in list(learner.updates)[-SHOWN_UPDATES:]]}
+                **totals, "recent": [update_row(u) for u in list(learner.updates)[-SHOWN_UPDATES:]]}
 
     def close(self) -> None:
         self._stop()

@@ -181,13 +181,14 @@ class OnlineOn(Exact):
     """The learned policy learning online (its online_learning knob)."""
     enabled: Literal[True]
     steps_seen: int
-    cpu_s: float
+    cpu_s: float = Field(description="CPU time of the learning worker since it was turned on, start-up included")
     cpu_share_limit: float
     worker_failures: int
     updates: int
     rollbacks: int
     not_taken: int
     decisions: int
+    updates_cpu_s: float = Field(description="CPU time of the updates' jobs alone")
     recent: list[OnlineUpdate] = Field(description="the most recent updates, oldest first")
 
 
