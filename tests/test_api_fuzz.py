@@ -1,16 +1,16 @@
 """Property-based fuzzing of the whole HTTP API from the agent's own /openapi.json (schemathesis).
 
 Every operation gets schema-valid and schema-violating inputs (schemathesis' positive and negative
-generation, hypothesis underneath) against a real agent on loopback without a token, so control
-calls reach validation. For each: no 5xx, an answer within HANG_S, every 4xx says what was wrong,
-and the answer is what /openapi.json says (schemathesis' conformance checks: a documented status,
-content type, headers and body), a schema-violating input is refused and a schema-valid one accepted,
-so the schema is the agent's contract and not a sketch of it. Afterwards the agent still answers a
-known greedy completion exactly as before: nothing the fuzzer sent (knob changes included) changed
-what the model computes. A second agent, started with a
-token, gets the control calls' inputs as drawn, without a token and with a wrong one, and the first
-agent gets them addressed to another host (DNS rebinding): none is answered 2xx, and the agent's
-knobs, cache and knob history are as they were.
+generation, hypothesis underneath) against a real agent on loopback without a token, so control calls
+reach validation. For each: no 5xx, an answer within HANG_S (CONTROL_HANG_S for a control call), every
+4xx says what was wrong, and the answer is what /openapi.json says (schemathesis' conformance checks: a
+documented status, content type, headers and body), a schema-violating input is refused and a schema-
+valid one accepted, so the schema is the agent's contract and not a sketch of it. Afterwards the agent
+still answers a known greedy completion exactly as before: nothing the fuzzer sent (knob changes
+included) changed what the model computes. A second agent, started with a token, gets the control calls'
+inputs as drawn, without a token and with a wrong one, and the first agent gets them addressed to
+another host (DNS rebinding): none is answered 2xx, and the agent's knobs, cache and knob history are as
+they were.
 
 FLASHMOE_FUZZ_EXAMPLES sets the examples per operation (CI: 25); FLASHMOE_FUZZ_REPORT=FILE writes
 the counts (RELIABILITY.md's table).
@@ -28,11 +28,16 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import checks, engine
 from schemathesis.engine import Status, events
 
+from agent.serve.scheduler import CONTROL_WAIT_S
 from agents import demo_model, start_agent
 from store import queries
 
 EXAMPLES = int(os.environ.get("FLASHMOE_FUZZ_EXAMPLES", "25"))
 HANG_S = 5.0
+CONTROL = {"PUT /v1/knobs", "POST /v1/cache/preload"}
+# a control call may wait for the running step, and a switch to the learned policy loads it first (numba's
+# compiled loops: seconds with a cold cache); the dashboard waits as long (KNOBS_TIMEOUT_S)
+CONTROL_HANG_S = CONTROL_WAIT_S + HANG_S
 CHEAP_TOKENS = 16      # see cheap()
 CHEAP_PROMPT = 256
 CONTEXT = 4096         # the demo model's; max_tokens beyond it are refused at once and kept as drawn
@@ -108,7 +113,8 @@ def fuzz(operation, mode, headers: dict[str, str] | None = None, refused: bool =
         if headers is not None:
             replaced = {"authorization"} | {k.lower() for k in headers}
             case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() not in replaced} | headers
-        response = case.call(timeout=HANG_S)  # a slower answer raises: a hang fails the test
+        hang_s = CONTROL_HANG_S if operation.label in CONTROL else HANG_S
+        response = case.call(timeout=hang_s)  # a slower answer raises: a hang fails the test
         seen["inputs"] += 1
         seen[f"{response.status_code // 100}xx"] += 1
         statuses[response.status_code] += 1
@@ -123,7 +129,6 @@ def fuzz(operation, mode, headers: dict[str, str] | None = None, refused: bool =
     return statuses
 
 
-CONTROL = {"PUT /v1/knobs", "POST /v1/cache/preload"}
 TOKEN = "fuzz-control-token"
 WITH_TOKEN = {"Authorization": "Bearer " + TOKEN}
 WITHOUT_TOKEN = {"as drawn": None, "none": {}, "its prefix": {"Authorization": "Bearer " + TOKEN[:-1]},
@@ -206,7 +211,7 @@ def test_a_knobs_change_is_what_they_list_until_the_next_one(trusted):
             self.knobs = _values(trusted.get("/v1/knobs").json())
 
         def get_call_kwargs(self, case) -> dict:
-            return {"headers": WITH_TOKEN, "timeout": HANG_S}
+            return {"headers": WITH_TOKEN, "timeout": CONTROL_HANG_S if case.method == "PUT" else HANG_S}
 
         def validate_response(self, response, case, **kwargs) -> None:
             steps[f"{case.method} {response.status_code}"] += 1

@@ -63,7 +63,9 @@ class SystemTower(nn.Module):
         super().__init__()
         self.lstm = nn.LSTM(c.system_inputs, c.lstm_hidden, batch_first=True)
         self.proj = nn.Linear(c.lstm_hidden, c.out_dim)
-        self.bias = nn.Parameter(torch.ones(c.out_dim) / c.out_dim ** 0.5)
+        # full, not ones / n: arithmetic on the meta device (load builds the net there) imports torch's
+        # python reference ops, a second or more that a live switch to this policy would wait for
+        self.bias = nn.Parameter(torch.full((c.out_dim,), c.out_dim ** -0.5))
 
     def forward(self, series: torch.Tensor) -> torch.Tensor:
         _, (h, _) = self.lstm(series)                           # series [B, T, inputs]
