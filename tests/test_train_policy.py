@@ -35,9 +35,19 @@ def tiny_trace(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(tiny_trace, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("weights") / "tiny.safetensors"
+    out.with_name(out.name + ".tmp").write_text(NOTES)   # the user's, as a temporary file could be named
     assert main(["train-policy", "--trace", str(tiny_trace), "--out", str(out), "--epochs", "2",
                  "--seed", "3", "--max-decisions", "300"]) == 0
     return out
+
+
+NOTES = "a file of the user's\n"
+
+
+def test_training_writes_its_weights_alone_beside_a_file_named_like_its_temporary_one(trained):
+    """The weights were written to NAME.tmp and renamed: a file of that name was overwritten, then gone."""
+    assert sorted(p.name for p in trained.parent.iterdir()) == [trained.name, trained.name + ".tmp"]
+    assert trained.with_name(trained.name + ".tmp").read_text() == NOTES
 
 
 def victims(weights: Path, trace_path: Path) -> list:

@@ -37,6 +37,7 @@ from typing import NoReturn
 
 from access.loopback import is_loopback
 from agent.argtypes import add_dense, add_int8_activations, add_prefetch, count, port, threads
+from agent.atomic_file import write_atomically
 from agent.experts.cap import KV_BUDGET_TOKENS
 from agent.experts.layout import StoreError as ExpertStoreError
 from agent.experts.reader import BACKENDS, IO_THREADS
@@ -158,15 +159,10 @@ def claim_pid_file(path: Path) -> None:
     if not _is_pid_file(path):
         raise ServeError(f"--pid-file {path} exists and is not a pid file (it holds something other than a process "
                          f"id); it would be overwritten, so it is left as it is: pass another --pid-file")
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(f"{os.getpid()}\n")
-        tmp.replace(path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise ServeError(f"cannot write the pid file {path}: {exc.strerror}; pass another --pid-file") from None
+        write_atomically(path, lambda tmp: tmp.write_text(f"{os.getpid()}\n"), "the pid file", "--pid-file")
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
 
 
 def _is_pid_file(path: Path) -> bool:
