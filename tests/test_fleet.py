@@ -294,6 +294,7 @@ def test_an_unreachable_prometheus_is_one_line_not_a_traceback(monkeypatch):
     at.switch_page("views/fleet.py").run()
     assert not at.exception
     assert "did not answer" in at.error[0].value and fleet.PROMETHEUS_ENV in at.error[0].value
+    assert len(at.error) == 1, [e.value for e in at.error]       # said once, not again by the push form
 
 
 def test_an_address_that_answers_html_is_named_as_not_prometheus(monkeypatch, html_server):

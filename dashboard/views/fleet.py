@@ -131,10 +131,14 @@ overview(prometheus_url)
 st.subheader("Push a knob change")
 try:
     fleet_tokens = fleet.load_tokens(tokens_file)
-    fleet_rows = fleet.devices(snapshot(prometheus_url))
 except fleet.FleetError as err:
     st.error(str(err))
 else:
-    if "fleet-push" in st.session_state:
-        answers(st.session_state["fleet-push"])
-    push_form(fleet_rows, fleet_tokens)
+    try:
+        fleet_rows = fleet.devices(snapshot(prometheus_url))
+    except fleet.FleetError:     # the overview above says why
+        st.caption("No device to push to while Prometheus cannot be asked which agents are up.")
+    else:
+        if "fleet-push" in st.session_state:
+            answers(st.session_state["fleet-push"])
+        push_form(fleet_rows, fleet_tokens)
