@@ -10,7 +10,9 @@ import math
 import reprlib
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, NotRequired
+
+from typing_extensions import TypedDict   # pydantic reads typing's own only from Python 3.12
 
 
 class KnobError(ValueError):
@@ -19,6 +21,18 @@ class KnobError(ValueError):
     def __init__(self, knob: str, message: str) -> None:
         super().__init__(message)
         self.knob = knob
+
+
+class KnobState(TypedDict):
+    """A knob as GET /v1/knobs lists it (agent.serve.knobs.Knobs.describe); /openapi.json documents that answer
+    from this class (agent.serve.api_schema)."""
+    value: bool | int | float | str
+    default: bool | int | float | str
+    type: Literal["bool", "int", "float", "str"]
+    min: NotRequired[int | float | None]    # a number's inclusive bounds; null: unbounded
+    max: NotRequired[int | float | None]
+    choices: NotRequired[list[str]]         # a str knob's
+    help: NotRequired[str]
 
 
 @dataclass(frozen=True)

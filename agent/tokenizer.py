@@ -29,12 +29,17 @@ class TokenizerError(ValueError):
 def check_text(text: str) -> str:
     """`text` if it is Unicode a tokenizer can encode, else ValueError naming where it is not: a lone surrogate
     (JSON's \\ud800, or bytes that are not UTF-8 on the command line, which Python keeps as \\udcXX)."""
+    _utf8(text)
+    return text
+
+
+def _utf8(text: str) -> bytes:
+    """`text` in UTF-8, or check_text's ValueError."""
     try:
-        text.encode("utf-8")
+        return text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ValueError(f"the text has a lone surrogate {text[exc.start]!r} at character {exc.start} (not valid "
                          f"Unicode, or bytes that are not UTF-8); send valid UTF-8 text") from None
-    return text
 
 
 class Tokenizer(Protocol):
@@ -47,7 +52,7 @@ class ByteTokenizer:
     """Token id b is byte b of the UTF-8 text."""
 
     def encode(self, text: str) -> list[int]:
-        return list(check_text(text).encode("utf-8"))
+        return list(_utf8(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < N_BYTES).decode("utf-8", errors="replace")
@@ -67,7 +72,11 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         # encode_batch releases the GIL (encode does not), so a long prompt tokenized on a worker
         # thread leaves the agent's event loop free to answer other requests.
-        return self._tok.encode_batch([check_text(text)])[0].ids
+        try:
+            return self._tok.encode_batch([text])[0].ids
+        except TypeError:   # all it says of a lone surrogate; checked only here, so not again for a checked prompt
+            check_text(text)
+            raise
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -20,8 +20,10 @@ from __future__ import annotations
 import collections
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -177,26 +179,46 @@ def test_every_control_call_accepted_with_the_token_is_refused_without_it(truste
 
 
 def test_a_method_no_route_takes_is_a_405_that_names_the_ones_it_takes(trusted):
-    """schemathesis' unsupported_method: its coverage phase sends every path each method the schema does not list
-    there (with the token: a control path's too), and each must be a 405 with Allow. Only that phase sends them."""
+    """schemathesis' coverage phase sends every path each method the schema does not list there (with the token:
+    a control path's too), and its unsupported_method check wants a 405 with Allow; Allow must also name exactly
+    the methods /openapi.json lists there, and HEAD and OPTIONS where the agent answers them. Only that phase
+    sends them."""
     api = schemathesis.openapi.from_url(trusted.url + "/openapi.json")
     api.config.update(headers=WITH_TOKEN, request_timeout=HANG_S)
     api.config.phases.update(phases=["coverage"])
     api.config.generation.update(modes=[schemathesis.GenerationMode.NEGATIVE])  # the undeclared methods' mode
     api.config.checks.update(included_check_names=["unsupported_method"])
     paths = api.raw_schema["paths"]
-    undeclared: collections.Counter[str] = collections.Counter()
+    taken = {path: {m.upper() for m in methods} | {m for m in ("HEAD", "OPTIONS") if _answered(trusted, m, path)}
+             for path, methods in paths.items()}
+    refused: collections.Counter[str] = collections.Counter()
     failures = []
     for event in engine.from_schema(api).execute():
         if isinstance(event, (events.NonFatalError, events.FatalError)):
             failures.append(f"{event.label}: {event.value!r}")
         elif isinstance(event, events.ScenarioFinished):
-            sent = [node.value for node in event.recorder.cases.values()]
-            undeclared.update(case.path for case in sent if case.method.lower() not in paths[case.path])
+            for method, path, allowed in _refusals(event.recorder):
+                refused[path] += 1
+                if allowed != taken[path]:
+                    failures.append(f"{method} {path}: Allow names {sorted(allowed)}, it takes {sorted(taken[path])}")
             failures += [f"{check.name}: {check.failure_info.failure.title}" for node in event.recorder.checks.values()
                          for check in node if check.status is Status.FAILURE]
     assert failures == []
-    assert undeclared.keys() == paths.keys()
+    assert refused.keys() == paths.keys()
+
+
+def _answered(agent, method: str, path: str) -> bool:
+    return httpx.request(method, agent.url + path, headers=WITH_TOKEN, timeout=HANG_S).status_code != 405
+
+
+def _refusals(recorder) -> Iterator[tuple[str, str, set[str]]]:
+    """Each 405 of a schemathesis scenario: its method, its path and the methods its Allow names (schemathesis
+    keeps a header as the list of its values)."""
+    for case_id, interaction in recorder.interactions.items():
+        if interaction.response is not None and interaction.response.status_code == 405:
+            allow = interaction.response.headers.get("allow", [])
+            yield (interaction.request.method, recorder.cases[case_id].value.path,
+                   {m.strip().upper() for value in allow for m in value.split(",") if m.strip()})
 
 
 def test_a_knobs_change_is_what_they_list_until_the_next_one(trusted):

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent import tokenizer as tokenizer_module
 from agent.tokenizer import (END_OF_TEXT, ByteTokenizer, HFTokenizer, TokenizerError, byte_level_tokenizer_json,
                              load_tokenizer)
 
@@ -79,6 +80,14 @@ def test_malformed_tokenizer_json_is_a_clear_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="not a valid tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+def test_a_tokenizer_checks_text_only_where_its_encoding_fails(byte_json_dir, monkeypatch):
+    """An agent's request has checked its prompt already (agent/serve/requests.py): encoding valid text checks
+    it no second time; a lone surrogate is still named by where it is (the test below)."""
+    monkeypatch.setattr(tokenizer_module, "check_text", lambda text: pytest.fail(f"{text!r} checked again"))
+    for tokenizer in (ByteTokenizer(), HFTokenizer(byte_json_dir / "tokenizer.json")):
+        assert tokenizer.encode("aé€") == [0x61, 0xC3, 0xA9, 0xE2, 0x82, 0xAC]
 
 
 @pytest.mark.parametrize("text, at", [("\ud800", 0), ("caf\udce9 au lait", 3)])

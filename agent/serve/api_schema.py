@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from agent.experts.layout import QUANTS
-from agent.knob import Knob
+from agent.knob import Knob, KnobState
 from agent.model.dense_int8 import DENSE_MODES
 from agent.prefetch_gate import MODES as PREFETCH_MODES
 from agent.residency import SCOPES
@@ -87,23 +87,18 @@ class ModelList(BaseModel):
     data: list[ServedModel]
 
 
-class KnobState(BaseModel):
-    value: bool | int | float | str
-    default: bool | int | float | str
-    type: Literal["bool", "int", "float", "str"]
-    min: int | float | None = None
-    max: int | float | None = None
-    choices: list[str] | None = None
-    help: str | None = None
-
-
-Knobs = RootModel[dict[str, KnobState]]
-
-
 class Exact(BaseModel):
     """An object of the answer with these fields and no others (additionalProperties false): a field the agent adds
     to its answer without typing it here fails the fuzz test's schema check."""
     model_config = ConfigDict(extra="forbid")
+
+
+class ListedKnob(KnobState):
+    """A knob as GET /v1/knobs lists it: agent.knob.KnobState, what Knobs.describe() returns, closed as `Exact` is."""
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
+
+Knobs = RootModel[dict[str, ListedKnob]]
 
 
 class PrefetchState(Exact):

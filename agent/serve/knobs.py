@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agent.knob import Knob, KnobError
+from agent.knob import Knob, KnobError, KnobState
 from agent.policies import DEFAULT_POLICY, policy_knobs
 
 __all__ = ["SOURCES", "Knob", "KnobError", "Knobs", "Limits", "knob_specs"]
@@ -83,7 +83,7 @@ class Knobs:
     def commit(self, validated: Mapping[str, Any]) -> None:
         self.values.update(validated)
 
-    def describe(self) -> dict[str, dict[str, Any]]:
+    def describe(self) -> dict[str, KnobState]:
         return {name: {"value": self.values[name], "default": spec.default, **spec.bounds(),
                        **({"help": spec.help} if spec.help else {})}
                 for name, spec in self.specs.items()}
