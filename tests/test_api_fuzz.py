@@ -119,6 +119,7 @@ def fuzz(operation, mode, headers: dict[str, str] | None = None, refused: bool =
         response = case.call(timeout=hang_s)  # a slower answer raises: a hang fails the test
         seen["inputs"] += 1
         seen[f"{response.status_code // 100}xx"] += 1
+        seen["over 5 s"] += response.elapsed > HANG_S     # a control call's, within CONTROL_HANG_S: counted
         statuses[response.status_code] += 1
         assert response.status_code < 500, f"{case.method} {case.path} {case.body!r:.300}: {response.text[:300]}"
         if response.status_code >= 400:
@@ -295,5 +296,5 @@ def test_the_agent_answers_a_known_greedy_completion_as_before(agent, before):
     assert seen["inputs"] >= EXAMPLES  # the fuzzing above ran
     assert agent.complete(**KNOWN)["choices"][0]["text"] == before
     if report := os.environ.get("FLASHMOE_FUZZ_REPORT"):
-        counts = {key: seen[key] for key in ("inputs", "2xx", "4xx", "5xx")}
+        counts = {key: seen[key] for key in ("inputs", "2xx", "4xx", "5xx", "over 5 s")}
         Path(report).write_text(json.dumps({"examples_per_operation": EXAMPLES, **counts}, indent=1) + "\n")

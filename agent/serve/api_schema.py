@@ -285,7 +285,7 @@ def describe(app: FastAPI, model_name: str, vocab_size: int, max_positions: int,
         ids = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
         completion["prompt"]["anyOf"] = [{"type": "string", "minLength": 1},
                                          {"type": "array", "items": ids, "minItems": 1, "maxItems": max_positions - 1}]
-        completion["max_tokens"]["maximum"] = max_positions - 1
+        completion["max_tokens"]["anyOf"][0]["maximum"] = max_positions - 1   # (or null: the default)
         layers, per_layer = experts
         parts["PreloadRequest"]["properties"]["experts"]["items"]["prefixItems"] = [
             {"type": "integer", "minimum": 0, "maximum": layers - 1},

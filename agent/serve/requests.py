@@ -34,8 +34,12 @@ Whole = whole()
 
 def _as_validated(schema: dict[str, Any]) -> None:
     """/openapi.json offers what the validators below accept: an unsupported field only the values that ask
-    for nothing, `stop` only strings of the lengths it takes."""
+    for nothing, `stop` only strings of the lengths it takes, null for a setting whose default it asks for."""
     fields = schema["properties"]
+    for name in NULL_IS_DEFAULT:
+        field = fields[name]
+        kept = {key: field.pop(key) for key in ("title", "default", "description") if key in field}
+        fields[name] = {"anyOf": [field, {"type": "null"}], **kept}
     for name, allowed in UNSUPPORTED.items():
         shown = " or ".join(json.dumps(a) for a in allowed)
         fields[name] = {"enum": list(allowed), "description": f"not supported: {shown} only"}
