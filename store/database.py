@@ -18,7 +18,7 @@ from pathlib import Path
 
 from machine.mounts import mount_of
 from store.errors import StoreError
-from store.migrations import UPGRADES
+from store.migrations import UPGRADES, version_problem
 from store.schema import DDL, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
         if not create and not table_names(conn):   # as readers see it (store.queries.connect_ro): no store yet
             what = "the file is empty" if path.stat().st_size == 0 else "the SQLite file holds no tables"
             raise StoreError(f"there is no store at {path}: {what} (left as it is); check --db")
+        usable_version(conn, path)           # before WAL mode too
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
             log.warning("%s stays in %s journal mode (WAL refused, e.g. a network filesystem): "
@@ -196,22 +197,29 @@ def _ensure_schema(conn: sqlite3.Connection, path: Path) -> list[tuple[int, str]
     each upgrade's new version and what it did."""
     if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
         conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")   # new, or written before the mark
-    version = stored_schema_version(conn, path)
+    version = usable_version(conn, path)   # again in the transaction: another writer may have changed it
     if version is None:
         for statement in DDL:
             conn.execute(statement)
         conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         return []
     upgrades = []
-    while version < SCHEMA_VERSION and version in UPGRADES:
+    while version < SCHEMA_VERSION:
         done = UPGRADES[version](conn, path)
         version += 1
         conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(version),))
         upgrades.append((version, done))
-    if version != SCHEMA_VERSION:
-        raise StoreError(f"{path} has store schema version {version}, this FlashMoE uses "
-                         f"{SCHEMA_VERSION} and cannot upgrade it; move the old file aside to start a new store")
     return upgrades
+
+
+def usable_version(conn: sqlite3.Connection, path: Path) -> int | None:
+    """The store's schema version (None: no schema yet) if this FlashMoE can write it (an older one once
+    upgraded); otherwise a StoreError that says why and what to do (store.migrations.version_problem)."""
+    version = stored_schema_version(conn, path)
+    problem = None if version is None else version_problem(path, version)
+    if problem is not None:
+        raise StoreError(problem)
+    return version
 
 
 def stored_schema_version(conn: sqlite3.Connection, path: Path) -> int | None:
