@@ -148,7 +148,7 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
     except sqlite3.DatabaseError as e:
         conn.close()
         if new:   # not left behind as an empty file: the next writer would take it for a store
-            for leftover in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+            for leftover in store_files(path):
                 leftover.unlink(missing_ok=True)
         raise StoreError(f"cannot {'create' if new else 'open'} {path} as a FlashMoE store: {e}; "
                          f"{advice_for(e, path, new)}") from e
@@ -156,6 +156,27 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
         conn.close()
         raise
     return conn
+
+
+def store_files(path: Path) -> tuple[Path, Path, Path]:
+    """The store file, and the write-ahead log and its index that SQLite keeps beside it in WAL mode."""
+    return path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")
+
+
+def remove_unshared(path: Path) -> bool:
+    """Remove the store at `path`, which this process made and has closed, unless another connection has it
+    open (a collector that found it meanwhile would write on into a deleted file). SQLite removes the log and
+    its index when the last connection to a WAL-mode store closes; one still there is another connection's. A
+    store in another journal mode (WAL refused) shows no such sign, so it is kept."""
+    try:
+        with path.open("rb") as f:
+            wal_mode = f.read(20)[18:20] == b"\x02\x02"   # the header's read and write versions: 2 is WAL
+    except OSError:
+        return False
+    if not wal_mode or any(p.exists() for p in store_files(path)[1:]):
+        return False
+    path.unlink()
+    return True
 
 
 def table_names(conn: sqlite3.Connection) -> set[str]:

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from store import codec, compaction, queries
+from store.database import remove_unshared
 from store.db import Store
 from store.errors import StoreError
 
@@ -424,6 +425,25 @@ def test_a_store_whose_schema_version_is_damaged_is_refused_by_name_by_writers_a
     assert damaged.read_bytes() == before     # no schema_version written over the damage
 
 
+def test_a_new_store_is_removed_only_when_no_other_connection_has_it(tmp_path):
+    """What a failed agent start does with the store it made (agent.serve.server): a collector or a reader that
+    opened it meanwhile keeps it, as does a store whose journal mode gives no sign of them."""
+    db = tmp_path / "new.db"
+    Store(db, autoflush_s=0).close()
+    other = queries.connect_ro(db)
+    other.execute("SELECT COUNT(*) FROM meta").fetchone()
+    Store(db, autoflush_s=0).close()
+    assert not remove_unshared(db) and sorted(p.name for p in tmp_path.iterdir()) == ["new.db", "new.db-shm",
+                                                                                      "new.db-wal"]
+    other.close()                          # a read-only connection cannot remove them: the next writer's close does
+    Store(db, autoflush_s=0).close()
+    assert remove_unshared(db) and list(tmp_path.iterdir()) == []
+    with sqlite3.connect(db) as conn:      # rollback journal: another connection would leave no trace
+        conn.execute("CREATE TABLE t (x)")
+    conn.close()
+    assert not remove_unshared(db) and db.exists()
+
+
 def test_a_reader_kept_out_by_a_writers_lock_says_so_and_does_not_call_the_store_unreadable(tmp_path):
     db = tmp_path / "held.db"
     Store(db, autoflush_s=0).close()
@@ -524,7 +544,6 @@ def test_a_version_2_store_is_upgraded_in_place_keeping_every_row(path, caplog):
     assert queries.cache_stats(path)["total"]["prefetch_accuracy"] == 0.5
 
 
-
 @pytest.mark.parametrize("version, what", [(0, "a version no FlashMoE wrote"), (-3, "a version no FlashMoE wrote"),
                                            (1, "written by an early FlashMoE")])
 def test_a_store_of_a_version_no_upgrade_reaches_is_not_told_to_upgrade_and_writers_leave_it_as_it_was(
@@ -547,6 +566,7 @@ def test_a_store_of_a_version_no_upgrade_reaches_is_not_told_to_upgrade_and_writ
             Store(path, autoflush_s=0, create=create)
         assert str(written.value) == message
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["odd.db"]
+
 
 def test_a_version_4_store_gets_the_readers_write_column_keeping_its_rows(path):
     """Version 4 recorded the disk's other readers without their writes: their rows stay, writes NULL."""
