@@ -18,7 +18,7 @@ from pathlib import Path
 
 from machine.mounts import mount_of
 from store.errors import StoreError
-from store.migrations import UPGRADES
+from store.migrations import UPGRADES, version_problem
 from store.schema import DDL, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
         if not create and not table_names(conn):   # as readers see it (store.queries.connect_ro): no store yet
             what = "the file is empty" if path.stat().st_size == 0 else "the SQLite file holds no tables"
             raise StoreError(f"there is no store at {path}: {what} (left as it is); check --db")
+        usable_version(conn, path)           # before WAL mode too
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
             log.warning("%s stays in %s journal mode (WAL refused, e.g. a network filesystem): "
@@ -147,7 +148,7 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
     except sqlite3.DatabaseError as e:
         conn.close()
         if new:   # not left behind as an empty file: the next writer would take it for a store
-            for leftover in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+            for leftover in store_files(path):
                 leftover.unlink(missing_ok=True)
         raise StoreError(f"cannot {'create' if new else 'open'} {path} as a FlashMoE store: {e}; "
                          f"{advice_for(e, path, new)}") from e
@@ -155,6 +156,27 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
         conn.close()
         raise
     return conn
+
+
+def store_files(path: Path) -> tuple[Path, Path, Path]:
+    """The store file, and the write-ahead log and its index that SQLite keeps beside it in WAL mode."""
+    return path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")
+
+
+def remove_unshared(path: Path) -> bool:
+    """Remove the store at `path`, which this process made and has closed, unless another connection has it
+    open (a collector that found it meanwhile would write on into a deleted file). SQLite removes the log and
+    its index when the last connection to a WAL-mode store closes; one still there is another connection's. A
+    store in another journal mode (WAL refused) shows no such sign, so it is kept."""
+    try:
+        with path.open("rb") as f:
+            wal_mode = f.read(20)[18:20] == b"\x02\x02"   # the header's read and write versions: 2 is WAL
+    except OSError:
+        return False
+    if not wal_mode or any(p.exists() for p in store_files(path)[1:]):
+        return False
+    path.unlink()
+    return True
 
 
 def table_names(conn: sqlite3.Connection) -> set[str]:
@@ -196,22 +218,29 @@ def _ensure_schema(conn: sqlite3.Connection, path: Path) -> list[tuple[int, str]
     each upgrade's new version and what it did."""
     if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
         conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")   # new, or written before the mark
-    version = stored_schema_version(conn, path)
+    version = usable_version(conn, path)   # again in the transaction: another writer may have changed it
     if version is None:
         for statement in DDL:
             conn.execute(statement)
         conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         return []
     upgrades = []
-    while version < SCHEMA_VERSION and version in UPGRADES:
+    while version < SCHEMA_VERSION:
         done = UPGRADES[version](conn, path)
         version += 1
         conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(version),))
         upgrades.append((version, done))
-    if version != SCHEMA_VERSION:
-        raise StoreError(f"{path} has store schema version {version}, this FlashMoE uses "
-                         f"{SCHEMA_VERSION} and cannot upgrade it; move the old file aside to start a new store")
     return upgrades
+
+
+def usable_version(conn: sqlite3.Connection, path: Path) -> int | None:
+    """The store's schema version (None: no schema yet) if this FlashMoE can write it (an older one once
+    upgraded); otherwise a StoreError that says why and what to do (store.migrations.version_problem)."""
+    version = stored_schema_version(conn, path)
+    problem = None if version is None else version_problem(path, version)
+    if problem is not None:
+        raise StoreError(problem)
+    return version
 
 
 def stored_schema_version(conn: sqlite3.Connection, path: Path) -> int | None:

@@ -101,7 +101,11 @@ class Store:
         if autoflush_s > 0:
             self._flusher = threading.Thread(target=self._autoflush, args=(autoflush_s,),
                                              name="store-autoflush", daemon=True)
-            self._flusher.start()
+            try:
+                self._flusher.start()
+            except BaseException:   # "can't start new thread": no one would close the connection
+                self.conn.close()
+                raise
         atexit.register(self.close)   # the owner may exit without closing: the buffer still goes out
 
     # --- series -------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Upgrading a store written by an older FlashMoE in place, inside the opener's transaction.
 
 `UPGRADES[v]` turns a version-v store into version v + 1 and says what it did. A store whose
-version has no upgrade (1: chunks without a format byte) is refused with advice by the opener.
+version no chain of them lifts (1: chunks without a format byte; a newer FlashMoE's; one no FlashMoE
+wrote) is refused by writers and readers alike with `version_problem`'s reason and advice: readers
+advise an upgrade only for a version the chain lifts.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from store.errors import StoreError
-from store.schema import DDL, ROLLUPS, ROW_TABLE
+from store.schema import DDL, ROLLUPS, ROW_TABLE, SCHEMA_VERSION
 
 
 def _v2_to_v3(conn: sqlite3.Connection, path: Path) -> str:
@@ -53,3 +55,28 @@ def _v4_to_v5(conn: sqlite3.Connection, path: Path) -> str:
 
 
 UPGRADES: dict[int, Callable[[sqlite3.Connection, Path], str]] = {2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5}
+FIRST_VERSION = 1     # the first FlashMoE's stores: none was ever written with a lower version
+
+
+def upgradable(version: int) -> bool:
+    """Whether UPGRADES lift a store of `version` to SCHEMA_VERSION, one step after another (or it is there)."""
+    while version < SCHEMA_VERSION and version in UPGRADES:
+        version += 1
+    return version == SCHEMA_VERSION
+
+
+def version_problem(path: Path, version: int) -> str | None:
+    """Why this FlashMoE cannot use a store of schema `version`, and what to do; None if a writer can (upgrading
+    it in place if it is older)."""
+    if upgradable(version):
+        return None
+    aside = f"move it aside (e.g. `mv {path} {path}.old`) and let the agent or the collector start a new store there"
+    if version > SCHEMA_VERSION:
+        why = (f"written by a newer FlashMoE (this one uses {SCHEMA_VERSION}): update this FlashMoE to the version "
+               f"that wrote it, or {aside}")
+    elif version >= FIRST_VERSION:
+        why = f"written by an early FlashMoE whose stores this one (version {SCHEMA_VERSION}) cannot upgrade: {aside}"
+    else:
+        why = (f"a version no FlashMoE wrote (theirs run from {FIRST_VERSION} to {SCHEMA_VERSION}), so the file is "
+               f"damaged or another application's: {aside}")
+    return f"{path} has store schema version {version}, {why}"

@@ -27,6 +27,7 @@ from store import codec, rollup
 from store.database import (advice_for, foreign, is_busy, no_room, not_a_file, place_problem,
                             stored_schema_version, table_names)
 from store.errors import StoreError
+from store.migrations import version_problem
 from store.schema import ACTIVATIONS_ROLLUP, CACHE_STATS_ROLLUP, ROW_TABLES, SCHEMA_VERSION
 
 Db = str | Path | sqlite3.Connection
@@ -67,10 +68,10 @@ def connect_ro(path: str | Path, setting: str = "--db") -> sqlite3.Connection | 
         raise
     if version != SCHEMA_VERSION:
         conn.close()
-        raise StoreError(f"{path} has store schema version {version}, this reader needs {SCHEMA_VERSION}: "
-                         + (f"start the agent or the collector on it, or run `flashmoe-cli store compact "
-                            f"--db {path}`, to upgrade it in place" if version < SCHEMA_VERSION
-                            else "update this FlashMoE to the version that wrote it"))
+        raise StoreError(version_problem(path, version)
+                         or f"{path} has store schema version {version}, this reader needs {SCHEMA_VERSION}: start "
+                            f"the agent or the collector on it, or run `flashmoe-cli store compact --db {path}`, to "
+                            f"upgrade it in place")
     return conn
 
 

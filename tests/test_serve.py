@@ -21,7 +21,7 @@ from access.loopback import addressed_to_loopback
 from agent.policies import DEFAULT_POLICY
 from agent.serve.app import _positions, _prompt_ids
 from agent.serve.requests import CompletionRequest
-from agents import CLI, demo_model, free_port, start_agent, stop, wait_for
+from agents import CLI, demo_model, free_port, spawn, start_agent, stop, wait_for
 from store import queries
 from store.db import Store
 
@@ -416,6 +416,63 @@ def test_an_agent_that_cannot_start_leaves_no_new_store_and_an_existing_one_as_i
                                                                                                 "not-a-model"]
 
 
+PIDS = Path("/sys/fs/cgroup/pids")    # cgroup v1's pids controller, as this machine and CI mount it
+
+
+@pytest.fixture
+def pids_cgroup():
+    """A pids cgroup of the test's own, removed once its processes are gone."""
+    if not os.access(PIDS, os.W_OK):
+        pytest.skip(f"needs a writable pids cgroup at {PIDS} (root, cgroup v1)")
+    group = PIDS / f"flashmoe-test-{os.getpid()}"
+    group.mkdir()
+    yield group
+    wait_for(lambda: not (group / "cgroup.procs").read_text().strip(), 30, f"{group} to empty")
+    group.rmdir()
+
+
+def _serve_within(group: Path, limit: int, workdir: Path, db: Path) -> tuple[int | None, str]:
+    """`serve` in cgroup `group` limited to `limit` tasks: None if it started serving (then stopped), else its
+    exit code; and its output."""
+    (group / "pids.max").write_text(str(limit))
+    log = workdir / f"agent-{limit}.log"
+    proc = spawn(["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group), *CLI, "serve", "--model",
+                  str(workdir / "model"), "--port", "0", "--db", str(db), "--pid-file", str(workdir / "agent.pid")],
+                 log)
+    try:   # serving, not answering: its requests' worker threads may be what the limit refuses
+        wait_for(lambda: proc.poll() is not None or " serving " in log.read_text(), 120,
+                 f"the agent limited to {limit} tasks to end or serve")
+        return proc.poll(), log.read_text()
+    finally:
+        stop(proc)
+
+
+def test_an_agent_at_its_limit_of_threads_says_so_in_one_line_and_removes_the_store_it_made(model, tmp_path,
+                                                                                           pids_cgroup):
+    """The store's flusher, the scheduler and the ticker start after the store is made: a thread the kernel would
+    not create (a cgroup's limit of tasks, as systemd's TasksMax or a container's pids limit sets) ended the agent
+    in a traceback ("RuntimeError: can't start new thread", exit 1) and left the new store behind. Each limit from
+    2 tasks up refuses a later thread, until the agent starts; a store that was there before is kept."""
+    (tmp_path / "model").symlink_to(model)
+    db, made_and_removed = tmp_path / "new.db", []
+    for limit in range(2, 40):
+        code, out = _serve_within(pids_cgroup, limit, tmp_path, db)
+        if code is None:
+            break
+        errors = [line for line in out.splitlines() if " ERROR " in line]
+        assert code == 2 and len(errors) == 1 and "Traceback" not in out, out
+        assert "can't start new thread" in errors[0] and "limit of tasks" in errors[0], out
+        assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".log")) == ["model"], out
+        if f"removed the store {db}" in out:
+            made_and_removed.append(limit)
+    assert code is None and len(made_and_removed) >= 2, made_and_removed   # the flusher's, the scheduler's...
+    with Store(db, autoflush_s=0) as store:
+        store.append("block.vda.util", 1_700_000_000.0, 0.5)
+    code, out = _serve_within(pids_cgroup, made_and_removed[-1], tmp_path, db)
+    assert code == 2 and "removed the store" not in out, out
+    assert queries.points(db, "block.vda.util")[1].tolist() == [0.5]
+
+
 def test_a_store_it_cannot_open_ends_the_loaded_agent_in_one_line(model, tmp_path):
     """The store is opened once the model has loaded (above): the agent built by then stops without serving."""
     theirs = tmp_path / "theirs.db"
@@ -426,6 +483,25 @@ def test_a_store_it_cannot_open_ends_the_loaded_agent_in_one_line(model, tmp_pat
                        capture_output=True, text=True, timeout=120)
     assert "it is an SQLite database of another application" in _one_error_line(r) and "expert cache:" in r.stderr
     assert theirs.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["theirs.db"]
+
+
+def test_a_store_whose_knob_changes_are_damaged_ends_the_loaded_agent_in_one_line_and_is_kept(model, tmp_path):
+    """Restoring the knobs reads the store in start(), after it is opened: a damaged page there was a traceback."""
+    db = tmp_path / "flashmoe.db"
+    with Store(db, autoflush_s=0) as store:
+        for i in range(50):
+            store.record_knob_change(1_700_000_000.0 + i, "max_batch_size", 16, 8, "api")
+    with sqlite3.connect(db) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        (page,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'knob_changes'").fetchone()
+        (size,) = conn.execute("PRAGMA page_size").fetchone()
+    with db.open("r+b") as f:          # the table's root page: no b-tree page type
+        f.seek((page - 1) * size)
+        f.write(b"\xa5" * 8)
+    r = subprocess.run([*CLI, "serve", "--model", str(model), "--port", "0", "--db", str(db), "--pid-file",
+                        str(tmp_path / "agent.pid")], capture_output=True, text=True, timeout=120)
+    assert f"{db} is damaged (database disk image is malformed)" in _one_error_line(r)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flashmoe.db"]
 
 
 def test_a_place_no_store_can_be_written_is_refused_before_the_model_loads(model, tmp_path):

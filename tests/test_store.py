@@ -9,6 +9,7 @@ import time
 import pytest
 
 from store import codec, compaction, queries
+from store.database import remove_unshared
 from store.db import Store
 from store.errors import StoreError
 
@@ -406,7 +407,7 @@ def test_a_file_that_is_not_a_store_is_refused_with_advice(tmp_path):
     Store(newer, autoflush_s=0).close()
     with sqlite3.connect(newer) as conn:
         conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
-    with pytest.raises(StoreError, match="schema version 99.*move the old file aside"):
+    with pytest.raises(StoreError, match="schema version 99, written by a newer FlashMoE.*move it aside"):
         Store(newer)
 
 
@@ -422,6 +423,25 @@ def test_a_store_whose_schema_version_is_damaged_is_refused_by_name_by_writers_a
         with pytest.raises(StoreError, match="damaged.db is a damaged FlashMoE store: its meta table holds"):
             open_it(damaged)
     assert damaged.read_bytes() == before     # no schema_version written over the damage
+
+
+def test_a_new_store_is_removed_only_when_no_other_connection_has_it(tmp_path):
+    """What a failed agent start does with the store it made (agent.serve.server): a collector or a reader that
+    opened it meanwhile keeps it, as does a store whose journal mode gives no sign of them."""
+    db = tmp_path / "new.db"
+    Store(db, autoflush_s=0).close()
+    other = queries.connect_ro(db)
+    other.execute("SELECT COUNT(*) FROM meta").fetchone()
+    Store(db, autoflush_s=0).close()
+    assert not remove_unshared(db) and sorted(p.name for p in tmp_path.iterdir()) == ["new.db", "new.db-shm",
+                                                                                      "new.db-wal"]
+    other.close()                          # a read-only connection cannot remove them: the next writer's close does
+    Store(db, autoflush_s=0).close()
+    assert remove_unshared(db) and list(tmp_path.iterdir()) == []
+    with sqlite3.connect(db) as conn:      # rollback journal: another connection would leave no trace
+        conn.execute("CREATE TABLE t (x)")
+    conn.close()
+    assert not remove_unshared(db) and db.exists()
 
 
 def test_a_reader_kept_out_by_a_writers_lock_says_so_and_does_not_call_the_store_unreadable(tmp_path):
@@ -522,6 +542,30 @@ def test_a_version_2_store_is_upgraded_in_place_keeping_every_row(path, caplog):
     with Store(path, autoflush_s=0) as store:                        # and it is written like a new store
         store.record_cache_stats(T0 + 301, 0, 1, 1, 0, 1, 0, None, prefetches=2)
     assert queries.cache_stats(path)["total"]["prefetch_accuracy"] == 0.5
+
+
+@pytest.mark.parametrize("version, what", [(0, "a version no FlashMoE wrote"), (-3, "a version no FlashMoE wrote"),
+                                           (1, "written by an early FlashMoE")])
+def test_a_store_of_a_version_no_upgrade_reaches_is_not_told_to_upgrade_and_writers_leave_it_as_it_was(
+        tmp_path, version, what):
+    """Readers told such a store to be upgraded by the agent, the collector or `store compact`, which all refuse it.
+    The file is in SQLite's default journal mode, as another application's may be: a writer that refuses it must
+    not have switched it to WAL first (a rewrite of its header)."""
+    path = tmp_path / "odd.db"
+    with sqlite3.connect(path) as conn:
+        conn.executescript(SCHEMA_V2.replace("'schema_version', '2'", f"'schema_version', '{version}'"))
+    conn.close()
+    before = path.read_bytes()
+    with pytest.raises(StoreError) as read:
+        queries.stats(path)
+    message = str(read.value)
+    assert f"{path} has store schema version {version}, {what}" in message, message
+    assert "upgrade it in place" not in message and f"move it aside (e.g. `mv {path} {path}.old`)" in message
+    for create in (True, False):               # the agent and the collector; `store compact`
+        with pytest.raises(StoreError) as written:
+            Store(path, autoflush_s=0, create=create)
+        assert str(written.value) == message
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["odd.db"]
 
 
 def test_a_version_4_store_gets_the_readers_write_column_keeping_its_rows(path):

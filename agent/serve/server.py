@@ -14,7 +14,9 @@ out of control calls (HTTP 429) for twice as long as the last, up to 60 s.
 /metrics labels every series device_name=NAME (--device-name, default this host's name), so a
 fleet's Prometheus tells devices apart by name. The port is bound before the model loads, so a busy
 port fails at once; the --db store is opened (made, if new) only once the model has loaded and every
-option has been checked, so an agent that cannot start leaves no new store behind. SIGTERM or Ctrl-C
+option has been checked, so an agent that cannot start leaves no new store behind; one that fails after
+(a thread the process may not start) removes the store it made, unless another process has opened it
+meanwhile, and a store that was there before is kept whatever happens. SIGTERM or Ctrl-C
 stops within a step: open streams end with an error event saying so (OpenAI's clients raise it) and
 [DONE], other open completions with HTTP 503 and Retry-After, the last statistics are written, the pid
 file is removed, and the process exits at once (a process manager such as honcho kills it 5 s after
@@ -50,6 +52,7 @@ from machine.memory import read_pid_file
 log = logging.getLogger(__name__)
 
 MIN_TOKEN_CHARS = 16
+THREAD_REFUSED = "can't start new thread"   # all Python says of a thread the kernel would not create (EAGAIN)
 
 
 class ServeError(Exception):
@@ -202,6 +205,16 @@ def open_store(path: Path, device_name: str):
         return Store(path, device_name=device_name)
 
 
+def remove_new_store(path: Path) -> None:
+    """The store this run made, for an agent that never served: removed, unless another process opened it."""
+    from store.database import remove_unshared
+    if remove_unshared(path):
+        log.info("removed the store %s this run made: the agent did not start", path)
+    else:
+        log.warning("kept the store %s this run made, though the agent did not start: another process may have "
+                    "opened it (the collector, a reader)", path)
+
+
 def _server_class():
     import uvicorn
 
@@ -272,6 +285,7 @@ def serve(args: argparse.Namespace) -> None:
             check_place(args.db)
     sock = bind(args.host, args.port)
     store = runtime = None
+    made_store = serving = False
     try:
         if args.pid_file:
             claim_pid_file(args.pid_file)
@@ -282,10 +296,19 @@ def serve(args: argparse.Namespace) -> None:
                                 args.max_waiting, args.kv_budget, args.dense, args.workers)
             runtime = Runtime(opts, CollectorRegistry())
             tokenizer = load_tokenizer(args.model)
-            store = open_store(args.db, args.device_name) if args.db else None   # last: no store for a failed start
-            runtime.start(store)
+            if args.db:   # last: no store for a failed start, but its own threads and start() still may fail
+                made_store = not args.db.exists()
+                store = open_store(args.db, args.device_name)
+            with store_errors():   # start() restores the knobs the store holds
+                runtime.start(store)
         except (ValueError, OSError, ExpertStoreError) as exc:
             raise ServeError(f"cannot start the agent: {exc}") from None
+        except RuntimeError as exc:   # the store's flusher, the scheduler or the ticker thread
+            if str(exc) != THREAD_REFUSED:
+                raise
+            raise ServeError(f"cannot start the agent: {exc}: the process is at its limit of tasks (its cgroup's "
+                             f"pids.max, systemd's TasksMax or ulimit -u); raise it, or stop other processes under "
+                             f"it") from None
         app = create_app(runtime, tokenizer, args.device_name, token, args.max_prompt_bytes)
         host, port = sock.getsockname()[:2]
         log.info("agent %s serving %s on http://%s:%d (token %s)", args.device_name, args.model, host, port,
@@ -294,12 +317,15 @@ def serve(args: argparse.Namespace) -> None:
         # so a local process, or a client through a proxy on the box, named a new address on every wrong token
         config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=10, http=RequestDeadline,
                                 proxy_headers=False)
+        serving = True
         _server_class()(config, app.state.stop_serving).run(sockets=[sock])
     finally:
         if runtime is not None:
             runtime.stop()
         if store is not None:
             store.close()
+        if made_store and not serving:
+            remove_new_store(args.db)
         if args.pid_file:
             release_pid_file(args.pid_file)
         sock.close()
