@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -97,11 +97,10 @@ def _reader(db: Db) -> Iterator[sqlite3.Connection | None]:
     conn = db if isinstance(db, sqlite3.Connection) else connect_ro(db)
     try:
         yield conn
-    except _DamagedChunk as e:
+    except _Damaged as e:
         path = _path(conn)
-        raise StoreError(f"{path} holds a damaged chunk of {e.series} (chunk id {e.id}, {e.n_points} points: "
-                         f"{e.problem}); the series reads again once it is gone (its points are lost either way): "
-                         f"`sqlite3 {path} 'DELETE FROM chunks WHERE id = {e.id}'`") from None
+        raise StoreError(f"{path} holds {e.what}; {e.reads_again} once it is gone ({e.lost} either way): "
+                         f"`sqlite3 {path} 'DELETE FROM {e.table} WHERE id = {e.id}'`") from None
     except sqlite3.DatabaseError as e:
         path = _path(conn)
         if is_busy(e):
@@ -116,12 +115,13 @@ def _path(conn: sqlite3.Connection) -> str:
     return next(file for _, name, file in conn.execute("PRAGMA database_list") if name == "main")
 
 
-class _DamagedChunk(Exception):
-    """A chunk whose bytes the codec refuses (SQLite checks its pages' structure, not a blob's bytes)."""
+class _Damaged(Exception):
+    """A row of `table` whose values mean nothing, though SQLite finds its pages whole (it checks their structure,
+    not what a value says): a chunk the codec refuses, a knob change without a JSON value."""
 
-    def __init__(self, chunk_id: int, series: str, n_points: int, problem: str) -> None:
-        super().__init__(problem)
-        self.id, self.series, self.n_points, self.problem = chunk_id, series, n_points, problem
+    def __init__(self, what: str, table: str, row_id: int, reads_again: str, lost: str) -> None:
+        super().__init__(what)
+        self.what, self.table, self.id, self.reads_again, self.lost = what, table, row_id, reads_again, lost
 
 
 def _decode(chunk_id: int, series: str, n_points: int, data: bytes) -> codec.Decoded:
@@ -130,7 +130,8 @@ def _decode(chunk_id: int, series: str, n_points: int, data: bytes) -> codec.Dec
     try:
         return codec.decode(data)
     except codec.CodecError as e:
-        raise _DamagedChunk(chunk_id, series, n_points, str(e)) from None
+        raise _Damaged(f"a damaged chunk of {series} (chunk id {chunk_id}, {n_points} points: {e})", "chunks",
+                       chunk_id, "the series reads again", "its points are lost") from None
 
 
 def damaged(path: str | Path, problem: str) -> StoreError:
@@ -144,9 +145,11 @@ def _dicts(conn: sqlite3.Connection, sql: str, params: Sequence[Any] | dict[str,
     return [dict(zip(names, row)) for row in cur.fetchall()]
 
 
-def _rows(db: Db, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+def _rows(db: Db, sql: str, params: Sequence[Any] = (), each: Callable[[dict[str, Any]], Any] | None = None) -> list:
+    """The rows of `sql` as dicts, or what `each` makes of each (inside `_reader`: it names a damaged one)."""
     with _reader(db) as conn:
-        return [] if conn is None else _dicts(conn, sql, params)
+        rows = [] if conn is None else _dicts(conn, sql, params)
+        return rows if each is None else [each(row) for row in rows]
 
 
 def _window(since: float | None, until: float | None) -> tuple[float, float]:
@@ -355,8 +358,14 @@ def activations(db: Db, since: float | None = None, until: float | None = None) 
 
 
 def _knob_row(row: dict[str, Any]) -> dict[str, Any]:
-    return {**row, "old": json.loads(row["old"]) if row["old"] is not None else None,
-            "new": json.loads(row["new"])}
+    """A knob change with its values decoded, read inside `_reader`, which names a damaged one."""
+    try:
+        return {**row, "old": json.loads(row["old"]) if row["old"] is not None else None,
+                "new": json.loads(row["new"])}
+    except (TypeError, ValueError):    # a NULL or a value that is no JSON (the agent writes only json.dumps)
+        raise _Damaged(f"a damaged knob change (knob_changes id {row['id']}, {row['knob']}: old {row['old']!r:.40}, "
+                       f"new {row['new']!r:.40})", "knob_changes", row["id"], "the knobs' history reads again",
+                       "that change is lost") from None
 
 
 def lost(db: Db) -> dict[str, int]:
@@ -386,15 +395,14 @@ def unserved(db: Db, since: float | None = None, until: float | None = None) -> 
 
 def knob_history(db: Db, limit: int = 100) -> list[dict[str, Any]]:
     """The latest knob changes, newest first: {"id", "t", "knob", "old", "new", "source"}."""
-    rows = _rows(db, "SELECT * FROM knob_changes ORDER BY t DESC, id DESC LIMIT ?", (limit,))
-    return [_knob_row(r) for r in rows]
+    return _rows(db, "SELECT * FROM knob_changes ORDER BY t DESC, id DESC LIMIT ?", (limit,), each=_knob_row)
 
 
 def latest_knobs(db: Db) -> dict[str, Any]:
     """Each knob's most recent value (what the agent restores on restart)."""
     rows = _rows(db, "SELECT k.* FROM knob_changes k JOIN (SELECT knob, MAX(id) AS id FROM knob_changes "
-                     "GROUP BY knob) last ON last.id = k.id ORDER BY k.knob")
-    return {r["knob"]: _knob_row(r)["new"] for r in rows}
+                     "GROUP BY knob) last ON last.id = k.id ORDER BY k.knob", each=_knob_row)
+    return {r["knob"]: r["new"] for r in rows}
 
 
 def events(db: Db, since: float | None = None, kind: str | None = None) -> list[dict[str, Any]]:

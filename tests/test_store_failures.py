@@ -254,6 +254,25 @@ def test_a_damaged_chunk_is_left_by_compaction_and_named_by_its_readers(tmp_path
     assert len(queries.points(db, "agent.read_latency_s")[0]) == 90
 
 
+def test_a_knob_change_whose_value_is_no_json_is_named_with_the_command_that_removes_it(tmp_path):
+    """A knob change whose value SQLite holds whole but that is no JSON was a JSONDecodeError traceback in the
+    agent's knob restore, the Tuning page's history and every reader of it."""
+    db = tmp_path / "flashmoe.db"
+    with Store(db, autoflush_s=0) as store:
+        for i, new in enumerate((8, 4, 2)):
+            store.record_knob_change(T0 + i, "max_batch_size", 16, new, "api")
+    with sqlite3.connect(db) as conn:
+        (damaged,) = conn.execute("SELECT MAX(id) FROM knob_changes").fetchone()
+        conn.execute("UPDATE knob_changes SET new = '{2' WHERE id = ?", (damaged,))
+    for read in (queries.knob_history, queries.latest_knobs):
+        with pytest.raises(StoreError) as err:
+            read(db)
+        assert f"{db} holds a damaged knob change (knob_changes id {damaged}, max_batch_size: " in str(err.value)
+    subprocess.run(str(err.value).split("`")[1], shell=True, check=True)     # the command it names
+    assert queries.latest_knobs(db) == {"max_batch_size": 4}
+    assert [h["new"] for h in queries.knob_history(db)] == [4, 8]
+
+
 def test_a_store_on_a_read_only_mount_can_still_be_read(tmpfs):
     disk = tmpfs("4m")
     db = disk / "flashmoe.db"

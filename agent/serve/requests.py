@@ -108,7 +108,7 @@ class CompletionRequest(BaseModel):
     @field_validator("prompt")
     @classmethod
     def _valid_unicode(cls, prompt: str | list[int]) -> str | list[int]:
-        """JSON may carry a lone surrogate (\ud800) that no tokenizer can encode: refused here, with the body's other
+        """JSON may carry a lone surrogate (\\ud800) that no tokenizer can encode: refused here, with the body's other
         issues and before its bytes are counted (the 413); the tokenizer checks only where its encoding fails."""
         return check_text(prompt) if isinstance(prompt, str) else prompt
 
