@@ -294,12 +294,14 @@ def format_table(results: Sequence[SimResult]) -> str:
     rate = {(r.trace, r.label): r.hit_rate for r in results}
     first = results[0]
     width = max(len(t) for t in traces + ["gap closed"]) + 2
+    cols = [max(13, len(p) + 2) for p in policies]   # a long label ("flashmoe online") widens its column
     lines = [f"hit rate, capacity {first.capacity:g} of experts, {first.scope} scope, cold misses counted",
-             *_raised(results), "trace".ljust(width) + "".join(p.rjust(13) for p in policies)]
+             *_raised(results), "trace".ljust(width) + "".join(p.rjust(c) for p, c in zip(policies, cols))]
     for t in traces:
-        lines.append(t.ljust(width) + "".join(f"{rate[t, p]:13.4f}" for p in policies))
+        lines.append(t.ljust(width) + "".join(f"{rate[t, p]:{c}.4f}" for p, c in zip(policies, cols)))
     mean = {p: sum(rate[t, p] for t in traces) / len(traces) for p in policies}
-    lines.append("mean".ljust(width) + "".join(f"{mean[p]:13.4f}" for p in policies))
+    lines.append("mean".ljust(width) + "".join(f"{mean[p]:{c}.4f}" for p, c in zip(policies, cols)))
     gaps = [gap_closed(mean[p], mean["lru"], mean["belady"]) for p in policies]  # of the means: robust
-    lines.append("gap closed".ljust(width) + "".join(("-" if g is None else f"{g:.1%}").rjust(13) for g in gaps))
+    lines.append("gap closed".ljust(width)
+                 + "".join(("-" if g is None else f"{g:.1%}").rjust(c) for g, c in zip(gaps, cols)))
     return "\n".join(lines)

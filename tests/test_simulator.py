@@ -194,6 +194,14 @@ def test_table_reports_the_gap_of_the_means(olmoe):
     assert "global scope" in table.splitlines()[0]
 
 
+def test_a_label_longer_than_a_column_keeps_its_own_column(capsys):
+    """`simulate --online`'s "flashmoe online" ran into the column before it: "lruflashmoe online"."""
+    assert main(["simulate", "--trace", str(OLMOE), "--policy", "lru", "--online"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()[1:]
+    assert re.split(r"\s{2,}", header) == ["trace", "lru", "flashmoe online", "belady"]
+    assert {len(row) for row in rows} == {len(header)}   # each number ends under its label
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--policy", "lru,nope"], "unknown policy nope"),
     (["--capacity", "1.5"], r"fraction of all experts in \(0, 1\]"),
