@@ -194,6 +194,16 @@ def test_missing_shard_is_named(tmp_path):
     _convert_fails(ckpt.path, tmp_path / "store", "missing shard", shard.name)
 
 
+@pytest.mark.parametrize("weight_map", [[1], {"model.embed_tokens.weight": 5}, None])
+def test_a_shard_index_whose_weight_map_is_damaged_is_named(tmp_path, weight_map):
+    """A weight_map that is no object of file names was an AttributeError or TypeError traceback."""
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf", max_shard_size="20KB")
+    index = ckpt.path / "model.safetensors.index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "weight_map": weight_map}))
+    _convert_fails(ckpt.path, tmp_path / "store", "model.safetensors.index.json is not a valid shard index",
+                   "weight_map must map each tensor name")
+
+
 def test_truncated_shard_is_named(tmp_path):
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
     file = ckpt.path / "model.safetensors"

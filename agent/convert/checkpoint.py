@@ -123,6 +123,9 @@ def _checkpoint_files(src: Path) -> tuple[list[Path], dict[str, str]]:
             weight_map = json.loads((src / SHARD_INDEX).read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{src / SHARD_INDEX} is not a valid shard index: {exc}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{src / SHARD_INDEX} is not a valid shard index: its weight_map must map each "
+                                  f"tensor name to the name of the shard file that holds it; re-download it")
         files = [src / f for f in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.exists()]
         if missing:
