@@ -59,15 +59,25 @@ def client(url: str, prompts: list, max_tokens: int, requests: int, pause: float
                 log.debug("client %d: %s", seed, reply.json()["usage"])
             except httpx.HTTPStatusError as exc:
                 if 400 <= exc.response.status_code < 500 and exc.response.status_code not in RETRIED:
-                    refused.append(f"the agent refused a request with {exc.response.status_code}: {exc.response.text}")
+                    refused.append(f"the agent refused a request with {_answer(exc.response)}")
                     stop.set()
                     return
-                log.warning("client %d: %s; retrying", seed, exc)
+                log.warning("client %d: the agent answered %s; retrying", seed, _answer(exc.response))
                 stop.wait(2.0)
             except httpx.HTTPError as exc:
                 log.warning("client %d: %s; retrying", seed, exc)
                 stop.wait(2.0)
             stop.wait(pause)
+
+
+def _answer(response: httpx.Response) -> str:
+    """The status and the agent's own reason (its OpenAI-style error message), on one line; httpx's message
+    named only the status, on two lines with a link to a web page."""
+    try:
+        reason = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):   # not the agent's error shape: a proxy's page, say
+        reason = response.text[:300]
+    return f"{response.status_code}: {' '.join(str(reason).split())}"
 
 
 def run(args: argparse.Namespace) -> int:

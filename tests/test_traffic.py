@@ -5,6 +5,8 @@ import subprocess
 
 import pytest
 
+from agent.experts.layout import EXPERTS, INDEX, Index
+from agents import small_demo, spawn, stop
 from store import queries
 from test_serve import CLI, demo_model, start_agent, wait_for
 
@@ -32,6 +34,30 @@ def test_a_request_the_agent_refuses_stops_the_clients_with_its_answer(agent):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "the agent refused a request with 4" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_server_error_is_logged_on_one_line_with_the_agents_reason(tmp_path):
+    """httpx's message named only the status ("Server error '500 Internal Server Error' for url ..."), on two
+    lines with a link to a web page: why the agent failed (here a damaged expert block) was not said."""
+    model = small_demo(tmp_path / "damaged")
+    index = Index.load(model / INDEX)
+    with open(model / EXPERTS, "r+b") as f:   # a byte of every block of the first layer: every request meets one
+        for block in (b for b in index.blocks if b.layer == index.blocks[0].layer):
+            f.seek(block.offset + 100)
+            byte = f.read(1)[0]
+            f.seek(block.offset + 100)
+            f.write(bytes([byte ^ 0xFF]))
+    agent = start_agent(model, tmp_path, "--policy", "lru")
+    log = tmp_path / "traffic.log"
+    traffic = spawn([*CLI, "traffic", "--agent-url", agent.url, "--clients", "1", "--max-tokens", "2"], log)
+    try:
+        line = wait_for(lambda: next((x for x in log.read_text().splitlines() if "retrying" in x), None),
+                        what="the traffic client's first retry")
+    finally:
+        stop(traffic)
+        agent.stop()
+    assert "client 0: the agent answered 500: generation failed:" in line and "CRC32" in line, line
+    assert "developer.mozilla.org" not in log.read_text()
 
 
 def test_a_bad_prompt_file_is_a_clear_error(tmp_path):
