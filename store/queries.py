@@ -388,9 +388,11 @@ def missed_samples(db: Db, since: float | None = None, until: float | None = Non
 
 
 def unserved(db: Db, since: float | None = None, until: float | None = None) -> dict[str, int]:
-    """Requests that ended unanswered in [since, until] by reason: "failed" (an error in their step) and
-    "refused" (the queue full, or the agent stopping), from agent.requests_failed and agent.requests_refused."""
-    return {reason: total(db, f"agent.requests_{reason}", since, until) for reason in ("failed", "refused")}
+    """Requests that ended unanswered in [since, until] by reason: "failed" (an error in their step), "refused"
+    (the queue full, or the agent stopping) and "abandoned" (the client went away first), from
+    agent.requests_<reason>."""
+    return {reason: total(db, f"agent.requests_{reason}", since, until)
+            for reason in ("failed", "refused", "abandoned")}
 
 
 def knob_history(db: Db, limit: int = 100) -> list[dict[str, Any]]:

@@ -185,6 +185,8 @@ CATALOGUE: tuple[SeriesSpec, ...] = (
            "(answered 500)"),
     _agent("requests_refused", "requests", 1.0, "requests refused in the second: the queue full (429) or the agent "
            "stopping (503)"),
+    _agent("requests_abandoned", "requests", 1.0, "requests whose client went away in the second, before its answer "
+           "was whole"),
     _agent("cache_bytes", "B", 4096.0, "bytes held in the expert cache"),
     _agent("cache_cap_bytes", "B", 4096.0, "expert cache cap", "cap_bytes"),
     _agent("cache_cap_min_bytes", "B", 1.0, "smallest cache cap the agent accepts now", "cap_min_bytes"),

@@ -391,11 +391,13 @@ def test_overview_says_how_many_requests_went_unanswered(monkeypatch, offline, d
     assert "unanswered" not in texts(open_page(monkeypatch, db).warning)
     failing = fill(tmp_path / "failing.db")
     with Store(failing, autoflush_s=0) as store:   # as the agent's ticks write them, a count a second
-        for k, (failed, refused) in enumerate([(1, 0), (0, 3), (0, 0), (1, 2)]):
+        for k, (failed, refused, abandoned) in enumerate([(1, 0, 0), (0, 3, 1), (0, 0, 0), (1, 2, 3)]):
             store.append("agent.requests_failed", NOW - 40 + k, failed)
             store.append("agent.requests_refused", NOW - 40 + k, refused)
-    assert "Requests unanswered in this range: 2 failed" in texts(open_page(monkeypatch, failing).warning)
-    assert "and 5 refused" in texts(open_page(monkeypatch, failing).warning)
+            store.append("agent.requests_abandoned", NOW - 40 + k, abandoned)
+    shown = texts(open_page(monkeypatch, failing).warning)
+    assert "Requests unanswered in this range: 2 failed" in shown and ", 5 refused" in shown
+    assert "and 4 abandoned (the client went away first" in shown
 
 
 def test_overview_and_memory_page_say_how_many_samples_the_collector_missed(monkeypatch, offline, db, tmp_path):

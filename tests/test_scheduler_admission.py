@@ -65,8 +65,10 @@ def engine() -> RecordingEngine:
     return RecordingEngine()
 
 
-def scheduler(engine, clock, max_batch=16, window_s=WINDOW_S, max_waiting=256) -> Scheduler:
-    s = Scheduler(engine, max_batch, lambda stats: None, admit_window_s=window_s, clock=clock, max_waiting=max_waiting)
+def scheduler(engine, clock, max_batch=16, window_s=WINDOW_S, max_waiting=256, answered=None) -> Scheduler:
+    """`answered`, a list: the request ids the scheduler reports as answered (its on_finish)."""
+    s = Scheduler(engine, max_batch, lambda stats: answered is not None and answered.append(stats.request_id),
+                  admit_window_s=window_s, clock=clock, max_waiting=max_waiting)
     s.start()
     return s
 
@@ -143,7 +145,8 @@ def test_a_control_call_that_outwaits_a_slow_step_is_withdrawn_and_never_runs(en
 
 
 def test_a_request_cancelled_while_it_waits_is_ended_and_never_runs(engine, clock):
-    s = scheduler(engine, clock, max_batch=1, window_s=0.0)
+    answered: list[str] = []
+    s = scheduler(engine, clock, max_batch=1, window_s=0.0, answered=answered)
     engine.hold.clear()
     first, first_done = request("first")
     s.submit(first)
@@ -158,10 +161,12 @@ def test_a_request_cancelled_while_it_waits_is_ended_and_never_runs(engine, cloc
     s.stop()
     assert ended == ["cancelled"]               # its handler is told, instead of waiting for ever
     assert engine.batches == [["first"]]
+    assert answered == ["first"] and s.unserved["abandoned"] == 1   # counted, not as an answer
 
 
 def test_close_ends_running_and_waiting_requests_before_their_next_step_and_refuses_more(engine, clock):
-    s = scheduler(engine, clock, max_batch=1, window_s=0.0)
+    answered: list[str] = []
+    s = scheduler(engine, clock, max_batch=1, window_s=0.0, answered=answered)
     engine.hold.clear()
     ended: dict[str, str] = {}
     running, waiting = (Request(rid, [1, 2, 3], 1000, 0.0, lambda ev, rid=rid: ev.kind == "done" and
@@ -174,6 +179,7 @@ def test_close_ends_running_and_waiting_requests_before_their_next_step_and_refu
     s.stop()
     assert ended == {"running": "cancelled", "waiting": "cancelled"}
     assert engine.batches == [["running"]]      # no step after the close
+    assert answered == [] and s.unserved == {"failed": 0, "refused": 2, "abandoned": 0}
     with pytest.raises(RuntimeError, match="shutting down"):
         s.submit(request("late")[0])
 

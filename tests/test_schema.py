@@ -27,7 +27,8 @@ def test_the_fields_of_block_rates_and_of_the_agents_tick_are_attributes_there()
     assert series_of("tick", values) == {
         "agent.tokens_per_s": 10.0, "agent.batch_size": 3, "agent.batch_limit": 8, "agent.queue_depth": 1,
         "agent.cache_bytes": 1 << 20, "agent.cache_cap_bytes": 2 << 20, "agent.read_latency_s": 0.002,
-        "agent.read_bytes_per_s": 2048.0, "agent.requests_failed": 0, "agent.requests_refused": 1}
+        "agent.read_bytes_per_s": 2048.0, "agent.requests_failed": 0, "agent.requests_refused": 1,
+        "agent.requests_abandoned": 0}
     # no hit rate in a tick without accesses: not written
     smart = {f.name for f in dataclasses.fields(SmartLog)} | {
         name for name, v in vars(SmartLog).items() if isinstance(v, property)} | {"temp_sensor{n}_c"}

@@ -198,13 +198,29 @@ def test_no_page_needs_the_network_and_the_api_is_described_at_openapi_json(agen
     assert agent.get("/openapi.json").json()["paths"].keys() >= {"/v1/completions", "/v1/knobs"}
 
 
+def answered_and_abandoned(agent) -> tuple[float | None, float | None]:
+    return agent.metric("flashmoe_requests_total"), agent.metric("flashmoe_requests_unserved_total", reason="abandoned")
+
+
 def test_a_client_that_leaves_stops_its_non_streaming_request(agent):
-    before = agent.get("/v1/status").json()["tokens_generated"]
+    before, (answered, abandoned) = agent.get("/v1/status").json()["tokens_generated"], answered_and_abandoned(agent)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(agent.url + "/v1/completions", json={"prompt": "go on and on", "max_tokens": 4000}, timeout=1.0)
     wait_for(lambda: agent.get("/v1/status").json()["batch_size"] == 0, what="the request to stop")
     generated = agent.get("/v1/status").json()["tokens_generated"] - before
     assert 0 < generated < 4000  # it ran, and was cancelled long before its end
+    # counted as abandoned, not as an answer (its cut-short latency was one in the histograms)
+    wait_for(lambda: answered_and_abandoned(agent) == (answered, abandoned + 1), what="the abandoned count")
+
+
+def test_a_completion_its_stop_string_ends_is_counted_as_answered(agent):
+    answered, abandoned = answered_and_abandoned(agent)
+    done = agent.complete(prompt="Hello", max_tokens=64, temperature=0)["choices"][0]["text"]
+    stop = done[len(done) // 2:][:3]                 # a string the same greedy completion generates midway
+    assert agent.complete(prompt="Hello", max_tokens=64, temperature=0, stop=[stop])["choices"][0][
+        "finish_reason"] == "stop"
+    wait_for(lambda: answered_and_abandoned(agent) == (answered + 2, abandoned),
+             what=f"two answers counted after {answered, abandoned}: {answered_and_abandoned(agent)}")
 
 
 def test_a_client_that_leaves_a_stream_with_stop_strings_stops_its_request(agent):
@@ -257,7 +273,7 @@ def test_a_request_that_hits_a_damaged_block_fails_alone(model, tmp_path):
         assert [a.status_code for a in answers[1:]] == [200, 200, 200], [a.text for a in answers]
         assert "decode step failed for 4 requests" in agent.log.read_text()  # they did share the failed step
         status = agent.get("/v1/status").json()
-        assert status["requests_unserved"] == {"failed": 1, "refused": 0}     # counted, not only logged
+        assert status["requests_unserved"] == {"failed": 1, "refused": 0, "abandoned": 0}   # counted, not only logged
         wait_for(lambda: agent.metric("flashmoe_requests_unserved_total", reason="failed") == 1, 10,
                  "the failure in /metrics (a tick a second)")
         store = status["store"]
@@ -393,7 +409,7 @@ def test_requests_beyond_the_waiting_bound_get_429_and_the_rest_are_served(model
             assert running.result(300)["usage"]["completion_tokens"] == 2000
             assert waiting.result(300)["usage"]["completion_tokens"] >= 1
         assert agent.complete(prompt="room again", max_tokens=2)["usage"]["completion_tokens"] >= 1
-        assert status()["requests_unserved"] == {"failed": 0, "refused": 1}   # the 429 is counted
+        assert status()["requests_unserved"] == {"failed": 0, "refused": 1, "abandoned": 0}   # the 429 is counted
         wait_for(lambda: agent.metric("flashmoe_requests_unserved_total", reason="refused") == 1, 10,
                  "the refusal in /metrics (a tick a second)")
     finally:

@@ -381,7 +381,8 @@ def _pass_on(ev: Event, job: Job, completion: CompletionText, loop: asyncio.Abst
     before its next step, so it ends there (finish_reason "cancelled", told as "stop")."""
     if ev.kind == "token":
         piece = completion.add(ev.token)
-        job.cancelled = job.cancelled or completion.stopped
+        if completion.stopped:
+            job.cancelled = job.stopped = True
     else:
         piece = completion.finish()
         if ev.kind == "done" and completion.stopped:

@@ -70,6 +70,10 @@ class Tick:
         return self.unserved.get("refused", 0)
 
     @property
+    def requests_abandoned(self) -> int:
+        return self.unserved.get("abandoned", 0)
+
+    @property
     def token_ms(self) -> dict[str, float]:
         """ms of a generated token spent in each phase (token_ms_<phase>); empty in an idle second."""
         return {f"token_ms_{p}": 1000 * s / self.tokens for p, s in self.phase_s.items()} if self.tokens else {}
@@ -150,8 +154,9 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=registry)
         self.requests = Counter("flashmoe_requests", "finished requests", registry=registry)
         self.unserved = Counter("flashmoe_requests_unserved", "requests that ended without an answer: failed (an "
-                                "error in their step, answered 500) or refused (the queue full, 429; the agent "
-                                "stopping, 503)", ["reason"], registry=registry)
+                                "error in their step, answered 500), refused (the queue full, 429; the agent "
+                                "stopping, 503) or abandoned (the client went away first)", ["reason"],
+                                registry=registry)
         self.tokens = Counter("flashmoe_generated_tokens", "generated tokens", registry=registry)
         self.batch_size = Gauge("flashmoe_batch_size", "requests in the running batch", registry=registry)
         self.batch_limit = Gauge("flashmoe_batch_limit", "most requests stepped together (the knob max_batch_size)",

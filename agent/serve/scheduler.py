@@ -85,6 +85,7 @@ class Request:
     generated: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
     cancelled: bool = False
+    stopped: bool = False           # cancelled by its stop string: the answer is whole
     io: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # hits, misses, bytes_read
 
     @property
@@ -121,9 +122,11 @@ class SchedulerBusy(TimeoutError):
     """A control call waited too long for the running step to end and was withdrawn."""
 
 
-# Why a request ended without an answer: an error in its step (e.g. a damaged expert block; a 500), or it was
-# refused at the door (the queue full, a 429; or the agent stopping, a 503). Counted, not to vanish unseen.
-UNSERVED = ("failed", "refused")
+# Why a request ended without an answer: an error in its step (e.g. a damaged expert block; a 500), it was
+# refused (the queue full, a 429; or the agent stopping, a 503, at the door or before its next step), or its
+# client went away before the answer was whole ("abandoned"). Counted, not to vanish unseen nor to pass for an
+# answer (its truncated latency in the histograms).
+UNSERVED = ("failed", "refused", "abandoned")
 
 
 class Overloaded(Exception):
@@ -313,11 +316,16 @@ class Scheduler:
         return "stop" if r.generated[-1] in r.stop_ids else "length"
 
     def _retire(self, r: Request, reason: str) -> bool:
-        """Free the request's state and report it; returns False so list filters drop it."""
+        """Free the request's state and report it, an answer or one of the unserved; returns False so list
+        filters drop it."""
         self.engine.end(r)
         stats = request_stats(r, time.time())
+        answered = not r.cancelled or r.stopped     # before the sink: its handler cancels the request once told
         r.sink(Event("done", finish_reason=reason, stats=stats))
-        self.on_finish(stats)
+        if answered:
+            self.on_finish(stats)
+        else:   # cut short: by the agent stopping (close), or else by its client leaving
+            self.unserved["refused" if self._stop else "abandoned"] += 1
         return False
 
 

@@ -52,10 +52,12 @@ def live() -> None:
         return
     components.lost_notice(db, since, until)
     unserved = data.unserved(db, since, until)
-    if unserved["failed"] or unserved["refused"]:
+    if any(unserved.values()):
         st.warning(f"Requests unanswered in this range: {unserved['failed']:,} failed (an error in their step, "
-                   f"e.g. a damaged expert block: the agent's log names it) and {unserved['refused']:,} refused "
-                   f"(the queue full: raise serve --max-waiting, or add capacity)", icon=":material/report:")
+                   f"e.g. a damaged expert block: the agent's log names it), {unserved['refused']:,} refused "
+                   f"(the queue full: raise serve --max-waiting, or add capacity) and {unserved['abandoned']:,} "
+                   f"abandoned (the client went away first: a client timeout shorter than the latency?)",
+                   icon=":material/report:")
     rows = data.requests(db, since, until)
     quantiles = data.latency_quantiles(db, since, until, TIME_BUCKETS)
     whole = data.latency_quantiles(db, since, until, 1)     # one bucket: the range's own quantiles
