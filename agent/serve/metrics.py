@@ -152,7 +152,8 @@ class Metrics:
                               buckets=TOKEN_BUCKETS, registry=registry)
         self.latency = Histogram("flashmoe_request_latency_seconds", "request latency, arrival to last token",
                                  buckets=LATENCY_BUCKETS, registry=registry)
-        self.requests = Counter("flashmoe_requests", "finished requests", registry=registry)
+        self.requests = Counter("flashmoe_requests", "answered requests (those that ended without an answer: "
+                                "flashmoe_requests_unserved)", registry=registry)
         self.unserved = Counter("flashmoe_requests_unserved", "requests that ended without an answer: failed (an "
                                 "error in their step, answered 500), refused (the queue full, 429; the agent "
                                 "stopping, 503) or abandoned (the client went away first)", ["reason"],
