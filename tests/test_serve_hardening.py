@@ -202,7 +202,14 @@ def answered_and_abandoned(agent) -> tuple[float | None, float | None]:
     return agent.metric("flashmoe_requests_total"), agent.metric("flashmoe_requests_unserved_total", reason="abandoned")
 
 
+def idle(agent) -> bool:
+    """Nothing runs or waits: no request of an earlier test can still end and move the counts."""
+    status = agent.get("/v1/status").json()
+    return status["batch_size"] == 0 and status["queue_depth"] == 0
+
+
 def test_a_client_that_leaves_stops_its_non_streaming_request(agent):
+    wait_for(lambda: idle(agent), what="the agent idle")
     before, (answered, abandoned) = agent.get("/v1/status").json()["tokens_generated"], answered_and_abandoned(agent)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(agent.url + "/v1/completions", json={"prompt": "go on and on", "max_tokens": 4000}, timeout=1.0)
@@ -214,6 +221,7 @@ def test_a_client_that_leaves_stops_its_non_streaming_request(agent):
 
 
 def test_a_completion_its_stop_string_ends_is_counted_as_answered(agent):
+    wait_for(lambda: idle(agent), what="the agent idle")
     answered, abandoned = answered_and_abandoned(agent)
     done = agent.complete(prompt="Hello", max_tokens=64, temperature=0)["choices"][0]["text"]
     stop = done[len(done) // 2:][:3]                 # a string the same greedy completion generates midway
