@@ -5,6 +5,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -431,9 +432,9 @@ def pids_cgroup():
     group.rmdir()
 
 
-def _serve_within(group: Path, limit: int, workdir: Path, db: Path) -> tuple[int | None, str]:
+def _serve_within(group: Path, limit: int, workdir: Path, db: Path) -> tuple[int | None, str, httpx.Response | None]:
     """`serve` in cgroup `group` limited to `limit` tasks: None if it started serving (then stopped), else its
-    exit code; and its output."""
+    exit code; its output; and, if it served, its answer to GET /v1/status."""
     (group / "pids.max").write_text(str(limit))
     log = workdir / f"agent-{limit}.log"
     proc = spawn(["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group), *CLI, "serve", "--model",
@@ -442,7 +443,10 @@ def _serve_within(group: Path, limit: int, workdir: Path, db: Path) -> tuple[int
     try:   # serving, not answering: its requests' worker threads may be what the limit refuses
         wait_for(lambda: proc.poll() is not None or " serving " in log.read_text(), 120,
                  f"the agent limited to {limit} tasks to end or serve")
-        return proc.poll(), log.read_text()
+        if proc.poll() is not None:
+            return proc.returncode, log.read_text(), None
+        url = re.search(r" on (http://\S+)", log.read_text())[1]
+        return None, log.read_text(), httpx.get(url + "/v1/status", timeout=60)
     finally:
         stop(proc)
 
@@ -456,7 +460,7 @@ def test_an_agent_at_its_limit_of_threads_says_so_in_one_line_and_removes_the_st
     (tmp_path / "model").symlink_to(model)
     db, made_and_removed = tmp_path / "new.db", []
     for limit in range(2, 40):
-        code, out = _serve_within(pids_cgroup, limit, tmp_path, db)
+        code, out, _ = _serve_within(pids_cgroup, limit, tmp_path, db)
         if code is None:
             break
         errors = [line for line in out.splitlines() if " ERROR " in line]
@@ -468,7 +472,7 @@ def test_an_agent_at_its_limit_of_threads_says_so_in_one_line_and_removes_the_st
     assert code is None and len(made_and_removed) >= 2, made_and_removed   # the flusher's, the scheduler's...
     with Store(db, autoflush_s=0) as store:
         store.append("block.vda.util", 1_700_000_000.0, 0.5)
-    code, out = _serve_within(pids_cgroup, made_and_removed[-1], tmp_path, db)
+    code, out, _ = _serve_within(pids_cgroup, made_and_removed[-1], tmp_path, db)
     assert code == 2 and "removed the store" not in out, out
     assert queries.points(db, "block.vda.util")[1].tolist() == [0.5]
 
@@ -483,6 +487,23 @@ def test_a_store_it_cannot_open_ends_the_loaded_agent_in_one_line(model, tmp_pat
                        capture_output=True, text=True, timeout=120)
     assert "it is an SQLite database of another application" in _one_error_line(r) and "expert cache:" in r.stderr
     assert theirs.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["theirs.db"]
+
+
+def test_an_agent_serving_at_its_limit_of_threads_answers_503_naming_it(model, tmp_path, pids_cgroup):
+    """At the lowest limits it serves at, a request's worker thread is refused: that was Starlette's bare 500
+    ("Internal Server Error", to every synchronous call), and is a 503 with Retry-After naming the limit."""
+    (tmp_path / "model").symlink_to(model)
+    refused = []
+    for limit in range(2, 40):
+        code, out, answer = _serve_within(pids_cgroup, limit, tmp_path, tmp_path / f"{limit}.db")
+        if answer is not None and answer.status_code == 200:
+            break
+        if answer is not None:
+            assert answer.status_code == 503 and answer.headers["retry-after"], (answer.status_code, answer.text)
+            assert "cannot start a thread to answer" in answer.json()["error"]["message"], answer.text
+            assert "Traceback" not in out, out
+            refused.append(limit)
+    assert answer is not None and answer.status_code == 200 and refused, refused   # both seen, in that order
 
 
 def test_a_store_whose_knob_changes_are_damaged_ends_the_loaded_agent_in_one_line_and_is_kept(model, tmp_path):

@@ -46,7 +46,8 @@ from agent.serve.api_schema import (KNOBS_AS_SET, METRICS, STREAMED, Knobs, Mode
                                     describe, errors)
 from agent.serve.engine import STEP_PROFILES
 from agent.serve.knobs import SOURCES, KnobError
-from agent.serve.limits import MAX_JSON_DEPTH, MAX_PROMPT_BYTES, body_limit, nests_deeper
+from agent.serve.limits import (AT_TASK_LIMIT, MAX_JSON_DEPTH, MAX_PROMPT_BYTES, THREAD_REFUSED, body_limit,
+                                nests_deeper)
 from agent.serve.metrics import DeviceLabelled
 from agent.serve.requests import CompletionRequest, PreloadRequest
 from agent.serve.runtime import Runtime
@@ -70,6 +71,7 @@ def create_app(runtime: Runtime, tokenizer, device_name: str, token: str | None 
                   responses=errors(400, 413))   # any body: BodyLimit's, and FastAPI's for one not JSON
     app.add_exception_handler(StarletteHTTPException, _http_error)  # ours, and FastAPI's own (a body not JSON)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RuntimeError, _thread_refused)
     app.add_middleware(BodyLimit, limit=body_limit(max_prompt_bytes))
     app.add_middleware(HeadAsGet)
     # one tokenizing thread: a burst of long prompts queues for one core and leaves the other to the event loop
@@ -230,6 +232,15 @@ def _error_body(status: int, message: str, detail: Any, code: int | str | None =
     if status == 503:   # a client that may retry is told when (the shutdown, a step that did not end in time)
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
     return response
+
+
+async def _thread_refused(request, exc: RuntimeError) -> JSONResponse:
+    """A request's worker thread the kernel would not create is a 503 that says why (it was Starlette's bare 500);
+    any other RuntimeError stays an error of the agent's."""
+    if str(exc) != THREAD_REFUSED:
+        raise exc
+    log.warning("cannot answer %s %s: %s", request.method, request.url.path, AT_TASK_LIMIT)
+    return _error_body(503, f"the agent cannot start a thread to answer: {AT_TASK_LIMIT}", THREAD_REFUSED)
 
 
 async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:

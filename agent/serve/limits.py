@@ -12,6 +12,11 @@ from __future__ import annotations
 import numpy as np
 
 MAX_PROMPT_BYTES = 64 * 1024
+# A thread the kernel would not create (EAGAIN: the process's limit of tasks) is all Python says of it; the agent's
+# own at start-up end it (agent.serve.server), a request's worker thread is a 503 (agent.serve.app)
+THREAD_REFUSED = "can't start new thread"
+AT_TASK_LIMIT = ("the process is at its limit of tasks (its cgroup's pids.max, systemd's TasksMax or ulimit -u); "
+                 "raise it, or stop other processes under it")
 BODY_BYTES_PER_PROMPT_BYTE = 8   # JSON may spell one prompt byte in up to 6 (\u0000); a token id takes ~7
 BODY_SLACK = 4096                # the other fields of a completion request
 

@@ -43,7 +43,7 @@ from agent.atomic_file import write_atomically
 from agent.experts.cap import KV_BUDGET_TOKENS
 from agent.experts.layout import StoreError as ExpertStoreError
 from agent.experts.reader import BACKENDS, IO_THREADS
-from agent.serve.limits import BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES
+from agent.serve.limits import AT_TASK_LIMIT, BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES, THREAD_REFUSED
 from agent.serve.scheduler import ADMIT_WINDOW_S, MAX_WAITING
 from agent.token_option import TOKEN_ENV, TokenError, add_token_arguments, token_from
 from machine.identity import add_device_name
@@ -52,7 +52,6 @@ from machine.memory import read_pid_file
 log = logging.getLogger(__name__)
 
 MIN_TOKEN_CHARS = 16
-THREAD_REFUSED = "can't start new thread"   # all Python says of a thread the kernel would not create (EAGAIN)
 
 
 class ServeError(Exception):
@@ -306,9 +305,7 @@ def serve(args: argparse.Namespace) -> None:
         except RuntimeError as exc:   # the store's flusher, the scheduler or the ticker thread
             if str(exc) != THREAD_REFUSED:
                 raise
-            raise ServeError(f"cannot start the agent: {exc}: the process is at its limit of tasks (its cgroup's "
-                             f"pids.max, systemd's TasksMax or ulimit -u); raise it, or stop other processes under "
-                             f"it") from None
+            raise ServeError(f"cannot start the agent: {exc}: {AT_TASK_LIMIT}") from None
         app = create_app(runtime, tokenizer, args.device_name, token, args.max_prompt_bytes)
         host, port = sock.getsockname()[:2]
         log.info("agent %s serving %s on http://%s:%d (token %s)", args.device_name, args.model, host, port,
