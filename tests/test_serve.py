@@ -477,6 +477,18 @@ def test_an_agent_at_its_limit_of_threads_says_so_in_one_line_and_removes_the_st
     assert queries.points(db, "block.vda.util")[1].tolist() == [0.5]
 
 
+def test_an_agent_at_a_limit_of_one_task_says_so_in_one_line(model, tmp_path, pids_cgroup):
+    """With the main thread the only task it may have, the agent ended in "ImportError: No library named udev":
+    pyudev's lookup of libudev runs ldconfig in a child process, whose refusal ctypes keeps to itself (and past
+    that, torch's OpenMP aborts the process on a thread it cannot create)."""
+    (tmp_path / "model").symlink_to(model)
+    code, out, _ = _serve_within(pids_cgroup, 1, tmp_path, tmp_path / "new.db")
+    errors = [line for line in out.splitlines() if " ERROR " in line]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in out, out
+    assert "cannot start the agent: can't start new thread: " in errors[0] and "limit of tasks" in errors[0], out
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".log")) == ["model"], out
+
+
 def test_a_store_it_cannot_open_ends_the_loaded_agent_in_one_line(model, tmp_path):
     """The store is opened once the model has loaded (above): the agent built by then stops without serving."""
     theirs = tmp_path / "theirs.db"

@@ -43,7 +43,8 @@ from agent.atomic_file import write_atomically
 from agent.experts.cap import KV_BUDGET_TOKENS
 from agent.experts.layout import StoreError as ExpertStoreError
 from agent.experts.reader import BACKENDS, IO_THREADS
-from agent.serve.limits import AT_TASK_LIMIT, BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES, THREAD_REFUSED
+from agent.serve.limits import (AT_TASK_LIMIT, BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES, THREAD_REFUSED,
+                                check_below_task_limit)
 from agent.serve.scheduler import ADMIT_WINDOW_S, MAX_WAITING
 from agent.token_option import TOKEN_ENV, TokenError, add_token_arguments, token_from
 from machine.identity import add_device_name
@@ -289,6 +290,7 @@ def serve(args: argparse.Namespace) -> None:
         if args.pid_file:
             claim_pid_file(args.pid_file)
         try:
+            check_below_task_limit()   # before the model loads: the first to fail at a limit of one is a library
             opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
                                 args.max_batch_size, args.threads, args.io_threads, args.admit_window_ms / 1000,
                                 args.verify, tuple(args.route_trace), args.prefill_threads, args.int8_activations,
@@ -302,7 +304,7 @@ def serve(args: argparse.Namespace) -> None:
                 runtime.start(store)
         except (ValueError, OSError, ExpertStoreError) as exc:
             raise ServeError(f"cannot start the agent: {exc}") from None
-        except RuntimeError as exc:   # the store's flusher, the scheduler or the ticker thread
+        except RuntimeError as exc:   # the probe above, the store's flusher, the scheduler or the ticker thread
             if str(exc) != THREAD_REFUSED:
                 raise
             raise ServeError(f"cannot start the agent: {exc}: {AT_TASK_LIMIT}") from None
