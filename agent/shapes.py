@@ -28,7 +28,7 @@ import torch
 from agent.atomic_file import missing_parents, remove_empty
 from agent.convert.checkpoint import SHARD_INDEX
 from agent.convert.safetensors_io import Lazy, write_safetensors
-from agent.convert.store_writer import STORE_FILES, check_room, foreign_names, listed
+from agent.convert.store_writer import STORE_FILES, check_outside_models, check_room, foreign_names, listed
 from agent.experts.layout import CONFIG, INDEX, Index, StoreError
 from agent.model.config import MoEConfig
 
@@ -172,6 +172,7 @@ def init_shape(config: dict[str, Any], out: Path, drop_hf: bool = False) -> Path
     if _converted(store, config):
         log.info("%s already holds this model; nothing to do", store)
         return store
+    check_outside_models(hf, "--out")
     _check_ours(hf, CHECKPOINT_FILES.fullmatch, config)
     _check_ours(store, STORE_FILES.__contains__, config)
     check_room(out, _least_room(config, hf), "--out", "the checkpoint with its store")

@@ -204,6 +204,25 @@ def test_a_shard_index_whose_weight_map_is_damaged_is_named(tmp_path, weight_map
                    "weight_map must map each tensor name")
 
 
+@pytest.mark.parametrize("there", [False, True])
+@pytest.mark.parametrize("entry", ["../../{name}", "{outside}/{name}"])
+def test_a_shard_index_that_names_a_file_outside_the_checkpoint_is_refused_by_entry(tmp_path, entry, there):
+    """`../../x.safetensors` was said to be a missing shard `x.safetensors`, or, with a file there, read and
+    said to lack its tensors: the entry names a path outside the checkpoint directory, which convert does not read."""
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "a" / "hf", max_shard_size="20KB")
+    index = ckpt.path / "model.safetensors.index.json"
+    document = json.loads(index.read_text())
+    shard = sorted(ckpt.path.glob("model-*.safetensors"))[1]
+    outside = entry.format(name=shard.name, outside=tmp_path)
+    document["weight_map"] = {tensor: outside if file == shard.name else file
+                              for tensor, file in document["weight_map"].items()}
+    index.write_text(json.dumps(document))
+    if there:
+        shard.rename(tmp_path / shard.name)
+    _convert_fails(ckpt.path, tmp_path / "store", f"{index} names {outside!r} as a shard",
+                   "outside the checkpoint directory")
+
+
 def test_truncated_shard_is_named(tmp_path):
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
     file = ckpt.path / "model.safetensors"

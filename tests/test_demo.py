@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import OlmoeConfig, OlmoeForCausalLM
 
 from agent.convert.safetensors_io import read_header
@@ -225,6 +225,34 @@ def test_a_disk_that_fills_midway_ends_init_demo_in_one_line_and_leaves_nothing(
                            text=True)
     assert again.returncode == 0, again.stderr
     assert _files(out) == _files(demo)
+
+
+def _tree(path: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
+
+
+@pytest.mark.parametrize("enclosing, inside", [("store", "inner"), ("store", "a/b"), ("checkpoint", "demo")])
+def test_init_demo_inside_another_model_is_refused_naming_it(tmp_path, enclosing, inside):
+    """A demo written inside another model went with it when that model was replaced: rebuilding an older demo
+    removed the one nested in it, unsaid. A model is config.json beside safetensors weights: an expert store
+    (dense.safetensors), or a checkpoint as convert reads it."""
+    model = tmp_path / "model"
+    if enclosing == "store":
+        init_demo(model, "small")
+    else:
+        model.mkdir()
+        (model / CONFIG).write_text('{"model_type": "olmoe"}')
+        save_file({"lm_head.weight": torch.zeros(2, 2)}, model / "model.safetensors")
+    before = _tree(tmp_path)
+    proc = subprocess.run(CLI + ["init-demo", "--out", str(model / inside), "--size", "small"], cwd=REPO,
+                          capture_output=True, text=True)
+    assert f"{model / inside} would be written inside the model {model}" in _one_error_line(proc)
+    assert _tree(tmp_path) == before
+
+
+def test_a_directory_holding_a_config_json_alone_is_no_model(tmp_path):
+    (tmp_path / CONFIG).write_text("{}")   # a project's settings, say
+    assert init_demo(tmp_path / "demo", "small") == tmp_path / "demo"
 
 
 def test_cli_rejects_an_unknown_size(tmp_path):

@@ -22,7 +22,7 @@ from access.loopback import addressed_to_loopback
 from agent.policies import DEFAULT_POLICY
 from agent.serve.app import _positions, _prompt_ids
 from agent.serve.requests import CompletionRequest
-from agents import CLI, demo_model, free_port, spawn, start_agent, stop, wait_for
+from agents import CLI, demo_model, fill, free_port, spawn, start_agent, stop, wait_for
 from store import queries
 from store.db import Store
 
@@ -455,10 +455,11 @@ def test_an_agent_at_its_limit_of_threads_says_so_in_one_line_and_removes_the_st
                                                                                            pids_cgroup):
     """The store's flusher, the scheduler and the ticker start after the store is made: a thread the kernel would
     not create (a cgroup's limit of tasks, as systemd's TasksMax or a container's pids limit sets) ended the agent
-    in a traceback ("RuntimeError: can't start new thread", exit 1) and left the new store behind. Each limit from
-    2 tasks up refuses a later thread, until the agent starts; a store that was there before is kept."""
+    in a traceback ("RuntimeError: can't start new thread", exit 1) and left the new store behind, and then the
+    directories made for it. Each limit from 2 tasks up refuses a later thread, until the agent starts; a store or
+    a directory that was there before is kept."""
     (tmp_path / "model").symlink_to(model)
-    db, made_and_removed = tmp_path / "new.db", []
+    db, made_and_removed = tmp_path / "made" / "for" / "new.db", []
     for limit in range(2, 40):
         code, out, _ = _serve_within(pids_cgroup, limit, tmp_path, db)
         if code is None:
@@ -470,11 +471,38 @@ def test_an_agent_at_its_limit_of_threads_says_so_in_one_line_and_removes_the_st
         if f"removed the store {db}" in out:
             made_and_removed.append(limit)
     assert code is None and len(made_and_removed) >= 2, made_and_removed   # the flusher's, the scheduler's...
+    there = tmp_path / "there" / "new.db"
+    there.parent.mkdir()
+    code, out, _ = _serve_within(pids_cgroup, made_and_removed[-1], tmp_path, there)
+    assert code == 2 and f"removed the store {there}" in out and list(there.parent.iterdir()) == [], out
     with Store(db, autoflush_s=0) as store:
         store.append("block.vda.util", 1_700_000_000.0, 0.5)
     code, out, _ = _serve_within(pids_cgroup, made_and_removed[-1], tmp_path, db)
     assert code == 2 and "removed the store" not in out, out
     assert queries.points(db, "block.vda.util")[1].tolist() == [0.5]
+
+
+def test_a_store_it_cannot_create_on_a_full_disk_leaves_nothing_and_is_not_said_to_be_kept(model, tmpfs):
+    """The agent said it "kept the store ... this run made" (there was none) and left the directories made for it."""
+    disk = tmpfs("256k")
+    fill(disk)
+    db = disk / "made" / "for" / "new.db"
+    r = subprocess.run([*CLI, "serve", "--model", str(model), "--port", "0", "--db", str(db)], capture_output=True,
+                       text=True, timeout=120)
+    assert f"cannot create {db} as a FlashMoE store: database or disk is full" in _one_error_line(r)
+    assert "kept the store" not in r.stderr and [p.name for p in disk.iterdir()] == ["filler"], r.stderr
+
+
+def test_an_agent_at_a_limit_of_one_task_says_so_in_one_line(model, tmp_path, pids_cgroup):
+    """With the main thread the only task it may have, the agent ended in "ImportError: No library named udev":
+    pyudev's lookup of libudev runs ldconfig in a child process, whose refusal ctypes keeps to itself (and past
+    that, torch's OpenMP aborts the process on a thread it cannot create)."""
+    (tmp_path / "model").symlink_to(model)
+    code, out, _ = _serve_within(pids_cgroup, 1, tmp_path, tmp_path / "new.db")
+    errors = [line for line in out.splitlines() if " ERROR " in line]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in out, out
+    assert "cannot start the agent: can't start new thread: " in errors[0] and "limit of tasks" in errors[0], out
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".log")) == ["model"], out
 
 
 def test_a_store_it_cannot_open_ends_the_loaded_agent_in_one_line(model, tmp_path):

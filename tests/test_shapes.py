@@ -155,6 +155,16 @@ def test_init_shape_replaces_and_drops_only_what_it_wrote(tmp_path, theirs):
     assert _tree(out) == before
 
 
+@pytest.mark.parametrize("out", ["hf", "hf/m"])
+def test_init_shape_inside_another_model_is_refused_naming_it(tmp_path, out):
+    """OUT/hf and OUT/store were written into a checkpoint that OUT is, or is inside (agent/demo.py's test)."""
+    theirs = write_checkpoint(tiny("olmoe-1b-7b"), tmp_path / "hf")
+    before = _tree(tmp_path)
+    with pytest.raises(CheckpointError, match=f"{tmp_path / out / 'hf'} would be written inside the model {theirs} "):
+        init_shape(tiny("olmoe-1b-7b"), tmp_path / out)
+    assert _tree(tmp_path) == before and sorted(p.name for p in theirs.iterdir() if p.is_dir()) == []
+
+
 def test_init_shape_onto_a_disk_without_room_fails_at_once_and_writes_nothing(tmpfs):
     disk = tmpfs("1m")
     with pytest.raises(CheckpointError, match=r"the checkpoint with its store needs 1\.\d MB and the disk of "

@@ -8,9 +8,10 @@ ranges of every expert block and the dense tensors under the names save_pretrain
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from agent.convert.errors import CheckpointError
 from agent.convert.safetensors_io import DTYPES, Span, TensorInfo, read_header
@@ -117,6 +118,13 @@ def _read_tensors(src: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
+def _outside(shard: str) -> bool:
+    """Whether a shard index entry leads out of the checkpoint directory, judged by its text alone: a shard
+    that is a symlink into the Hugging Face cache's blobs/ is inside."""
+    path = PurePath(os.path.normpath(shard))
+    return path.is_absolute() or path.parts[:1] == ("..",)
+
+
 def _checkpoint_files(src: Path) -> tuple[list[Path], dict[str, str]]:
     if (src / SHARD_INDEX).exists():
         try:
@@ -126,6 +134,11 @@ def _checkpoint_files(src: Path) -> tuple[list[Path], dict[str, str]]:
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise CheckpointError(f"{src / SHARD_INDEX} is not a valid shard index: its weight_map must map each "
                                   f"tensor name to the name of the shard file that holds it; re-download it")
+        outside = [f for f in sorted(set(weight_map.values())) if _outside(f)]
+        if outside:
+            raise CheckpointError(f"{src / SHARD_INDEX} names {outside[0]!r} as a shard, a path outside the "
+                                  f"checkpoint directory {src}: an index names the shard files beside it; "
+                                  f"re-download it")
         files = [src / f for f in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.exists()]
         if missing:

@@ -175,6 +175,21 @@ def check_replaceable(dst: Path, flag: str) -> None:
                               f"{flag} replaces only an expert store: choose another directory or remove it yourself")
 
 
+def check_outside_models(dst: Path, flag: str) -> None:
+    """`dst` must not be inside another model's directory: it would go with that model when the model is replaced
+    or removed (init-demo's rebuild, convert --overwrite, --drop-hf), and stop convert --overwrite replacing it."""
+    model = next((d for d in Path(dst).resolve().parents if _holds_model(d)), None)
+    if model is not None:
+        raise CheckpointError(f"{dst} would be written inside the model {model} (its config.json and safetensors "
+                              f"weights); choose another {flag} outside it")
+
+
+def _holds_model(directory: Path) -> bool:
+    """A model directory, as convert reads a checkpoint and as every expert store is: config.json beside
+    safetensors weights (the checkpoint's shards; the store's dense.safetensors)."""
+    return (directory / CONFIG).is_file() and any(directory.glob("*.safetensors"))
+
+
 def foreign_names(directory: Path, ours: Callable[[str], bool] = lambda name: False) -> list[str]:
     """What in `directory` is not a file named as `ours` takes (a directory is named with a trailing /)."""
     return sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir()

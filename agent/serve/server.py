@@ -15,12 +15,12 @@ out of control calls (HTTP 429) for twice as long as the last, up to 60 s.
 fleet's Prometheus tells devices apart by name. The port is bound before the model loads, so a busy
 port fails at once; the --db store is opened (made, if new) only once the model has loaded and every
 option has been checked, so an agent that cannot start leaves no new store behind; one that fails after
-(a thread the process may not start) removes the store it made, unless another process has opened it
-meanwhile, and a store that was there before is kept whatever happens. SIGTERM or Ctrl-C
-stops within a step: open streams end with an error event saying so (OpenAI's clients raise it) and
-[DONE], other open completions with HTTP 503 and Retry-After, the last statistics are written, the pid
-file is removed, and the process exits at once (a process manager such as honcho kills it 5 s after
-its SIGTERM).
+(a thread the process may not start) removes the store it made, and the directories it made for it, unless
+another process has opened it meanwhile; a store or directory that was there before is kept whatever
+happens. SIGTERM or Ctrl-C stops within a step: open streams end with an error event saying so
+(OpenAI's clients raise it) and [DONE], other open completions with HTTP 503 and Retry-After, the last
+statistics are written, the pid file is removed, and the process exits at once (a process manager such
+as honcho kills it 5 s after its SIGTERM).
 """
 from __future__ import annotations
 
@@ -39,11 +39,12 @@ from typing import NoReturn
 
 from access.loopback import is_loopback
 from agent.argtypes import add_dense, add_int8_activations, add_prefetch, count, port, threads
-from agent.atomic_file import write_atomically
+from agent.atomic_file import missing_parents, remove_empty, write_atomically
 from agent.experts.cap import KV_BUDGET_TOKENS
 from agent.experts.layout import StoreError as ExpertStoreError
 from agent.experts.reader import BACKENDS, IO_THREADS
-from agent.serve.limits import AT_TASK_LIMIT, BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES, THREAD_REFUSED
+from agent.serve.limits import (AT_TASK_LIMIT, BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES, THREAD_REFUSED,
+                                check_below_task_limit)
 from agent.serve.scheduler import ADMIT_WINDOW_S, MAX_WAITING
 from agent.token_option import TOKEN_ENV, TokenError, add_token_arguments, token_from
 from machine.identity import add_device_name
@@ -204,14 +205,17 @@ def open_store(path: Path, device_name: str):
         return Store(path, device_name=device_name)
 
 
-def remove_new_store(path: Path) -> None:
-    """The store this run made, for an agent that never served: removed, unless another process opened it."""
+def remove_new_store(path: Path, made_dirs: list[Path]) -> None:
+    """The store this run made, and the directories it made for it, for an agent that never served: removed,
+    unless another process opened the store."""
     from store.database import remove_unshared
-    if remove_unshared(path):
+    if path.exists():   # not if making it failed: store.database removed what it had written
+        if not remove_unshared(path):
+            log.warning("kept the store %s this run made, though the agent did not start: another process may "
+                        "have opened it (the collector, a reader)", path)
+            return
         log.info("removed the store %s this run made: the agent did not start", path)
-    else:
-        log.warning("kept the store %s this run made, though the agent did not start: another process may have "
-                    "opened it (the collector, a reader)", path)
+    remove_empty(made_dirs)
 
 
 def _server_class():
@@ -285,10 +289,12 @@ def serve(args: argparse.Namespace) -> None:
     sock = bind(args.host, args.port)
     store = runtime = None
     made_store = serving = False
+    made_dirs: list[Path] = []
     try:
         if args.pid_file:
             claim_pid_file(args.pid_file)
         try:
+            check_below_task_limit()   # before the model loads: the first to fail at a limit of one is a library
             opts = ServeOptions(args.model, args.cache_cap, args.policy, args.backend, args.prefetch,
                                 args.max_batch_size, args.threads, args.io_threads, args.admit_window_ms / 1000,
                                 args.verify, tuple(args.route_trace), args.prefill_threads, args.int8_activations,
@@ -296,13 +302,13 @@ def serve(args: argparse.Namespace) -> None:
             runtime = Runtime(opts, CollectorRegistry())
             tokenizer = load_tokenizer(args.model)
             if args.db:   # last: no store for a failed start, but its own threads and start() still may fail
-                made_store = not args.db.exists()
+                made_store, made_dirs = not args.db.exists(), missing_parents(args.db)
                 store = open_store(args.db, args.device_name)
             with store_errors():   # start() restores the knobs the store holds
                 runtime.start(store)
         except (ValueError, OSError, ExpertStoreError) as exc:
             raise ServeError(f"cannot start the agent: {exc}") from None
-        except RuntimeError as exc:   # the store's flusher, the scheduler or the ticker thread
+        except RuntimeError as exc:   # the probe above, the store's flusher, the scheduler or the ticker thread
             if str(exc) != THREAD_REFUSED:
                 raise
             raise ServeError(f"cannot start the agent: {exc}: {AT_TASK_LIMIT}") from None
@@ -322,7 +328,7 @@ def serve(args: argparse.Namespace) -> None:
         if store is not None:
             store.close()
         if made_store and not serving:
-            remove_new_store(args.db)
+            remove_new_store(args.db, made_dirs)
         if args.pid_file:
             release_pid_file(args.pid_file)
         sock.close()
