@@ -392,6 +392,19 @@ def test_a_destination_that_holds_the_checkpoint_or_is_inside_it_is_refused(tmp_
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
+def test_a_destination_inside_another_model_is_refused_naming_it(tmp_path):
+    """`convert hf demo/store2` wrote a store inside another store: it went with that model when init-demo
+    rebuilt it or convert --overwrite replaced it."""
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    convert(ckpt.path, tmp_path / "store")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    bad = subprocess.run(CLI + ["convert", str(ckpt.path), str(tmp_path / "store" / "more" / "store2")], cwd=REPO,
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert f"would be written inside the model {tmp_path / 'store'}" in bad.stderr
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 def test_an_empty_destination_directory_is_fine(tmp_path):
     ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
     (tmp_path / "store").mkdir()

@@ -35,7 +35,7 @@ import torch
 from agent.convert.checkpoint import plan
 from agent.convert.errors import CheckpointError
 from agent.convert.safetensors_io import Span, payload_bytes
-from agent.convert.store_writer import StoreShape, StoreWriter, check_replaceable, filled_up
+from agent.convert.store_writer import StoreShape, StoreWriter, check_outside_models, check_replaceable, filled_up
 from agent.experts.layout import QUANTS, Index
 from agent.experts.quant import INT8_KERNEL_K_MULTIPLE, QuantError, quantize_block
 
@@ -55,7 +55,7 @@ def convert(src: Path, dst: Path, overwrite: bool = False, progress: Progress | 
     dtype, and "auto" (the default) int8 for bf16 experts the int8 kernel takes (widths multiples of
     INT8_KERNEL_K_MULTIPLE), as stored otherwise.
     Raises CheckpointError, before writing anything, if the checkpoint is unusable, `dst` holds or is inside
-    `src`, or `dst` is a non-empty directory and `overwrite` is false (or is true and `dst` is no expert store).
+    `src` or inside another model, or `dst` is a non-empty directory and `overwrite` is false (or is true and `dst` is no expert store).
     `progress(done, total)` is called after each block.
     """
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
@@ -90,6 +90,7 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise CheckpointError(f"the destination {dst} holds the checkpoint {src}; choose a directory outside it")
     if source in target.parents:
         raise CheckpointError(f"the destination {dst} is inside the checkpoint {src}; choose a directory outside it")
+    check_outside_models(dst, "DST_DIR")
     if dst.exists() and not dst.is_dir():
         raise CheckpointError(f"the destination {dst} exists and is not a directory; choose another path")
     if dst.exists() and any(dst.iterdir()):
