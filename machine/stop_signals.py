@@ -1,0 +1,14 @@
+"""The signals that ask a long-running process of ours (the agent, the collector, the supervisor) to stop
+cleanly: what it holds is then written and counted, where the default action of any of them ends the
+process on the spot."""
+from __future__ import annotations
+
+import signal
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """SIGTERM (kill, honcho, systemd), SIGINT (Ctrl-C) and SIGHUP (the terminal or SSH session it runs in
+    closed), unless SIGHUP was ignored when the process started: `nohup` asks it to outlive its terminal.
+    Call it before installing handlers, which it would otherwise read back."""
+    hangup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+    return signal.SIGTERM, signal.SIGINT, *hangup
