@@ -8,7 +8,6 @@ import signal
 
 def stop_signals() -> tuple[signal.Signals, ...]:
     """SIGTERM (kill, honcho, systemd), SIGINT (Ctrl-C) and SIGHUP (the terminal or SSH session it runs in
-    closed), unless SIGHUP was ignored when the process started: `nohup` asks it to outlive its terminal.
-    Call it before installing handlers, which it would otherwise read back."""
+    closed), unless SIGHUP is ignored, as `nohup` starts a process to outlive its terminal."""
     hangup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
     return signal.SIGTERM, signal.SIGINT, *hangup
