@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 
+from machine.stop_signals import stop_signals
+
 COMMANDS = {
     "convert": ("agent.convert", "convert a Hugging Face MoE checkpoint into an expert store"),
     "init-demo": ("agent.demo", "write the random-weight OLMoE-shaped demo model (idempotent)"),
@@ -44,6 +46,27 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the command runs as Ctrl-C's KeyboardInterrupt is, so that it ends as it
+    does for Ctrl-C: the default action ended it on the spot, and `convert` or `init-demo` left its partial
+    directory (gigabytes, hidden beside the destination) when its SSH session closed. serve, collect and
+    supervise put their own clean stop in place of this."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, _frame) -> None:
+    for other in stop_signals():     # a second one (a hangup, then honcho's or systemd's SIGTERM) must not cut
+        if other != signal.SIGINT:   # the clean-up short; Ctrl-C twice still does, as it always has
+            signal.signal(other, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+INTERRUPTED = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP: its terminal closed"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--warmup" in argv and not any(a in COMMANDS for a in argv):
@@ -58,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         build_parser(None).print_help()
         return 2
+    for signum in stop_signals():
+        if signum != signal.SIGINT:            # Python raises KeyboardInterrupt for it already
+            signal.signal(signum, _stop)
     try:
         code = importlib.import_module(COMMANDS[args.command][0]).run(args)
         sys.stdout.flush()   # here, where a failure is caught, not at exit
@@ -73,9 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("agent.cli").error("%s stopped: the disk is full (%s) writing %s; what it wrote there is "
                                              "incomplete", args.command, exc.strerror, exc.filename or "its output")
         return 1
-    except KeyboardInterrupt:   # Ctrl-C: the commands write their outputs whole or not at all
-        logging.getLogger("agent.cli").error("%s interrupted (Ctrl-C) before it finished; run it again", args.command)
-        return 128 + signal.SIGINT
+    except KeyboardInterrupt as exc:   # Ctrl-C or Stopped: the commands write their outputs whole or not at all
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        logging.getLogger("agent.cli").error("%s interrupted (%s) before it finished; run it again", args.command,
+                                             INTERRUPTED[signum])
+        return 128 + signum
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ took the collector and the dashboard, the view of what happened, down with it. U
 agent comes back by itself: each end is logged with the exit status or signal that caused it, and the
 command starts again after 1 s, twice as long after each run shorter than --fast-s in a row (up to 30 s).
 After --give-up-after such fast runs in a row (a broken model, a taken port) it stops trying and exits 1,
-saying so. SIGTERM or Ctrl-C stops the command (SIGTERM, as honcho sends it) and then the supervisor.
+saying so. SIGTERM, Ctrl-C or SIGHUP (its terminal closed; not under nohup) stops the command (SIGTERM, as honcho
+sends it) and then the supervisor.
 A command stopped on purpose is not started again: the supervisor logs it and exits too. On purpose is how
-an operator stops the agent itself (`kill <agent pid>`, Ctrl-C): the agent ends its requests and exits 0;
-killed by SIGTERM or SIGINT before it could (while loading), or 128 + either (the CLI's Ctrl-C, a shell's
+an operator stops the agent itself (`kill <agent pid>`, Ctrl-C, SIGHUP): the agent ends its requests and exits
+0; killed by one of those signals before it could (while loading), or 128 + one (the CLI's Ctrl-C, a shell's
 report of it). Anything else is a death: a crash, another status, SIGKILL (kill -9, the OOM killer).
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from agent.argtypes import count
+from machine.stop_signals import stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +66,9 @@ def ended(returncode: int) -> str:
 
 
 def stopped_on_purpose(returncode: int) -> bool:
-    """An exit the agent makes only when asked to stop (status 0 after its SIGTERM/SIGINT shutdown), or death by
-    those signals, directly or as 128 + the signal a shell or the CLI's KeyboardInterrupt reports."""
-    asked = (signal.SIGTERM, signal.SIGINT)
+    """An exit the agent makes only when asked to stop (status 0 after its SIGTERM/SIGINT/SIGHUP shutdown), or
+    death by those signals, directly or as 128 + the signal a shell or the CLI's KeyboardInterrupt reports."""
+    asked = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     return returncode == 0 or -returncode in asked or returncode - 128 in asked
 
 
@@ -92,7 +94,7 @@ def _end_with(supervisor: int) -> Callable[[], None]:
 
 
 def supervise(command: Sequence[str], give_up_after: int, fast_s: float) -> int:
-    """Run `command` until asked to stop (SIGTERM, SIGINT), starting it again each time it dies; returns
+    """Run `command` until asked to stop (machine.stop_signals), starting it again each time it dies; returns
     1 after `give_up_after` runs in a row each shorter than `fast_s`, else how the last run ended."""
     shown = shlex.join(command[:3]) + (" ..." if len(command) > 3 else "")
     stopping = threading.Event()
@@ -103,7 +105,7 @@ def supervise(command: Sequence[str], give_up_after: int, fast_s: float) -> int:
         if child is not None:
             child.send_signal(signal.SIGTERM)   # not a second SIGINT: the agent takes that as "stop now"
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in stop_signals():
         signal.signal(sig, stop)
     fast_runs = restarts = 0
     while True:

@@ -7,7 +7,7 @@ event, and the others go on. Ticks are stamped with their scheduled wall-clock t
 grid), so the codec's time deltas-of-deltas are zero. A tick the loop was too late for (e.g. its
 flush waited seconds for a disk that serves a memory thrash's refaults) is not taken: each is
 counted in `collector.missed_samples` at the next tick and logged, and the dashboard says how many
-samples its range lacks. SIGTERM or SIGINT: flush and exit 0.
+samples its range lacks. SIGTERM, SIGINT or SIGHUP (its terminal closed; not under nohup): flush and exit 0.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from machine import pressure
 from machine.devices import BlockDevice, HotplugWatcher, NvmeController, block_devices, disk_holding, nvme_controllers
 from machine.identity import add_device_name
 from machine.sources import SourceUnavailable
+from machine.stop_signals import stop_signals
 from store.cli import positive
 from store.db import Store
 from store.errors import StoreError
@@ -269,7 +270,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in stop_signals():
         signal.signal(signum, lambda *_: stop.set())
     try:
         store = open_store(args.db, stop, args.device_name)

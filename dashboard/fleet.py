@@ -216,6 +216,15 @@ def duplicate_names(rows: Iterable[Device]) -> list[str]:
     return sorted(name for name, n in counts.items() if n > 1)
 
 
+def pushable(rows: Iterable[Device]) -> tuple[dict[str, Device], list[str]]:
+    """(name -> agent, for each agent up that a knob change may go to; the names left out). A push goes with the
+    token of the name an agent reports, so a name that two agents up report is left out: it reached whichever
+    was listed last, maybe not the device the token is for (a cloned box, or another target claiming it)."""
+    online = [d for d in rows if d.up]
+    shared = duplicate_names(online)
+    return {d.name: d for d in online if d.name not in shared}, shared
+
+
 def _device(target: Mapping[str, Any], name: str | None) -> Device:
     labels = target["labels"]
     scrape = urlsplit(target["scrapeUrl"])

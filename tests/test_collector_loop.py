@@ -1,5 +1,5 @@
 """The collector on this machine: real samplers into a real store, sources coming and going,
-and the `flashmoe-cli collect` process stopping cleanly on SIGTERM."""
+and the `flashmoe-cli collect` process stopping cleanly on SIGTERM (and SIGHUP, but not under nohup)."""
 import os
 import signal
 import sqlite3
@@ -113,6 +113,29 @@ def test_collect_command_stops_cleanly_on_sigterm_with_everything_flushed(tmp_pa
     t, _ = queries.points(db, "mem.free_bytes")
     assert len(t) >= 5
     assert np.allclose(np.round(t / 0.2), t / 0.2)              # stamped on the 0.2 s grid
+
+
+def test_a_collector_started_under_nohup_outlives_a_hangup_and_still_stops_on_sigterm(tmp_path):
+    """nohup (SIGHUP ignored from the start) asks a process to outlive its terminal: the collector's clean stop
+    on SIGHUP must not undo that."""
+    db = tmp_path / "flashmoe.db"
+    proc = subprocess.Popen(CLI + ["collect", "--db", str(db), "--interval", "0.2"], stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not _points(db, "mem.free_bytes") >= 2:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGHUP)
+        before = _points(db, "mem.free_bytes")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _points(db, "mem.free_bytes") < before + 3:
+            time.sleep(0.1)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "collector stopped; store flushed" in stderr, stderr
 
 
 def test_a_second_collector_on_a_store_is_refused_and_a_killed_ones_lock_is_freed(tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -564,6 +565,31 @@ def test_killed_convert_leaves_no_store_that_loads(tmp_path, big_checkpoint):
     convert(big_checkpoint.path, dst)  # a rerun clears the leftover and succeeds
     assert not list(tmp_path.glob(".store.partial-*"))
     assert len(Index.load(dst / INDEX).blocks) == 4 * 64
+
+
+_SIGNAL_SCRIPT = """
+import os, sys
+import agent.convert
+from agent.cli import main
+def signal_midway(done, total):
+    if done == total // 2:
+        os.kill(os.getpid(), int(sys.argv[3]))
+agent.convert._log_progress = signal_midway
+sys.exit(main(["convert", sys.argv[1], sys.argv[2]]))
+"""
+
+
+@pytest.mark.parametrize("sig, said", [(signal.SIGTERM, "SIGTERM"), (signal.SIGHUP, "SIGHUP: its terminal closed")])
+def test_a_convert_stopped_by_sigterm_or_its_terminal_closing_leaves_nothing(tmp_path, big_checkpoint, sig, said):
+    """Their default action ended convert on the spot, as SIGKILL does: its partial directory (gigabytes for a
+    real model, hidden beside the destination) stayed until a rerun into the same place. Ctrl-C removed it."""
+    dst = tmp_path / "store"
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_SCRIPT, str(big_checkpoint.path), str(dst), str(int(sig))],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 128 + sig, proc.stderr
+    assert f"convert interrupted ({said}) before it finished; run it again" in proc.stderr.splitlines()[-1]
+    assert "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 _FILL_SCRIPT = """

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import streamlit as st
 from playwright.sync_api import expect, sync_playwright
 from streamlit import config
 from streamlit.testing.v1 import AppTest
@@ -47,6 +48,12 @@ class Fleet:
     dead: str                   # the scrape address where no agent answers
     prometheus: Prometheus
     tokens_file: Path
+    targets: Path               # the agents' scrape addresses, which Prometheus watches
+
+    def scrape(self, *more: Agent) -> None:
+        """Have Prometheus scrape the dead address, the fleet's agents and `more`."""
+        agents = [*self.agents.values(), *more]
+        write_targets(self.targets, [self.dead, *(a.url.removeprefix("http://") for a in agents)])
 
 
 def write_targets(path: Path, addresses: list[str]) -> None:
@@ -69,6 +76,7 @@ def real_fleet(tmp_path_factory) -> Iterator[Fleet]:
     # Prometheus first: the dead target's minute before its alert fires runs while the agents load.
     prometheus = start_prometheus(root, config)
     agents: dict[str, Agent] = {}
+    real = Fleet(agents, dead, prometheus, root / "tokens.json", targets)
     collecting = None
     try:
         for name in DEVICES:
@@ -77,14 +85,13 @@ def real_fleet(tmp_path_factory) -> Iterator[Fleet]:
         edge_a = agents["edge-a"]
         collecting = spawn([*CLI, "collect", "--db", str(edge_a.db), "--pid-file", str(edge_a.pid_file),
                             "--device-name", "edge-a", "--listen", collector], root / "collector.log")
-        write_targets(targets, [dead, *(a.url.removeprefix("http://") for a in agents.values())])
+        real.scrape()
         wait_for(lambda: len(prometheus.query(f'up{{job="{fleet.AGENT_JOB}"}} == 1')) == 3, 60, "three agents up")
         for i in range(3):      # after the first scrape, so rate() sees the counters rise
             for agent in agents.values():
                 agent.complete(prompt=f"fleet traffic {i}", max_tokens=8, temperature=0)
-        tokens_file = root / "tokens.json"
-        tokens_file.write_text(json.dumps(WRONG_TOKENS))
-        yield Fleet(agents, dead, prometheus, tokens_file)
+        real.tokens_file.write_text(json.dumps(WRONG_TOKENS))
+        yield real
     finally:
         if collecting is not None:
             stop(collecting)
@@ -201,6 +208,32 @@ def test_an_agent_that_refuses_a_push_keeps_its_value_and_its_answer_is_shown(re
     assert after == {**before, "edge-b": new}
 
 
+def test_a_name_two_agents_up_report_is_offered_no_push(real_fleet, monkeypatch, tmp_path, tmp_path_factory):
+    """A push goes with the token of the name an agent reports. With a second agent calling itself edge-a (a
+    cloned box, or a target claiming the name), the form offered edge-a once and pushed to whichever of the two
+    was listed last, with edge-a's token, and said "1 of 1 agents accepted"."""
+    scraped(real_fleet)
+    twin = start_agent(demo_model(tmp_path_factory), tmp_path, "--device-name", "edge-a", "--token",
+                       "control-token-of-the-twin")
+    try:
+        real_fleet.scrape(twin)
+        wait_for(lambda: len(real_fleet.prometheus.query('flashmoe_agent_info{device_name="edge-a"}')) == 2, 60,
+                 "both agents called edge-a")
+        monkeypatch.setenv(fleet.PROMETHEUS_ENV, real_fleet.prometheus.url)
+        monkeypatch.setenv(fleet.TOKENS_ENV, str(real_fleet.tokens_file))
+        at = AppTest.from_file(APP, default_timeout=60).run()
+        at.switch_page("views/fleet.py").run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert at.multiselect(key="fleet-devices").options == ["edge-b", "edge-c"]
+        assert "'edge-a' is not offered: two agents that are up call themselves that" in " ".join(
+            c.value for c in at.caption)
+    finally:
+        real_fleet.scrape()
+        twin.stop()
+        wait_for(lambda: len(real_fleet.prometheus.query(f'up{{job="{fleet.AGENT_JOB}"}}')) == 4, 60, "the twin gone")
+        st.cache_data.clear()           # the page's snapshot of Prometheus, with the twin, for the next test
+
+
 # -- the pure parts ---------------------------------------------------------------------------------------
 
 def target(instance: str, health: str = "up", **labels: str) -> dict:
@@ -256,6 +289,18 @@ def test_devices_joins_targets_figures_alerts_and_memory_by_device_name():
         *({"severity": "warning", "device": "edge-b", "alert": name, "summary": f"{name} summary", "value": "0.25",
            "active since": "2026-12-01 10:00:00 UTC", "description": f"{name} description"}
           for name in (THRASH, PRESSURE))]
+
+
+def test_only_agents_up_under_a_name_of_their_own_are_pushable():
+    snap = fleet.Snapshot(
+        targets=[target("10.0.0.1:8600"), target("10.0.0.2:8600"), target("10.0.0.3:8600"),
+                 target("10.0.0.4:8600", health="down"), target("10.0.0.5:8600", health="down")],
+        names=[result({"instance": f"10.0.0.{i}:8600", "device_name": name})
+               for i, name in [(1, "edge-a"), (2, "edge-a"), (3, "edge-b"), (4, "edge-b"), (5, "edge-c")]],
+        figures=[], alerts=[], collected=[])
+    online, shared = fleet.pushable(fleet.devices(snap))
+    assert (list(online), shared) == (["edge-b"], ["edge-a"])        # edge-b's other address is down
+    assert online["edge-b"].instance == "10.0.0.3:8600"
 
 
 def test_an_alert_without_severity_annotations_or_a_number_reads_as_missing_not_none():

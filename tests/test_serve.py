@@ -291,6 +291,27 @@ def test_sigterm_under_load_ends_the_running_requests_and_exits_before_honcho_ki
         stop(agent.proc)
 
 
+def test_sighup_stops_the_agent_as_sigterm_does(model, tmp_path):
+    """SIGHUP (the terminal or SSH session that ran `flashmoe-cli serve` closed) ended the agent on the spot: a
+    stream cut off without its error event or [DONE] (OpenAI's client: "Connection error."), the last second of
+    statistics unwritten, the pid file left, and no word in the log."""
+    agent = start_agent(model, tmp_path)
+    try:
+        body = {"prompt": "a long answer", "max_tokens": 4000, "stream": True}
+        with httpx.stream("POST", agent.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)  # its first token: it is running
+            agent.proc.send_signal(signal.SIGHUP)
+            assert agent.proc.wait(HONCHO_KILL_S) == 0
+            rest = [x for x in lines if x]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["message"].startswith(
+            "the agent is shutting down"), rest[-2:]
+        log = agent.log.read_text()
+        assert "agent stopped" in log and "Traceback" not in log and not agent.pid_file.exists()
+    finally:
+        stop(agent.proc)
+
+
 def test_sigterm_during_a_completion_answers_503_with_retry_after_not_its_text_so_far(model, tmp_path):
     """A non-streamed completion the shutdown ended early was a 200 with the text so far (finish_reason
     "cancelled", which OpenAI's clients do not read), or a 500 when the step outlasted the shutdown."""

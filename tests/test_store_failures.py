@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import time
@@ -128,7 +129,10 @@ def test_a_full_disk_is_advised_to_compact_in_a_little_room_plus_the_log(tmpfs):
     store.close()
 
 
-def test_sigterm_on_a_full_disk_says_how_many_points_were_lost(tmpfs, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_on_a_full_disk_says_how_many_points_were_lost(sig, tmpfs, tmp_path):
+    """SIGHUP (the terminal or SSH session that ran the collector closed) ended it on the spot: the points it
+    held through the outage were lost without a word or a count."""
     disk = tmpfs("4m")
     db, log = disk / "flashmoe.db", tmp_path / "collector.log"
     proc = spawn([*CLI, "collect", "--db", str(db), "--interval", "0.05"], log)
@@ -137,6 +141,8 @@ def test_sigterm_on_a_full_disk_says_how_many_points_were_lost(tmpfs, tmp_path):
         fill(disk)
         wait_for(lambda: "cannot write to the store" in log.read_text(), what="the outage")
         time.sleep(0.5)                # ticks that cannot be written
+        proc.send_signal(sig)
+        proc.wait(60)
     finally:
         code = stop(proc)
     text = log.read_text()

@@ -1,8 +1,8 @@
 """`flashmoe-cli supervise`, the Procfile's agent line: an agent killed with SIGKILL comes back on the same port
-by itself, with the kill logged; a command that fails at once is given up on with a message; SIGTERM or SIGINT
-stops the command and the supervisor; an agent stopped on purpose (SIGTERM to the agent itself, a clean exit)
-is not started again; under honcho the other processes keep running through the kill, and
-honcho's own stop still ends everything."""
+by itself, with the kill logged; a command that fails at once is given up on with a message; SIGTERM, SIGINT
+or SIGHUP (its terminal closed) stops the command and the supervisor; an agent stopped on purpose (SIGTERM to
+the agent itself, a clean exit) is not started again; under honcho the other processes keep running through
+the kill, and honcho's own stop still ends everything."""
 from __future__ import annotations
 
 import os
@@ -69,7 +69,7 @@ def test_an_agent_stopped_with_sigterm_to_itself_is_not_started_again(tmp_path_f
 
 
 @pytest.mark.parametrize("how, status", [("exit 0", 0), ("kill -TERM $$", 128 + signal.SIGTERM),
-                                         ("exit 130", 130)])
+                                         ("kill -HUP $$", 128 + signal.SIGHUP), ("exit 130", 130)])
 def test_a_command_stopped_on_purpose_runs_once(how, status):
     done = subprocess.run([*CLI, "supervise", "--", "sh", "-c", f"echo started; {how}"], capture_output=True,
                           text=True, timeout=60)
@@ -100,7 +100,7 @@ def test_a_command_that_cannot_start_is_one_line(tmp_path):
     assert "Traceback" not in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_to_the_supervisor_stops_its_command_and_then_itself(sig, tmp_path):
     child_pid, log = tmp_path / "child.pid", tmp_path / "supervise.log"
     proc = spawn([*CLI, "supervise", "--", "sh", "-c", f"echo $$ > {child_pid}; exec sleep 600"], log)

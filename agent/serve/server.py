@@ -17,10 +17,10 @@ port fails at once; the --db store is opened (made, if new) only once the model 
 option has been checked, so an agent that cannot start leaves no new store behind; one that fails after
 (a thread the process may not start) removes the store it made, and the directories it made for it, unless
 another process has opened it meanwhile; a store or directory that was there before is kept whatever
-happens. SIGTERM or Ctrl-C stops within a step: open streams end with an error event saying so
-(OpenAI's clients raise it) and [DONE], other open completions with HTTP 503 and Retry-After, the last
-statistics are written, the pid file is removed, and the process exits at once (a process manager such
-as honcho kills it 5 s after its SIGTERM).
+happens. SIGTERM, Ctrl-C or SIGHUP (its terminal closed; not under nohup) stops within a step: open streams
+end with an error event saying so (OpenAI's clients raise it) and [DONE], other open completions with HTTP
+503 and Retry-After, the last statistics are written, the pid file is removed, and the process exits at
+once (a process manager such as honcho kills it 5 s after its SIGTERM).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ from agent.serve.scheduler import ADMIT_WINDOW_S, MAX_WAITING
 from agent.token_option import TOKEN_ENV, TokenError, add_token_arguments, token_from
 from machine.identity import add_device_name
 from machine.memory import read_pid_file
+from machine.stop_signals import stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ def _server_class():
 
         @contextlib.contextmanager
         def capture_signals(self):
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in stop_signals()}
             try:
                 yield
             finally:

@@ -78,7 +78,10 @@ def overview(url: str) -> None:
 
 def push_form(rows: list[fleet.Device], tokens: dict[str, str]) -> None:
     """Choose devices, a knob and a value; each device's current value and bounds are shown before the push."""
-    online = {d.name: d for d in rows if d.up}
+    online, shared = fleet.pushable(rows)
+    for name in shared:
+        st.caption(f"{name!r} is not offered: two agents that are up call themselves that, and its token is for one "
+                   f"device; give each its own `serve --device-name`.")
     chosen = st.multiselect("Devices", list(online), key="fleet-devices",
                             help="agents Prometheus reaches now; each gets the change with its own token")
     if not chosen:
