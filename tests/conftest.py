@@ -1,6 +1,7 @@
 """Suite-wide settings and fixtures."""
 import http.server
 import os
+import signal
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -13,6 +14,12 @@ from hypothesis import settings
 # No timing assertions in tests: Hypothesis's 200 ms deadline fails property tests on a loaded CI machine.
 settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
+
+# A suite run under nohup would pass SIGHUP's ignored disposition on to every agent, collector and command it
+# starts, and those outlive a hangup as nohup asks, so the tests that hang them up would fail. A handler that
+# does nothing keeps the suite itself ignoring hangups, and exec resets a handler (not SIG_IGN) to the default.
+if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
 
 @pytest.fixture
