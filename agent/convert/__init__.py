@@ -55,7 +55,8 @@ def convert(src: Path, dst: Path, overwrite: bool = False, progress: Progress | 
     dtype, and "auto" (the default) int8 for bf16 experts the int8 kernel takes (widths multiples of
     INT8_KERNEL_K_MULTIPLE), as stored otherwise.
     Raises CheckpointError, before writing anything, if the checkpoint is unusable, `dst` holds or is inside
-    `src` or inside another model, or `dst` is a non-empty directory and `overwrite` is false (or is true and `dst` is no expert store).
+    `src` or is inside another model, or `dst` is a non-empty directory and `overwrite` is false (or is true
+    and `dst` is no expert store).
     `progress(done, total)` is called after each block.
     """
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
