@@ -59,7 +59,6 @@ class Residency:
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         self.scope, self.n_layers, self.min_per_layer = scope, n_layers, min_per_layer
-        self._factory = policy_factory
         self.stats = [LayerStats() for _ in range(n_layers)]
         self._pinned: set[Key] = set()
         self._ledger = PrefetchLedger()

@@ -106,7 +106,6 @@ class Runtime:
         self._limit_unread = False   # the memory limit's last read failed (logged once a streak)
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="ticker", daemon=True)
-        self._last_tick: Tick | None = None
         self._cli_knobs = self._command_line_knobs()
 
     # -- lifecycle ------------------------------------------------------------------------------
