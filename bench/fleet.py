@@ -19,7 +19,8 @@ For each server the bench then measures:
 Ratios are the large fleet's figure over the small one's.
 
     flock /work/wt/bench.lock nice -n 19 .venv/bin/python bench/fleet.py [--agents 20] [--renders 5] [--pushes 3]
-                                                                         [--screenshots DIR] [--no-browser]
+                                                                         [--screenshots DIR] [--results NAME]
+                                                                         [--no-browser]
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from agents import (Agent, Prometheus, free_port, small_demo, start_agent, start_dashboard,  # noqa: E402
                     start_prometheus, stop, wait_for)
-from bench.common import count, machine, write_results  # noqa: E402
+from bench.common import count, machine, results_name, write_results  # noqa: E402
 from dashboard import fleet  # noqa: E402
 from test_browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 
@@ -385,6 +386,8 @@ def main() -> None:
     parser.add_argument("--renders", type=count, default=5, help="cold renders of the page per fleet (default 5)")
     parser.add_argument("--pushes", type=count, default=3, help="knob pushes per fleet (default 3)")
     parser.add_argument("--screenshots", type=Path, help="save the Fleet page as Chromium shows it, in this folder")
+    parser.add_argument("--results", type=results_name, default="fleet",
+                        help="write bench/results/NAME.json (default fleet)")
     parser.add_argument("--no-browser", dest="browser", action="store_false", help="leave Chromium out")
     args = parser.parse_args()
     if args.agents <= SMALL:
@@ -393,7 +396,7 @@ def main() -> None:
         result = run(args, Path(tmp), stack)
     result["ratios"] = ratios(*result["cases"].values())
     report(result)
-    write_results("fleet", {**result, "machine": machine()})
+    write_results(args.results, {**result, "machine": machine()})
 
 
 if __name__ == "__main__":
