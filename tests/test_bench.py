@@ -14,7 +14,7 @@ from agents import ROOT, demo_model
 sys.path.insert(0, str(ROOT))
 from bench import batching, common  # noqa: E402
 
-SCRIPTS = ("batching", "codec", "collector_cost", "dashboard", "decode", "loader", "online_agent", "policies",
+SCRIPTS = ("batching", "codec", "collector_cost", "dashboard", "decode", "fleet", "loader", "online_agent", "policies",
            "policy_cost", "prefill_gap", "prefill_workers", "prompt_bound", "quant_error", "quant_kernels",
            "quant_scale", "queries", "serve", "warmup")
 
@@ -29,6 +29,7 @@ def test_bench_script_imports_and_parses_its_arguments(script):
 
 @pytest.mark.parametrize(("script", "args", "says"), [
     ("decode", ["--tokens", "0"], "--tokens: must be at least 1, got 0"),
+    ("fleet", ["--agents", "3"], "--agents must be more than the 3 of the small fleet"),
     ("warmup", ["--max-tokens", "x"], "expected a whole number, got 'x'"),
     ("serve", ["--rounds", "0"], "--rounds: must be at least 1, got 0"),
     ("scale", ["--threads", "0"], "--threads: must be at least 1, got 0"),
