@@ -72,3 +72,27 @@ def no_agent_left_running(tmp_path_factory) -> Iterator[None]:
     yield
     left = kill_agents_serving(tmp_path_factory.getbasetemp())
     assert not left, f"agents left running by this module's tests (killed): {left}"
+
+
+@pytest.fixture
+def json_server() -> Iterator[str]:
+    """A loopback HTTP server that answers every GET and PUT with the JSON object {"x": 1}, as a JSON service
+    that is not our agent does: an address set to another service."""
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"x": 1}')
+
+        do_PUT = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
