@@ -12,7 +12,9 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
+from agent.argtypes import refuse_empty_paths
 from machine.stop_signals import stop_signals
 
 COMMANDS = {
@@ -36,13 +38,14 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
         prog="flashmoe-cli", description="FlashMoE: MoE inference with experts on the SSD and a learned RAM cache.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-    parser.add_argument("--warmup", metavar="FILE", help="shorthand for `flashmoe-cli warmup FILE`")
+    parser.add_argument("--warmup", type=Path, metavar="FILE", help="shorthand for `flashmoe-cli warmup FILE`")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == command:
             importlib.import_module(module).add_arguments(p)
+    refuse_empty_paths(parser)
     return parser
 
 
