@@ -538,6 +538,19 @@ def test_a_store_it_cannot_open_ends_the_loaded_agent_in_one_line(model, tmp_pat
     assert theirs.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["theirs.db"]
 
 
+def test_a_failed_start_removes_the_directories_it_made_for_its_pid_file(model, tmp_path):
+    """The pid file was removed and `run/made/` left; a directory that was there before stays."""
+    theirs = tmp_path / "theirs.db"
+    with sqlite3.connect(theirs) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    (tmp_path / "there").mkdir()
+    for pid_file in (tmp_path / "run" / "made" / "agent.pid", tmp_path / "there" / "made" / "agent.pid"):
+        r = subprocess.run([*CLI, "serve", "--model", str(model), "--port", "0", "--db", str(theirs), "--pid-file",
+                            str(pid_file)], capture_output=True, text=True, timeout=120)
+        assert "it is an SQLite database of another application" in _one_error_line(r)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["theirs.db", "there"]
+
+
 def test_an_agent_serving_at_its_limit_of_threads_answers_503_naming_it(model, tmp_path, pids_cgroup):
     """At the lowest limits it serves at, a request's worker thread is refused: that was Starlette's bare 500
     ("Internal Server Error", to every synchronous call), and is a 503 with Retry-After naming the limit."""

@@ -39,7 +39,7 @@ from typing import NoReturn
 
 from access.loopback import is_loopback
 from agent.argtypes import add_dense, add_int8_activations, add_prefetch, count, port, threads
-from agent.atomic_file import missing_parents, remove_empty, write_atomically
+from agent.atomic_file import write_atomically
 from agent.experts.cap import KV_BUDGET_TOKENS
 from agent.experts.layout import StoreError as ExpertStoreError
 from agent.experts.reader import BACKENDS, IO_THREADS
@@ -50,6 +50,7 @@ from agent.token_option import TOKEN_ENV, TokenError, add_token_arguments, token
 from machine.identity import add_device_name
 from machine.memory import read_pid_file
 from machine.stop_signals import stop_signals
+from store.database import missing_parents, remove_empty
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +292,7 @@ def serve(args: argparse.Namespace) -> None:
     store = runtime = None
     made_store = serving = False
     made_dirs: list[Path] = []
+    pid_dirs = missing_parents(args.pid_file) if args.pid_file else []
     try:
         if args.pid_file:
             claim_pid_file(args.pid_file)
@@ -332,5 +334,7 @@ def serve(args: argparse.Namespace) -> None:
             remove_new_store(args.db, made_dirs)
         if args.pid_file:
             release_pid_file(args.pid_file)
+            if not serving:   # a failed start leaves none of the directories it made (supervise tries again)
+                remove_empty(pid_dirs)
         sock.close()
         log.info("agent stopped")
