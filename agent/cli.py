@@ -16,6 +16,7 @@ from pathlib import Path
 
 from agent.argtypes import refuse_empty_paths
 from machine.stop_signals import stop_signals
+from machine.task_limit import AT_TASK_LIMIT, check_below_task_limit
 
 COMMANDS = {
     "convert": ("agent.convert", "convert a Hugging Face MoE checkpoint into an expert store"),
@@ -67,7 +68,22 @@ def _stop(signum: int, _frame) -> None:
     raise Stopped(signum)
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 INTERRUPTED = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP: its terminal closed"}
+
+
+def at_task_limit(command: str | None) -> int:
+    """2, said in one line, if the process may not start a thread; else 0. Checked before the command's module
+    is imported: at a limit of one task, numpy's import ended `collect` in a KeyboardInterrupt's traceback below
+    OpenBLAS's four lines (it raises SIGINT on a thread it cannot start)."""
+    try:
+        check_below_task_limit()
+    except RuntimeError as exc:
+        logging.basicConfig(format=LOG_FORMAT)
+        name = "flashmoe-cli" + (f" {command}" if command else "")
+        logging.getLogger("agent.cli").error("%s cannot start: %s: %s", name, exc, AT_TASK_LIMIT)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--warmup")
         argv = argv[:i] + ["warmup"] + argv[i + 1:]
     command = next((a for a in argv if a in COMMANDS), None)
+    if unstartable := at_task_limit(command):
+        return unstartable
     args = build_parser(command).parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT)
     if not args.verbose:   # httpx logs every request at INFO: `traffic` drowned the demo's output in them
         logging.getLogger("httpx").setLevel(logging.WARNING)
     if not args.command:

@@ -43,13 +43,13 @@ from agent.atomic_file import write_atomically
 from agent.experts.cap import KV_BUDGET_TOKENS
 from agent.experts.layout import StoreError as ExpertStoreError
 from agent.experts.reader import BACKENDS, IO_THREADS
-from agent.serve.limits import (AT_TASK_LIMIT, BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES, THREAD_REFUSED,
-                                check_below_task_limit)
+from agent.serve.limits import BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES
 from agent.serve.scheduler import ADMIT_WINDOW_S, MAX_WAITING
 from agent.token_option import TOKEN_ENV, TokenError, add_token_arguments, token_from
 from machine.identity import add_device_name
 from machine.memory import read_pid_file
 from machine.stop_signals import stop_signals
+from machine.task_limit import AT_TASK_LIMIT, THREAD_REFUSED, check_below_task_limit
 from store.database import missing_parents, remove_empty
 
 log = logging.getLogger(__name__)
