@@ -21,7 +21,7 @@ data/.policies-compared: $(STAMP) agent/policies/weights/flashmoe.safetensors
 
 demo: $(STAMP) data/.policies-compared
 	$(BIN)/flashmoe-cli init-demo --out data/demo
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/honcho start
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m agent.run_procfile $(BIN)/honcho start
 
 system-packages:
 	@bash .ci/system-packages

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 MAX_THREADS = 256
 
@@ -32,6 +33,25 @@ def seed(text: str) -> int:
 def threads(text: str) -> int:
     """A thread count: 1 to MAX_THREADS (far above any useful count; the OS refuses threads long before 100,000)."""
     return _within(_whole(text), 1, MAX_THREADS, "a thread count")
+
+
+def path(text: str) -> Path:
+    """A file or directory path, never "": Path("") is ".", so `convert SRC ""` was told "the destination .
+    already exists and is not empty"."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path: name a file or directory")
+    return Path(text)
+
+
+def refuse_empty_paths(parser: argparse.ArgumentParser) -> None:
+    """Every argument of `parser` and its subcommands typed Path takes `path` instead: one place for every
+    command's files and directories, the ones added later included."""
+    for action in parser._actions:
+        if action.type is Path:
+            action.type = path
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                refuse_empty_paths(sub)
 
 
 def on_off(text: str) -> bool:

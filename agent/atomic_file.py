@@ -14,6 +14,8 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
+from store.database import missing_parents, remove_empty
+
 
 def write_atomically(path: Path, write: Callable[[Path], object], what: str, flag: str,
                      errors: tuple[type[Exception], ...] = (), keep: bool = True,
@@ -63,15 +65,3 @@ def check_replaceable(path: Path, ours: Callable[[Path], bool], what: str, flag:
     if path.is_file() and path.stat().st_size and not ours(path):
         raise ValueError(f"{flag} {path} exists and holds something other than {what} (it would be overwritten, "
                          f"so it is left as it is); pass another {flag}")
-
-
-def missing_parents(path: Path) -> list[Path]:
-    """The directories above `path` that do not exist yet, deepest first: what writing `path` makes."""
-    return [d for d in path.absolute().parents if not d.exists()]
-
-
-def remove_empty(directories: list[Path]) -> None:
-    """Remove the directories a write made (deepest first), each only if it is still empty."""
-    for d in directories:
-        with contextlib.suppress(OSError):
-            d.rmdir()

@@ -12,8 +12,11 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
+from agent.argtypes import refuse_empty_paths
 from machine.stop_signals import stop_signals
+from machine.task_limit import AT_TASK_LIMIT, check_below_task_limit
 
 COMMANDS = {
     "convert": ("agent.convert", "convert a Hugging Face MoE checkpoint into an expert store"),
@@ -36,13 +39,14 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
         prog="flashmoe-cli", description="FlashMoE: MoE inference with experts on the SSD and a learned RAM cache.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-    parser.add_argument("--warmup", metavar="FILE", help="shorthand for `flashmoe-cli warmup FILE`")
+    parser.add_argument("--warmup", type=Path, metavar="FILE", help="shorthand for `flashmoe-cli warmup FILE`")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == command:
             importlib.import_module(module).add_arguments(p)
+    refuse_empty_paths(parser)
     return parser
 
 
@@ -64,7 +68,22 @@ def _stop(signum: int, _frame) -> None:
     raise Stopped(signum)
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 INTERRUPTED = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP: its terminal closed"}
+
+
+def at_task_limit(command: str | None) -> int:
+    """2, said in one line, if the process may not start a thread; else 0. Checked before the command's module
+    is imported: at a limit of one task, numpy's import ended `collect` in a KeyboardInterrupt's traceback below
+    OpenBLAS's four lines (it raises SIGINT on a thread it cannot start)."""
+    try:
+        check_below_task_limit()
+    except RuntimeError as exc:
+        logging.basicConfig(format=LOG_FORMAT)
+        name = "flashmoe-cli" + (f" {command}" if command else "")
+        logging.getLogger("agent.cli").error("%s cannot start: %s: %s", name, exc, AT_TASK_LIMIT)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--warmup")
         argv = argv[:i] + ["warmup"] + argv[i + 1:]
     command = next((a for a in argv if a in COMMANDS), None)
+    if unstartable := at_task_limit(command):
+        return unstartable
     args = build_parser(command).parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT)
     if not args.verbose:   # httpx logs every request at INFO: `traffic` drowned the demo's output in them
         logging.getLogger("httpx").setLevel(logging.WARNING)
     if not args.command:

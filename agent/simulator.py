@@ -194,24 +194,24 @@ learned policy learning online from the replayed past ("flashmoe online") beside
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXAMPLE
-    parser.add_argument("--trace", nargs="+", required=True, metavar="PATH",
+    parser.add_argument("--trace", nargs="+", required=True, type=Path, metavar="PATH",
                         help="routing traces: decode/recorded .jsonl or prefill .npz")
     parser.add_argument("--policy", default=",".join(policy_names()),
                         help="comma-separated policy names (default: all registered: %(default)s)")
     parser.add_argument("--capacity", type=float, default=0.25, metavar="FRACTION",
                         help="cache size as a fraction of all experts, in (0, 1] (default 0.25)")
     parser.add_argument("--scope", choices=SCOPES, default="layer", help="per-layer or global cache")
-    parser.add_argument("--policy-model", metavar="FILE", help="weights for the learned flashmoe policy")
+    parser.add_argument("--policy-model", type=Path, metavar="FILE", help="weights for the learned flashmoe policy")
     parser.add_argument("--experts", type=count, metavar="N", help="experts per layer when a trace's meta has null")
     parser.add_argument("--prompts", metavar="A..B", help="prefill NPZ only: prompt numbers to replay")
     parser.add_argument("--window", type=count, metavar="W",
                         help=f"lfu-window: window in accesses of one layer (default {DEFAULT_WINDOW})")
-    parser.add_argument("--system-series", metavar="FILE", help="monitoring series JSON to replay "
+    parser.add_argument("--system-series", type=Path, metavar="FILE", help="monitoring series JSON to replay "
                         "(default: a deterministic synthetic one; a trace recorded with samples replays its own)")
     parser.add_argument("--online", action="store_true", help="also run flashmoe learning online from the "
                         "replayed past (agent.learned.online: the agent's loop, run in-line)")
     parser.add_argument("--json", action="store_true", help="print {\"results\": [...]} instead of a table")
-    parser.add_argument("--db", metavar="PATH", help="also record each result in this telemetry store "
+    parser.add_argument("--db", type=Path, metavar="PATH", help="also record each result in this telemetry store "
                         "(the dashboard's Cache page compares policies from it)")
 
 
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
 def _simulate_all(args: argparse.Namespace) -> list[SimResult]:
     policies = _policies(args.policy)
     prompts = parse_prompts(args.prompts) if args.prompts else None
-    traces = [load(p, args.experts, prompts if p.endswith(".npz") else None) for p in args.trace]
+    traces = [load(p, args.experts, prompts if p.suffix == ".npz" else None) for p in args.trace]
     system = SystemReplay.load(args.system_series) if args.system_series else None
     runs = [(p, None) for p in policies]
     if args.online:
@@ -249,7 +249,7 @@ def _simulate_all(args: argparse.Namespace) -> list[SimResult]:
             for t in traces for p, online in runs]
 
 
-def _results_store(db: str | None) -> Store | None:
+def _results_store(db: Path | None) -> Store | None:
     if db is None:
         return None
     from store.db import Store

@@ -10,12 +10,14 @@ page's whole render budget allows.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from access.address import url_problem
+from dashboard.transforms import literal
 
 SOURCE_HEADER = {"X-FlashMoE-Source": "dashboard"}
 TOKEN_ENV = "FLASHMOE_TOKEN"
@@ -23,6 +25,17 @@ TIMEOUT_S = 3.0
 KNOBS_TIMEOUT_S = 75.0        # the agent waits for the running step to end and gives up after 60 s
 COMPLETION_TIMEOUT_S = 120.0
 MAX_ANSWER_BYTES = 4 << 20    # the agent's answers are kilobytes: more is another server's (Fleet: any target)
+
+# What the dashboard reads of each answer, checked once here rather than by every page: another JSON service at
+# the agent's address (or a Fleet target) was a KeyError's box wherever a page read a field it lacked.
+NUMBER = (int, float)
+KNOB_VALUE = (bool, int, float, str)
+KINDS = {str: "a string", int: "a whole number", NUMBER: "a number", list: "a list", KNOB_VALUE: "a knob's value"}
+STATUS_SHAPE = {"policy": str, "uptime_s": NUMBER, "cache": {"expert_bytes": int, "prefetch_accuracy": NUMBER}}
+KNOB_BOUNDS = {"bool": {}, "int": {"min": NUMBER, "max": NUMBER}, "float": {"min": NUMBER, "max": NUMBER},
+               "str": {"choices": list}}
+COMPLETION_SHAPE = {"usage": {"completion_tokens": int},
+                    "flashmoe": {"expert_hits": NUMBER, "expert_misses": NUMBER}}
 
 
 class AgentError(RuntimeError):
@@ -87,47 +100,55 @@ class Agent:
         for chunk in response.iter_bytes():
             body += chunk
             if len(body) > MAX_ANSWER_BYTES:
-                raise AgentError(f"{self.base_url} is not a FlashMoE agent: it answered {method} {path} with more "
-                                 f"than {MAX_ANSWER_BYTES >> 20} MiB, where the agent's answers are kilobytes")
+                raise self._not_agent(method, path, f"with more than {MAX_ANSWER_BYTES >> 20} MiB, where the "
+                                                    f"agent's answers are kilobytes")
             if time.monotonic() > deadline:
                 raise httpx.ReadTimeout("the answer did not arrive whole in time", request=response.request)
         decoded = [(k, v) for k, v in response.headers.multi_items() if k.lower() != "content-encoding"]
         return httpx.Response(response.status_code, headers=decoded, content=bytes(body), request=response.request)
 
-    def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    def _json(self, method: str, path: str, problem: Callable[[dict[str, Any]], str | None],
+              **kwargs: Any) -> dict[str, Any]:
         response = self._request(method, path, **kwargs)
         if response.status_code >= 400:
             raise AgentError(f"the agent answered {response.status_code} to {method} {path}: "
                              f"{error_detail(response)}")
-        return self._object(response, method, path)
+        return self._object(response, method, path, problem)
 
-    def _object(self, response: httpx.Response, method: str, path: str) -> dict[str, Any]:
-        """The answer's JSON object. Anything else is not the agent's: FLASHMOE_AGENT_URL set to the
-        dashboard's own port answered HTML, and every page showed a JSONDecodeError's traceback."""
+    def _object(self, response: httpx.Response, method: str, path: str,
+                problem: Callable[[dict[str, Any]], str | None]) -> dict[str, Any]:
+        """The answer's JSON object, of the shape `problem` finds nothing wrong with. Anything else is not the
+        agent's: FLASHMOE_AGENT_URL set to the dashboard's own port answered HTML, and every page showed a
+        JSONDecodeError's traceback; another JSON service's {"x": 1} was a KeyError's box on three pages."""
         try:
             body = response.json()
         except ValueError:
             body = None
         if not isinstance(body, dict):
             kind = response.headers.get("content-type", "no content type").split(";")[0]
-            raise AgentError(f"{self.base_url} is not a FlashMoE agent: it answered {method} {path} with {kind}, "
-                             f"not the agent's JSON; set FLASHMOE_AGENT_URL to the address `flashmoe-cli serve` "
-                             f"listens on (default http://127.0.0.1:8600)")
+            raise self._not_agent(method, path, f"with {literal(kind)}, not the agent's JSON")
+        if wrong := problem(body):
+            raise self._not_agent(method, path, wrong)
         return body
+
+    def _not_agent(self, method: str, path: str, answer: str) -> AgentError:
+        return AgentError(f"{self.base_url} is not a FlashMoE agent: it answered {method} {path} {answer}; set "
+                          f"FLASHMOE_AGENT_URL to the address `flashmoe-cli serve` listens on (default "
+                          f"http://127.0.0.1:8600)")
 
     def status(self) -> dict[str, Any]:
         """/v1/status without its step profiles: no page shows them, and every live fragment polls this."""
-        return self._json("GET", "/v1/status", params={"step_profiles": 0})
+        return self._json("GET", "/v1/status", status_problem, params={"step_profiles": 0})
 
     def knobs(self) -> dict[str, Any]:
         """Each knob's value, default and bounds, as GET /v1/knobs describes them."""
-        return self._json("GET", "/v1/knobs")
+        return self._json("GET", "/v1/knobs", knobs_problem)
 
     def put_knobs(self, changes: dict[str, Any]) -> KnobAnswer:
         """Push `changes`; a 4xx is an answer (the agent's validation error), not an exception."""
         response = self._request("PUT", "/v1/knobs", json=changes, headers=self._control, timeout=KNOBS_TIMEOUT_S)
         if response.status_code < 400:
-            return KnobAnswer(True, response.status_code, self._object(response, "PUT", "/v1/knobs"), "")
+            return KnobAnswer(True, response.status_code, self._object(response, "PUT", "/v1/knobs", knobs_problem), "")
         if response.status_code >= 500 and response.status_code != 503:     # 503: busy, nothing applied
             raise AgentError(f"the agent failed with {response.status_code}: {error_detail(response)}")
         detail = error_detail(response)
@@ -148,8 +169,44 @@ class Agent:
 
     def complete(self, prompt: str, max_tokens: int) -> dict[str, Any]:
         """One non-streaming completion; returns the agent's OpenAI-style JSON."""
-        return self._json("POST", "/v1/completions", timeout=COMPLETION_TIMEOUT_S,
+        return self._json("POST", "/v1/completions", completion_problem, timeout=COMPLETION_TIMEOUT_S,
                           json={"prompt": prompt, "max_tokens": max_tokens, "stream": False})
+
+
+def shape_problem(body: dict[str, Any], shape: dict[str, Any], where: str = "") -> str | None:
+    """What of `shape` (field -> a type in KINDS, or the shape of an object) `body` lacks, in words, or None."""
+    for key, kind in shape.items():
+        name = f"{where}{key}"
+        if key not in body:
+            return f"without {literal(name)}"
+        if not isinstance(body[key], dict if isinstance(kind, dict) else kind):
+            return f"with {literal(name)} not {'an object' if isinstance(kind, dict) else KINDS[kind]}"
+        if isinstance(kind, dict) and (problem := shape_problem(body[key], kind, f"{name}.")):
+            return problem
+    return None
+
+
+def status_problem(status: dict[str, Any]) -> str | None:
+    return shape_problem(status, STATUS_SHAPE)
+
+
+def knobs_problem(knobs: dict[str, Any]) -> str | None:
+    """Each knob named as Python names are, an object with its value, a type KNOB_BOUNDS knows and its bounds."""
+    for name, spec in knobs.items():
+        if not name.isidentifier():      # pages write it into widget labels, which are Markdown
+            return f"with a knob named {literal(name)}"
+        if not isinstance(spec, dict):
+            return f"with {literal(name)} not an object"
+        bounds = KNOB_BOUNDS.get(spec.get("type"))
+        if bounds is None:
+            return f"with {literal(name + '.type')} not one of {', '.join(KNOB_BOUNDS)}"
+        if problem := shape_problem(spec, {"value": KNOB_VALUE, **bounds}, f"{name}."):
+            return problem
+    return None
+
+
+def completion_problem(completion: dict[str, Any]) -> str | None:
+    return shape_problem(completion, COMPLETION_SHAPE)
 
 
 def error_detail(response: httpx.Response) -> str:

@@ -60,6 +60,14 @@ def age_text(t: float | None, now: float) -> str:
     return f"{age:.0f} s ago" if age < 120 else f"{age / 60:.0f} min ago" if age < 7200 else f"{age / 3600:.1f} h ago"
 
 
+def literal(text: str) -> str:
+    """`text` as Markdown shows it as it is: a code span, fenced by one backtick more than its longest run.
+    A name another server reports (a Fleet target's device name) rendered as a link, bold or an icon; escaping
+    with backslashes still let Streamlit turn its URL into a link."""
+    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+    return f"{fence} {text} {fence}"
+
+
 def knob_table(described: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     """GET /v1/knobs -> one row per knob: value, allowed range, default, help."""
     return [{"knob": name, "value": value_text(name, spec["value"]), "allowed": bounds_text(spec, name),

@@ -13,7 +13,7 @@ import sqlite3
 import shutil
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from machine.mounts import mount_of
@@ -118,12 +118,13 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
     a box whose RAM is for experts."""
     if not create and not path.exists():
         raise StoreError(f"there is no store at {path}; check --db")
-    new = not path.exists()
+    new, made = not path.exists(), missing_parents(path)   # a store that cannot be made leaves neither
     check_place(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
     except (OSError, sqlite3.Error) as e:
+        remove_empty(made)
         raise StoreError(f"cannot create the store {path}: {e}") from e
     try:
         _refuse_foreign(conn, path)          # before WAL mode, which rewrites the file's header
@@ -150,12 +151,26 @@ def open_database(path: Path, busy_timeout_s: float, create: bool = True,
         if new:   # not left behind as an empty file: the next writer would take it for a store
             for leftover in store_files(path):
                 leftover.unlink(missing_ok=True)
+            remove_empty(made)
         raise StoreError(f"cannot {'create' if new else 'open'} {path} as a FlashMoE store: {e}; "
                          f"{advice_for(e, path, new)}") from e
     except StoreError:
         conn.close()
         raise
     return conn
+
+
+def missing_parents(path: Path) -> list[Path]:
+    """The directories above `path` that do not exist yet, deepest first: what writing `path` makes."""
+    return [d for d in path.absolute().parents if not d.exists()]
+
+
+def remove_empty(directories: list[Path]) -> None:
+    """Remove the directories a write made (deepest first), each only if it is still empty (the agent's pid
+    file, a store, an expert store: agent.atomic_file)."""
+    for d in directories:
+        with suppress(OSError):
+            d.rmdir()
 
 
 def store_files(path: Path) -> tuple[Path, Path, Path]:

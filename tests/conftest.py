@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from agents import kill_agents_serving
+from agents import kill_agents_serving, wait_for
 from hypothesis import settings
 
 # No timing assertions in tests: Hypothesis's 200 ms deadline fails property tests on a loaded CI machine.
@@ -72,3 +72,42 @@ def no_agent_left_running(tmp_path_factory) -> Iterator[None]:
     yield
     left = kill_agents_serving(tmp_path_factory.getbasetemp())
     assert not left, f"agents left running by this module's tests (killed): {left}"
+
+
+PIDS = Path("/sys/fs/cgroup/pids")    # cgroup v1's pids controller, as this machine and CI mount it
+
+
+@pytest.fixture
+def pids_cgroup():
+    """A pids cgroup of the test's own, removed once its processes are gone."""
+    if not os.access(PIDS, os.W_OK):
+        pytest.skip(f"needs a writable pids cgroup at {PIDS} (root, cgroup v1)")
+    group = PIDS / f"flashmoe-test-{os.getpid()}"
+    group.mkdir()
+    yield group
+    wait_for(lambda: not (group / "cgroup.procs").read_text().strip(), 30, f"{group} to empty")
+    group.rmdir()
+
+
+@pytest.fixture
+def json_server() -> Iterator[str]:
+    """A loopback HTTP server that answers every GET and PUT with the JSON object {"x": 1}, as a JSON service
+    that is not our agent does: an address set to another service."""
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"x": 1}')
+
+        do_PUT = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()

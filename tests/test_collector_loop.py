@@ -138,6 +138,21 @@ def test_a_collector_started_under_nohup_outlives_a_hangup_and_still_stops_on_si
     assert proc.returncode == 0 and "collector stopped; store flushed" in stderr, stderr
 
 
+def test_a_collector_at_a_limit_of_one_task_says_so_in_one_line(tmp_path, pids_cgroup):
+    """It ended in a KeyboardInterrupt's traceback while importing numpy, below OpenBLAS's four lines: OpenBLAS
+    raises SIGINT on a thread it cannot start."""
+    (pids_cgroup / "pids.max").write_text("1")
+    done = subprocess.run(["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(pids_cgroup), *CLI, "collect",
+                           "--db", str(tmp_path / "made" / "new.db"), "--duration", "1"],
+                          capture_output=True, text=True, timeout=60)
+    [line] = (done.stdout + done.stderr).splitlines()     # nothing else, OpenBLAS's lines neither
+    assert done.returncode == 2 and " ERROR " in line, line
+    assert line.endswith("flashmoe-cli collect cannot start: can't start new thread: the process is at its limit of "
+                         "tasks (its cgroup's pids.max, systemd's TasksMax or ulimit -u); raise it, or stop other "
+                         "processes under it"), line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_second_collector_on_a_store_is_refused_and_a_killed_ones_lock_is_freed(tmp_path):
     db = tmp_path / "flashmoe.db"
     first = subprocess.Popen(CLI + ["collect", "--db", str(db), "--interval", "0.2"],

@@ -164,17 +164,34 @@ def test_a_dashboard_without_the_token_is_refused_and_says_what_to_set(monkeypat
     assert knob(url, "cache_cap_bytes")["value"] == before["value"]
 
 
-@pytest.mark.parametrize("page, says_why", [("overview", True), ("tuning", True), ("cache", False), ("memory", False)])
+@pytest.mark.parametrize("page, says_why", [("overview", True), ("tuning", True), ("cache", True), ("memory", False)])
 def test_an_address_that_is_html_server_is_no_traceback(monkeypatch, tmp_path, html_server, page, says_why):
     """Each page that reads the agent showed a JSONDecodeError's traceback; the agent's own pages say why."""
     db = tmp_path / "flashmoe.db"
     synthetic.write(str(db), synthetic.Spec(start=time.time() - 120, seconds=120))
     at = open_page(monkeypatch, db, html_server, page)   # no exception: open_page checks
-    shown = texts([*at.error, *at.warning, *at.info])
+    shown = texts([*at.error, *at.warning, *at.info, *at.caption])
     assert (f"{html_server} is not a FlashMoE agent" in shown) == says_why, shown
     answer = agent_client.Agent(html_server).push({"prefetch": True})
     assert answer.startswith(f"not sent: {html_server} is not a FlashMoE agent: it answered PUT /v1/knobs "
-                             f"with text/html")
+                             f"with ` text/html `")
+
+
+@pytest.mark.parametrize("page, read", [("overview", "GET /v1/status without ` policy `"),
+                                        ("cache", "GET /v1/status without ` policy `"),
+                                        ("tuning", "GET /v1/knobs with ` x ` not an object")])
+def test_an_address_that_answers_json_of_another_shape_is_named_in_one_line(monkeypatch, tmp_path, json_server,
+                                                                            page, read):
+    """A JSON service that is not the agent ({"x": 1} to everything) was a KeyError's box on the Overview, Cache
+    and Tuning pages."""
+    db = tmp_path / "flashmoe.db"
+    synthetic.write(str(db), synthetic.Spec(start=time.time() - 120, seconds=120))
+    at = open_page(monkeypatch, db, json_server, page)   # no exception: open_page checks
+    shown = texts([*at.error, *at.warning, *at.info, *at.caption])
+    assert f"{json_server} is not a FlashMoE agent: it answered {read}" in shown, shown
+    answer = agent_client.Agent(json_server).push({"prefetch": True})
+    assert answer.startswith(f"not sent: {json_server} is not a FlashMoE agent: it answered PUT /v1/knobs with "
+                             f"` x ` not an object"), answer
 
 
 def test_a_push_to_an_agent_too_busy_to_answer_says_it_was_sent_and_an_absent_one_that_it_was_not(monkeypatch):

@@ -185,7 +185,7 @@ def test_cache_page_hit_rates_heatmap_policies_and_sweep(monkeypatch, offline, d
     assert dict(zip(bars["x"], bars["y"]))["flashmoe"] == 71.0 and bars["name"] == "olmoe-report @ 25% of experts"
     curve = figs["Tokens/s by cache cap (latest per cap)"]["data"][0]
     assert curve["x"] == [1.0, 2.0, 4.0] and curve["y"] == [8.0, 15.0, 21.0]        # GiB
-    assert "offline" in texts(at.caption)
+    assert "The sweep needs the agent: the agent at http://127.0.0.1:" in texts(at.caption)    # and why: offline
     assert not [b for b in at.button if b.key == "start-sweep"]      # no sweep without an agent
 
 

@@ -12,10 +12,12 @@ The Fleet page's picture in the README comes from this test:
 """
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,13 +227,93 @@ def test_a_name_two_agents_up_report_is_offered_no_push(real_fleet, monkeypatch,
         at.switch_page("views/fleet.py").run()
         assert not at.exception, [e.value for e in at.exception]
         assert at.multiselect(key="fleet-devices").options == ["edge-b", "edge-c"]
-        assert "'edge-a' is not offered: two agents that are up call themselves that" in " ".join(
+        assert "` edge-a ` is not offered: two agents that are up call themselves that" in " ".join(
             c.value for c in at.caption)
     finally:
         real_fleet.scrape()
         twin.stop()
         wait_for(lambda: len(real_fleet.prometheus.query(f'up{{job="{fleet.AGENT_JOB}"}}')) == 4, 60, "the twin gone")
         st.cache_data.clear()           # the page's snapshot of Prometheus, with the twin, for the next test
+
+
+LINKED = "[edge-x](http://x.invalid)"          # names a target that is not our agent may report
+OTHER = "**edge-y** [y](http://y.invalid)"
+
+
+@pytest.fixture(scope="module")
+def foreign_fleet(tmp_path_factory) -> Iterator[str]:
+    """Prometheus scraping three loopback servers that are not our agent: two report the device name LINKED, one
+    OTHER, and each answers GET /v1/knobs with JSON of another shape, {"max_batch_size": 5}; yields Prometheus's
+    address once it has the three names."""
+    def target(name: str) -> http.server.ThreadingHTTPServer:
+        class Foreign(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                metrics = self.path.startswith("/metrics")
+                body = (f'flashmoe_agent_info{{device_name="{name}"}} 1\n' if metrics
+                        else json.dumps({"max_batch_size": 5})).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4" if metrics else "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    servers = [target(LINKED), target(LINKED), target(OTHER)]
+    addresses = [f"127.0.0.1:{s.server_address[1]}" for s in servers]
+    config = {"global": {"scrape_interval": "1s"},
+              "scrape_configs": [{"job_name": fleet.AGENT_JOB, "static_configs": [{"targets": addresses}]}]}
+    prometheus = start_prometheus(tmp_path_factory.mktemp("foreign"), config)
+    try:
+        wait_for(lambda: len(prometheus.query("flashmoe_agent_info")) == 3, 60, "the three targets' names")
+        yield prometheus.url
+    finally:
+        prometheus.stop()
+        for server in servers:
+            server.shutdown()
+
+
+def test_a_target_answering_knobs_of_another_shape_is_one_line_in_the_push_form(foreign_fleet, monkeypatch):
+    """{"max_batch_size": 5} for a target's knobs was a KeyError's box in the push form."""
+    monkeypatch.setenv(fleet.PROMETHEUS_ENV, foreign_fleet)
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    at.switch_page("views/fleet.py").run()
+    at.multiselect(key="fleet-devices").set_value([OTHER]).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(at.error) == 1, [e.value for e in at.error]
+    assert at.error[0].value.startswith(f"` {OTHER} `: http://127.0.0.1:"), at.error[0].value
+    assert " is not a FlashMoE agent: it answered GET /v1/knobs with ` max_batch_size ` not an object" in (
+        at.error[0].value), at.error[0].value
+
+
+@pytest.mark.browser
+def test_device_names_with_markdown_show_as_they_are(foreign_fleet, tmp_path):
+    """A name a target reports, [edge-x](http://x.invalid), rendered as a link in the duplicate-name warning. (The
+    push form's line naming a target is checked as text by the test above.)"""
+    port, log = free_port(), tmp_path / "dashboard.log"
+    dashboard = spawn([str(Path(sys.executable).with_name("streamlit")), "run", APP, "--server.headless", "true",
+                       "--server.port", str(port), "--server.address", "127.0.0.1",
+                       "--browser.gatherUsageStats", "false"], log,
+                      env={"FLASHMOE_PROMETHEUS_URL": foreign_fleet, "FLASHMOE_DB": str(tmp_path / "none.db")})
+    try:
+        wait_http(f"http://127.0.0.1:{port}/_stcore/health", dashboard, log)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            page = browser.new_page()
+            page.goto(f"http://127.0.0.1:{port}/fleet")
+            warning = page.get_by_test_id("stAlert").filter(has_text="Two agents call themselves")
+            expect(warning).to_contain_text(f"Two agents call themselves {LINKED}:", timeout=RENDER_TIMEOUT_MS)
+            caption = page.get_by_test_id("stCaptionContainer").filter(has_text="is not offered")
+            expect(caption).to_contain_text(f"{LINKED} is not offered")
+            expect(page.locator("a[href*='.invalid']")).to_have_count(0)
+            browser.close()
+    finally:
+        stop(dashboard)
 
 
 # -- the pure parts ---------------------------------------------------------------------------------------

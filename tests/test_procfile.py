@@ -1,13 +1,23 @@
 """The Procfile `make demo` runs: every process finds the agent on the port the agent listens on, and
 both ports can be moved (FLASHMOE_AGENT_PORT, FLASHMOE_DASHBOARD_PORT) when 8600 or 8501 is taken.
-Each command is expanded by sh, as honcho runs it."""
+Each command is expanded by sh, as honcho runs it. Closing `make demo`'s terminal stops every process."""
 from __future__ import annotations
 
+import fcntl
 import os
+import select
+import shlex
+import signal
+import socket
 import subprocess
+import sys
+import termios
+import time
 from pathlib import Path
 
 import pytest
+
+from agents import ROOT, free_port, wait_for
 
 PROCFILE = Path(__file__).resolve().parent.parent / "Procfile"
 
@@ -37,3 +47,62 @@ def test_every_process_finds_the_agent_on_its_port(env, agent, dashboard):
     assert after(procs["dashboard"], "--server.port") == dashboard
     assert after(procs["traffic"], "--agent-url") == f"http://127.0.0.1:{agent}"
     assert after(procs["collector"], "--pid-file") == after(procs["agent"], "--pid-file")
+
+
+MAKEFILE = PROCFILE.with_name("Makefile")
+HONCHO = Path(sys.executable).with_name("honcho")
+RUNNER = [sys.executable, "-m", "agent.run_procfile"]   # what `make demo` runs honcho under
+
+
+def test_make_demo_runs_honcho_under_the_runner_the_next_test_hangs_up():
+    assert '$(BIN)/python -m agent.run_procfile $(BIN)/honcho start' in MAKEFILE.read_text()
+
+
+def take_terminal() -> None:
+    """In the child, a session leader by then: its stdin, a pty, becomes its controlling terminal."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def test_closing_the_terminal_stops_every_process_and_frees_their_ports(tmp_path):
+    """honcho handles SIGTERM and SIGINT only: the terminal's SIGHUP killed it, and its processes, each in a
+    session of its own, ran on orphaned with their ports, which the next `make demo` found taken."""
+    ports = [free_port(), free_port()]
+    (tmp_path / "Procfile").write_text("".join(
+        f"web{i}: echo $$ > web{i}.pid && exec {sys.executable} -m http.server {port} --bind 127.0.0.1\n"
+        for i, port in enumerate(ports)))
+    terminal, its_end = os.openpty()
+    command = " ".join(map(shlex.quote, [*RUNNER, str(HONCHO), "start"]))
+    shell = subprocess.Popen(["sh", "-c", f"{command}; echo exit $?"], stdin=its_end, stdout=its_end,
+                             stderr=its_end, cwd=tmp_path, start_new_session=True, preexec_fn=take_terminal,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})     # as a terminal's shell runs make
+    os.close(its_end)
+    shown = b""
+    try:
+        deadline = time.monotonic() + 30
+        while not all(listening(port) for port in ports) and time.monotonic() < deadline:
+            if select.select([terminal], [], [], 0.1)[0]:
+                shown += os.read(terminal, 65536)
+        assert all(listening(port) for port in ports), shown.decode(errors="replace")
+        pids = [int((tmp_path / f"web{i}.pid").read_text()) for i in range(len(ports))]
+    finally:
+        os.close(terminal)                  # the terminal closes: the kernel hangs up its session
+    shell.wait(timeout=30)                  # the hangup ends it, and its foreground job gets SIGHUP too
+    try:
+        wait_for(lambda: not any(map(running, pids)), 30, "every process of the Procfile to stop")
+    finally:
+        for pid in filter(running, pids):   # left by a runner that failed: not to hold their ports on
+            os.kill(pid, signal.SIGKILL)
+    assert not any(listening(port) for port in ports)
+
+
+def running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -165,6 +165,17 @@ def test_a_store_where_none_can_be_written_is_one_clear_line(where, tmpfs):
     assert f"cannot write the store {db}" in lines[0] and reason in lines[0]
 
 
+def test_a_store_collect_cannot_create_on_a_full_disk_leaves_no_directory_made_for_it(tmpfs):
+    """The store's files were removed and `made/for/` left."""
+    disk = tmpfs("256k")
+    fill(disk)
+    db = disk / "made" / "for" / "new.db"
+    code, lines = cli_error("collect", "--db", str(db), "--duration", "1")
+    assert code == 1 and len(lines) == 1 and f"cannot create {db} as a FlashMoE store: database or disk is full" in (
+        lines[0]), lines
+    assert [p.name for p in disk.iterdir()] == ["filler"]
+
+
 @pytest.mark.parametrize("where, kind", [("/dev/null", "a character device"), ("fifo", "a named pipe")])
 def test_a_device_or_pipe_is_no_store_and_says_so(where, kind, tmp_path):
     """--db /dev/null said SQLite's "disk I/O error" and blamed the disk."""

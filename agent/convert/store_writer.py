@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.atomic_file import missing_parents, remove_empty
 from agent.convert.errors import CheckpointError
 from agent.convert.safetensors_io import DenseSource, write_safetensors
 from agent.experts.layout import ALIGN, CONFIG, DENSE, EXPERTS, INDEX, Block, Index, crc32, file_crc32, partial_prefix
 from agent.tokenizer import TOKENIZER_JSON
+from store.database import missing_parents, remove_empty
 
 log = logging.getLogger(__name__)
 

@@ -333,7 +333,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "  flashmoe-cli train-policy --trace ../shared/traces/decode/olmoe_prose.jsonl "
                      "--out /tmp/policy.safetensors --epochs 2")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", nargs="+", metavar="PATH", help="training traces (.jsonl, .npz)")
+    source.add_argument("--trace", nargs="+", type=Path, metavar="PATH", help="training traces (.jsonl, .npz)")
     source.add_argument("--train-split", action="store_true",
                         help="the train split of the shared traces (agent.learned.splits), under --traces-dir")
     parser.add_argument("--traces-dir", type=Path, default=TRACES_DIR, metavar="DIR",

@@ -46,14 +46,14 @@ from agent.serve.api_schema import (KNOBS_AS_SET, METRICS, STREAMED, Knobs, Mode
                                     describe, errors)
 from agent.serve.engine import STEP_PROFILES
 from agent.serve.knobs import SOURCES, KnobError
-from agent.serve.limits import (AT_TASK_LIMIT, MAX_JSON_DEPTH, MAX_PROMPT_BYTES, THREAD_REFUSED, body_limit,
-                                nests_deeper)
+from agent.serve.limits import MAX_JSON_DEPTH, MAX_PROMPT_BYTES, body_limit, nests_deeper
 from agent.serve.metrics import DeviceLabelled
 from agent.serve.requests import CompletionRequest, PreloadRequest
 from agent.serve.runtime import Runtime
 from agent.serve.scheduler import Event, Overloaded
 from agent.serve.scheduler import Request as Job
 from agent.serve.stops import CompletionText
+from machine.task_limit import AT_TASK_LIMIT, THREAD_REFUSED
 
 log = logging.getLogger(__name__)
 

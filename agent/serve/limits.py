@@ -9,28 +9,9 @@ which FastAPI answered "There was an error parsing the body".
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 MAX_PROMPT_BYTES = 64 * 1024
-# A thread the kernel would not create (EAGAIN: the process's limit of tasks) is all Python says of it; the agent's
-# own at start-up end it (agent.serve.server), a request's worker thread is a 503 (agent.serve.app)
-THREAD_REFUSED = "can't start new thread"
-AT_TASK_LIMIT = ("the process is at its limit of tasks (its cgroup's pids.max, systemd's TasksMax or ulimit -u); "
-                 "raise it, or stop other processes under it")
-
-
-def check_below_task_limit() -> None:
-    """RuntimeError(THREAD_REFUSED) if the process may not start one more task. At a limit of one (the main
-    thread alone) libraries fail before the agent's own threads, and none says the limit: pyudev's lookup of
-    libudev runs ldconfig in a child process whose refusal ctypes keeps to itself ("No library named udev"), and
-    torch's OpenMP aborts the process on a thread it cannot create."""
-    probe = threading.Thread(target=lambda: None)
-    probe.start()
-    probe.join()
-
-
 BODY_BYTES_PER_PROMPT_BYTE = 8   # JSON may spell one prompt byte in up to 6 (\u0000); a token id takes ~7
 BODY_SLACK = 4096                # the other fields of a completion request
 

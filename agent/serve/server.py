@@ -39,17 +39,18 @@ from typing import NoReturn
 
 from access.loopback import is_loopback
 from agent.argtypes import add_dense, add_int8_activations, add_prefetch, count, port, threads
-from agent.atomic_file import missing_parents, remove_empty, write_atomically
+from agent.atomic_file import write_atomically
 from agent.experts.cap import KV_BUDGET_TOKENS
 from agent.experts.layout import StoreError as ExpertStoreError
 from agent.experts.reader import BACKENDS, IO_THREADS
-from agent.serve.limits import (AT_TASK_LIMIT, BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES, THREAD_REFUSED,
-                                check_below_task_limit)
+from agent.serve.limits import BODY_BYTES_PER_PROMPT_BYTE, MAX_PROMPT_BYTES
 from agent.serve.scheduler import ADMIT_WINDOW_S, MAX_WAITING
 from agent.token_option import TOKEN_ENV, TokenError, add_token_arguments, token_from
 from machine.identity import add_device_name
 from machine.memory import read_pid_file
 from machine.stop_signals import stop_signals
+from machine.task_limit import AT_TASK_LIMIT, THREAD_REFUSED, check_below_task_limit
+from store.database import missing_parents, remove_empty
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +292,7 @@ def serve(args: argparse.Namespace) -> None:
     store = runtime = None
     made_store = serving = False
     made_dirs: list[Path] = []
+    pid_dirs = missing_parents(args.pid_file) if args.pid_file else []
     try:
         if args.pid_file:
             claim_pid_file(args.pid_file)
@@ -332,5 +334,7 @@ def serve(args: argparse.Namespace) -> None:
             remove_new_store(args.db, made_dirs)
         if args.pid_file:
             release_pid_file(args.pid_file)
+            if not serving:   # a failed start leaves none of the directories it made (supervise tries again)
+                remove_empty(pid_dirs)
         sock.close()
         log.info("agent stopped")

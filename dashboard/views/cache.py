@@ -125,8 +125,9 @@ def cap_sweep() -> None:
         lock = auth.control_lock()
         if st.button("Start sweep", disabled=runner.running or bool(lock), help=lock, key="start-sweep") and not lock:
             runner.start(data.agent(url, token), db, caps, int(n_requests), int(max_tokens))
-    else:
-        st.caption("The sweep needs the agent; it is offline. Stored sweeps are shown below.")
+    else:      # why: an agent down, or another service at its address
+        st.caption(f"The sweep needs the agent: {status if isinstance(status, str) else knobs}. Stored sweeps are "
+                   f"shown below.")
     progress = runner.progress
     if runner.running:
         st.info(f"Sweep running: {len(progress.points)} of {progress.total} caps, {progress.status}",

@@ -64,8 +64,8 @@ def overview(url: str) -> None:
     c2.metric("Agents up", sum(d.up for d in rows))
     c3.metric("Firing alerts", len(firing))
     for name in fleet.duplicate_names(rows):
-        st.warning(f"Two agents call themselves {name!r}: their figures are summed; give each its own "
-                   f"`serve --device-name`.", icon=":material/warning:")
+        st.warning(f"Two agents call themselves {transforms.literal(name)}: their figures are summed; give each its "
+                   f"own `serve --device-name`.", icon=":material/warning:")
     st.dataframe(table(rows), hide_index=True, width="stretch", column_config=COLUMNS,
                  placeholder=MISSING)
     if firing:
@@ -80,8 +80,8 @@ def push_form(rows: list[fleet.Device], tokens: dict[str, str]) -> None:
     """Choose devices, a knob and a value; each device's current value and bounds are shown before the push."""
     online, shared = fleet.pushable(rows)
     for name in shared:
-        st.caption(f"{name!r} is not offered: two agents that are up call themselves that, and its token is for one "
-                   f"device; give each its own `serve --device-name`.")
+        st.caption(f"{transforms.literal(name)} is not offered: two agents that are up call themselves that, and its "
+                   f"token is for one device; give each its own `serve --device-name`.")
     chosen = st.multiselect("Devices", list(online), key="fleet-devices",
                             help="agents Prometheus reaches now; each gets the change with its own token")
     if not chosen:
@@ -91,7 +91,7 @@ def push_form(rows: list[fleet.Device], tokens: dict[str, str]) -> None:
     described = {d.name: data.agent_knobs(d.agent_url, None) for d in targets}
     first = described[targets[0].name]
     if isinstance(first, str):
-        st.error(f"{targets[0].name}: {first}")
+        st.error(f"{transforms.literal(targets[0].name)}: {first}")
         return
     name = st.selectbox("Knob", list(first), key="fleet-knob")
     value = components.knob_widget(name, first[name], disabled=False)
