@@ -16,7 +16,7 @@ from pathlib import Path
 
 from agent.argtypes import refuse_empty_paths
 from machine.stop_signals import stop_signals
-from machine.task_limit import AT_TASK_LIMIT, check_below_task_limit
+from machine.task_limit import AT_TASK_LIMIT, THREAD_REFUSED, check_below_task_limit
 
 COMMANDS = {
     "convert": ("agent.convert", "convert a Hugging Face MoE checkpoint into an expert store"),
@@ -119,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("agent.cli").error("%s stopped: the disk is full (%s) writing %s; what it wrote there is "
                                              "incomplete", args.command, exc.strerror, exc.filename or "its output")
         return 1
+    except RuntimeError as exc:
+        if str(exc) != THREAD_REFUSED:
+            raise
+        # the limit reached after the first check: numpy's OpenBLAS took the last task, and a thread of ours failed
+        logging.getLogger("agent.cli").error("%s stopped: %s: %s", args.command, exc, AT_TASK_LIMIT)
+        return 2
     except KeyboardInterrupt as exc:   # Ctrl-C or Stopped: the commands write their outputs whole or not at all
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
         logging.getLogger("agent.cli").error("%s interrupted (%s) before it finished; run it again", args.command,

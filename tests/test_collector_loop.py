@@ -153,6 +153,19 @@ def test_a_collector_at_a_limit_of_one_task_says_so_in_one_line(tmp_path, pids_c
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_collector_reaching_its_task_limit_after_starting_says_so_in_one_line(tmp_path, pids_cgroup):
+    """At two tasks the first check passes, numpy's OpenBLAS takes the second (two threads asked of it, whatever the
+    cores), and the store's flusher thread then failed with a traceback."""
+    (pids_cgroup / "pids.max").write_text("2")
+    done = subprocess.run(["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(pids_cgroup), *CLI, "collect",
+                           "--db", str(tmp_path / "new.db"), "--duration", "1"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "OPENBLAS_NUM_THREADS": "2"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.rstrip().endswith("collect stopped: can't start new thread: the process is at its limit of "
+                                         "tasks (its cgroup's pids.max, systemd's TasksMax or ulimit -u); raise it, or "
+                                         "stop other processes under it"), done.stderr
+
+
 def test_a_second_collector_on_a_store_is_refused_and_a_killed_ones_lock_is_freed(tmp_path):
     db = tmp_path / "flashmoe.db"
     first = subprocess.Popen(CLI + ["collect", "--db", str(db), "--interval", "0.2"],
