@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,42 +242,77 @@ LINKED = "[edge-x](http://x.invalid)"          # names a target that is not our 
 OTHER = "**edge-y** [y](http://y.invalid)"
 
 
-@pytest.fixture(scope="module")
-def foreign_fleet(tmp_path_factory) -> Iterator[str]:
-    """Prometheus scraping three loopback servers that are not our agent: two report the device name LINKED, one
-    OTHER, and each answers GET /v1/knobs with JSON of another shape, {"max_batch_size": 5}; yields Prometheus's
-    address once it has the three names."""
-    def target(name: str) -> http.server.ThreadingHTTPServer:
-        class Foreign(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                metrics = self.path.startswith("/metrics")
-                body = (f'flashmoe_agent_info{{device_name="{name}"}} 1\n' if metrics
-                        else json.dumps({"max_batch_size": 5})).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4" if metrics else "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+class InFlight:
+    """How many knob reads the loopback targets answer at once now, and the most at any time."""
 
-            def log_message(self, *args) -> None:
-                pass
+    def __init__(self) -> None:
+        self.now = self.most = 0
+        self._lock = threading.Lock()
 
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        return server
+    @contextmanager
+    def one(self) -> Iterator[None]:
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.now -= 1
 
-    servers = [target(LINKED), target(LINKED), target(OTHER)]
+
+def imitation(name: str, knobs: dict, delay_s: float = 0.0,
+              in_flight: InFlight | None = None) -> http.server.ThreadingHTTPServer:
+    """A loopback server that is not our agent: its /metrics reports the device name `name`, and it answers
+    GET /v1/knobs with `knobs` after `delay_s`, counted in `in_flight`; stopped by shutdown()."""
+    reads = in_flight or InFlight()
+
+    class Imitation(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            metrics = self.path.startswith("/metrics")
+            if not metrics:
+                with reads.one():
+                    time.sleep(delay_s)
+            body = (f'flashmoe_agent_info{{device_name="{name}"}} 1\n' if metrics else json.dumps(knobs)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4" if metrics else "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Imitation)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@contextmanager
+def scraping(servers: list[http.server.ThreadingHTTPServer], workdir: Path, *more: str) -> Iterator[str]:
+    """Prometheus scraping `servers` and the addresses `more` as the agent job; yields its address once it has
+    every server's name. Stops it and the servers."""
     addresses = [f"127.0.0.1:{s.server_address[1]}" for s in servers]
     config = {"global": {"scrape_interval": "1s"},
-              "scrape_configs": [{"job_name": fleet.AGENT_JOB, "static_configs": [{"targets": addresses}]}]}
-    prometheus = start_prometheus(tmp_path_factory.mktemp("foreign"), config)
+              "scrape_configs": [{"job_name": fleet.AGENT_JOB, "static_configs": [{"targets": [*addresses, *more]}]}]}
+    prometheus = start_prometheus(workdir, config)
     try:
-        wait_for(lambda: len(prometheus.query("flashmoe_agent_info")) == 3, 60, "the three targets' names")
+        wait_for(lambda: len(prometheus.query("flashmoe_agent_info")) == len(servers), 60, "the targets' names")
         yield prometheus.url
     finally:
         prometheus.stop()
         for server in servers:
             server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def foreign_fleet(tmp_path_factory) -> Iterator[str]:
+    """Prometheus scraping three loopback servers that are not our agent: two report the device name LINKED, one
+    OTHER, and each answers GET /v1/knobs with JSON of another shape, {"max_batch_size": 5}; yields Prometheus's
+    address once it has the three names."""
+    servers = [imitation(name, {"max_batch_size": 5}) for name in (LINKED, LINKED, OTHER)]
+    with scraping(servers, tmp_path_factory.mktemp("foreign")) as url:
+        yield url
 
 
 def test_a_target_answering_knobs_of_another_shape_is_one_line_in_the_push_form(foreign_fleet, monkeypatch):
@@ -315,6 +351,45 @@ def test_device_names_with_markdown_show_as_they_are(foreign_fleet, tmp_path):
             browser.close()
     finally:
         stop(dashboard)
+
+CROWD = [f"edge-{i:02d}" for i in range(1, 13)]     # more than the ten rows st.dataframe's default height holds
+MODE = {"mode": {"type": "str", "value": LINKED, "choices": [LINKED, "plain"]}}     # a choice with Markdown
+READ_S = 0.3                # each crowd target's answer to GET /v1/knobs
+
+
+@dataclass
+class Crowd:
+    url: str                # Prometheus's
+    dead: str               # a scraped address where nothing answers
+    reads: InFlight         # the targets' knob reads
+
+
+@pytest.fixture(scope="module")
+def crowded_fleet(tmp_path_factory) -> Iterator[Crowd]:
+    """Prometheus scraping twelve loopback targets, edge-01..12, each answering GET /v1/knobs with MODE in READ_S,
+    and an address where nothing answers."""
+    reads, dead = InFlight(), f"127.0.0.1:{free_port()}"
+    servers = [imitation(name, MODE, READ_S, reads) for name in CROWD]
+    with scraping(servers, tmp_path_factory.mktemp("crowd"), dead) as url:
+        yield Crowd(url, dead, reads)
+
+
+def crowd_form(crowd: Crowd, chosen: list[str], monkeypatch) -> AppTest:
+    """The Fleet page in AppTest with `chosen` devices chosen in its push form."""
+    monkeypatch.setenv(fleet.PROMETHEUS_ENV, crowd.url)
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    at.switch_page("views/fleet.py").run()
+    at.multiselect(key="fleet-devices").set_value(chosen).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_the_push_form_reads_the_chosen_agents_knobs_at_once(crowded_fleet, monkeypatch):
+    """It read each agent's knobs after the other's: 0.46-0.74 s for nineteen agents (BENCHMARKS.md)."""
+    crowded_fleet.reads.most = 0
+    at = crowd_form(crowded_fleet, CROWD, monkeypatch)
+    assert list(at.table[0].value.index) == CROWD
+    assert crowded_fleet.reads.most > 1, "one knob read at a time"
 
 
 def test_a_push_costs_the_dashboard_little_cpu_per_device():

@@ -88,7 +88,7 @@ def push_form(rows: list[fleet.Device], tokens: dict[str, str]) -> None:
         st.caption("Select one or more devices to push a knob change to.")
         return
     targets = [online[name] for name in chosen]
-    described = {d.name: data.agent_knobs(d.agent_url, None) for d in targets}
+    described = dict(zip(chosen, fleet.each(targets, lambda d: data.agent_knobs(d.agent_url, None))))
     first = described[targets[0].name]
     if isinstance(first, str):
         st.error(f"{transforms.literal(targets[0].name)}: {first}")
