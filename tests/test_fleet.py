@@ -392,6 +392,14 @@ def test_the_push_form_reads_the_chosen_agents_knobs_at_once(crowded_fleet, monk
     assert crowded_fleet.reads.most > 1, "one knob read at a time"
 
 
+def test_a_string_knob_choice_shows_as_it_is_on_the_push_button(crowded_fleet, monkeypatch):
+    """A target's choice for a string knob, [edge-x](http://x.invalid), was written into the push button's label,
+    which is Markdown: a link. (The knob's name is checked by the agent client, its value is not.)"""
+    at = crowd_form(crowded_fleet, CROWD[:2], monkeypatch)
+    (button,) = [b for b in at.button if b.label.startswith("Push mode")]
+    assert button.label == f"Push mode = ` {LINKED} ` to 2 device(s)"
+
+
 def test_a_push_costs_the_dashboard_little_cpu_per_device():
     """fleet.push built a new httpx client per device, each loading the TLS trust store into a context of its own
     (~20 ms of CPU), even for http://: 0.44 s of CPU to nineteen closed loopback ports (BENCHMARKS.md)."""

@@ -99,8 +99,8 @@ def push_form(rows: list[fleet.Device], tokens: dict[str, str]) -> None:
     lock = auth.control_lock()
     if lock:
         st.info(lock, icon=":material/lock:")
-    if st.button(f"Push {name} = {transforms.value_text(name, value)} to {len(targets)} device(s)", type="primary",
-                 disabled=bool(lock)):
+    chosen_value = transforms.literal(transforms.value_text(name, value))      # a target's choice: shown as it is
+    if st.button(f"Push {name} = {chosen_value} to {len(targets)} device(s)", type="primary", disabled=bool(lock)):
         lock = auth.control_lock()      # again at send time: a browser can click a disabled button
         st.session_state["fleet-push"] = ([fleet.PushResult(d.name, f"not sent: {lock}") for d in targets] if lock
                                           else fleet.push(targets, {name: value}, tokens, default_token))
