@@ -211,6 +211,13 @@ def alert_rows(rows: Iterable[Device]) -> list[dict[str, str]]:
              "description": a.description or MISSING} for name, a in firing]
 
 
+def trouble_first(rows: Iterable[Device]) -> list[Device]:
+    """The devices as the page lists them, trouble on top: those down, then those up; in each, by their most
+    urgent firing alert (critical first, none last), then by name."""
+    return sorted(rows, key=lambda d: (d.up, min((a.urgency for a in d.alerts), default=len(SEVERITIES) + 1),
+                                       d.name))
+
+
 def duplicate_names(rows: Iterable[Device]) -> list[str]:
     """Device names two agents share: their figures are summed together, so each needs its own."""
     counts = Counter(d.name for d in rows)

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 import streamlit as st
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import Page, expect, sync_playwright
 from streamlit import config
 from streamlit.testing.v1 import AppTest
 
@@ -114,6 +114,26 @@ def scraped(f: Fleet) -> None:
              "FlashMoEAgentDown to fire for the dead address")
 
 
+@contextmanager
+def fleet_page(tmp_path: Path, env: dict[str, str]) -> Iterator[Page]:
+    """A dashboard server with `env` (FLASHMOE_PROMETHEUS_URL...) and its /fleet page in Chromium."""
+    port, log = free_port(), tmp_path / "dashboard.log"
+    dashboard = spawn([str(Path(sys.executable).with_name("streamlit")), "run", APP, "--server.headless", "true",
+                       "--server.port", str(port), "--server.address", "127.0.0.1",
+                       "--browser.gatherUsageStats", "false"], log,
+                      env={"FLASHMOE_DB": str(tmp_path / "none.db"), **env})
+    try:
+        wait_http(f"http://127.0.0.1:{port}/_stcore/health", dashboard, log)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            page = browser.new_context(viewport={"width": 1600, "height": 1100}).new_page()
+            page.goto(f"http://127.0.0.1:{port}/fleet")
+            yield page
+            browser.close()
+    finally:
+        stop(dashboard)
+
+
 def knob(agent: Agent, name: str):
     return httpx.get(f"{agent.url}/v1/knobs", timeout=10).json()[name]["value"]
 
@@ -121,50 +141,36 @@ def knob(agent: Agent, name: str):
 @pytest.mark.browser
 def test_fleet_page_shows_every_device_and_pushes_to_the_two_chosen(real_fleet, tmp_path):
     scraped(real_fleet)
-    port, log = free_port(), tmp_path / "dashboard.log"
-    dashboard = spawn([str(Path(sys.executable).with_name("streamlit")), "run", APP, "--server.headless", "true",
-                       "--server.port", str(port), "--server.address", "127.0.0.1",
-                       "--browser.gatherUsageStats", "false"], log,
-                      env={"FLASHMOE_PROMETHEUS_URL": real_fleet.prometheus.url,
-                           "FLASHMOE_FLEET_TOKENS": str(real_fleet.tokens_file),
-                           "FLASHMOE_DB": str(tmp_path / "none.db")})
     before = {name: knob(agent, "max_batch_size") for name, agent in real_fleet.agents.items()}
     new = before["edge-a"] - 1
-    try:
-        wait_http(f"http://127.0.0.1:{port}/_stcore/health", dashboard, log)
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-            page = browser.new_context(viewport={"width": 1600, "height": 1100}).new_page()
-            page.goto(f"http://127.0.0.1:{port}/fleet")
-            tables = page.get_by_test_id("stDataFrame")
-            cells = tables.first.locator("td[role=gridcell]")     # the grid's accessible copy
-            for text in (*DEVICES, real_fleet.dead, "FlashMoEAgentDown"):
-                expect(cells.filter(has_text=re.compile(f"^{re.escape(text)}$"))).to_have_count(
-                    1, timeout=RENDER_TIMEOUT_MS)
-            alerts = tables.nth(1).locator("td[role=gridcell]")     # the firing alerts, with what they say
-            for text in ("critical", f"FlashMoE agent {real_fleet.dead} is not answering its scrape"):
-                expect(alerts.filter(has_text=text).first).to_be_attached(timeout=RENDER_TIMEOUT_MS)
-            expect(page.get_by_test_id("stMetric").filter(has_text="Firing alerts")).to_contain_text("1")
+    with fleet_page(tmp_path, {"FLASHMOE_PROMETHEUS_URL": real_fleet.prometheus.url,
+                               "FLASHMOE_FLEET_TOKENS": str(real_fleet.tokens_file)}) as page:
+        tables = page.get_by_test_id("stDataFrame")
+        cells = tables.first.locator("td[role=gridcell]")     # the grid's accessible copy
+        for text in (*DEVICES, real_fleet.dead, "FlashMoEAgentDown"):
+            expect(cells.filter(has_text=re.compile(f"^{re.escape(text)}$"))).to_have_count(
+                1, timeout=RENDER_TIMEOUT_MS)
+        alerts = tables.nth(1).locator("td[role=gridcell]")     # the firing alerts, with what they say
+        for text in ("critical", f"FlashMoE agent {real_fleet.dead} is not answering its scrape"):
+            expect(alerts.filter(has_text=text).first).to_be_attached(timeout=RENDER_TIMEOUT_MS)
+        expect(page.get_by_test_id("stMetric").filter(has_text="Firing alerts")).to_contain_text("1")
 
-            devices = page.get_by_test_id("stMultiSelect")
-            for name in ("edge-a", "edge-b"):
-                devices.click()
-                page.get_by_role("option", name=name, exact=True).click()
-            page.get_by_test_id("stSelectbox").filter(has_text="Knob").click()
-            page.get_by_role("option", name="max_batch_size", exact=True).click()
-            field = page.get_by_role("spinbutton", name="max_batch_size", exact=True)
-            field.fill(str(new))
-            field.press("Enter")
-            page.get_by_role("button", name=f"Push max_batch_size = {new} to 2 device(s)").click()
-            expect(page.get_by_text("2 of 2 agents accepted the change")).to_be_visible(timeout=RENDER_TIMEOUT_MS)
-            for name in ("edge-a", "edge-b"):
-                expect(page.get_by_test_id("stTable").first.locator("tr", has_text=name)).to_contain_text(
-                    f"accepted: max_batch_size = {new}")
-            out = Path(os.environ.get("FLASHMOE_SCREENSHOT_DIR", tmp_path))
-            picture(page, out / "fleet.png")
-            browser.close()
-    finally:
-        stop(dashboard)
+        devices = page.get_by_test_id("stMultiSelect")
+        for name in ("edge-a", "edge-b"):
+            devices.click()
+            page.get_by_role("option", name=name, exact=True).click()
+        page.get_by_test_id("stSelectbox").filter(has_text="Knob").click()
+        page.get_by_role("option", name="max_batch_size", exact=True).click()
+        field = page.get_by_role("spinbutton", name="max_batch_size", exact=True)
+        field.fill(str(new))
+        field.press("Enter")
+        page.get_by_role("button", name=f"Push max_batch_size = {new} to 2 device(s)").click()
+        expect(page.get_by_text("2 of 2 agents accepted the change")).to_be_visible(timeout=RENDER_TIMEOUT_MS)
+        for name in ("edge-a", "edge-b"):
+            expect(page.get_by_test_id("stTable").first.locator("tr", has_text=name)).to_contain_text(
+                f"accepted: max_batch_size = {new}")
+        out = Path(os.environ.get("FLASHMOE_SCREENSHOT_DIR", tmp_path))
+        picture(page, out / "fleet.png")
     after = {name: knob(agent, "max_batch_size") for name, agent in real_fleet.agents.items()}
     assert after == {**before, "edge-a": new, "edge-b": new}
 
@@ -332,29 +338,18 @@ def test_a_target_answering_knobs_of_another_shape_is_one_line_in_the_push_form(
 def test_device_names_with_markdown_show_as_they_are(foreign_fleet, tmp_path):
     """A name a target reports, [edge-x](http://x.invalid), rendered as a link in the duplicate-name warning. (The
     push form's line naming a target is checked as text by the test above.)"""
-    port, log = free_port(), tmp_path / "dashboard.log"
-    dashboard = spawn([str(Path(sys.executable).with_name("streamlit")), "run", APP, "--server.headless", "true",
-                       "--server.port", str(port), "--server.address", "127.0.0.1",
-                       "--browser.gatherUsageStats", "false"], log,
-                      env={"FLASHMOE_PROMETHEUS_URL": foreign_fleet, "FLASHMOE_DB": str(tmp_path / "none.db")})
-    try:
-        wait_http(f"http://127.0.0.1:{port}/_stcore/health", dashboard, log)
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-            page = browser.new_page()
-            page.goto(f"http://127.0.0.1:{port}/fleet")
-            warning = page.get_by_test_id("stAlert").filter(has_text="Two agents call themselves")
-            expect(warning).to_contain_text(f"Two agents call themselves {LINKED}:", timeout=RENDER_TIMEOUT_MS)
-            caption = page.get_by_test_id("stCaptionContainer").filter(has_text="is not offered")
-            expect(caption).to_contain_text(f"{LINKED} is not offered")
-            expect(page.locator("a[href*='.invalid']")).to_have_count(0)
-            browser.close()
-    finally:
-        stop(dashboard)
+    with fleet_page(tmp_path, {"FLASHMOE_PROMETHEUS_URL": foreign_fleet}) as page:
+        warning = page.get_by_test_id("stAlert").filter(has_text="Two agents call themselves")
+        expect(warning).to_contain_text(f"Two agents call themselves {LINKED}:", timeout=RENDER_TIMEOUT_MS)
+        caption = page.get_by_test_id("stCaptionContainer").filter(has_text="is not offered")
+        expect(caption).to_contain_text(f"{LINKED} is not offered")
+        expect(page.locator("a[href*='.invalid']")).to_have_count(0)
+
 
 CROWD = [f"edge-{i:02d}" for i in range(1, 13)]     # more than the ten rows st.dataframe's default height holds
 MODE = {"mode": {"type": "str", "value": LINKED, "choices": [LINKED, "plain"]}}     # a choice with Markdown
 READ_S = 0.3                # each crowd target's answer to GET /v1/knobs
+ROW_PX = 35                 # a row's height, and the header's, in Streamlit's data grid
 
 
 @dataclass
@@ -372,6 +367,18 @@ def crowded_fleet(tmp_path_factory) -> Iterator[Crowd]:
     servers = [imitation(name, MODE, READ_S, reads) for name in CROWD]
     with scraping(servers, tmp_path_factory.mktemp("crowd"), dead) as url:
         yield Crowd(url, dead, reads)
+
+
+@pytest.mark.browser
+def test_the_table_shows_every_device_without_scrolling(crowded_fleet, tmp_path):
+    """The table had Streamlit's default height, ten rows: with twenty boxes, edge-11..20 were below its fold, the
+    one down among them (BENCHMARKS.md, the Fleet view at twenty boxes)."""
+    with fleet_page(tmp_path, {"FLASHMOE_PROMETHEUS_URL": crowded_fleet.url}) as page:
+        expect(page.get_by_test_id("stMetric").filter(has_text="Devices")).to_contain_text(
+            str(len(CROWD) + 1), timeout=RENDER_TIMEOUT_MS)
+        grid = page.get_by_test_id("stDataFrame").first
+        grid.locator("td[role=gridcell]").first.wait_for(state="attached", timeout=RENDER_TIMEOUT_MS)
+        assert grid.bounding_box()["height"] >= ROW_PX * (len(CROWD) + 2)      # the header and thirteen rows
 
 
 def crowd_form(crowd: Crowd, chosen: list[str], monkeypatch) -> AppTest:
@@ -468,6 +475,15 @@ def test_devices_joins_targets_figures_alerts_and_memory_by_device_name():
         *({"severity": "warning", "device": "edge-b", "alert": name, "summary": f"{name} summary", "value": "0.25",
            "active since": "2026-12-01 10:00:00 UTC", "description": f"{name} description"}
           for name in (THRASH, PRESSURE))]
+
+
+def test_the_table_lists_devices_down_then_alerting_then_the_rest():
+    def device(name: str, up: bool = True, *severities: str) -> fleet.Device:
+        return fleet.Device(name, name, f"http://{name}", "", up,
+                            alerts=[fleet.Alert("A", s, None, None, None, None) for s in severities])
+    rows = [device("edge-a"), device("edge-b", True, "warning"), device("edge-c", True, "info", "critical"),
+            device("edge-d", True, "info"), device("edge-z", False, "critical"), device("edge-y", False)]
+    assert [d.name for d in fleet.trouble_first(rows)] == ["edge-z", "edge-y", "edge-c", "edge-b", "edge-d", "edge-a"]
 
 
 def test_only_agents_up_under_a_name_of_their_own_are_pushable():

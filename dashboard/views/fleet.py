@@ -66,8 +66,8 @@ def overview(url: str) -> None:
     for name in fleet.duplicate_names(rows):
         st.warning(f"Two agents call themselves {transforms.literal(name)}: their figures are summed; give each its "
                    f"own `serve --device-name`.", icon=":material/warning:")
-    st.dataframe(table(rows), hide_index=True, width="stretch", column_config=COLUMNS,
-                 placeholder=MISSING)
+    st.dataframe(table(fleet.trouble_first(rows)), hide_index=True, width="stretch", height="content",
+                 column_config=COLUMNS, placeholder=MISSING)      # every row: "auto" holds ten
     if firing:
         st.markdown("**Firing alerts**")
         st.dataframe(pd.DataFrame(firing), hide_index=True, width="stretch", column_config=ALERT_COLUMNS)
