@@ -11,9 +11,9 @@ For each server the bench then measures:
 - the page's first full render in AppTest with cold caches (every device row in its table), median of
   --renders, wall and CPU; and in Chromium (playwright), a dashboard server's /fleet until the Devices count
   is N and the table's grid holds rows, with how many device rows the grid's height holds in view;
-- a knob push to every agent up through dashboard.fleet.push, median of --pushes, after each of which every
-  agent must report the new value by GET /v1/knobs; and the page's push form with every agent chosen (it
-  reads each agent's knobs);
+- a knob push to every agent up through dashboard.fleet.push, median of --pushes (wall, and the CPU of the
+  process it runs in), after each of which every agent must report the new value by GET /v1/knobs; and the
+  page's push form with every agent chosen (it reads each agent's knobs);
 - the agents' RSS and PSS, the machine's MemAvailable before they started and after their traffic,
   Prometheus's CPU from the kill to the last milestone and its RSS.
 Ratios are the large fleet's figure over the small one's.
@@ -212,26 +212,26 @@ def knob(agent: Agent) -> Any:
     return httpx.get(f"{agent.url}/v1/knobs", timeout=10).json()[KNOB]["value"]
 
 
-def push(case: Case, value: int) -> float:
-    """`KNOB = value` to every agent the page would offer, through dashboard.fleet.push; its seconds. Every
-    agent up must accept it and then report it."""
+def push(case: Case, value: int) -> tuple[float, float]:
+    """`KNOB = value` to every agent the page would offer, through dashboard.fleet.push; its wall seconds and
+    this process's CPU seconds meanwhile. Every agent up must accept it and then report it."""
     online, _ = fleet.pushable(fleet.devices(fleet.Prometheus(case.prometheus.url).snapshot()))
     if sorted(online) != sorted(case.up):
         raise RuntimeError(f"{case.label}: the page offers {sorted(online)}, not the agents up {sorted(case.up)}")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     answers = fleet.push(list(online.values()), {KNOB: value}, {n: token(n) for n in online}, None)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     refused = [(r.device, r.answer) for r in answers if not r.accepted]
     reported = {name: knob(agent) for name, agent in case.up.items()}
     if refused or set(reported.values()) != {value}:
         raise RuntimeError(f"{case.label}: push of {KNOB} = {value}: refused {refused}, then reported {reported}")
-    return seconds
+    return seconds, cpu
 
 
 def pushes(case: Case, values: list[int]) -> dict[str, Any]:
-    seconds = [push(case, v) for v in values]
-    return {"pushed_to": len(case.up), "push_s": statistics.median(seconds), "push_s_all": seconds,
-            "all_report_new_value": True}
+    seconds, cpus = zip(*(push(case, v) for v in values))
+    return {"pushed_to": len(case.up), "push_s": statistics.median(seconds), "push_s_all": list(seconds),
+            "push_cpu_s": statistics.median(cpus), "all_report_new_value": True}
 
 
 def push_form(case: Case) -> dict[str, Any]:
@@ -345,6 +345,7 @@ ROWS = [  # (label, key in a case, format)
     ("  device rows in view without scrolling", "rows_in_view", "{}"),
     ("  dashboard server CPU (s)", "dashboard_cpu_s", "{:.2f}"),
     ("push to every agent up (s)", "push_s", "{:.3f}"),
+    ("  its CPU in the dashboard's process (s)", "push_cpu_s", "{:.3f}"),
     ("push form, every agent up chosen (s)", "push_form_s", "{:.2f}"),
     ("Prometheus CPU while pending (cores)", "prometheus_cpu_cores", "{:.3f}"),
     ("Prometheus RSS (MiB)", "prometheus_rss_bytes", "{:.0f}"),

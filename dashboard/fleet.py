@@ -14,12 +14,12 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -37,6 +37,7 @@ TOKENS_ENV = "FLASHMOE_FLEET_TOKENS"
 AGENT_JOB = "flashmoe"
 DASHBOARD_PORT = 8501           # where a device's own dashboard is, unless its target has a `dashboard` label
 TIMEOUT_S = 5
+AT_ONCE = 8                     # agents asked at the same time (a push, the push form's reading of knobs)
 NAME_LOOKBACK = "1d"            # a device that went down keeps its name on the page this long
 FIGURES = {                     # Device field -> the series examples/alerts.yml records
     "hit_rate": "device_name:flashmoe_expert_cache_hit_ratio:rate5m",
@@ -210,6 +211,13 @@ def alert_rows(rows: Iterable[Device]) -> list[dict[str, str]]:
              "description": a.description or MISSING} for name, a in firing]
 
 
+def trouble_first(rows: Iterable[Device]) -> list[Device]:
+    """The devices as the page lists them, trouble on top: those down, then those up; in each, by their most
+    urgent firing alert (critical first, none last), then by name."""
+    return sorted(rows, key=lambda d: (d.up, min((a.urgency for a in d.alerts), default=len(SEVERITIES) + 1),
+                                       d.name))
+
+
 def duplicate_names(rows: Iterable[Device]) -> list[str]:
     """Device names two agents share: their figures are summed together, so each needs its own."""
     counts = Counter(d.name for d in rows)
@@ -264,9 +272,18 @@ def push(targets: list[Device], changes: dict[str, Any], tokens: Mapping[str, st
     """Send `changes` to every target's agent at once, each with its device's token, and collect each
     answer. An agent validates a change all or nothing, so a device that refuses is left as it was."""
     def one(device: Device) -> PushResult:
-        return PushResult(device.name, Agent(device.agent_url, tokens.get(device.name, default_token)).push(changes))
-    with ThreadPoolExecutor(max_workers=min(8, len(targets)) or 1) as pool:
-        return list(pool.map(one, targets))
+        with Agent(device.agent_url, tokens.get(device.name, default_token)) as agent:
+            return PushResult(device.name, agent.push(changes))
+    return each(targets, one)
+
+
+T = TypeVar("T")
+
+
+def each(targets: list[Device], call: Callable[[Device], T]) -> list[T]:
+    """`call` on every target, AT_ONCE at a time: the answers in the targets' order."""
+    with ThreadPoolExecutor(max_workers=min(AT_ONCE, len(targets)) or 1) as pool:
+        return list(pool.map(call, targets))
 
 
 def settings() -> tuple[str | None, str | None, str | None]:

@@ -66,8 +66,8 @@ def overview(url: str) -> None:
     for name in fleet.duplicate_names(rows):
         st.warning(f"Two agents call themselves {transforms.literal(name)}: their figures are summed; give each its "
                    f"own `serve --device-name`.", icon=":material/warning:")
-    st.dataframe(table(rows), hide_index=True, width="stretch", column_config=COLUMNS,
-                 placeholder=MISSING)
+    st.dataframe(table(fleet.trouble_first(rows)), hide_index=True, width="stretch", height="content",
+                 column_config=COLUMNS, placeholder=MISSING)      # every row: "auto" holds ten
     if firing:
         st.markdown("**Firing alerts**")
         st.dataframe(pd.DataFrame(firing), hide_index=True, width="stretch", column_config=ALERT_COLUMNS)
@@ -88,7 +88,7 @@ def push_form(rows: list[fleet.Device], tokens: dict[str, str]) -> None:
         st.caption("Select one or more devices to push a knob change to.")
         return
     targets = [online[name] for name in chosen]
-    described = {d.name: data.agent_knobs(d.agent_url, None) for d in targets}
+    described = dict(zip(chosen, fleet.each(targets, lambda d: data.agent_knobs(d.agent_url, None))))
     first = described[targets[0].name]
     if isinstance(first, str):
         st.error(f"{transforms.literal(targets[0].name)}: {first}")
@@ -99,8 +99,8 @@ def push_form(rows: list[fleet.Device], tokens: dict[str, str]) -> None:
     lock = auth.control_lock()
     if lock:
         st.info(lock, icon=":material/lock:")
-    if st.button(f"Push {name} = {transforms.value_text(name, value)} to {len(targets)} device(s)", type="primary",
-                 disabled=bool(lock)):
+    chosen_value = transforms.literal(transforms.value_text(name, value))      # a target's choice: shown as it is
+    if st.button(f"Push {name} = {chosen_value} to {len(targets)} device(s)", type="primary", disabled=bool(lock)):
         lock = auth.control_lock()      # again at send time: a browser can click a disabled button
         st.session_state["fleet-push"] = ([fleet.PushResult(d.name, f"not sent: {lock}") for d in targets] if lock
                                           else fleet.push(targets, {name: value}, tokens, default_token))
