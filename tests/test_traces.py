@@ -21,6 +21,15 @@ def meta(**over):
     return {"model": "tiny", "layers": 2, "top_k": 2, "n_experts": 8, **over}
 
 
+@pytest.mark.parametrize("prompt", ["prose", "code", "math", "dialogue"])
+def test_the_granite_traces_are_granite_3b_a800m_decode_routing(prompt):
+    """The unseen architecture of BENCHMARKS.md's "A fourth architecture": 32 layers, 8 of 40 experts a step; the
+    meta leaves n_experts null, so the ids say how many (simulate --experts 40 states it)."""
+    t = read_jsonl(DATA / f"granite_{prompt}.jsonl")
+    assert (t.n_tokens, t.n_layers, t.top_k, t.n_experts) == (512, 32, 8, 40)
+    assert all(len(set(t.routed(step, layer).tolist())) == 8 for step in (0, 255, 511) for layer in (0, 31))
+
+
 def test_decode_trace_reads_as_published():
     t = read_jsonl(DATA / "olmoe_math.jsonl")
     assert (t.name, t.n_tokens, t.n_layers, t.n_experts, t.top_k) == ("olmoe_math", 512, 16, 64, 8)
