@@ -143,6 +143,15 @@ def test_an_address_that_is_not_the_agent_is_a_clear_error(html_server):
             "(text/html); pass the agent's address as --agent-url") in r.stderr
 
 
+def test_an_address_that_answers_json_of_another_shape_is_a_clear_error(json_server):
+    """Another service at the address (JSON without the agent's fields) ended warm-up in a KeyError traceback."""
+    r = subprocess.run([*CLI, "warmup", str(EXAMPLE), "--agent-url", json_server],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert (f"{json_server}/v1/status is not a FlashMoE agent: it answered GET without `model` (str); pass the "
+            "agent's address as --agent-url") in r.stderr
+
+
 @pytest.mark.parametrize("damage, words", [
     (lambda d: shutil.rmtree(d), "does not exist, so"),
     (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json holds a JSON list"),
