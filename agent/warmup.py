@@ -136,8 +136,18 @@ def _agent(method: str, url: str, token: str | None, fields: dict[str, type], **
         raise WarmupError(f"the agent at {url} did not answer ({type(exc).__name__}); start it with "
                           f"flashmoe-cli serve, or pass --model DIR to only report the hot experts") from None
     if response.status_code >= 400:
-        raise WarmupError(f"the agent refused {method} {url} ({response.status_code}): {response.text[:300]}")
+        raise WarmupError(f"the agent refused {method} {url} with {answered(response)}")
     return agent_answer(response, fields)
+
+
+def answered(response: Any) -> str:
+    """The status and the agent's own reason (its OpenAI-style error message), on one line: httpx's message
+    named only the status, and the raw body, cut at 300 characters, repeated the reason and lost its end."""
+    try:
+        reason = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):   # not the agent's error shape: a proxy's page, say
+        reason = response.text[:300]
+    return f"{response.status_code}: {' '.join(str(reason).split())}"
 
 
 def agent_answer(response: Any, fields: dict[str, type]) -> dict[str, Any]:
@@ -157,7 +167,8 @@ def agent_answer(response: Any, fields: dict[str, type]) -> dict[str, Any]:
             value = value.get(key) if isinstance(value, dict) else None
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
             raise WarmupError(f"{url} is not a FlashMoE agent: it answered {method} without `{name}` "
-                              f"({kind.__name__}); pass the agent's address as --agent-url (default {DEFAULT_AGENT_URL})")
+                              f"({kind.__name__}); pass the agent's address as --agent-url "
+                              f"(default {DEFAULT_AGENT_URL})")
     return answer
 
 

@@ -108,6 +108,7 @@ def test_the_token_is_taken_as_serve_takes_it_and_on_the_command_line_with_a_war
         by_flag, by_file, by_shared_file = warmup("--token", token), warmup("--token-file", str(private)), \
             warmup("--token-file", str(shared))
         unreadable = warmup("--token-file", str(tmp_path / "absent"))
+        without = warmup()
     finally:
         agent.stop()
     assert by_flag.returncode == by_file.returncode == by_shared_file.returncode == 0, by_flag.stderr + by_file.stderr
@@ -118,6 +119,10 @@ def test_the_token_is_taken_as_serve_takes_it_and_on_the_command_line_with_a_war
         f"cannot read --token-file {tmp_path / 'absent'}: No such file or directory; give a file holding the token "
         f"on its first line"), unreadable.stderr
     assert token not in by_flag.stderr + by_file.stderr + by_shared_file.stderr + unreadable.stderr
+    # the agent's reason, whole: it was the raw JSON body cut at 300 characters, the reason twice and its end lost
+    assert without.returncode == 2 and without.stderr.splitlines()[-1].endswith(
+        "/v1/cache/preload with 401: this control call needs the agent's token: send 'Authorization: Bearer <token>' "
+        "(the one the agent was started with: FLASHMOE_TOKEN, --token-file or --token)"), without.stderr
 
 
 def test_an_absent_agent_is_a_clear_error():
