@@ -108,9 +108,10 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.mark.parametrize("argv, code, said", [(["/nonexistent/honcho", "start"], 127, "cannot start /nonexistent/honcho"),
-                                              (["/etc/passwd"], 126, "cannot start /etc/passwd: Permission denied"),
-                                              ([], 2, "usage:")])
+@pytest.mark.parametrize("argv, code, said", [
+    (["/nonexistent/honcho", "start"], 127, "cannot start /nonexistent/honcho"),
+    (["/etc/passwd"], 126, "cannot start /etc/passwd: Permission denied"),
+    ([], 2, "usage:")])
 def test_a_runner_that_cannot_start_is_one_line_not_a_traceback(argv, code, said):
     """A venv without honcho (or no runner given) ended the runner in a FileNotFoundError or IndexError traceback."""
     done = subprocess.run([sys.executable, "-m", "agent.run_procfile", *argv], cwd=ROOT, capture_output=True,
