@@ -139,22 +139,17 @@ def test_an_agent_url_that_is_no_address_is_one_line(url):
     assert "is not an agent's address" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_an_address_that_is_not_the_agent_is_a_clear_error(html_server):
-    """The dashboard's port answers every path with its page: warm-up ended in a JSONDecodeError traceback."""
-    r = subprocess.run([*CLI, "warmup", str(EXAMPLE), "--agent-url", html_server],
-                       capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("server, answered", [
+    ("html_server", "with something other than JSON (text/html)"),   # the dashboard's port: a JSONDecodeError
+    ("json_server", "without `model` (str)"),   # another service's JSON (round 8): a KeyError traceback
+])
+def test_an_address_that_is_not_the_agent_is_a_clear_error(request, server, answered):
+    """An address that answers what no agent does ended warm-up in a traceback."""
+    url = request.getfixturevalue(server)
+    r = subprocess.run([*CLI, "warmup", str(EXAMPLE), "--agent-url", url], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert (f"{html_server}/v1/status is not a FlashMoE agent: it answered GET with something other than JSON "
-            "(text/html); pass the agent's address as --agent-url") in r.stderr
-
-
-def test_an_address_that_answers_json_of_another_shape_is_a_clear_error(json_server):
-    """Another service at the address (JSON without the agent's fields) ended warm-up in a KeyError traceback."""
-    r = subprocess.run([*CLI, "warmup", str(EXAMPLE), "--agent-url", json_server],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert (f"{json_server}/v1/status is not a FlashMoE agent: it answered GET without `model` (str); pass the "
-            "agent's address as --agent-url") in r.stderr
+    assert f"{url}/v1/status is not a FlashMoE agent: it answered GET {answered}; pass the agent's address as " \
+           "--agent-url" in r.stderr
 
 
 @pytest.mark.parametrize("damage, words", [
