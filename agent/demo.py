@@ -35,7 +35,7 @@ import numpy as np
 
 from agent.convert.errors import CheckpointError
 from agent.convert.safetensors_io import payload_bytes
-from agent.convert.store_writer import StoreShape, StoreWriter, check_outside_models, filled_up
+from agent.convert.store_writer import StoreShape, StoreWriter, check_outside_models, filled_up, followed
 from agent.experts.layout import CONFIG, DENSE, EXPERTS, INDEX, Index, StoreError
 from agent.shapes import SHAPES, ShapeError, init_shape, shape_config
 from agent.tokenizer import TOKENIZER_JSON, byte_level_tokenizer_json
@@ -100,7 +100,7 @@ def init_demo(out: Path = DEFAULT_OUT, size: str = "default") -> Path:
     """Write the demo model to `out` unless a complete one of this size is already there."""
     if size not in SIZES:
         raise DemoError(f"unknown demo size {size!r}; choose one of {', '.join(SIZES)}")
-    out = Path(out).expanduser()
+    out = followed(Path(out).expanduser(), "--out")
     config = demo_config(size)
     if is_complete(out, config):
         log.info("demo model in %s is complete (%s); nothing to do", out, size)

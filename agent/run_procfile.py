@@ -58,8 +58,16 @@ def read(reader: int) -> bytes:
 
 def run(argv: list[str]) -> int:
     """Run `argv` in a session of its own with our stop signals passed on; its exit code (128 + a signal's)."""
+    if not argv:
+        print("usage: python -m agent.run_procfile RUNNER [ARG ...], e.g. .venv/bin/honcho start", file=sys.stderr)
+        return 2
     reader, writer = output_channel()
-    runner = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=writer, stderr=writer, start_new_session=True)
+    try:
+        runner = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=writer, stderr=writer, start_new_session=True)
+    except OSError as exc:   # a venv without honcho, or a broken one: one line, as a shell says it, not a traceback
+        print(f"cannot start {argv[0]}: {exc.strerror}; `make demo` installs honcho into .venv from requirements.txt",
+              file=sys.stderr)
+        return 127 if isinstance(exc, FileNotFoundError) else 126
     os.close(writer)
     for ours, theirs in PASSED_ON.items():
         signal.signal(ours, lambda _signum, _frame, theirs=theirs: runner.send_signal(theirs))

@@ -28,7 +28,7 @@ import torch
 from agent.atomic_file import missing_parents, remove_empty
 from agent.convert.checkpoint import SHARD_INDEX
 from agent.convert.safetensors_io import Lazy, write_safetensors
-from agent.convert.store_writer import STORE_FILES, check_outside_models, check_room, foreign_names, listed
+from agent.convert.store_writer import STORE_FILES, check_outside_models, check_room, followed, foreign_names, listed
 from agent.experts.layout import CONFIG, INDEX, Index, StoreError
 from agent.model.config import MoEConfig
 
@@ -167,7 +167,7 @@ def init_shape(config: dict[str, Any], out: Path, drop_hf: bool = False) -> Path
     whole checkpoint whose conversion failed (a full disk) is kept for the rerun to convert."""
     from agent.convert import convert
     from agent.experts.reader import check_blocks
-    out = Path(out)
+    out = followed(Path(out), "--out")
     hf, store = out / "hf", out / "store"
     if _converted(store, config):
         log.info("%s already holds this model; nothing to do", store)

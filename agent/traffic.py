@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from agent.argtypes import count
-from agent.warmup import DEFAULT_AGENT_URL, WarmupError, check_agent_url, load_prompts
+from agent.warmup import DEFAULT_AGENT_URL, WarmupError, agent_answer, answered, check_agent_url, load_prompts
 
 log = logging.getLogger(__name__)
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "examples" / "benchmark_input.json"
@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 RETRIED = (408, 429)  # client errors that a later attempt can get past
+COMPLETION = {"choices": list, "usage": dict}   # what an agent's completion holds, checked in each answer
 
 
 def client(url: str, prompts: list, max_tokens: int, requests: int, pause: float, seed: int,
@@ -56,28 +57,22 @@ def client(url: str, prompts: list, max_tokens: int, requests: int, pause: float
                 reply = http.post("/v1/completions", json=body)
                 reply.raise_for_status()
                 sent += 1
-                log.debug("client %d: %s", seed, reply.json()["usage"])
+                log.debug("client %d: %s", seed, agent_answer(reply, COMPLETION)["usage"])
+            except WarmupError as exc:   # another service at the address: asking again would not help
+                refused.append(str(exc))
+                stop.set()
+                return
             except httpx.HTTPStatusError as exc:
                 if 400 <= exc.response.status_code < 500 and exc.response.status_code not in RETRIED:
-                    refused.append(f"the agent refused a request with {_answer(exc.response)}")
+                    refused.append(f"the agent refused a request with {answered(exc.response)}")
                     stop.set()
                     return
-                log.warning("client %d: the agent answered %s; retrying", seed, _answer(exc.response))
+                log.warning("client %d: the agent answered %s; retrying", seed, answered(exc.response))
                 stop.wait(2.0)
             except httpx.HTTPError as exc:
                 log.warning("client %d: %s; retrying", seed, exc)
                 stop.wait(2.0)
             stop.wait(pause)
-
-
-def _answer(response: httpx.Response) -> str:
-    """The status and the agent's own reason (its OpenAI-style error message), on one line; httpx's message
-    named only the status, on two lines with a link to a web page."""
-    try:
-        reason = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):   # not the agent's error shape: a proxy's page, say
-        reason = response.text[:300]
-    return f"{response.status_code}: {' '.join(str(reason).split())}"
 
 
 def run(args: argparse.Namespace) -> int:

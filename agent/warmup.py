@@ -126,7 +126,7 @@ def find_hot_experts(model_dir: Path, prompts: Prompts, per_layer: int) -> HotEx
 
 
 # -- the agent ---------------------------------------------------------------------------------------
-def _agent(method: str, url: str, token: str | None, **kwargs: Any) -> dict[str, Any]:
+def _agent(method: str, url: str, token: str | None, fields: dict[str, type], **kwargs: Any) -> dict[str, Any]:
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -136,13 +136,40 @@ def _agent(method: str, url: str, token: str | None, **kwargs: Any) -> dict[str,
         raise WarmupError(f"the agent at {url} did not answer ({type(exc).__name__}); start it with "
                           f"flashmoe-cli serve, or pass --model DIR to only report the hot experts") from None
     if response.status_code >= 400:
-        raise WarmupError(f"the agent refused {method} {url} ({response.status_code}): {response.text[:300]}")
+        raise WarmupError(f"the agent refused {method} {url} with {answered(response)}")
+    return agent_answer(response, fields)
+
+
+def answered(response: Any) -> str:
+    """The status and the agent's own reason (its OpenAI-style error message), on one line: httpx's message
+    named only the status, and the raw body, cut at 300 characters, repeated the reason and lost its end."""
     try:
-        return response.json()
+        reason = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):   # not the agent's error shape: a proxy's page, say
+        reason = response.text[:300]
+    return f"{response.status_code}: {' '.join(str(reason).split())}"
+
+
+def agent_answer(response: Any, fields: dict[str, type]) -> dict[str, Any]:
+    """The JSON object an httpx `response` holds if it has each of `fields` ("cache.capacity_experts": int) with
+    its type, else a WarmupError saying the address is no FlashMoE agent: another service there (the dashboard's
+    port, another model server) answers HTML or JSON of another shape, which was a traceback."""
+    method, url = response.request.method, str(response.request.url).split("?")[0]
+    try:
+        answer = response.json()
     except ValueError:   # e.g. the dashboard's port, which answers every path with its HTML page
         media = response.headers.get("content-type", "no content type")
         raise WarmupError(f"{url} is not a FlashMoE agent: it answered {method} with something other than JSON "
                           f"({media}); pass the agent's address as --agent-url (default {DEFAULT_AGENT_URL})") from None
+    for name, kind in fields.items():
+        value = answer
+        for key in name.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise WarmupError(f"{url} is not a FlashMoE agent: it answered {method} without `{name}` "
+                              f"({kind.__name__}); pass the agent's address as --agent-url "
+                              f"(default {DEFAULT_AGENT_URL})")
+    return answer
 
 
 def check_agent_url(url: str) -> None:
@@ -153,11 +180,14 @@ def check_agent_url(url: str) -> None:
 
 
 def agent_status(agent_url: str) -> dict[str, Any]:
-    return _agent("GET", f"{agent_url}/v1/status", None, params={"step_profiles": 0})
+    return _agent("GET", f"{agent_url}/v1/status", None, {"model": str, "cache.capacity_experts": int},
+                  params={"step_profiles": 0})
 
 
 def preload(agent_url: str, experts: list[tuple[int, int]], token: str | None) -> dict[str, Any]:
-    return _agent("POST", f"{agent_url}/v1/cache/preload", token, json={"experts": [list(k) for k in experts]})
+    return _agent("POST", f"{agent_url}/v1/cache/preload", token,
+                  {"loaded": int, "status.resident_experts": int, "status.capacity_experts": int},
+                  json={"experts": [list(k) for k in experts]})
 
 
 def warmup(file: Path, agent_url: str | None = None, model: Path | None = None, per_layer: int | None = None,

@@ -90,6 +90,7 @@ class Store:
         self.retry_s = retry_s
         self.busy_timeout_s = busy_timeout_s
         self.conn = open_database(self.path, busy_timeout_s, create, device_name)
+        self._file, self._gone = _identity(self.path), False
         self.lost = Lost()
         self._series = SeriesWriter(chunk_points)
         self._rows = RowWriter()
@@ -218,7 +219,18 @@ class Store:
                 outage, self._outage = self._outage, None
         if outage is not None:
             self._on_recovery(outage)
+        self._check_still_there()
         return True
+
+    def _check_still_there(self) -> None:
+        """Say once when the path no longer names the file written (`rm flashmoe.db` to start afresh, a file
+        moved over it): the writes went on into the removed file without a word, lost at exit, while every reader
+        said there was no store and to start the very writer that was running."""
+        gone = _identity(self.path) != self._file
+        if gone and not self._gone:
+            log.error("the store %s was removed or replaced while this process writes it: what it writes goes to "
+                      "the removed file and is lost when it stops; restart it to write a new store there", self.path)
+        self._gone = gone
 
     def _warn_if_held_long(self, held_s: float, series: int, rows: int) -> None:
         """Say so when a flush held the write lock past half the busy timeout: another writer waiting
@@ -355,3 +367,12 @@ def _free_bytes(path: Path) -> int:
     except OSError:
         return 0
     return st.f_bavail * st.f_frsize
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`, None if there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -444,8 +445,25 @@ def diagnose(db: str | Path, window: float = 300.0, until: float | None = None,
         disk = judge_disk(conn, until - window, until, verdict, cap_relief(known, rereads), buckets)
     finally:
         conn.close()
-    return Diagnosis(verdict, SUMMARIES[verdict], until - window, until, tuple(signals), tuple(unsampled),
-                     recommendation, disk)
+    summary = SUMMARIES[verdict] if verdict != "no data" else _no_data(db, until - window, until)
+    return Diagnosis(verdict, summary, until - window, until, tuple(signals), tuple(unsampled), recommendation, disk)
+
+
+def _no_data(db: str | Path, since: float, until: float) -> str:
+    """What "no data" says: a store whose memory samples lie outside the window (one copied from another box, a
+    collector stopped hours ago) was told to start the collector, as if it held none."""
+    held = [(i.t_first, i.t_last) for i in queries.series_info(db)
+            if i.points and i.name in {th.series for th in THRESHOLDS if th.side != "cache"}]
+    if not held:
+        return SUMMARIES["no data"]
+    first, last = min(a for a, _ in held), max(b for _, b in held)
+    return (f"no memory signal in the store for this window; it holds memory samples from {_utc(first)} to "
+            f"{_utc(last)}: judge that time (`flashmoe-cli diagnose --until {_utc(last)}`, or the dashboard's time "
+            f"range), or start the collector for the present.")
+
+
+def _utc(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # -- flashmoe-cli diagnose: a thin wrapper with the library's parameter names --------------------------

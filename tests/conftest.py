@@ -91,16 +91,17 @@ def pids_cgroup():
 
 @pytest.fixture
 def json_server() -> Iterator[str]:
-    """A loopback HTTP server that answers every GET and PUT with the JSON object {"x": 1}, as a JSON service
-    that is not our agent does: an address set to another service."""
+    """A loopback HTTP server that answers every GET, PUT and POST with the JSON object {"x": 1}, as a JSON
+    service that is not our agent does: an address set to another service."""
     class Other(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
             self.wfile.write(b'{"x": 1}')
 
-        do_PUT = do_GET
+        do_PUT = do_POST = do_GET
 
         def log_message(self, *args) -> None:
             pass

@@ -721,3 +721,33 @@ def test_a_directory_without_config_json_names_src_dir_not_model(tmp_path):
     (tmp_path / "hf").mkdir()
     message = _convert_fails(tmp_path / "hf", tmp_path / "store", f"{tmp_path / 'hf' / CONFIG} not found", "SRC_DIR")
     assert "--model" not in message
+
+
+@pytest.mark.parametrize("target", ["empty directory", "dangling", "store"])
+def test_a_destination_that_is_a_symlink_is_written_where_it_points(tmp_path, target):
+    """`ln -s /mnt/nvme/olmoe data/olmoe; convert hf data/olmoe` (a store on the SSD through a link) wrote every
+    block beside the link, on the link's disk, then failed: "[Errno 20] Not a directory" renaming it onto the link."""
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    ssd, link = tmp_path / "ssd" / "olmoe", tmp_path / "data" / "olmoe"
+    if target == "empty directory":
+        ssd.mkdir(parents=True)
+    elif target == "store":
+        convert(ckpt.path, ssd)
+    link.parent.mkdir()
+    link.symlink_to(ssd)
+    done = subprocess.run(CLI + ["convert", str(ckpt.path), str(link), "--overwrite"], cwd=REPO, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert link.is_symlink() and os.listdir(link.parent) == ["olmoe"], os.listdir(link.parent)
+    _assert_store_matches(ssd, ckpt)
+    assert os.listdir(ssd.parent) == ["olmoe"]     # nothing left beside it either
+
+
+def test_a_destination_that_is_a_symlink_loop_is_one_line(tmp_path):
+    ckpt = tiny_checkpoint("olmoe", tmp_path / "hf")
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    for dst in (tmp_path / "a", tmp_path / "a" / "store"):
+        bad = subprocess.run(CLI + ["convert", str(ckpt.path), str(dst)], cwd=REPO, capture_output=True, text=True)
+        assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        assert "is a symlink loop" in bad.stderr and "Traceback" not in bad.stderr

@@ -260,3 +260,15 @@ def test_cli_rejects_an_unknown_size(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice: 'huge'" in bad.stderr
     assert not (tmp_path / "d").exists()
+
+
+def test_init_demo_into_a_symlink_writes_where_it_points(tmp_path):
+    """`--out` a link to an empty directory (the demo on another disk) wrote the whole demo beside the link and
+    failed renaming it onto the link: "[Errno 20] Not a directory"."""
+    ssd, link = tmp_path / "ssd" / "demo", tmp_path / "demo"
+    ssd.mkdir(parents=True)
+    link.symlink_to(ssd)
+    made = subprocess.run(CLI + ["init-demo", "--out", str(link), "--size", "small"], cwd=REPO, capture_output=True,
+                          text=True)
+    assert made.returncode == 0, made.stderr
+    assert link.is_symlink() and (ssd / INDEX).is_file() and sorted(os.listdir(tmp_path)) == ["demo", "ssd"]

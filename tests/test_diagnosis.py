@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,20 @@ def test_no_memory_signal_is_no_data_without_a_recommendation(tmp_path):
     assert d.verdict == "no data" and "start the collector" in d.summary
     assert d.recommendation is None
     assert "mem.agent.majflt_per_s" in {th.series for th in d.unsampled}
+
+
+def test_memory_samples_outside_the_window_are_no_data_that_says_when_they_are(tmp_path):
+    """A store copied from another box, or whose collector stopped a day ago, was told to start the collector."""
+    path = write(tmp_path / "s.db", synthetic.MEMORY["healthy"])
+    d = diagnosis.diagnose(path, WINDOW, until=T0 + 86_400, knobs=KNOBS)
+    last = diagnosis._utc(T0)
+    assert d.verdict == "no data" and f"holds memory samples from {diagnosis._utc(T0 - WINDOW + 1)} to {last}" \
+        in d.summary and f"diagnose --until {last}`" in d.summary, d.summary
+    assert diagnosis.diagnose(path, WINDOW, until=datetime_of(last), knobs=KNOBS).verdict == "healthy"
+
+
+def datetime_of(utc: str) -> float:
+    return datetime.strptime(utc, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
 
 
 def test_calm_signals_are_healthy_and_each_says_its_threshold(tmp_path):

@@ -106,3 +106,15 @@ def running(pid: int) -> bool:
 def listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize("argv, code, said", [
+    (["/nonexistent/honcho", "start"], 127, "cannot start /nonexistent/honcho"),
+    (["/etc/passwd"], 126, "cannot start /etc/passwd: Permission denied"),
+    ([], 2, "usage:")])
+def test_a_runner_that_cannot_start_is_one_line_not_a_traceback(argv, code, said):
+    """A venv without honcho (or no runner given) ended the runner in a FileNotFoundError or IndexError traceback."""
+    done = subprocess.run([sys.executable, "-m", "agent.run_procfile", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == code and said in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.splitlines()) == 1

@@ -333,11 +333,16 @@ def test_sigterm_during_a_completion_answers_503_with_retry_after_not_its_text_s
         stop(agent.proc)
 
 
-def test_a_request_that_arrives_once_the_shutdown_began_is_503_with_retry_after(model, tmp_path):
-    """The scheduler, closed by the shutdown, refused it with a 503 that did not say when to retry."""
+@pytest.mark.parametrize("method, path, fields", [("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4}),
+                                                  ("PUT", "/v1/knobs", {"max_batch_size": 3}),
+                                                  ("POST", "/v1/cache/preload", {"experts": [[0, 0]]})])
+def test_a_request_that_arrives_once_the_shutdown_began_is_503_with_retry_after(model, tmp_path, method, path, fields):
+    """The scheduler, closed by the shutdown, refused a completion with a 503 that did not say when to retry; a
+    knob change or preload waited for the scheduler's ended thread until uvicorn's graceful timeout: a bare 500
+    after 10 s and a CancelledError traceback in the log (round 8)."""
     agent = start_agent(model, tmp_path)
-    body = json.dumps({"prompt": "hi", "max_tokens": 4}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    body = json.dumps(fields).encode()
+    head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     try:
         with socket.create_connection(("127.0.0.1", int(agent.url.rsplit(":", 1)[1])), timeout=60) as conn:
@@ -348,7 +353,9 @@ def test_a_request_that_arrives_once_the_shutdown_began_is_503_with_retry_after(
             conn.sendall(body[1:])
             answer = conn.makefile("rb").read().decode()
         assert answer.startswith("HTTP/1.1 503 ") and "\r\nretry-after: 5\r\n" in answer.lower(), answer
+        assert "shutting down" in answer
         assert agent.proc.wait(HONCHO_KILL_S) == 0
+        assert "Traceback" not in agent.log.read_text()
     finally:
         stop(agent.proc)
 

@@ -41,6 +41,25 @@ def test_flushed_points_reach_readers_before_the_chunk_is_full(path):
         assert chunk_sizes(path, "block.vda.util") == [15]      # the open chunk was rewritten
 
 
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_store_removed_or_replaced_under_its_writer_is_said_once(path, caplog, how):
+    """`rm flashmoe.db` while the agent ran: it wrote on into the removed file without a word, and the readers
+    said there was no store and to start the agent."""
+    with Store(path, autoflush_s=0) as store, caplog.at_level(logging.ERROR, logger="store.db"):
+        store.append("block.vda.util", T0, 0.5)
+        store.flush()
+        for name in ("flashmoe.db", "flashmoe.db-wal", "flashmoe.db-shm"):
+            (path.parent / name).unlink(missing_ok=True)
+        if how == "replaced":
+            path.write_bytes(b"")
+        for i in range(1, 4):
+            store.append("block.vda.util", T0 + i, 0.5)
+            store.flush()
+    said = [r.getMessage() for r in caplog.records if "was removed or replaced" in r.getMessage()]
+    assert said == [f"the store {path} was removed or replaced while this process writes it: what it writes goes to "
+                    f"the removed file and is lost when it stops; restart it to write a new store there"], said
+
+
 def test_autoflush_delivers_points_without_an_explicit_flush(path):
     store = Store(path, autoflush_s=0.2)
     try:

@@ -81,3 +81,12 @@ def test_bad_arguments_are_refused_before_any_request(args, words):
     done = subprocess.run([*CLI, "traffic", "--agent-url", "http://127.0.0.1:9", "--requests", "1", *args],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_address_that_answers_json_of_another_shape_stops_the_clients_in_one_line(json_server):
+    """Each client's thread ended in a KeyError traceback on another service's answer, and traffic exited 0."""
+    r = subprocess.run(CLI + ["traffic", "--agent-url", json_server, "--clients", "2", "--requests", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert (f"{json_server}/v1/completions is not a FlashMoE agent: it answered POST without `choices` (list)"
+            in r.stderr)

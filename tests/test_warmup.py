@@ -108,6 +108,7 @@ def test_the_token_is_taken_as_serve_takes_it_and_on_the_command_line_with_a_war
         by_flag, by_file, by_shared_file = warmup("--token", token), warmup("--token-file", str(private)), \
             warmup("--token-file", str(shared))
         unreadable = warmup("--token-file", str(tmp_path / "absent"))
+        without = warmup()
     finally:
         agent.stop()
     assert by_flag.returncode == by_file.returncode == by_shared_file.returncode == 0, by_flag.stderr + by_file.stderr
@@ -118,6 +119,10 @@ def test_the_token_is_taken_as_serve_takes_it_and_on_the_command_line_with_a_war
         f"cannot read --token-file {tmp_path / 'absent'}: No such file or directory; give a file holding the token "
         f"on its first line"), unreadable.stderr
     assert token not in by_flag.stderr + by_file.stderr + by_shared_file.stderr + unreadable.stderr
+    # the agent's reason, whole: it was the raw JSON body cut at 300 characters, the reason twice and its end lost
+    assert without.returncode == 2 and without.stderr.splitlines()[-1].endswith(
+        "/v1/cache/preload with 401: this control call needs the agent's token: send 'Authorization: Bearer <token>' "
+        "(the one the agent was started with: FLASHMOE_TOKEN, --token-file or --token)"), without.stderr
 
 
 def test_an_absent_agent_is_a_clear_error():
@@ -134,13 +139,17 @@ def test_an_agent_url_that_is_no_address_is_one_line(url):
     assert "is not an agent's address" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_an_address_that_is_not_the_agent_is_a_clear_error(html_server):
-    """The dashboard's port answers every path with its page: warm-up ended in a JSONDecodeError traceback."""
-    r = subprocess.run([*CLI, "warmup", str(EXAMPLE), "--agent-url", html_server],
-                       capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("server, answered", [
+    ("html_server", "with something other than JSON (text/html)"),   # the dashboard's port: a JSONDecodeError
+    ("json_server", "without `model` (str)"),   # another service's JSON (round 8): a KeyError traceback
+])
+def test_an_address_that_is_not_the_agent_is_a_clear_error(request, server, answered):
+    """An address that answers what no agent does ended warm-up in a traceback."""
+    url = request.getfixturevalue(server)
+    r = subprocess.run([*CLI, "warmup", str(EXAMPLE), "--agent-url", url], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert (f"{html_server}/v1/status is not a FlashMoE agent: it answered GET with something other than JSON "
-            "(text/html); pass the agent's address as --agent-url") in r.stderr
+    assert f"{url}/v1/status is not a FlashMoE agent: it answered GET {answered}; pass the agent's address as " \
+           "--agent-url" in r.stderr
 
 
 @pytest.mark.parametrize("damage, words", [

@@ -35,7 +35,8 @@ import torch
 from agent.convert.checkpoint import plan
 from agent.convert.errors import CheckpointError
 from agent.convert.safetensors_io import Span, payload_bytes
-from agent.convert.store_writer import StoreShape, StoreWriter, check_outside_models, check_replaceable, filled_up
+from agent.convert.store_writer import (StoreShape, StoreWriter, check_outside_models, check_replaceable, filled_up,
+                                        followed)
 from agent.experts.layout import QUANTS, Index
 from agent.experts.quant import INT8_KERNEL_K_MULTIPLE, QuantError, quantize_block
 
@@ -59,7 +60,7 @@ def convert(src: Path, dst: Path, overwrite: bool = False, progress: Progress | 
     and `dst` is no expert store).
     `progress(done, total)` is called after each block.
     """
-    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    src, dst = Path(src).expanduser(), followed(Path(dst).expanduser(), "DST_DIR")
     if quantize not in (None, AUTO, *QUANTS):
         raise CheckpointError(f"cannot quantize to {quantize!r}; choose {AUTO!r}, one of {', '.join(QUANTS)} or None")
     p = plan(src)

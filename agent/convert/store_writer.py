@@ -175,6 +175,18 @@ def check_replaceable(dst: Path, flag: str) -> None:
                               f"{flag} replaces only an expert store: choose another directory or remove it yourself")
 
 
+def followed(dst: Path, flag: str) -> Path:
+    """Where a store given as `dst` goes: `dst`, or the directory a symlink `dst` names (data/model -> /mnt/nvme/m,
+    a store on the SSD), so that it is written beside that, on its disk, and renamed onto it. Kept as the link,
+    the store was written beside the link and its rename onto the link failed (ENOTDIR) after the last block."""
+    try:
+        resolved = dst.resolve()   # also finds a loop in dst's parents
+    except RuntimeError:           # pathlib's "Symlink loop from ..."
+        raise CheckpointError(f"{flag} {dst} is a symlink loop (it leads back to itself); point the link at a "
+                              f"directory or choose another {flag}") from None
+    return resolved if dst.is_symlink() else dst
+
+
 def check_outside_models(dst: Path, flag: str) -> None:
     """`dst` must not be inside another model's directory: it would go with that model when the model is replaced
     or removed (init-demo's rebuild, convert --overwrite, --drop-hf), and stop convert --overwrite replacing it."""

@@ -34,10 +34,12 @@ class BeladyOracle:
         self.next_use = nxt
         keys, first, count = np.unique(codes[order], return_index=True, return_counts=True)
         self._where = dict(zip(keys.tolist(), zip(first.tolist(), count.tolist())))  # code -> (index in order, uses)
-        self._order, self._next = order.tolist(), nxt.tolist()
         step = np.arange(len(a)) if offsets is None else \
             np.repeat(np.arange(len(offsets) - 1), np.diff(np.asarray(offsets, dtype=np.int64)))
-        self._step = step.tolist()
+        # memoryviews: indexed as fast as lists, at 8 bytes an access where a list of ints took 36 each, three
+        # times over (a 32 MB trace of 6.5M accesses made simulate's RSS 1.4 GB)
+        self._order, self._next, self._step = (memoryview(np.ascontiguousarray(x, dtype=np.int64))
+                                               for x in (order, nxt, step))
         self._taken: dict[int, int] = {}  # key code -> its accesses consumed
         self._cursor = 0
         self._n = len(a)

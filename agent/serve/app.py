@@ -50,7 +50,7 @@ from agent.serve.limits import MAX_JSON_DEPTH, MAX_PROMPT_BYTES, body_limit, nes
 from agent.serve.metrics import DeviceLabelled
 from agent.serve.requests import CompletionRequest, PreloadRequest
 from agent.serve.runtime import Runtime
-from agent.serve.scheduler import Event, Overloaded
+from agent.serve.scheduler import ControlRefused, Event, Overloaded
 from agent.serve.scheduler import Request as Job
 from agent.serve.stops import CompletionText
 from machine.task_limit import AT_TASK_LIMIT, THREAD_REFUSED
@@ -218,7 +218,7 @@ def _controlled(change: Callable[[], Any]) -> Any:
         return change()
     except KnobError as exc:
         raise HTTPException(400, str(exc)) from None
-    except TimeoutError as exc:  # the running step did not end in time (SchedulerBusy)
+    except ControlRefused as exc:  # the running step did not end in time, or the agent is stopping
         raise HTTPException(503, str(exc)) from None
 
 

@@ -118,8 +118,15 @@ def check_admit_window(seconds: float) -> float:
     return seconds
 
 
-class SchedulerBusy(TimeoutError):
+class ControlRefused(Exception):
+    """A control call that was not run (nothing changed): the caller may retry later (HTTP 503)."""
+
+
+class SchedulerBusy(ControlRefused, TimeoutError):
     """A control call waited too long for the running step to end and was withdrawn."""
+
+
+STOPPING = "the agent is shutting down"
 
 
 # Why a request ended without an answer: an error in its step (e.g. a damaged expert block; a 500), it was
@@ -176,7 +183,7 @@ class Scheduler:
         with self._wake:
             if self._stop:
                 self.unserved["refused"] += 1
-                raise RuntimeError("the agent is shutting down; retry against a running agent")
+                raise RuntimeError(f"{STOPPING}; retry against a running agent")
             if len(self.waiting) >= self.max_waiting:
                 self.unserved["refused"] += 1
                 raise Overloaded(f"{len(self.waiting)} requests already wait for the model, as many as this agent "
@@ -192,6 +199,8 @@ class Scheduler:
         so it never runs later unreported: SchedulerBusy says so."""
         future: Future = Future()
         with self._wake:
+            if self._stop:   # its thread may have ended: the call would wait out the server's graceful timeout
+                raise ControlRefused(f"{STOPPING}: nothing was changed; retry against a running agent")
             self._calls.append((fn, future))
             self._wake.notify()
         try:
