@@ -1,4 +1,5 @@
 """Suite-wide settings and fixtures."""
+import contextlib
 import http.server
 import os
 import signal
@@ -22,28 +23,36 @@ if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
     signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
 
-@pytest.fixture
-def html_server() -> Iterator[str]:
-    """A loopback HTTP server that answers every request with an HTML page, as the dashboard's own port does:
-    an address set to the wrong port."""
-    class Page(http.server.BaseHTTPRequestHandler):
+@contextlib.contextmanager
+def answering(content_type: str, body: bytes) -> Iterator[str]:
+    """A loopback HTTP server that answers every GET, PUT and POST with `body`; its URL."""
+    class Answer(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
             self.send_response(200)
-            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Type", content_type)
             self.end_headers()
-            self.wfile.write(b"<!doctype html><div id=root></div>")
+            self.wfile.write(body)
 
-        do_PUT = do_GET
+        do_PUT = do_POST = do_GET
 
         def log_message(self, *args) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
+
+
+@pytest.fixture
+def html_server() -> Iterator[str]:
+    """Every request answered with an HTML page, as the dashboard's own port does: an address set to the wrong
+    port."""
+    with answering("text/html", b"<!doctype html><div id=root></div>") as url:
+        yield url
 
 
 @pytest.fixture
@@ -91,24 +100,7 @@ def pids_cgroup():
 
 @pytest.fixture
 def json_server() -> Iterator[str]:
-    """A loopback HTTP server that answers every GET, PUT and POST with the JSON object {"x": 1}, as a JSON
-    service that is not our agent does: an address set to another service."""
-    class Other(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(b'{"x": 1}')
-
-        do_PUT = do_POST = do_GET
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
+    """Every request answered with the JSON object {"x": 1}, as a JSON service that is not our agent does: an
+    address set to another service."""
+    with answering("application/json", b'{"x": 1}') as url:
+        yield url
