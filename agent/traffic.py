@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 RETRIED = (408, 429)  # client errors that a later attempt can get past
-COMPLETION = {"choices": list, "usage": dict}   # what an agent's completion holds, checked in each answer
+COMPLETION = {"choices": list, "usage": {}}   # what an agent's completion holds ({}: an object), checked in each answer
 
 
 def client(url: str, prompts: list, max_tokens: int, requests: int, pause: float, seed: int,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from access.address import url_problem
+from access.answer_shape import Shape, shape_problem
 from agent.token_option import TokenError, add_token_arguments, token_from
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ def find_hot_experts(model_dir: Path, prompts: Prompts, per_layer: int) -> HotEx
 
 
 # -- the agent ---------------------------------------------------------------------------------------
-def _agent(method: str, url: str, token: str | None, fields: dict[str, type], **kwargs: Any) -> dict[str, Any]:
+def _agent(method: str, url: str, token: str | None, shape: Shape, **kwargs: Any) -> dict[str, Any]:
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -137,7 +138,7 @@ def _agent(method: str, url: str, token: str | None, fields: dict[str, type], **
                           f"flashmoe-cli serve, or pass --model DIR to only report the hot experts") from None
     if response.status_code >= 400:
         raise WarmupError(f"the agent refused {method} {url} with {answered(response)}")
-    return agent_answer(response, fields)
+    return agent_answer(response, shape)
 
 
 def answered(response: Any) -> str:
@@ -150,10 +151,10 @@ def answered(response: Any) -> str:
     return f"{response.status_code}: {' '.join(str(reason).split())}"
 
 
-def agent_answer(response: Any, fields: dict[str, type]) -> dict[str, Any]:
-    """The JSON object an httpx `response` holds if it has each of `fields` ("cache.capacity_experts": int) with
-    its type, else a WarmupError saying the address is no FlashMoE agent: another service there (the dashboard's
-    port, another model server) answers HTML or JSON of another shape, which was a traceback."""
+def agent_answer(response: Any, shape: Shape) -> dict[str, Any]:
+    """The JSON object an httpx `response` holds if it has `shape` (access.answer_shape), else a WarmupError saying
+    the address is no FlashMoE agent: another service there (the dashboard's port, another model server) answers
+    HTML or JSON of another shape, which was a traceback."""
     method, url = response.request.method, str(response.request.url).split("?")[0]
     try:
         answer = response.json()
@@ -161,14 +162,9 @@ def agent_answer(response: Any, fields: dict[str, type]) -> dict[str, Any]:
         media = response.headers.get("content-type", "no content type")
         raise WarmupError(f"{url} is not a FlashMoE agent: it answered {method} with something other than JSON "
                           f"({media}); pass the agent's address as --agent-url (default {DEFAULT_AGENT_URL})") from None
-    for name, kind in fields.items():
-        value = answer
-        for key in name.split("."):
-            value = value.get(key) if isinstance(value, dict) else None
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-            raise WarmupError(f"{url} is not a FlashMoE agent: it answered {method} without `{name}` "
-                              f"({kind.__name__}); pass the agent's address as --agent-url "
-                              f"(default {DEFAULT_AGENT_URL})")
+    if problem := shape_problem(answer, shape):
+        raise WarmupError(f"{url} is not a FlashMoE agent: it answered {method} {problem}; pass the agent's address "
+                          f"as --agent-url (default {DEFAULT_AGENT_URL})")
     return answer
 
 
@@ -180,13 +176,13 @@ def check_agent_url(url: str) -> None:
 
 
 def agent_status(agent_url: str) -> dict[str, Any]:
-    return _agent("GET", f"{agent_url}/v1/status", None, {"model": str, "cache.capacity_experts": int},
+    return _agent("GET", f"{agent_url}/v1/status", None, {"model": str, "cache": {"capacity_experts": int}},
                   params={"step_profiles": 0})
 
 
 def preload(agent_url: str, experts: list[tuple[int, int]], token: str | None) -> dict[str, Any]:
     return _agent("POST", f"{agent_url}/v1/cache/preload", token,
-                  {"loaded": int, "status.resident_experts": int, "status.capacity_experts": int},
+                  {"loaded": int, "status": {"resident_experts": int, "capacity_experts": int}},
                   json={"experts": [list(k) for k in experts]})
 
 

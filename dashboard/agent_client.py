@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from access.address import url_problem
+from access.answer_shape import KNOB_VALUE, NUMBER, shape_problem
 from dashboard.transforms import literal
 
 SOURCE_HEADER = {"X-FlashMoE-Source": "dashboard"}
@@ -31,9 +32,6 @@ MAX_ANSWER_BYTES = 4 << 20    # the agent's answers are kilobytes: more is anoth
 
 # What the dashboard reads of each answer, checked once here rather than by every page: another JSON service at
 # the agent's address (or a Fleet target) was a KeyError's box wherever a page read a field it lacked.
-NUMBER = (int, float)
-KNOB_VALUE = (bool, int, float, str)
-KINDS = {str: "a string", int: "a whole number", NUMBER: "a number", list: "a list", KNOB_VALUE: "a knob's value"}
 STATUS_SHAPE = {"policy": str, "uptime_s": NUMBER, "cache": {"expert_bytes": int, "prefetch_accuracy": NUMBER}}
 KNOB_BOUNDS = {"bool": {}, "int": {"min": NUMBER, "max": NUMBER}, "float": {"min": NUMBER, "max": NUMBER},
                "str": {"choices": list}}
@@ -193,21 +191,8 @@ class Agent:
                           json={"prompt": prompt, "max_tokens": max_tokens, "stream": False})
 
 
-def shape_problem(body: dict[str, Any], shape: dict[str, Any], where: str = "") -> str | None:
-    """What of `shape` (field -> a type in KINDS, or the shape of an object) `body` lacks, in words, or None."""
-    for key, kind in shape.items():
-        name = f"{where}{key}"
-        if key not in body:
-            return f"without {literal(name)}"
-        if not isinstance(body[key], dict if isinstance(kind, dict) else kind):
-            return f"with {literal(name)} not {'an object' if isinstance(kind, dict) else KINDS[kind]}"
-        if isinstance(kind, dict) and (problem := shape_problem(body[key], kind, f"{name}.")):
-            return problem
-    return None
-
-
 def status_problem(status: dict[str, Any]) -> str | None:
-    return shape_problem(status, STATUS_SHAPE)
+    return shape_problem(status, STATUS_SHAPE, literal)
 
 
 def knobs_problem(knobs: dict[str, Any]) -> str | None:
@@ -220,13 +205,13 @@ def knobs_problem(knobs: dict[str, Any]) -> str | None:
         bounds = KNOB_BOUNDS.get(spec.get("type"))
         if bounds is None:
             return f"with {literal(name + '.type')} not one of {', '.join(KNOB_BOUNDS)}"
-        if problem := shape_problem(spec, {"value": KNOB_VALUE, **bounds}, f"{name}."):
+        if problem := shape_problem(spec, {"value": KNOB_VALUE, **bounds}, literal, f"{name}."):
             return problem
     return None
 
 
 def completion_problem(completion: dict[str, Any]) -> str | None:
-    return shape_problem(completion, COMPLETION_SHAPE)
+    return shape_problem(completion, COMPLETION_SHAPE, literal)
 
 
 def error_detail(response: httpx.Response) -> str:

@@ -141,7 +141,7 @@ def test_an_agent_url_that_is_no_address_is_one_line(url):
 
 @pytest.mark.parametrize("server, answered", [
     ("html_server", "with something other than JSON (text/html)"),   # the dashboard's port: a JSONDecodeError
-    ("json_server", "without `model` (str)"),   # another service's JSON (round 8): a KeyError traceback
+    ("json_server", "without `model`"),   # another service's JSON (round 8): a KeyError traceback
 ])
 def test_an_address_that_is_not_the_agent_is_a_clear_error(request, server, answered):
     """An address that answers what no agent does ended warm-up in a traceback."""
