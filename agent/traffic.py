@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from access.whole_answer import AnswerTooLarge, read_whole
 from agent.argtypes import count
 from agent.warmup import DEFAULT_AGENT_URL, WarmupError, agent_answer, answered, check_agent_url, load_prompts
 
@@ -43,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 RETRIED = (408, 429)  # client errors that a later attempt can get past
+ANSWER_TIMEOUT_S = 120.0   # for a whole completion: a dripping answer was waited for for ever
 COMPLETION = {"choices": list, "usage": {}}   # what an agent's completion holds ({}: an object), checked in each answer
 
 
@@ -50,16 +52,17 @@ def client(url: str, prompts: list, max_tokens: int, requests: int, pause: float
            stop: threading.Event, refused: list[str]) -> None:
     order = random.Random(seed)
     sent = 0
-    with httpx.Client(base_url=url, timeout=120) as http:
+    with httpx.Client(base_url=url) as http:
         while not stop.is_set() and (requests == 0 or sent < requests):
             body = {"prompt": order.choice(prompts), "max_tokens": max_tokens}
             try:
-                reply = http.post("/v1/completions", json=body)
+                reply = read_whole(http, "POST", "/v1/completions", ANSWER_TIMEOUT_S, json=body)
                 reply.raise_for_status()
                 sent += 1
                 log.debug("client %d: %s", seed, agent_answer(reply, COMPLETION)["usage"])
-            except WarmupError as exc:   # another service at the address: asking again would not help
-                refused.append(str(exc))
+            except (WarmupError, AnswerTooLarge) as exc:   # another service at the address: asking again won't help
+                refused.append(f"{url} is not a FlashMoE agent: it answered with {exc}"
+                               if isinstance(exc, AnswerTooLarge) else str(exc))
                 stop.set()
                 return
             except httpx.HTTPStatusError as exc:

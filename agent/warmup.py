@@ -127,15 +127,27 @@ def find_hot_experts(model_dir: Path, prompts: Prompts, per_layer: int) -> HotEx
 
 
 # -- the agent ---------------------------------------------------------------------------------------
+AGENT_TIMEOUT_S = 300.0   # for a whole answer: a preload of many experts on a slow disk takes minutes
+
+
 def _agent(method: str, url: str, token: str | None, shape: Shape, **kwargs: Any) -> dict[str, Any]:
     import httpx
 
+    from access.whole_answer import AnswerTooLarge, read_whole
+
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        response = httpx.request(method, url, headers=headers, timeout=300.0, **kwargs)
+        with httpx.Client() as http:
+            response = read_whole(http, method, url, AGENT_TIMEOUT_S, headers=headers, **kwargs)
+    except httpx.TimeoutException:
+        raise WarmupError(f"the agent at {url} did not answer {method} whole within {AGENT_TIMEOUT_S:g} s: it is "
+                          f"busy, or no FlashMoE agent (pass the agent's address as --agent-url)") from None
     except httpx.TransportError as exc:
         raise WarmupError(f"the agent at {url} did not answer ({type(exc).__name__}); start it with "
                           f"flashmoe-cli serve, or pass --model DIR to only report the hot experts") from None
+    except AnswerTooLarge as exc:
+        raise WarmupError(f"{url} is not a FlashMoE agent: it answered {method} with {exc}; pass the agent's "
+                          f"address as --agent-url (default {DEFAULT_AGENT_URL})") from None
     if response.status_code >= 400:
         raise WarmupError(f"the agent refused {method} {url} with {answered(response)}")
     return agent_answer(response, shape)

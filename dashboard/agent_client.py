@@ -11,7 +11,6 @@ builds one Agent per device, and a context each cost ~20 ms of CPU, even for htt
 from __future__ import annotations
 
 import ssl
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -21,6 +20,7 @@ import httpx
 
 from access.address import url_problem
 from access.answer_shape import KNOB_VALUE, NUMBER, shape_problem
+from access.whole_answer import AnswerTooLarge, read_whole
 from dashboard.transforms import literal
 
 SOURCE_HEADER = {"X-FlashMoE-Source": "dashboard"}
@@ -28,7 +28,6 @@ TOKEN_ENV = "FLASHMOE_TOKEN"
 TIMEOUT_S = 3.0
 KNOBS_TIMEOUT_S = 75.0        # the agent waits for the running step to end and gives up after 60 s
 COMPLETION_TIMEOUT_S = 120.0
-MAX_ANSWER_BYTES = 4 << 20    # the agent's answers are kilobytes: more is another server's (Fleet: any target)
 
 # What the dashboard reads of each answer, checked once here rather than by every page: another JSON service at
 # the agent's address (or a Fleet target) was a KeyError's box wherever a page read a field it lacked.
@@ -98,32 +97,17 @@ class Agent:
             raise AgentMisaddressed(f"{self.base_url!r} is not an agent's address: {self._misaddressed}; set "
                                     f"FLASHMOE_AGENT_URL to the address `flashmoe-cli serve` listens on (default "
                                     f"http://127.0.0.1:8600)")
-        waited = kwargs.get("timeout", self._http.timeout.read)
-        deadline = time.monotonic() + waited
+        waited = kwargs.pop("timeout", self._http.timeout.read)
         try:
-            with self._http.stream(method, f"{self.base_url}{path}", **kwargs) as response:
-                return self._whole(response, method, path, deadline)
+            return read_whole(self._http, method, f"{self.base_url}{path}", waited, **kwargs)
+        except AnswerTooLarge as err:
+            raise self._not_agent(method, path, f"with {err}") from None
         except (httpx.ReadTimeout, httpx.WriteTimeout) as err:
             raise AgentBusy(f"the agent at {self.base_url} took the request but did not answer within "
                             f"{waited:g} s: it is running but busy (memory thrash or a long step)") from err
         except httpx.TransportError as err:
             raise AgentOffline(f"the agent at {self.base_url} did not answer ({type(err).__name__}); "
                                "start it with `flashmoe-cli serve` or set FLASHMOE_AGENT_URL") from err
-
-    def _whole(self, response: httpx.Response, method: str, path: str, deadline: float) -> httpx.Response:
-        """The answer read whole by `deadline` and up to MAX_ANSWER_BYTES. httpx's timeout is per read, so an
-        answer dripping a byte a second never timed out (a Fleet push waited for it for ever), and a target
-        answering 4 GB had the dashboard hold them all (10 GB of RSS here)."""
-        body = bytearray()
-        for chunk in response.iter_bytes():
-            body += chunk
-            if len(body) > MAX_ANSWER_BYTES:
-                raise self._not_agent(method, path, f"with more than {MAX_ANSWER_BYTES >> 20} MiB, where the "
-                                                    f"agent's answers are kilobytes")
-            if time.monotonic() > deadline:
-                raise httpx.ReadTimeout("the answer did not arrive whole in time", request=response.request)
-        decoded = [(k, v) for k, v in response.headers.multi_items() if k.lower() != "content-encoding"]
-        return httpx.Response(response.status_code, headers=decoded, content=bytes(body), request=response.request)
 
     def _json(self, method: str, path: str, problem: Callable[[dict[str, Any]], str | None],
               **kwargs: Any) -> dict[str, Any]:

@@ -56,6 +56,46 @@ def html_server() -> Iterator[str]:
 
 
 @pytest.fixture
+def hostile_target() -> Iterator[tuple[str, list[int]]]:
+    """A loopback server answering /v1/status a byte every 0.1 s and anything else (GET or POST) with 64 MiB at full
+    speed, as a Fleet target or another service at the agent's address may; yields its address and how many bytes
+    it sent at full speed."""
+    sent = [0]
+    stopping = threading.Event()
+
+    class Hostile(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            try:
+                while not stopping.is_set() and sent[0] < 64 << 20:
+                    if self.path.startswith("/v1/status"):
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        stopping.wait(0.1)
+                    else:
+                        self.wfile.write(b" " * 65536)
+                        sent[0] += 65536
+            except OSError:        # the client closed the connection
+                pass
+
+        do_POST = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", sent
+    finally:
+        stopping.set()
+        server.shutdown()
+
+
+@pytest.fixture
 def tmpfs(tmp_path) -> Iterator[Callable[..., Path]]:
     """mount(size, inodes) mounts a tmpfs of that size (a small real disk; with `inodes`, that many files and
     directories, its root included) and returns its directory; unmounted afterwards."""

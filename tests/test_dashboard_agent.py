@@ -210,42 +210,6 @@ def test_a_push_to_an_agent_too_busy_to_answer_says_it_was_sent_and_an_absent_on
     assert answer.startswith(f"not sent: the agent at {absent} did not answer (ConnectError)")
 
 
-@pytest.fixture
-def hostile_target() -> Iterator[tuple[str, list[int]]]:
-    """A loopback server answering /v1/status a byte every 0.1 s and anything else with 64 MiB at full speed, as
-    a target of the Fleet page's job may; yields its address and how many bytes it sent at full speed."""
-    sent = [0]
-    stopping = threading.Event()
-
-    class Hostile(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            try:
-                while not stopping.is_set() and sent[0] < 64 * MIB:
-                    if self.path.startswith("/v1/status"):
-                        self.wfile.write(b" ")
-                        self.wfile.flush()
-                        stopping.wait(0.1)
-                    else:
-                        self.wfile.write(b" " * 65536)
-                        sent[0] += 65536
-            except OSError:        # the client closed the connection
-                pass
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", sent
-    finally:
-        stopping.set()
-        server.shutdown()
-
-
 def test_an_answer_that_drips_or_never_ends_is_cut_off_in_time_and_size(hostile_target):
     """httpx's timeout is per read: an answer dripping a byte every 0.1 s never timed out (a Fleet push to such a
     target waited for ever), and one of 4 GB was read whole (10 GB of the dashboard's memory)."""

@@ -90,3 +90,13 @@ def test_an_address_that_answers_json_of_another_shape_stops_the_clients_in_one_
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert (f"{json_server}/v1/completions is not a FlashMoE agent: it answered POST without `choices`; pass"
             in r.stderr)
+
+
+def test_an_address_that_floods_its_answer_stops_the_clients_in_one_line(hostile_target):
+    """Each client read the answer whole, however large: 64 MiB a request here, gigabytes from a hostile server."""
+    url, sent = hostile_target
+    r = subprocess.run(CLI + ["traffic", "--agent-url", url, "--clients", "2", "--requests", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"{url} is not a FlashMoE agent: it answered with more than 4 MiB" in r.stderr
+    assert sent[0] < 32 << 20          # two clients, one answer each cut at 4 MiB (and what the socket held)

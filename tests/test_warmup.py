@@ -152,6 +152,21 @@ def test_an_address_that_is_not_the_agent_is_a_clear_error(request, server, answ
            "--agent-url" in r.stderr
 
 
+def test_an_answer_that_drips_or_floods_is_cut_off_in_time_and_size(hostile_target, monkeypatch):
+    """httpx's timeout is per read: an agent address answering a byte every 0.1 s kept warm-up waiting for ever, and
+    one answering gigabytes was read whole."""
+    from agent import warmup
+
+    url, sent = hostile_target
+    monkeypatch.setattr(warmup, "AGENT_TIMEOUT_S", 1.0)
+    with pytest.raises(WarmupError, match=f"the agent at {url}/v1/status did not answer GET whole within 1 s"):
+        warmup.agent_status(url)
+    with pytest.raises(WarmupError, match=f"{url}/v1/cache/preload is not a FlashMoE agent: it answered POST with "
+                                          "more than 4 MiB"):
+        warmup.preload(url, [(0, 0)], None)
+    assert sent[0] < 16 << 20          # the rest was never asked for
+
+
 @pytest.mark.parametrize("damage, words", [
     (lambda d: shutil.rmtree(d), "does not exist, so"),
     (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json holds a JSON list"),
